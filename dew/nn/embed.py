@@ -1,0 +1,21 @@
+"""Token embedding table, also used (transposed) as the output head when tied."""
+
+import jax
+import jax.numpy as jnp
+
+from dew.nn.param import Param, normal
+
+
+def embed_params(vocab: int, features: int) -> dict:
+  return {"embedding": Param((vocab, features), ("vocab", "embed"), normal(0.02))}
+
+
+def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
+  """``tokens``: ``[batch, seq]`` integers -> ``[batch, seq, embed]``."""
+  return jnp.take(p["embedding"], tokens, axis=0).astype(dtype)
+
+
+def unembed(p: dict, x: jax.Array) -> jax.Array:
+  """``x``: ``[batch, seq, embed]`` -> float32 logits ``[batch, seq, vocab]``."""
+  return jnp.einsum("bse,ve->bsv", x, p["embedding"].astype(x.dtype),
+                    preferred_element_type=jnp.float32)

@@ -1,0 +1,23 @@
+"""SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dew.nn.param import Param, normal
+
+
+def mlp_params(features: int, hidden: int, out_scale: float) -> dict:
+  return {
+      "gate": Param((features, hidden), ("embed", "mlp"), normal(1.0 / math.sqrt(features))),
+      "up": Param((features, hidden), ("embed", "mlp"), normal(1.0 / math.sqrt(features))),
+      "down": Param((hidden, features), ("mlp", "embed"), normal(out_scale / math.sqrt(hidden))),
+  }
+
+
+def swiglu(p: dict, x: jax.Array) -> jax.Array:
+  """``x``: ``[batch, seq, embed]`` -> same shape."""
+  gate = x @ p["gate"].astype(x.dtype)
+  up = x @ p["up"].astype(x.dtype)
+  return (jax.nn.silu(gate) * up) @ p["down"].astype(x.dtype)
