@@ -103,7 +103,7 @@ class Trainer:
     return state.replace(key=jax.random.key_data(state.key))
 
   def _restore(self):
-    abstract = self._saveable(self._abstract_state)
+    abstract = jax.eval_shape(self._saveable, self._abstract_state)
     shardings = self._saveable_shardings()
     target = jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -260,12 +260,19 @@ class Trainer:
   # ----------------------------------------------------------------------------- inspection
 
   def collectives(self, data):
-    """The collectives of this trainer's step on batches of ``data`` (see ``dew.collectives``)."""
-    from dew.collective_report import collectives
+    """The collectives of one training step on batches of ``data`` (anything with ``batch_size``
+    and ``seq_len``), as a ``CollectiveReport``.
+
+    For the shard_map engine they are read from the step's jaxpr (what the code asks for); for the
+    GSPMD engine from the compiled HLO (what XLA inserted).
+    """
+    from dew.collective_report import collectives, hlo_collectives
     step_fn = self.train_step(data.batch_size)
     batch = jax.ShapeDtypeStruct((data.batch_size, data.seq_len + 1), jnp.int32,
                                  sharding=self.batch_sharding)
     state = jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         self._abstract_state, self.state_shardings)
+    if self.engine == "gspmd":
+      return hlo_collectives(step_fn.lower(state, batch).compile(), self.mesh)
     return collectives(step_fn, state, batch)

@@ -1,0 +1,5 @@
+import sys
+
+from dew.cli.main import main
+
+sys.exit(main())
