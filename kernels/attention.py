@@ -1,0 +1,240 @@
+"""`flash_attention`: the public entry point. Checks inputs, picks the target and block sizes,
+pads lengths to whole blocks, and ties the forward and backward kernels with `jax.custom_vjp`.
+
+Only the numbers of rows are padded (with zeros), never heads or head_dim; the kernels mask
+padded keys, padded query rows are sliced off the output, and their cotangent is zero. When the
+lengths are multiples of the blocks no copy is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import backward as _backward
+from . import forward as _forward
+from .tiling import Tiling
+from .varying import match_varying
+
+SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+
+# Smallest block: Triton's tensor-core dot needs every matmul dimension >= 16. Interpret mode
+# keeps the same floor so that a block size means the same thing on every backend.
+MIN_BLOCK = 16
+# Triton tensors must have power-of-two sizes, so head_dim must be one (no head padding here).
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Default tiling and launch parameters of one target for one head size."""
+
+    block_q: int
+    block_k: int
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+def default_blocks(target: str, head_dim: int, dtype) -> BlockConfig:
+    """Default block sizes. `target` is "triton" (compiled GPU) or "interpret".
+
+    Triton: a query block of at most 32 KiB (128 rows of bfloat16 up to head_dim 128; fewer rows
+    for float32 or head_dim 256) and key blocks half as long, two pipeline stages: the dk/dv
+    kernel then keeps its K/V block plus two stages of q and dO blocks within about 160 KiB of
+    shared memory (H100/H200 have 227 KiB). 4 warps up to head_dim 64, 8 above. This is the
+    FlashAttention-2 shape (128 x 64 for bfloat16), not yet tuned on a GPU of ours.
+    Interpret mode: 64 x 64, small enough to exercise several blocks on test-sized inputs, large
+    enough to keep the emulated loops short.
+    """
+    if target == "triton":
+        block_q = max(MIN_BLOCK, min(128, 32768 // (head_dim * np.dtype(dtype).itemsize)))
+        return BlockConfig(block_q, max(MIN_BLOCK, block_q // 2),
+                           num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+    return BlockConfig(64, 64)
+
+
+def choose_target(interpret: bool | None) -> str:
+    """"interpret" or "triton", from `interpret` and the default backend; ValueError otherwise."""
+    backend = jax.default_backend()
+    if interpret is None:
+        interpret = backend == "cpu"
+    if interpret:
+        return "interpret"
+    if backend == "gpu":
+        return "triton"
+    if backend == "tpu":
+        raise ValueError(
+            "flash_attention has no compiled TPU kernel (its [batch, seq, heads, head_dim] blocks "
+            "do not meet Mosaic TPU's tiling rules); pass interpret=True, or use XLA attention.")
+    raise ValueError(
+        f"flash_attention compiles only for GPU (Pallas Triton); the default backend is "
+        f"{backend!r}. Pass interpret=True (or interpret=None) to run it in interpret mode.")
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _shapes(q, k, v) -> str:
+    return (f"q {tuple(q.shape)} {np.dtype(q.dtype).name}, k {tuple(k.shape)} "
+            f"{np.dtype(k.dtype).name}, v {tuple(v.shape)} {np.dtype(v.dtype).name}")
+
+
+def check_inputs(q, k, v, target: str) -> None:
+    """ValueError, naming the shapes, for anything the kernels cannot take on `target`."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise ValueError(f"flash_attention: {name} must be an array, got {type(x).__name__}")
+    if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
+        raise ValueError(
+            "flash_attention expects q [batch, q_len, heads, head_dim] and k, v "
+            f"[batch, kv_len, kv_heads, head_dim]; got {_shapes(q, k, v)}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(
+            f"flash_attention: k and v must have the same shape; got {_shapes(q, k, v)}")
+    batch, q_len, heads, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(
+            "flash_attention: q and k, v must agree on batch and head_dim; got "
+            f"{_shapes(q, k, v)}")
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    if min(batch, q_len, kv_len, heads, kv_heads, head_dim) < 1:
+        raise ValueError(
+            f"flash_attention: every dimension must be at least 1; got {_shapes(q, k, v)}")
+    if heads % kv_heads:
+        raise ValueError(
+            f"flash_attention: heads ({heads}) must be a multiple of kv_heads ({kv_heads}); "
+            f"got {_shapes(q, k, v)}")
+    dtypes = {np.dtype(q.dtype), np.dtype(k.dtype), np.dtype(v.dtype)}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"flash_attention: q, k and v must share one dtype; got {_shapes(q, k, v)}")
+    if np.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"flash_attention takes float32 or bfloat16; got {_shapes(q, k, v)}")
+    if target == "triton" and head_dim not in TRITON_HEAD_DIMS:
+        raise ValueError(
+            f"flash_attention on GPU (Triton) needs head_dim in {TRITON_HEAD_DIMS}; got head_dim "
+            f"{head_dim} from {_shapes(q, k, v)}")
+
+
+def _choose_block(name: str, requested: int | None, default: int, length: int) -> int:
+    if requested is None:
+        requested = default
+    elif not (isinstance(requested, (int, np.integer)) and _is_power_of_two(int(requested))
+              and requested >= MIN_BLOCK):
+        raise ValueError(f"flash_attention: {name} must be a power of two >= {MIN_BLOCK}; "
+                         f"got {requested!r}")
+    # A block longer than the (power-of-two rounded) sequence would only add padding.
+    return min(int(requested), max(MIN_BLOCK, 1 << (length - 1).bit_length()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    tiling: Tiling
+    sm_scale: float
+    interpret: bool
+    num_warps: int | None
+    num_stages: int | None
+
+    @property
+    def scale(self) -> float:
+        """Multiplier turning q . k into base-2 logits."""
+        return self.sm_scale * _forward.LOG2_E
+
+    def compiler_params(self):
+        if self.interpret:
+            return None
+        from jax.experimental.pallas import triton as pallas_triton  # GPU only
+
+        return pallas_triton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
+                    block_q: int | None = None, block_k: int | None = None,
+                    interpret: bool | None = None):
+    """Softmax attention, ``softmax(sm_scale * q k^T [masked]) v``, as Pallas kernels.
+
+    Args:
+      q: [batch, q_len, heads, head_dim], float32 or bfloat16.
+      k, v: [batch, kv_len, kv_heads, head_dim], same dtype; ``heads`` a multiple of
+        ``kv_heads`` (query head ``h`` reads kv head ``h // (heads // kv_heads)``).
+      causal: mask with bottom-right alignment: query ``i`` sees keys ``j <= i + kv_len - q_len``
+        (the lower triangle when the lengths are equal). Rows that see no key (``q_len > kv_len``)
+        give zeros and zero gradients.
+      sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
+      block_q, block_k: rows of queries and of keys per block (powers of two >= 16), default by
+        target and head_dim (see `default_blocks`); shrunk to the rounded-up length when larger.
+      interpret: True runs the Pallas interpreter (any backend), False compiles (GPU only),
+        None picks interpret mode on CPU and compiles elsewhere.
+
+    Returns:
+      [batch, q_len, heads, head_dim] in the dtype of q. Softmax statistics and all matmul
+      accumulation are float32. Differentiable in q, k and v (Pallas backward kernels).
+    """
+    target = choose_target(interpret)
+    check_inputs(q, k, v, target)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"flash_attention: causal must be a bool, got {causal!r}")
+    head_dim = q.shape[3]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    elif (isinstance(sm_scale, bool)
+          or not isinstance(sm_scale, (int, float, np.floating, np.integer))
+          or not math.isfinite(sm_scale)):
+        raise ValueError(
+            f"flash_attention: sm_scale must be a finite Python number, got {sm_scale!r}")
+    defaults = default_blocks(target, head_dim, q.dtype)
+    tiling = Tiling(
+        q_len=int(q.shape[1]), kv_len=int(k.shape[1]),
+        block_q=_choose_block("block_q", block_q, defaults.block_q, int(q.shape[1])),
+        block_k=_choose_block("block_k", block_k, defaults.block_k, int(k.shape[1])),
+        causal=bool(causal))
+    config = _Config(tiling=tiling, sm_scale=float(sm_scale), interpret=target == "interpret",
+                     num_warps=defaults.num_warps, num_stages=defaults.num_stages)
+    return _padded_attention(q, k, v, config=config)
+
+
+def _pad_rows(x, rows: int):
+    if x.shape[1] == rows:
+        return x
+    return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0), (0, 0)))
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _padded_attention(q, k, v, *, config: _Config):
+    tiling = config.tiling
+    q, k, v = match_varying(q, k, v)
+    o = _attention(_pad_rows(q, tiling.q_padded), _pad_rows(k, tiling.kv_padded),
+                   _pad_rows(v, tiling.kv_padded), config)
+    return o[:, :tiling.q_len]
+
+
+def _run_forward(q, k, v, config: _Config):
+    return _forward.forward(q, k, v, tiling=config.tiling, scale=config.scale,
+                            interpret=config.interpret, compiler_params=config.compiler_params())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, config: _Config):
+    return _run_forward(q, k, v, config)[0]
+
+
+def _attention_fwd(q, k, v, config: _Config):
+    o, lse = _run_forward(q, k, v, config)
+    return o, (q, k, v, o, lse)
+
+
+def _attention_bwd(config: _Config, residuals, do):
+    q, k, v, o, lse = residuals
+    return _backward.backward(
+        q, k, v, o, lse, do, tiling=config.tiling, scale=config.scale, sm_scale=config.sm_scale,
+        interpret=config.interpret, compiler_params=config.compiler_params())
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,144 @@
+"""Backward kernels: dq, and dk/dv, both recomputing the probabilities from the saved lse.
+
+With base-2 logits ``s = (q . k) * sm_scale * log2(e)`` and the forward's ``lse``, the softmax is
+recomputed blockwise as ``p = exp2(s - lse)`` (no second online pass needed). With
+``delta = rowsum(dO * O)`` (computed once, outside the kernels) the gradient of the natural-log
+logits is ``ds = p * (dO . v - delta)``, and
+
+    dq = sm_scale * ds @ k        (one program per query block: loops over key blocks)
+    dk = sm_scale * ds^T @ q      (one program per key block: loops over query blocks,
+    dv = p^T @ dO                  and over the ``group`` query heads that share its kv head)
+
+Splitting dq from dk/dv lets each program own its output block: no atomics, no second pass.
+A row that saw no key has ``lse = +inf``, so ``p = 0`` and it contributes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .forward import dot
+from .loop import block_loop
+from .tiling import Tiling
+from .varying import out_struct
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+               tiling: Tiling, scale: float, sm_scale: float):
+    q_block = tiling.q_block_of_program(pl.program_id(0))
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    block_k = tiling.block_k
+
+    def visit(kv_block, dq, masked: bool):
+        keys = pl.ds(kv_block * block_k, block_k)
+        k = k_ref[keys, :]
+        v = v_ref[keys, :]
+        s = dot(q, k, (1, 1)) * scale
+        if masked:
+            s = jnp.where(tiling.mask(q_block, kv_block), s, -jnp.inf)
+        p = jnp.exp2(s - lse[:, None])
+        ds = p * (dot(do, v, (1, 1)) - delta[:, None])
+        return dq + dot(ds.astype(k.dtype), k, (1, 0))
+
+    n_full, n_visit = tiling.kv_range(q_block)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = block_loop(0, n_full, functools.partial(visit, masked=False), dq)
+    dq = block_loop(n_full, n_visit, functools.partial(visit, masked=True), dq)
+    dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                 tiling: Tiling, group: int, scale: float, sm_scale: float):
+    kv_block = pl.program_id(0)
+    k = k_ref[...]  # [block_k, head_dim]
+    v = v_ref[...]
+    block_q = tiling.block_q
+
+    def visit(q_block, carry, head, masked: bool):
+        dk, dv = carry
+        rows = pl.ds(q_block * block_q, block_q)
+        q = q_ref[rows, head, :]
+        do = do_ref[rows, head, :]
+        lse = lse_ref[head, rows]
+        delta = delta_ref[head, rows]
+        s = dot(q, k, (1, 1)) * scale
+        if masked:
+            s = jnp.where(tiling.mask(q_block, kv_block), s, -jnp.inf)
+        p = jnp.exp2(s - lse[:, None])  # [block_q, block_k]
+        dv = dv + dot(p.astype(do.dtype), do, (0, 0))
+        ds = p * (dot(do, v, (1, 1)) - delta[:, None])
+        dk = dk + dot(ds.astype(q.dtype), q, (0, 0))
+        return dk, dv
+
+    first, first_full = tiling.q_range(kv_block)
+
+    def one_head(head, carry):
+        carry = block_loop(first, first_full,
+                           functools.partial(visit, head=head, masked=True), carry)
+        return block_loop(first_full, tiling.q_blocks,
+                          functools.partial(visit, head=head, masked=False), carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = block_loop(0, group, one_head, (zeros, zeros))
+    dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def backward(q, k, v, o, lse, do, *, tiling: Tiling, scale: float, sm_scale: float,
+             interpret: bool, compiler_params):
+    """Padded residuals and cotangent -> (dq, dk, dv), each like its input.
+
+    q, o, do: [batch, q_padded, heads, head_dim]; k, v: [batch, kv_padded, kv_heads, head_dim];
+    lse: float32 [batch, heads, q_padded]. Padded query rows must carry do = 0 (they do: the
+    cotangent of the slice that drops them is zero there).
+    """
+    batch, q_padded, heads, head_dim = q.shape
+    kv_padded, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    block_q, block_k = tiling.block_q, tiling.block_k
+    # delta = rowsum(dO * O): one fused elementwise pass in XLA, float32.
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+
+    # Grids put the block index first (fastest-launched), as in the forward.
+    q_block_spec = pl.BlockSpec((None, block_q, None, head_dim),
+                                lambda i, b, h: (b, tiling.q_block_of_program(i), h, 0))
+    kv_whole_spec = pl.BlockSpec((None, kv_padded, None, head_dim),
+                                 lambda i, b, h: (b, 0, h // group, 0))
+    row_block_spec = pl.BlockSpec((None, None, block_q),
+                                  lambda i, b, h: (b, h, tiling.q_block_of_program(i)))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, tiling=tiling, scale=scale, sm_scale=sm_scale),
+        grid=(tiling.q_blocks, batch, heads),
+        in_specs=[q_block_spec, kv_whole_spec, kv_whole_spec, q_block_spec,
+                  row_block_spec, row_block_spec],
+        out_specs=q_block_spec,
+        out_shape=out_struct(q.shape, q.dtype, like=q),
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="dew_flash_attention_dq",
+    )(q, k, v, do, lse, delta)
+
+    # One program per (key block, batch, kv head); it sees all query rows of its `group` heads.
+    # Key block j = 0 sees the most query rows under a causal mask; it is launched first.
+    q_group_spec = pl.BlockSpec((None, q_padded, group, head_dim), lambda j, b, g: (b, 0, g, 0))
+    rows_group_spec = pl.BlockSpec((None, group, q_padded), lambda j, b, g: (b, g, 0))
+    kv_block_spec = pl.BlockSpec((None, block_k, None, head_dim), lambda j, b, g: (b, j, g, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, tiling=tiling, group=group, scale=scale,
+                          sm_scale=sm_scale),
+        grid=(tiling.kv_blocks, batch, kv_heads),
+        in_specs=[q_group_spec, kv_block_spec, kv_block_spec, q_group_spec,
+                  rows_group_spec, rows_group_spec],
+        out_specs=[kv_block_spec, kv_block_spec],
+        out_shape=[out_struct(k.shape, k.dtype, like=k), out_struct(v.shape, v.dtype, like=v)],
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="dew_flash_attention_dkdv",
+    )(q, k, v, do, lse, delta)
+    return dq, dk, dv

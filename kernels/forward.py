@@ -1,0 +1,106 @@
+"""Forward kernel: one query block against all key blocks it sees, with an online softmax.
+
+Each program of the grid ``(q_blocks, batch, heads)`` holds one ``[block_q, head_dim]`` query block
+and walks the key/value blocks of its kv head (``head // group``: grouped queries read the shared
+K/V in place, never a repeated copy). It keeps a running row maximum ``m``, a running row sum ``l``
+and an unnormalised accumulator; each new key block rescales them by ``exp2(m_old - m_new)``.
+Key blocks wholly visible to the query block run without a mask; the diagonal and the padded tail
+run with one.
+
+Logits are kept in base 2: ``s = (q . k) * sm_scale * log2(e)``, so ``exp2(s - m)`` is the
+softmax numerator. The saved residual is ``lse = m + log2(l)`` per row, ``+inf`` for a row that
+sees no key (so that the backward's ``exp2(s - lse)`` is exactly 0 there, never NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .loop import block_loop
+from .tiling import Tiling
+from .varying import out_struct
+
+LOG2_E = math.log2(math.e)
+
+
+def dot(a, b, contract: tuple[int, int]):
+    """2-D matmul accumulated in float32. HIGHEST precision keeps float32 inputs off TF32 on
+    GPU (the Triton lowering maps DEFAULT to TF32); for bfloat16 it changes nothing."""
+    return lax.dot_general(
+        a, b, (((contract[0],), (contract[1],)), ((), ())),
+        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, tiling: Tiling, scale: float):
+    q_block = tiling.q_block_of_program(pl.program_id(0))
+    q = q_ref[...]  # [block_q, head_dim], input dtype
+    block_q, block_k = tiling.block_q, tiling.block_k
+
+    def visit(kv_block, carry, masked: bool):
+        acc, m, l = carry
+        keys = pl.ds(kv_block * block_k, block_k)
+        k = k_ref[keys, :]
+        v = v_ref[keys, :]
+        s = dot(q, k, (1, 1)) * scale  # [block_q, block_k], base-2 logits
+        if masked:
+            s = jnp.where(tiling.mask(q_block, kv_block), s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # A row that has seen only masked keys still has m = -inf, and exp2(-inf - (-inf)) is
+        # NaN; subtracting 0 for it keeps its p and rescale at exactly 0.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s - m_safe[:, None])
+        rescale = jnp.exp2(m - m_safe)
+        l = rescale * l + jnp.sum(p, axis=1)
+        acc = rescale[:, None] * acc + dot(p.astype(v.dtype), v, (1, 0))
+        return acc, m_new, l
+
+    n_full, n_visit = tiling.kv_range(q_block)
+    carry = (
+        jnp.zeros((block_q, q.shape[-1]), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    carry = block_loop(0, n_full, functools.partial(visit, masked=False), carry)
+    acc, m, l = block_loop(n_full, n_visit, functools.partial(visit, masked=True), carry)
+
+    sees_nothing = l == 0.0  # only rows with no visible key: a visible key adds exp2(0) = 1
+    o_ref[...] = (acc / jnp.where(sees_nothing, 1.0, l)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(sees_nothing, jnp.inf, m + jnp.log2(l))
+
+
+def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool, compiler_params):
+    """Padded inputs -> (o, lse).
+
+    q: [batch, q_padded, heads, head_dim]; k, v: [batch, kv_padded, kv_heads, head_dim].
+    Returns o like q and lse float32 [batch, heads, q_padded] (base-2, scaled logits).
+    """
+    batch, q_padded, heads, head_dim = q.shape
+    kv_padded, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    block_q = tiling.block_q
+    # Grid (q_blocks, batch, heads): the query blocks of one head are launched next to each
+    # other, so they read its K/V from L2 rather than from HBM.
+    q_spec = pl.BlockSpec((None, block_q, None, head_dim),
+                          lambda i, b, h: (b, tiling.q_block_of_program(i), h, 0))
+    kv_spec = pl.BlockSpec((None, kv_padded, None, head_dim),
+                           lambda i, b, h: (b, 0, h // group, 0))
+    lse_spec = pl.BlockSpec((None, None, block_q),
+                            lambda i, b, h: (b, h, tiling.q_block_of_program(i)))
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, tiling=tiling, scale=scale),
+        grid=(tiling.q_blocks, batch, heads),
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=[q_spec, lse_spec],
+        out_shape=[
+            out_struct(q.shape, q.dtype, like=q),
+            out_struct((batch, heads, q_padded), jnp.float32, like=q),
+        ],
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="dew_flash_attention_forward",
+    )(q, k, v)

@@ -1,0 +1,340 @@
+"""dew.kernels.flash_attention in interpret mode against a float64 reference.
+
+Every case draws fresh random inputs and runs the kernels forward and backward in one compile.
+Compile time dominates interpret mode, so the cases are picked to cover lengths 1/17/128/300,
+head_dim 32/64, causal and not, 8 query heads over 2 kv heads, float32 and bfloat16,
+q_len < kv_len and q_len > kv_len, without taking the full cross product. The GPU path is
+checked by lowering the kernels to Triton from this CPU machine.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import dew.kernels.attention as attention_module
+from dew.kernels import flash_attention
+from dew.kernels.attention import check_inputs, choose_target
+from dew.kernels.tiling import Tiling
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def reference_attention(q, k, v, *, causal, sm_scale):
+    """Plain softmax attention (call under float64). Bottom-right causal alignment; a row that
+    sees no key outputs zeros (and so gets zero gradients)."""
+    q_len, heads = q.shape[1], q.shape[2]
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    k = jnp.repeat(k, heads // kv_heads, axis=2)
+    v = jnp.repeat(v, heads // kv_heads, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * sm_scale
+    visible = np.ones((q_len, kv_len), bool)
+    if causal:
+        visible = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + (kv_len - q_len)
+    logits = jnp.where(visible, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights / jnp.where(total == 0, 1.0, total)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def random_inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype):
+    def draw(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    return (draw(batch, q_len, heads, head_dim), draw(batch, kv_len, kv_heads, head_dim),
+            draw(batch, kv_len, kv_heads, head_dim), draw(batch, q_len, heads, head_dim))
+
+
+def run_fast_compiled(fn, *args):
+    """jit(fn)(*args) with XLA's CPU backend optimisations off: interpret-mode kernels are
+    compile-bound at test sizes, and this halves the compile time without changing the math."""
+    compiled = jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})
+    return compiled(*args)
+
+
+def kernel_and_reference(q, k, v, do, *, causal, **blocks):
+    """(out, (dq, dk, dv)) of the kernels and of the float64 reference, as float64 numpy."""
+    def kernel(q, k, v, do):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal, **blocks),
+                           q, k, v)
+        return out, vjp(do)
+
+    got = run_fast_compiled(kernel, q, k, v, do)
+    sm_scale = 1.0 / np.sqrt(q.shape[-1])
+    with jax.enable_x64(True):
+        as64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do)]
+
+        def reference(q, k, v, do):
+            out, vjp = jax.vjp(
+                lambda q, k, v: reference_attention(q, k, v, causal=causal, sm_scale=sm_scale),
+                q, k, v)
+            return out, vjp(do)
+
+        want = run_fast_compiled(reference, *as64)
+        want = jax.tree.map(lambda x: np.asarray(x, np.float64), want)
+    got = jax.tree.map(lambda x: np.asarray(x.astype(jnp.float32), np.float64), got)
+    return got, want
+
+
+def relative_error(got, want):
+    """||got - want|| / ||want||; for an exactly zero `want` (a gradient that vanishes, as dq
+    and dk do for a single key) the root-mean-square of `got`, inputs being of order 1."""
+    scale = np.linalg.norm(want)
+    if scale == 0:
+        return np.sqrt(np.mean(np.square(got)))
+    return np.linalg.norm(got - want) / scale
+
+
+def assert_close(got, want, dtype, what):
+    assert np.all(np.isfinite(got)), f"{what}: non-finite values"
+    error = relative_error(got, want)
+    # `error < tol` is False for NaN, so a NaN error fails here as well.
+    assert error < TOLERANCE[dtype], f"{what}: relative error {error:.3g} >= {TOLERANCE[dtype]}"
+
+
+CASES = [
+    # batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, blocks
+    pytest.param(1, 1, 1, 8, 2, 32, True, jnp.float32, {}, id="len1-causal-gqa"),
+    pytest.param(1, 17, 17, 8, 2, 64, False, jnp.float32, {}, id="len17-full-gqa-d64"),
+    pytest.param(1, 128, 128, 8, 2, 32, True, jnp.float32, dict(block_q=32, block_k=16),
+                 id="len128-causal-gqa-multiblock"),
+    pytest.param(1, 300, 300, 8, 2, 64, True, jnp.float32, dict(block_q=64, block_k=32),
+                 id="len300-causal-gqa-tail"),
+    pytest.param(1, 300, 300, 2, 2, 32, False, jnp.float32, dict(block_q=32, block_k=64),
+                 id="len300-full-mha-tail"),
+    pytest.param(2, 17, 300, 4, 2, 32, True, jnp.float32, dict(block_q=16, block_k=64),
+                 id="q17-kv300-causal-bottom-right"),
+    pytest.param(1, 300, 300, 8, 2, 64, True, jnp.bfloat16, {}, id="len300-causal-gqa-bf16"),
+    pytest.param(1, 17, 17, 8, 2, 32, False, jnp.bfloat16, {}, id="len17-full-gqa-bf16"),
+]
+
+
+@pytest.mark.parametrize("batch,q_len,kv_len,heads,kv_heads,head_dim,causal,dtype,blocks", CASES)
+def test_matches_float64_reference(batch, q_len, kv_len, heads, kv_heads, head_dim, causal,
+                                   dtype, blocks):
+    rng = np.random.default_rng()
+    q, k, v, do = random_inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype)
+    (out, grads), (want_out, want_grads) = kernel_and_reference(q, k, v, do, causal=causal,
+                                                                 **blocks)
+    assert out.shape == q.shape
+    assert_close(out, want_out, dtype, "output")
+    for name, got, want in zip("qkv", grads, want_grads):
+        assert_close(got, want, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rows_that_see_no_key_give_zeros_not_nan(dtype):
+    # Causal with q_len > kv_len, bottom-right aligned: rows 0..22 of 40 see no key (as in the
+    # reference), rows 23.. see 1..17 keys. Blocks of 16 put the boundary inside a block.
+    q_len, kv_len = 40, 17
+    rng = np.random.default_rng()
+    q, k, v, do = random_inputs(rng, 1, q_len, kv_len, 4, 2, 32, dtype)
+    (out, (dq, dk, dv)), (want_out, want_grads) = kernel_and_reference(
+        q, k, v, do, causal=True, block_q=16, block_k=16)
+    empty = q_len - kv_len
+    assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+    assert np.all(out[:, :empty] == 0.0) and np.all(want_out[:, :empty] == 0.0)
+    assert np.all(dq[:, :empty] == 0.0)
+    assert np.any(out[:, empty:] != 0.0)
+    assert_close(out, want_out, dtype, "output")
+    for name, got, want in zip("qkv", (dq, dk, dv), want_grads):
+        assert_close(got, want, dtype, f"d{name}")
+
+
+def test_equal_lengths_match_jax_dot_product_attention():
+    # Same scale and causal convention as JAX's own attention when q_len == kv_len.
+    rng = np.random.default_rng()
+    q, k, v, _ = random_inputs(rng, 2, 40, 40, 4, 2, 32, jnp.float32)
+
+    def both(q, k, v):
+        return [(flash_attention(q, k, v, causal=causal, block_q=16, block_k=16),
+                 jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"))
+                for causal in (True, False)]
+
+    for got, want in run_fast_compiled(both, q, k, v):
+        assert relative_error(np.asarray(got), np.asarray(want)) < 1e-5
+
+
+def _walk_avals(jaxpr):
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield var.aval
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    yield from _walk_avals(getattr(inner, "jaxpr", inner))
+
+
+def test_grouped_queries_never_repeat_kv():
+    # 8 query heads over 2 kv heads: no array of the forward or backward program may hold K or
+    # V expanded to 8 heads (the kernels index the kv head in their BlockSpec).
+    q = jnp.zeros((1, 16, 8, 32))
+    k = v = jnp.zeros((1, 48, 2, 32))
+
+    def loss(q, k, v):
+        return jnp.sum(flash_attention(q, k, v, block_q=16, block_k=16))
+
+    closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    shapes = {tuple(a.shape) for a in _walk_avals(closed.jaxpr) if hasattr(a, "shape")}
+    assert (1, 48, 2, 32) in shapes  # the kernels' K/V and dK/dV, at kv_heads
+    assert not [s for s in shapes if len(s) == 4 and s[1] == 48 and s[2] == 8], shapes
+
+
+def test_inside_shard_map_with_replicated_kv():
+    # The model calls the kernel on each device's local shard. Here q is split over batch and
+    # heads, k/v over heads only (replicated over `data`): the gradients of k/v must be summed
+    # over `data`, exactly as the unsharded computation with k/v broadcast over batch.
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tensor"))
+    rng = np.random.default_rng()
+    q, _, _, _ = random_inputs(rng, 4, 33, 33, 4, 2, 16, jnp.float32)
+    _, k, v, _ = random_inputs(rng, 1, 33, 33, 4, 2, 16, jnp.float32)
+    weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def local_loss(q, k, v, weights):
+        out = flash_attention(q, k, v, causal=True, block_q=16, block_k=16)
+        return jax.lax.psum(jnp.sum(out * weights), ("data", "tensor"))
+
+    sharded = jax.shard_map(
+        local_loss, mesh=mesh,
+        in_specs=(P("data", None, "tensor"), P(None, None, "tensor"), P(None, None, "tensor"),
+                  P("data", None, "tensor")),
+        out_specs=P())
+
+    def unsharded(q, k, v, weights):
+        k, v = (jnp.broadcast_to(x, (4,) + x.shape[1:]) for x in (k, v))
+        return jnp.sum(flash_attention(q, k, v, causal=True, block_q=16, block_k=16) * weights)
+
+    got = run_fast_compiled(jax.value_and_grad(sharded, argnums=(0, 1, 2)), q, k, v, weights)
+    want = run_fast_compiled(jax.value_and_grad(unsharded, argnums=(0, 1, 2)), q, k, v, weights)
+    (got_loss, got_grads), (want_loss, want_grads) = got, want
+    # The loss is a sum of ~8k terms of both signs, summed in another order: compare it to the
+    # size of those terms, not to the (possibly small) total.
+    assert abs(float(got_loss) - float(want_loss)) < 1e-5 * float(jnp.sum(jnp.abs(weights)))
+    for name, got_x, want_x in zip("qkv", got_grads, want_grads):
+        error = relative_error(np.asarray(got_x), np.asarray(want_x))
+        assert error < 1e-5, f"d{name}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (5, 40), (17, 17), (40, 17), (64, 33),
+                                          (33, 64), (48, 48)])
+def test_loop_bounds_are_exact(q_len, kv_len, causal):
+    # The kernels visit [0, n_visit) key blocks per query block, masking from n_full on (and
+    # the transposed ranges for the dk/dv kernel). Both must be tight: every block with a
+    # visible pair visited, every block skipped empty, every unmasked block wholly visible.
+    for block_q, block_k in [(16, 16), (16, 32), (32, 16)]:
+        tiling = Tiling(q_len, kv_len, block_q, block_k, causal)
+        rows = np.arange(tiling.q_padded)[:, None]
+        cols = np.arange(tiling.kv_padded)[None, :]
+        visible = np.broadcast_to(cols < kv_len, (tiling.q_padded, tiling.kv_padded))
+        if causal:
+            visible = visible & (cols <= rows + kv_len - q_len)
+        blocks = visible.reshape(tiling.q_blocks, block_q, tiling.kv_blocks, block_k)
+        any_visible = blocks.any(axis=(1, 3))
+        all_visible = blocks.all(axis=(1, 3))
+        for i in range(tiling.q_blocks):
+            n_full, n_visit = (int(x) for x in tiling.kv_range(jnp.int32(i)))
+            assert any_visible[i, :n_visit].all() and not any_visible[i, n_visit:].any()
+            assert all_visible[i, :n_full].all() and not all_visible[i, n_full:n_visit].any()
+        for j in range(tiling.kv_blocks):
+            first, first_full = (int(x) for x in tiling.q_range(jnp.int32(j)))
+            assert any_visible[first:, j].all() and not any_visible[:first, j].any()
+            assert all_visible[first_full:, j].all() and not all_visible[first:first_full, j].any()
+
+
+@pytest.mark.parametrize("q_len,kv_len,heads,kv_heads,head_dim,dtype,causal", [
+    (1000, 1000, 8, 2, 64, jnp.bfloat16, True),
+    (300, 300, 4, 4, 128, jnp.float32, False),
+    (256, 1000, 4, 2, 256, jnp.bfloat16, True),
+])
+def test_kernels_lower_to_triton_without_a_gpu(monkeypatch, q_len, kv_len, heads, kv_heads,
+                                               head_dim, dtype, causal):
+    # Lower forward + backward for an sm_90 GPU from this CPU machine: Pallas' Triton lowering
+    # (power-of-two tensors, supported ops, loop shapes) runs here, so a kernel that could not
+    # compile on a GPU fails in CI. Every loop must become an scf.for (Triton pipelines those).
+    try:
+        from jax._src.pallas.triton import lowering as triton_lowering
+    except ImportError as error:
+        pytest.skip(f"this JAX has no Pallas Triton lowering to check: {error}")
+    modules = []
+    real_lower = triton_lowering.lower_jaxpr_to_triton_module
+
+    def keep_module(*args, **kwargs):
+        result = real_lower(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", keep_module)
+    monkeypatch.setattr(attention_module, "choose_target", lambda interpret: "triton")
+    q = jax.ShapeDtypeStruct((1, q_len, heads, head_dim), dtype)
+    k = jax.ShapeDtypeStruct((1, kv_len, kv_heads, head_dim), dtype)
+
+    def forward_backward(q, k, v, do):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v)
+        return out, vjp(do)
+
+    try:
+        jax.jit(forward_backward).trace(q, k, k, q).lower(lowering_platforms=("cuda",))
+    except Exception:
+        # Newer jaxlibs also run Triton's own compiler here, which needs a GPU toolchain; only
+        # the Pallas lowering (all three kernels reached and lowered) is what this test checks.
+        if len(modules) < 3:
+            raise
+    names = sorted(name for text in modules for name in
+                   ("forward", "dq", "dkdv") if f"@dew_flash_attention_{name}" in text)
+    assert names == ["dkdv", "dq", "forward"], names
+    for text in modules:
+        assert "scf.while" not in text and text.count("scf.for") >= 2
+
+
+# ---- refusals: a ValueError naming the shapes, before any kernel is traced -----------------
+
+def _no_kernel(*args, **kwargs):
+    raise AssertionError("the kernels were reached before the inputs were checked")
+
+
+@pytest.mark.parametrize("q_shape,k_shape,v_shape,dtypes,message", [
+    ((1, 8, 4, 16), (1, 8, 2, 16), (1, 9, 2, 16), ("float32",) * 3, "same shape"),
+    ((1, 8, 4, 16), (1, 8, 2, 32), (1, 8, 2, 32), ("float32",) * 3, "head_dim"),
+    ((2, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float32",) * 3, "batch"),
+    ((1, 8, 6, 16), (1, 8, 4, 16), (1, 8, 4, 16), ("float32",) * 3, "multiple of kv_heads"),
+    ((1, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float32", "bfloat16", "float32"),
+     "one dtype"),
+    ((1, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float16",) * 3, "float32 or bfloat16"),
+    ((8, 4, 16), (8, 2, 16), (8, 2, 16), ("float32",) * 3, "expects q"),
+    ((1, 0, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float32",) * 3, "at least 1"),
+])
+def test_refuses_bad_inputs(monkeypatch, q_shape, k_shape, v_shape, dtypes, message):
+    monkeypatch.setattr(attention_module, "_padded_attention", _no_kernel)
+    q, k, v = (jnp.zeros(s, d) for s, d in zip((q_shape, k_shape, v_shape), dtypes))
+    with pytest.raises(ValueError, match=message) as info:
+        flash_attention(q, k, v)
+    assert str(q_shape) in str(info.value) and str(k_shape) in str(info.value)
+
+
+def test_refuses_head_dims_triton_cannot_take():
+    k = jnp.zeros((1, 8, 2, 48))
+    with pytest.raises(ValueError, match=r"head_dim .*48.*\(1, 8, 4, 48\)"):
+        check_inputs(jnp.zeros((1, 8, 4, 48)), k, k, "triton")
+    check_inputs(jnp.zeros((1, 8, 4, 48)), k, k, "interpret")  # the interpreter takes any size
+    k = jnp.zeros((1, 8, 2, 128))
+    check_inputs(jnp.zeros((1, 8, 4, 128)), k, k, "triton")
+
+
+def test_refuses_bad_blocks_and_compiling_on_cpu(monkeypatch):
+    monkeypatch.setattr(attention_module, "_padded_attention", _no_kernel)
+    q = jnp.zeros((1, 8, 4, 16))
+    k = jnp.zeros((1, 8, 2, 16))
+    for bad in (24, 8, 0):
+        with pytest.raises(ValueError, match=f"block_q must be a power of two >= 16; got {bad}"):
+            flash_attention(q, k, k, block_q=bad)
+    with pytest.raises(ValueError, match="block_k"):
+        flash_attention(q, k, k, block_k=48)
+    assert choose_target(None) == "interpret"  # CPU: interpret mode by default
+    with pytest.raises(ValueError, match="interpret=True"):
+        flash_attention(q, k, k, interpret=False)
