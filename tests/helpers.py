@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import optax
 
 import dew
 from dew.objectives.lm import LMObjective
@@ -30,3 +31,10 @@ def relative_error(actual, expected) -> float:
     assert a.shape == e.shape, (a.shape, e.shape)
     worst = max(worst, float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)))
   return worst
+
+
+def smooth_optimizer():
+  """Momentum SGD with weight decay: an update that is a smooth function of the gradient. (Adam's
+  first steps are close to sign(g), which turns float32 rounding of a near-zero gradient element
+  into a full-size difference of the update, in any two correct implementations alike.)"""
+  return optax.chain(optax.add_decayed_weights(1e-2), optax.sgd(0.1, momentum=0.9))

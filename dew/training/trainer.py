@@ -76,6 +76,7 @@ class Trainer:
     self.state_shardings = layout.shardings(self.mesh, abstract_state, axes)
     self._abstract_state = abstract_state
     self._steps: dict[int, Any] = {}
+    self._gradients: dict[int, Any] = {}
 
   # ----------------------------------------------------------------------------- state
 
@@ -164,11 +165,14 @@ class Trainer:
   def gradients(self, params, batch: jax.Array):
     """``(grads, loss)`` of the mean loss of the global ``batch``, computed as the step computes them
     (for tests and inspection; ``fit`` does not call it)."""
-    self.check_batch(batch.shape[0])
-    fn = build_gradients(self.objective, self.mesh, self.param_specs, accumulation=self.accumulation,
-                         global_rows=batch.shape[0], engine=self.engine)
-    return jax.jit(fn, out_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P())))(
-        params, batch)
+    rows = batch.shape[0]
+    self.check_batch(rows)
+    if rows not in self._gradients:
+      fn = build_gradients(self.objective, self.mesh, self.param_specs, accumulation=self.accumulation,
+                           global_rows=rows, engine=self.engine)
+      self._gradients[rows] = jax.jit(
+          fn, out_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P())))
+    return self._gradients[rows](params, batch)
 
   @property
   def batch_sharding(self) -> NamedSharding:
