@@ -1,0 +1,25 @@
+"""Dew's checkpoints: a sharded .npz format of its own, a background writer, a resharding loader.
+
+    from dew.checkpoints import Checkpoints, CheckpointError
+
+The format is specified in docs/checkpoint-format.md.
+"""
+
+from dew.checkpoints.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+)
+from dew.checkpoints.index import FORMAT, VERSION
+from dew.checkpoints.manager import Checkpoints
+
+__all__ = [
+    "Checkpoints",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CorruptCheckpointError",
+    "NotACheckpointError",
+    "FORMAT",
+    "VERSION",
+]

@@ -1,0 +1,280 @@
+"""`Checkpoints`: a directory of training checkpoints, saved in the background, restored into any layout.
+
+    ckpt = Checkpoints("runs/lm", keep=2)
+    ckpt.save(20, state, metadata={"data_position": 320})   # returns once the state is on the host
+    ckpt.wait()                                              # the files are on disk (or it raises)
+    state, metadata = ckpt.restore(target)                   # target: ShapeDtypeStructs with shardings
+
+The format is specified in docs/checkpoint-format.md.
+"""
+
+import atexit
+import json
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dew.checkpoints import folders, reader, writer
+from dew.checkpoints.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dew.checkpoints.index import DEFAULT_CHUNK_BYTES, INDEX_NAME, step_folder_name
+from dew.checkpoints.processes import Processes
+
+
+class _PendingSave:
+    def __init__(self, step: int, directory: Path):
+        self.step, self.directory = step, directory
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+
+# Background saves that failed and nobody has waited for yet: reported on stderr at exit, so an
+# error never passes silently even if the program ends without calling wait().
+_unreported: set[_PendingSave] = set()
+
+
+@atexit.register
+def _report_unwaited_failures() -> None:
+    for pending in list(_unreported):
+        print(
+            f"dew: saving checkpoint step {pending.step} to {pending.directory} failed and nobody "
+            f"called wait(): {type(pending.error).__name__}: {pending.error}",
+            file=sys.stderr,
+        )
+
+
+def _check_step(step) -> int:
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, not {step!r}")
+    return int(step)
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} {value!r:.80}")
+
+
+def _encode_metadata(metadata) -> dict:
+    """A JSON round trip of `metadata`: a private copy, and an early ValueError if it cannot be saved."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"metadata must be a dict, not {type(metadata).__name__}")
+    try:
+        return json.loads(json.dumps(metadata, default=_json_default, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"metadata must be JSON-serialisable (no NaN or infinity): {error}") from None
+
+
+class Checkpoints:
+    """A directory of checkpoints of one run: `step_NNNNNNNN/` folders, the newest `keep` of them kept.
+
+    Args:
+      directory: where the step folders live; created at the first save. Stored absolute.
+      keep: how many complete steps to keep (the newest, and always the one just written);
+        None keeps every step.
+      chunk_bytes: size of the chunks each piece's CRC-32s cover (a reader reads whole chunks).
+      read_workers: threads that read and verify pieces at once; host memory while restoring is
+        about this many device slices (or pieces) beyond the restored arrays.
+      barrier_timeout_s: how long a multi-process save waits for the other processes.
+    """
+
+    def __init__(
+        self,
+        directory,
+        keep: int | None = 2,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        read_workers: int = 2,
+        barrier_timeout_s: float = 600.0,
+    ):
+        directory = Path(os.path.abspath(os.fspath(directory)))
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"checkpoint directory {directory} is a file")
+        if (directory / INDEX_NAME).is_file():
+            raise NotACheckpointError(
+                f"{directory} holds an {INDEX_NAME}: it is one step's folder, not a checkpoint "
+                f"directory; pass its parent, {directory.parent}"
+            )
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be a positive integer or None, not {keep!r}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 16 or chunk_bytes % 16:
+            raise ValueError(f"chunk_bytes must be a positive multiple of 16, not {chunk_bytes!r}")
+        self._directory = directory
+        self._keep = keep
+        self._chunk_bytes = chunk_bytes
+        self._read_workers = read_workers
+        self._barrier_timeout_s = barrier_timeout_s
+        self._pending: _PendingSave | None = None
+        self._saves = 0  # numbers barrier names, alike on every process
+        self._restores = 0
+        self.restored_step: int | None = None  # the step the last restore() read
+
+    def __repr__(self) -> str:
+        return f"Checkpoints({str(self._directory)!r}, keep={self._keep})"
+
+    @property
+    def directory(self) -> Path:
+        """The absolute path of the checkpoint directory."""
+        return self._directory
+
+    @property
+    def keep(self) -> int | None:
+        return self._keep
+
+    @property
+    def steps(self) -> list[int]:
+        """Every complete (committed) step, ascending. A save still in the background is not listed
+        until it commits; call wait() first to include it."""
+        return folders.complete_steps(self._directory)
+
+    @property
+    def latest(self) -> int | None:
+        """The newest complete step, or None."""
+        steps = self.steps
+        return steps[-1] if steps else None
+
+    def step_path(self, step: int) -> Path:
+        """The folder of step `step` (whether or not it exists)."""
+        return self._directory / step_folder_name(_check_step(step))
+
+    def save(self, step: int, tree: Any, *, metadata: dict | None = None) -> None:
+        """Save `tree` as step `step`: copy it to host memory now, write the files in the background.
+
+        Waits for the previous save first (and raises its error, if it failed). `tree` is any
+        pytree whose leaves are jax.Arrays (any sharding, possibly over several processes), numpy
+        arrays or Python numbers; once this returns it may be donated or changed. `metadata` is a
+        JSON-serialisable dict stored in the step's index. Every process of a multi-process run
+        calls save with the same step and tree structure. Saving a step that exists replaces it.
+        """
+        self.wait()
+        step = _check_step(step)
+        metadata = _encode_metadata(metadata)
+        processes = Processes.current(self._barrier_timeout_s)
+        shot = writer.snapshot(tree, processes.index)
+        self._saves += 1
+        prefix = writer.barrier_prefix(self._directory, self._saves, step)
+        pending = _PendingSave(step, self._directory)
+
+        def run():
+            try:
+                writer.write_step(
+                    self._directory, step, shot, metadata, processes, self._keep, self._chunk_bytes, prefix
+                )
+            except BaseException as error:  # surfaces at the next wait() or save()
+                pending.error = error
+                _unreported.add(pending)
+
+        pending.thread = threading.Thread(target=run, name=f"dew-checkpoint-save-{step}")
+        self._pending = pending
+        pending.thread.start()
+
+    def wait(self) -> None:
+        """Wait for the save in the background, if any; raise CheckpointError if it failed."""
+        pending = self._pending
+        if pending is None:
+            return
+        pending.thread.join()
+        self._pending = None
+        if pending.error is not None:
+            _unreported.discard(pending)
+            error = pending.error
+            raise CheckpointError(
+                f"saving step {pending.step} to {self._directory} failed: {type(error).__name__}: {error}"
+            ) from error
+
+    def metadata(self, step: int | None = None) -> dict:
+        """The metadata saved with `step` (default: the latest complete step), without reading arrays."""
+        self.wait()
+        if step is None:
+            step = self.latest
+            if step is None:
+                raise NotACheckpointError(self._why_empty())
+        step = self._complete(step)
+        return reader.read_index(self.step_path(step), step).metadata
+
+    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
+        """Read step `step` laid out as `target` asks; returns (tree, metadata).
+
+        `target` has the saved tree's structure; its leaves are jax.ShapeDtypeStruct with a
+        `sharding` (any mesh, layout and process count) or jax.Arrays (their sharding is used), or
+        numpy arrays / Python numbers for leaves wanted on the host. The arrays equal the saved ones
+        bit for bit. With `step=None`, the latest complete step is read; if it is damaged, a warning
+        names what is wrong and the previous complete step is tried, and so on.
+
+        Raises CorruptCheckpointError (damage, naming the step and file), CheckpointMismatchError
+        (tree, shape or dtype differs from `target`, naming the path and both values), or
+        NotACheckpointError (nothing to restore). `restored_step` records the step read.
+        """
+        self.wait()
+        if step is not None:
+            step = self._complete(step)
+            tree, metadata = self._restore_agreed(step, target)
+            self.restored_step = step
+            return tree, metadata
+        # Every step folder, complete or not: a committed folder never lacks its index, so one
+        # that does is damaged, and skipping it deserves a warning too.
+        steps = folders.step_folders(self._directory)
+        if not steps:
+            raise NotACheckpointError(self._why_empty())
+        problems = []
+        for position in range(len(steps) - 1, -1, -1):
+            candidate = steps[position]
+            try:
+                tree, metadata = self._restore_agreed(candidate, target)
+            except CorruptCheckpointError as error:
+                problems.append(str(error))
+                then = f"trying step {steps[position - 1]}" if position else "no earlier step is left"
+                warnings.warn(f"checkpoint step {candidate} in {self._directory} is damaged, {then}: {error}",
+                              stacklevel=2)
+                continue
+            self.restored_step = candidate
+            return tree, metadata
+        raise CorruptCheckpointError(
+            f"every checkpoint in {self._directory} is damaged: " + "; ".join(problems)
+        )
+
+    def _restore_agreed(self, step: int, target: Any) -> tuple[Any, dict]:
+        """Restore one step; with several processes, all agree on whether it was damaged (each
+        reads different pieces), so that they all fall back together or none does."""
+        processes = Processes.current(self._barrier_timeout_s)
+        self._restores += 1
+        problem, result = None, None
+        try:
+            step_dir = self.step_path(step)
+            index = reader.read_index(step_dir, step)
+            result = reader.restore(step_dir, index, target, self._read_workers), index.metadata
+        except CorruptCheckpointError as error:
+            if processes.count == 1:
+                raise
+            problem = str(error)
+        failures = processes.failures(f"dew-checkpoint-restore/{self._restores}/step-{step}", problem)
+        if failures:
+            raise CorruptCheckpointError("; ".join(f"process {p}: {what}" for p, what in failures))
+        return result
+
+    def _complete(self, step) -> int:
+        """`step`, if it has a step folder (a damaged one fails when read, naming what is wrong)."""
+        step = _check_step(step)
+        if step not in folders.step_folders(self._directory):
+            if not self.steps:
+                raise NotACheckpointError(self._why_empty())
+            raise CheckpointError(f"{self._directory} has no complete step {step} (its steps: {self.steps})")
+        return step
+
+    def _why_empty(self) -> str:
+        if not self._directory.exists():
+            return f"no checkpoint in {self._directory}: the directory does not exist"
+        entries = sorted(os.listdir(self._directory))
+        shown = ", ".join(entries[:8]) + (f" and {len(entries) - 8} more" if len(entries) > 8 else "")
+        return (
+            f"{self._directory} is not a Dew checkpoint directory: it holds no step_NNNNNNNN folder "
+            f"with an {INDEX_NAME} (it holds: {shown or 'nothing'})"
+        )
