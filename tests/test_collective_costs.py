@@ -63,7 +63,8 @@ def weights(trainer):
   specs = jax.tree_util.tree_leaves(trainer.param_specs,
                                     is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   found = []
-  for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs, strict=True):
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (path, leaf), spec in zip(leaves, specs, strict=True):
     names = path_names(path)
     stacked = leaf.shape[0] if names[:2] == ("params", "layers") else None
     found.append((names, math.prod(leaf.shape) * leaf.dtype.itemsize, stacked, fsdp.is_split(spec)))
@@ -76,8 +77,8 @@ def expected_collectives(trainer) -> CollectiveReport:
   Per device, with ``W`` a weight's bytes, ``n_d``/``n_f`` the data/fsdp sizes, ``N = n_d n_f``
   and ``k`` microbatches:
 
-  - split over fsdp, in the layer scan (``L`` layers): ``2 L k`` gathers of ``W / (L n_f)`` (forward,
-    and again in the rematerialized backward) and ``L k`` scatters of ``W / L``;
+  - split over fsdp, in the layer scan (``L`` layers): ``2 L k`` gathers of ``W / (L n_f)``
+    (forward, and again in the rematerialized backward) and ``L k`` scatters of ``W / L``;
   - split over fsdp, outside the scan: ``k`` gathers of ``W / n_f``, ``k`` scatters of ``W``;
   - split: one psum of ``W / n_f`` over data; whole: one psum of ``W`` over data and fsdp;
   - the loss: one psum of 4 bytes over data and fsdp.
@@ -173,7 +174,7 @@ def test_fsdp_step_never_psums_split_gradients_over_fsdp(objective, name):
   trainer = make_trainer(objective, LAYOUTS[name])
   report = trainer.collectives(DATA)
   split = [nbytes for _, nbytes, _, is_split in weights(trainer) if is_split]
-  assert split and whole_bytes(trainer) > 0, "the layout should split some weights and keep some whole"
+  assert split and whole_bytes(trainer) > 0, "the layout should split some weights, keep some whole"
   # Over fsdp only the whole weights' gradients and the loss are all-reduced...
   assert report.operand_bytes("psum", axis="fsdp") == whole_bytes(trainer) + LOSS_BYTES, str(report)
   # ...the split ones come back reduce-scattered, each layer's slice on its own.
@@ -249,7 +250,8 @@ def test_check_fails_when_the_backward_keeps_gathered_weights(objective, monkeyp
 
 def test_check_fails_against_another_layouts_formula(objective):
   fsdp8 = make_trainer(objective, dew.MeshSpec(fsdp=8)).collectives(DATA)
-  problems = cost_problems(fsdp8, expected_collectives(make_trainer(objective, dew.MeshSpec(fsdp=4))))
+  other_formula = expected_collectives(make_trainer(objective, dew.MeshSpec(fsdp=4)))
+  problems = cost_problems(fsdp8, other_formula)
   assert "- psum over data: " in "\n".join(problems)
   assert any(p.startswith("+ psum over fsdp") for p in problems), problems
 
@@ -262,14 +264,14 @@ def test_gspmd_losses_equal_shard_map_and_its_collectives_come_from_hlo(objectiv
   rng = np.random.default_rng()
   seed = int(rng.integers(1 << 31))
   batches = [fresh_batch(BATCH, seed=seed + i) for i in range(3)]
+  # Initial weights depend on the key alone: build them once, and give each trainer its own copy,
+  # laid out its way (the step donates it).
+  initial = make_trainer(objective, dew.MeshSpec()).init_state()
   for name, mesh in LAYOUTS.items():
-    losses, reports, first = {}, {}, None
+    losses, reports = {}, {}
     for engine in ("shard_map", "gspmd"):
       trainer = make_trainer(objective, mesh, engine)
-      # Both engines lay the state out alike: build it once, and give each its own copy (the step
-      # donates it).
-      first = first or trainer.init_state()
-      state = jax.tree_util.tree_map(lambda x: x.copy(), first)
+      state = jax.device_put(initial, trainer.state_shardings, may_alias=False)
       step = trainer.train_step(BATCH)
       losses[engine] = []
       for rows in batches:

@@ -45,10 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--log-every", type=int, default=10)
   train.add_argument("--checkpoint-every", type=int, default=None)
   train.add_argument("--seed", type=int, default=0)
+  train.set_defaults(run=train_command)
 
   coll = commands.add_parser("collectives", help="print the collectives of the example model's step")
   _common(coll)
   coll.add_argument("--engine", default="shard_map", choices=("shard_map", "gspmd"))
+  coll.set_defaults(run=collectives_command)
 
   try:
     from dew.cli import bench
@@ -94,7 +96,7 @@ def _example_corpus(path):
   return path
 
 
-def train(args) -> int:
+def train_command(args) -> int:
   from pathlib import Path
   from dew.checkpoints import Checkpoints
   run_dir = Path(args.run_dir)
@@ -105,7 +107,7 @@ def train(args) -> int:
   return 0
 
 
-def collectives(args) -> int:
+def collectives_command(args) -> int:
   import tempfile
   with tempfile.TemporaryDirectory() as tmp:
     objective, data = _example(args, _example_corpus(f"{tmp}/corpus"))
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   _setup_devices(args.cpu_devices)
   try:
-    return {"train": train, "collectives": collectives}.get(args.command, getattr(args, "run", None))(args)
+    return args.run(args)
   except (ValueError, FileNotFoundError, FileExistsError) as error:
     print(f"dew {args.command}: {error}", file=sys.stderr)
     return 2
