@@ -43,12 +43,14 @@ CPU_TOKENS, CPU_CHANNELS = 256, 128
 def attention_fn(impl: str, causal: bool = True):
     if impl == "pallas":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                        implementation=impl)
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation=impl
+    )
 
 
 def forward_and_backward(attend):
     """(q, k, v, do) -> (out, dq, dk, dv): what a training step runs."""
+
     def run(q, k, v, do):
         out, vjp = jax.vjp(attend, q, k, v)
         return (out, *vjp(do))
@@ -58,10 +60,12 @@ def forward_and_backward(attend):
 
 def random_inputs(key, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype):
     kq, kk, kv, kd = jax.random.split(key, 4)
-    return (jax.random.normal(kq, (batch, q_len, heads, head_dim), dtype),
-            jax.random.normal(kk, (batch, kv_len, kv_heads, head_dim), dtype),
-            jax.random.normal(kv, (batch, kv_len, kv_heads, head_dim), dtype),
-            jax.random.normal(kd, (batch, q_len, heads, head_dim), dtype))
+    return (
+        jax.random.normal(kq, (batch, q_len, heads, head_dim), dtype),
+        jax.random.normal(kk, (batch, kv_len, kv_heads, head_dim), dtype),
+        jax.random.normal(kv, (batch, kv_len, kv_heads, head_dim), dtype),
+        jax.random.normal(kd, (batch, q_len, heads, head_dim), dtype),
+    )
 
 
 def relative_error(got, want) -> float:
@@ -71,13 +75,14 @@ def relative_error(got, want) -> float:
 
 # ---- correctness -------------------------------------------------------------------------------
 
+
 def xla_reference(q, k, v, *, causal):
     """XLA attention with Dew's bottom-right causal alignment, written as an explicit mask so
     that it also holds for q_len != kv_len."""
     q_len, kv_len = q.shape[1], k.shape[1]
     mask = None
     if causal:
-        mask = (jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None] + (kv_len - q_len))
+        mask = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None] + (kv_len - q_len)
         mask = mask[None, None]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
 
@@ -87,8 +92,9 @@ def check_case(key, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, caus
     got = jax.jit(forward_and_backward(attention_fn("pallas", causal)))(q, k, v, do)
     as32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
     with jax.default_matmul_precision("highest"):  # no TF32 in the reference, forward or back
-        want = jax.jit(forward_and_backward(
-            lambda q, k, v: xla_reference(q, k, v, causal=causal)))(*as32)
+        want = jax.jit(forward_and_backward(lambda q, k, v: xla_reference(q, k, v, causal=causal)))(
+            *as32
+        )
     errors = {}
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         g = np.asarray(g.astype(jnp.float32))
@@ -112,17 +118,23 @@ def run_checks(on_gpu: bool) -> bool:
             (1, 40, 90, 2, 1, 32, jnp.float32, True),
         ]
     tolerance = {jnp.bfloat16: 2e-2, jnp.float32: 1e-5}
-    print("correctness: Pallas kernels against XLA attention (float32, highest precision), "
-          "fresh random inputs, relative error (Frobenius)")
-    print(f"  {'batch':>5} {'q_len':>6} {'kv_len':>6} {'heads':>5} {'kv':>3} {'dim':>4} "
-          f"{'dtype':>8} {'causal':>6}   {'out':>8} {'dq':>8} {'dk':>8} {'dv':>8}  result")
+    print(
+        "correctness: Pallas kernels against XLA attention (float32, highest precision), "
+        "fresh random inputs, relative error (Frobenius)"
+    )
+    print(
+        f"  {'batch':>5} {'q_len':>6} {'kv_len':>6} {'heads':>5} {'kv':>3} {'dim':>4} "
+        f"{'dtype':>8} {'causal':>6}   {'out':>8} {'dq':>8} {'dk':>8} {'dv':>8}  result"
+    )
     all_ok = True
     key = jax.random.key(int(time.time_ns()) % (2**31))
     for case in cases:
         key, sub = jax.random.split(key)
         batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal = case
-        head = (f"  {batch:>5} {q_len:>6} {kv_len:>6} {heads:>5} {kv_heads:>3} {head_dim:>4} "
-                f"{jnp.dtype(dtype).name:>8} {str(causal):>6}   ")
+        head = (
+            f"  {batch:>5} {q_len:>6} {kv_len:>6} {heads:>5} {kv_heads:>3} {head_dim:>4} "
+            f"{jnp.dtype(dtype).name:>8} {str(causal):>6}   "
+        )
         try:
             errors = check_case(sub, *case)
         except Exception as error:  # report and go on: the table is still worth printing
@@ -132,12 +144,16 @@ def run_checks(on_gpu: bool) -> bool:
             continue
         ok = all(e < tolerance[dtype] for e in errors.values())  # False for NaN
         all_ok &= ok
-        print(head + " ".join(f"{errors[n]:8.1e}" for n in ("out", "dq", "dk", "dv"))
-              + f"  {'ok' if ok else 'FAIL'} (< {tolerance[dtype]:g})")
+        print(
+            head
+            + " ".join(f"{errors[n]:8.1e}" for n in ("out", "dq", "dk", "dv"))
+            + f"  {'ok' if ok else 'FAIL'} (< {tolerance[dtype]:g})"
+        )
     return all_ok
 
 
 # ---- timing ------------------------------------------------------------------------------------
+
 
 def median_seconds(fn, args, target_s: float = 0.5) -> float:
     """Median wall time of fn(*args) to block_until_ready, after a compile-and-warm-up call."""
@@ -167,8 +183,12 @@ def short_error(error: Exception) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-s", type=float, default=270.0,
-                        help="start no new row after this many seconds (default 270)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=270.0,
+        help="start no new row after this many seconds (default 270)",
+    )
     parser.add_argument("--seqs", type=int, nargs="*", help="sequence lengths to time")
     parser.add_argument("--head-dims", type=int, nargs="*", help="head sizes to time")
     args = parser.parse_args(argv)
@@ -177,11 +197,15 @@ def main(argv=None) -> int:
     backend = jax.default_backend()
     on_gpu = backend == "gpu"
     device = jax.devices()[0]
-    print(f"device: {getattr(device, 'device_kind', device.platform)} ({backend}), "
-          f"jax {jax.__version__}")
+    print(
+        f"device: {getattr(device, 'device_kind', device.platform)} ({backend}), "
+        f"jax {jax.__version__}"
+    )
     if not on_gpu:
-        print("no GPU: interpret mode on tiny sizes, only to show the script works; "
-              "the timings mean nothing")
+        print(
+            "no GPU: interpret mode on tiny sizes, only to show the script works; "
+            "the timings mean nothing"
+        )
     checks_ok = run_checks(on_gpu)
 
     seqs = tuple(args.seqs or (GPU_SEQS if on_gpu else CPU_SEQS))
@@ -191,11 +215,15 @@ def main(argv=None) -> int:
     dtype = jnp.bfloat16
 
     print()
-    print(f"timing: bfloat16, causal, batch * seq = {tokens} tokens, heads * head_dim = "
-          f"{channels}; medians; fwd+bwd = forward and the q/k/v gradients "
-          f"(counted as 3.5x the forward's flops)")
-    header = (f"{'impl':<7} {'dim':>4} {'seq':>6} {'batch x heads':>13} "
-              f"{'fwd ms':>9} {'fwd TFLOP/s':>11} {'fwd+bwd ms':>11} {'fwd+bwd TFLOP/s':>15}")
+    print(
+        f"timing: bfloat16, causal, batch * seq = {tokens} tokens, heads * head_dim = "
+        f"{channels}; medians; fwd+bwd = forward and the q/k/v gradients "
+        f"(counted as 3.5x the forward's flops)"
+    )
+    header = (
+        f"{'impl':<7} {'dim':>4} {'seq':>6} {'batch x heads':>13} "
+        f"{'fwd ms':>9} {'fwd TFLOP/s':>11} {'fwd+bwd ms':>11} {'fwd+bwd TFLOP/s':>15}"
+    )
     print(header)
     print("-" * len(header))
     key = jax.random.key(0)
@@ -216,8 +244,9 @@ def main(argv=None) -> int:
                 cells = []
                 attend = attention_fn(impl)
                 for fn, fn_args, fn_flops in (
-                        (jax.jit(attend), (q, k, v), flops),
-                        (jax.jit(forward_and_backward(attend)), (q, k, v, do), 3.5 * flops)):
+                    (jax.jit(attend), (q, k, v), flops),
+                    (jax.jit(forward_and_backward(attend)), (q, k, v, do), 3.5 * flops),
+                ):
                     try:
                         seconds = median_seconds(fn, fn_args)
                         cells.append((f"{seconds * 1e3:.3f}", f"{fn_flops / seconds / 1e12:.3g}"))

@@ -34,7 +34,9 @@ import time
 import tracemalloc
 import zlib
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
@@ -79,7 +81,9 @@ class LoaderHostMemory:
             self._close_interval()
             if any(array.unsafe_buffer_pointer() == host.ctypes.data for array in placed):
                 allocation = host
-                while allocation.base is not None:  # the whole allocation, alignment padding included
+                while (
+                    allocation.base is not None
+                ):  # the whole allocation, alignment padding included
                     allocation = allocation.base
                 self.adopted += allocation.nbytes
         return placed
@@ -118,7 +122,9 @@ def main() -> None:
     def targets(layout: str):
         (data, fsdp_size), spec = LAYOUTS[layout]
         sharding = NamedSharding(mesh(data, fsdp_size), spec)
-        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()}
+        return {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()
+        }
 
     times: dict[str, list[float]] = {}
     record = lambda name, seconds: times.setdefault(name, []).append(seconds)  # noqa: E731
@@ -136,41 +142,70 @@ def main() -> None:
     def np_load(folder: str):
         return {name: np.load(os.path.join(folder, name + ".npy")) for name in host}
 
-    for round_number in range(args.rounds + 1):  # round 0 warms up the allocator and caches, unrecorded
+    for round_number in range(
+        args.rounds + 1
+    ):  # round 0 warms up the allocator and caches, unrecorded
         if round_number == 1:
             times.clear()
             blocking.clear()
         base = os.path.join(scratch, f"round{round_number}")
         record("np.save", timed(lambda: np_save(False, base + "-npy")))
         record("np.save + fsync", timed(lambda: np_save(True, base + "-npy-fsync")))
-        fresh = jax.block_until_ready({k: jax.device_put(v, fsdp) for k, v in host.items()})  # no cached host copy
-        record("device_get + np.save + fsync", timed(lambda: np_save(True, base + "-get", jax.device_get(fresh))))
+        fresh = jax.block_until_ready(
+            {k: jax.device_put(v, fsdp) for k, v in host.items()}
+        )  # no cached host copy
+        record(
+            "device_get + np.save + fsync",
+            timed(lambda: np_save(True, base + "-get", jax.device_get(fresh))),
+        )
         del fresh
         ckpt = Checkpoints(base + "-dew", keep=None)
         start, cpu = time.perf_counter(), time.process_time()
         ckpt.save(1, state)
         blocking.append(time.perf_counter() - start)
         ckpt.wait()
-        record("Checkpoints.save (until wait)", (time.perf_counter() - start, time.process_time() - cpu))
+        record(
+            "Checkpoints.save (until wait)",
+            (time.perf_counter() - start, time.process_time() - cpu),
+        )
 
         record("np.load", timed(lambda: np_load(base + "-npy")))
         for layout in LAYOUTS:
-            record(f"np.load + device_put into {layout}", timed(lambda: jax.block_until_ready(
-                {k: jax.device_put(v, targets(layout)[k].sharding) for k, v in np_load(base + "-npy").items()}
-            )))
-            record(f"restore into {layout}", timed(lambda: jax.block_until_ready(ckpt.restore(targets(layout))[0])))
+            record(
+                f"np.load + device_put into {layout}",
+                timed(
+                    lambda: jax.block_until_ready(
+                        {
+                            k: jax.device_put(v, targets(layout)[k].sharding)
+                            for k, v in np_load(base + "-npy").items()
+                        }
+                    )
+                ),
+            )
+            record(
+                f"restore into {layout}",
+                timed(lambda: jax.block_until_ready(ckpt.restore(targets(layout))[0])),
+            )
         shutil.rmtree(base + "-npy")
         shutil.rmtree(base + "-npy-fsync")
         shutil.rmtree(base + "-get")
-    crc_seconds = min(timed(lambda: [zlib.crc32(memoryview(v).cast("B")) for v in host.values()])[0] for _ in range(3))
+    crc_seconds = min(
+        timed(lambda: [zlib.crc32(memoryview(v).cast("B")) for v in host.values()])[0]
+        for _ in range(3)
+    )
 
     # Peak host memory restoring into the fsdp-sharded layout, from an fsdp-sharded checkpoint
     # (pieces of 1/8 of an array) and from a replicated one (each piece a whole array).
     memory_rows = []
     replicated = Checkpoints(os.path.join(scratch, "replicated"), keep=None)
-    replicated.save(1, {k: jax.device_put(v, NamedSharding(mesh(8, 1), P())) for k, v in host.items()})
+    replicated.save(
+        1, {k: jax.device_put(v, NamedSharding(mesh(8, 1), P())) for k, v in host.items()}
+    )
     replicated.wait()
-    for label, source in (("fsdp 8 checkpoint", ckpt), ("data 8 (replicated) checkpoint", replicated)):
+    for label, source in (
+        ("fsdp 8 checkpoint", ckpt),
+        ("data 8 (replicated) checkpoint", replicated),
+    ):
         largest = max(p["nbytes"] for a in _index(source)["arrays"] for p in a["pieces"])
         with LoaderHostMemory() as memory:
             restored, _ = source.restore(targets("fsdp 8, rows"))
@@ -179,34 +214,51 @@ def main() -> None:
         del restored
 
     median = {name: statistics.median(wall for wall, _ in values) for name, values in times.items()}
-    median_cpu = {name: statistics.median(cpu for _, cpu in values) for name, values in times.items()}
-    print(f"\nDew checkpoint benchmark: {nbytes / 1e6:.0f} MB in 8 float32 arrays of {rows} x 2048, "
-          f"saved from fsdp 8 ({jax.device_count()} simulated CPU devices, {os.cpu_count()} cores), "
-          f"{args.rounds} alternating rounds, medians; files in {scratch} (page cache)\n")
-    print(f"{'operation':<52} {'wall s':>7} {'GB/s':>6} {'CPU s':>6}  "
-          "ratios, baseline / Dew: wall time (CPU time)")
+    median_cpu = {
+        name: statistics.median(cpu for _, cpu in values) for name, values in times.items()
+    }
+    print(
+        f"\nDew checkpoint benchmark: {nbytes / 1e6:.0f} MB in 8 float32 arrays of {rows} x 2048, "
+        f"saved from fsdp 8 ({jax.device_count()} simulated CPU devices, {os.cpu_count()} cores), "
+        f"{args.rounds} alternating rounds, medians; files in {scratch} (page cache)\n"
+    )
+    print(
+        f"{'operation':<52} {'wall s':>7} {'GB/s':>6} {'CPU s':>6}  "
+        "ratios, baseline / Dew: wall time (CPU time)"
+    )
 
     def row(name, baselines=()):
         ratios = "  ".join(
             f"{median[b] / median[name]:.2f} ({median_cpu[b] / median_cpu[name]:.2f}) vs {b.split(' into ')[0]}"
             for b in baselines
         )
-        print(f"{name:<52} {median[name]:7.3f} {nbytes / median[name] / 1e9:6.2f} {median_cpu[name]:6.3f}  {ratios}")
+        print(
+            f"{name:<52} {median[name]:7.3f} {nbytes / median[name] / 1e9:6.2f} {median_cpu[name]:6.3f}  {ratios}"
+        )
 
     row("np.save")
     row("np.save + fsync")
     row("device_get + np.save + fsync")
-    row("Checkpoints.save (until wait)", ("np.save", "np.save + fsync", "device_get + np.save + fsync"))
+    row(
+        "Checkpoints.save (until wait)",
+        ("np.save", "np.save + fsync", "device_get + np.save + fsync"),
+    )
     print(f"{'  of which blocking in save()':<52} {statistics.median(blocking):7.3f}")
     row("np.load")
     for layout in LAYOUTS:
         row(f"np.load + device_put into {layout}")
         row(f"restore into {layout}", ("np.load", f"np.load + device_put into {layout}"))
-    print(f"{'crc32 of the state, one thread':<52} {crc_seconds:7.3f} {nbytes / crc_seconds / 1e9:6.2f}")
+    print(
+        f"{'crc32 of the state, one thread':<52} {crc_seconds:7.3f} {nbytes / crc_seconds / 1e9:6.2f}"
+    )
     print(f"\nPeak host memory restoring into fsdp 8 (rows), beyond the restored arrays:")
-    print(f"{'from':<34} {'largest piece read':>19} {'peak (tracemalloc)':>19} {'peak / piece':>13}")
+    print(
+        f"{'from':<34} {'largest piece read':>19} {'peak (tracemalloc)':>19} {'peak / piece':>13}"
+    )
     for label, largest, peak in memory_rows:
-        print(f"{label:<34} {largest / 2**20:15.1f} MiB {peak / 2**20:15.1f} MiB {peak / largest:13.2f}")
+        print(
+            f"{label:<34} {largest / 2**20:15.1f} MiB {peak / 2**20:15.1f} MiB {peak / largest:13.2f}"
+        )
     shutil.rmtree(scratch)
 
 

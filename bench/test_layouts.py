@@ -13,9 +13,10 @@ import os
 
 # Eight simulated CPU devices, before JAX starts (tests/conftest.py does the same for tests/).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -26,9 +27,11 @@ from dew.cli import main as cli  # noqa: E402
 from dew.mesh import MeshSpec  # noqa: E402
 
 if jax.device_count() != 8:
-  pytest.skip(f"needs 8 devices, JAX started with {jax.device_count()} (set XLA_FLAGS="
-              "--xla_force_host_platform_device_count=8 before JAX starts)",
-              allow_module_level=True)
+    pytest.skip(
+        f"needs 8 devices, JAX started with {jax.device_count()} (set XLA_FLAGS="
+        "--xla_force_host_platform_device_count=8 before JAX starts)",
+        allow_module_level=True,
+    )
 
 SMALL = benchmark.ModelSize(layers=2, width=64, heads=4, seq_len=32, batch=16)
 MIN_SHARD = 1024  # at this size the default 65536 would keep every weight whole
@@ -38,27 +41,33 @@ ENGINES = ("shard_map", "gspmd")
 
 @pytest.fixture(scope="module")
 def objective():
-  return SMALL.objective()
+    return SMALL.objective()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_step(benchmark, objective, layout, engine):
-  contestant = benchmark_contestant(objective, layout, engine)
-  benchmark.extra_info.update(
-      layout=contestant.layout, engine=engine, compile_s=contestant.compile_s,
-      wire_bytes=contestant.report.wire_bytes(), collectives=contestant.report.count(),
-      state_bytes_per_device=contestant.state_bytes, temp_bytes_per_device=contestant.temp_bytes)
-  benchmark.pedantic(contestant.run, args=(1,), rounds=5, warmup_rounds=1)
-  assert contestant.times, "the benchmark ran no step"
+    contestant = benchmark_contestant(objective, layout, engine)
+    benchmark.extra_info.update(
+        layout=contestant.layout,
+        engine=engine,
+        compile_s=contestant.compile_s,
+        wire_bytes=contestant.report.wire_bytes(),
+        collectives=contestant.report.count(),
+        state_bytes_per_device=contestant.state_bytes,
+        temp_bytes_per_device=contestant.temp_bytes,
+    )
+    benchmark.pedantic(contestant.run, args=(1,), rounds=5, warmup_rounds=1)
+    assert contestant.times, "the benchmark ran no step"
 
 
 def benchmark_contestant(objective, layout, engine):
-  contestant = benchmark.Contestant(objective, SMALL, MeshSpec.parse(layout), engine,
-                                    min_shard=MIN_SHARD)
-  contestant.prepare()
-  contestant.compile()
-  return contestant
+    contestant = benchmark.Contestant(
+        objective, SMALL, MeshSpec.parse(layout), engine, min_shard=MIN_SHARD
+    )
+    contestant.prepare()
+    contestant.compile()
+    return contestant
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,89 +75,136 @@ def benchmark_contestant(objective, layout, engine):
 
 
 def test_state_bytes_per_device_counts_one_devices_shards(objective):
-  contestant = benchmark.Contestant(objective, SMALL, MeshSpec(fsdp=8), "shard_map",
-                                    min_shard=MIN_SHARD)
-  contestant.prepare()
-  leaves = [jax.random.key_data(x) if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-            for x in jax.tree_util.tree_leaves(contestant.state)]
-  device = jax.devices()[3]
-  by_hand = 0
-  for leaf in leaves:
-    index = leaf.sharding.devices_indices_map(leaf.shape)[device]
-    by_hand += np.asarray(leaf)[index].nbytes
-  assert contestant.state_bytes == by_hand
-  whole = sum(np.asarray(x).nbytes for x in leaves)
-  assert whole / 8 < contestant.state_bytes < whole / 4  # most of it split 8 ways, not all
+    contestant = benchmark.Contestant(
+        objective, SMALL, MeshSpec(fsdp=8), "shard_map", min_shard=MIN_SHARD
+    )
+    contestant.prepare()
+    leaves = [
+        jax.random.key_data(x) if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        for x in jax.tree_util.tree_leaves(contestant.state)
+    ]
+    device = jax.devices()[3]
+    by_hand = 0
+    for leaf in leaves:
+        index = leaf.sharding.devices_indices_map(leaf.shape)[device]
+        by_hand += np.asarray(leaf)[index].nbytes
+    assert contestant.state_bytes == by_hand
+    whole = sum(np.asarray(x).nbytes for x in leaves)
+    assert whole / 8 < contestant.state_bytes < whole / 4  # most of it split 8 ways, not all
 
 
 def test_compare_measures_every_contestant_and_targets_read_them(objective):
-  results = benchmark.compare(SMALL, ["data=8", "fsdp=8"], steps=1, repeats=2,
-                              min_shard=MIN_SHARD, log=None)
-  assert [(r.layout, r.engine) for r in results] == [
-      ("data=8", "shard_map"), ("data=8", "gspmd"), ("fsdp=8", "shard_map"), ("fsdp=8", "gspmd")]
-  for r in results:
-    assert r.steps_timed == 2 and len(r.round_ms) == 2 and r.step_ms > 0 and r.compile_s > 0
-    assert r.temp_bytes_per_device > 0 and r.wire_bytes > 0 and r.collectives > 0
-    assert set(r.to_json()) >= {"layout", "engine", "step_ms", "compile_s",
-                                "state_bytes_per_device", "temp_bytes_per_device", "wire_bytes"}
-  by = {(r.layout, r.engine): r for r in results}
-  # Both engines hold the same state; the fully sharded one about 1/8 of it.
-  data8 = by["data=8", "shard_map"], by["data=8", "gspmd"]
-  assert data8[0].state_bytes_per_device == data8[1].state_bytes_per_device
-  found = {t.name: t for t in benchmark.targets(results)}
-  state = found["fsdp=8: state per device / (data=8's / 8)"]
-  assert state.measured == pytest.approx(by["fsdp=8", "shard_map"].state_bytes_per_device
-                                         / (by["data=8", "shard_map"].state_bytes_per_device / 8))
-  # Step time: the median over rounds of the two engines' back-to-back steps.
-  time_ratio = found["fsdp=8: step time shard_map / gspmd"].measured
-  fsdp8 = by["fsdp=8", "shard_map"], by["fsdp=8", "gspmd"]
-  paired = [a / b for a, b in zip(fsdp8[0].round_ms, fsdp8[1].round_ms)]
-  assert time_ratio == pytest.approx(float(np.median(paired)))
-  wire = found["fsdp=8: wire bytes shard_map / gspmd"]
-  assert wire.measured == by["fsdp=8", "shard_map"].wire_bytes / by["fsdp=8", "gspmd"].wire_bytes
-  assert wire.met == (wire.measured <= 1.0)
-  text = benchmark.table(results)
-  assert "ratio shard_map / gspmd" in text and "fsdp=8" in text
+    results = benchmark.compare(
+        SMALL, ["data=8", "fsdp=8"], steps=1, repeats=2, min_shard=MIN_SHARD, log=None
+    )
+    assert [(r.layout, r.engine) for r in results] == [
+        ("data=8", "shard_map"),
+        ("data=8", "gspmd"),
+        ("fsdp=8", "shard_map"),
+        ("fsdp=8", "gspmd"),
+    ]
+    for r in results:
+        assert r.steps_timed == 2 and len(r.round_ms) == 2 and r.step_ms > 0 and r.compile_s > 0
+        assert r.temp_bytes_per_device > 0 and r.wire_bytes > 0 and r.collectives > 0
+        assert set(r.to_json()) >= {
+            "layout",
+            "engine",
+            "step_ms",
+            "compile_s",
+            "state_bytes_per_device",
+            "temp_bytes_per_device",
+            "wire_bytes",
+        }
+    by = {(r.layout, r.engine): r for r in results}
+    # Both engines hold the same state; the fully sharded one about 1/8 of it.
+    data8 = by["data=8", "shard_map"], by["data=8", "gspmd"]
+    assert data8[0].state_bytes_per_device == data8[1].state_bytes_per_device
+    found = {t.name: t for t in benchmark.targets(results)}
+    state = found["fsdp=8: state per device / (data=8's / 8)"]
+    assert state.measured == pytest.approx(
+        by["fsdp=8", "shard_map"].state_bytes_per_device
+        / (by["data=8", "shard_map"].state_bytes_per_device / 8)
+    )
+    # Step time: the median over rounds of the two engines' back-to-back steps.
+    time_ratio = found["fsdp=8: step time shard_map / gspmd"].measured
+    fsdp8 = by["fsdp=8", "shard_map"], by["fsdp=8", "gspmd"]
+    paired = [a / b for a, b in zip(fsdp8[0].round_ms, fsdp8[1].round_ms)]
+    assert time_ratio == pytest.approx(float(np.median(paired)))
+    wire = found["fsdp=8: wire bytes shard_map / gspmd"]
+    assert wire.measured == by["fsdp=8", "shard_map"].wire_bytes / by["fsdp=8", "gspmd"].wire_bytes
+    assert wire.met == (wire.measured <= 1.0)
+    text = benchmark.table(results)
+    assert "ratio shard_map / gspmd" in text and "fsdp=8" in text
 
 
 def test_depth_check_compiles_both_depths(objective):
-  depth = benchmark.compile_depth(SMALL, "fsdp=8", deep_layers=4, min_shard=MIN_SHARD)
-  assert depth.shallow_layers == 2 and depth.deep_layers == 4
-  assert depth.shallow_s > 0 and depth.deep_s > 0
-  assert depth.ratio == depth.deep_s / depth.shallow_s
+    depth = benchmark.compile_depth(SMALL, "fsdp=8", deep_layers=4, min_shard=MIN_SHARD)
+    assert depth.shallow_layers == 2 and depth.deep_layers == 4
+    assert depth.shallow_s > 0 and depth.deep_s > 0
+    assert depth.ratio == depth.deep_s / depth.shallow_s
 
 
 def test_cli_writes_one_object_per_layout_and_engine(tmp_path, capsys):
-  out = tmp_path / "bench.json"
-  args = ["bench", "--layouts", "fsdp=8", "--layers", "1", "--width", "32", "--seq-len", "16",
-          "--batch", "8", "--repeats", "1", "--min-shard", "256", "--depth-check", "0",
-          "--json", str(out)]
-  assert cli.main(args) == 0
-  printed = capsys.readouterr().out
-  assert "ratio shard_map / gspmd" in printed and "fsdp=8: wire bytes shard_map / gspmd" in printed
-  objects = json.loads(out.read_text())
-  assert [(o["layout"], o["engine"]) for o in objects] == [("fsdp=8", "shard_map"),
-                                                           ("fsdp=8", "gspmd")]
-  for o in objects:
-    for key in ("step_ms", "compile_s", "state_bytes_per_device", "temp_bytes_per_device",
-                "wire_bytes"):
-      assert o[key] > 0, (key, o)
+    out = tmp_path / "bench.json"
+    args = [
+        "bench",
+        "--layouts",
+        "fsdp=8",
+        "--layers",
+        "1",
+        "--width",
+        "32",
+        "--seq-len",
+        "16",
+        "--batch",
+        "8",
+        "--repeats",
+        "1",
+        "--min-shard",
+        "256",
+        "--depth-check",
+        "0",
+        "--json",
+        str(out),
+    ]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "ratio shard_map / gspmd" in printed and "fsdp=8: wire bytes shard_map / gspmd" in printed
+    )
+    objects = json.loads(out.read_text())
+    assert [(o["layout"], o["engine"]) for o in objects] == [
+        ("fsdp=8", "shard_map"),
+        ("fsdp=8", "gspmd"),
+    ]
+    for o in objects:
+        for key in (
+            "step_ms",
+            "compile_s",
+            "state_bytes_per_device",
+            "temp_bytes_per_device",
+            "wire_bytes",
+        ):
+            assert o[key] > 0, (key, o)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--layouts", "fsdp=3"], "does not divide"),
-    (["--layouts", "fdsp=8"], "is not AXIS=SIZE"),
-    (["--layouts", "fsdp=8", "fsdp=8"], "given twice"),
-    (["--batch", "12"], "does not split evenly"),
-    (["--width", "30"], "does not split over num_heads"),
-    (["--repeats", "0"], "repeats must be"),
-    (["--json", "/no/such/folder/out.json"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--layouts", "fsdp=3"], "does not divide"),
+        (["--layouts", "fdsp=8"], "is not AXIS=SIZE"),
+        (["--layouts", "fsdp=8", "fsdp=8"], "given twice"),
+        (["--batch", "12"], "does not split evenly"),
+        (["--width", "30"], "does not split over num_heads"),
+        (["--repeats", "0"], "repeats must be"),
+        (["--json", "/no/such/folder/out.json"], "does not exist"),
+    ],
+)
 def test_cli_refuses_bad_input_before_compiling(capsys, monkeypatch, args, message):
-  def no_compile(self):
-    raise AssertionError("compiled before checking the input")
+    def no_compile(self):
+        raise AssertionError("compiled before checking the input")
 
-  monkeypatch.setattr(benchmark.Contestant, "compile", no_compile)
-  monkeypatch.setattr(benchmark.Contestant, "prepare", no_compile)
-  assert cli.main(["bench", "--depth-check", "0", *args]) == 2
-  assert message in capsys.readouterr().err
+    monkeypatch.setattr(benchmark.Contestant, "compile", no_compile)
+    monkeypatch.setattr(benchmark.Contestant, "prepare", no_compile)
+    assert cli.main(["bench", "--depth-check", "0", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -7,4 +7,14 @@ from dew.layout import Layout
 from dew.mesh import AXES, MeshSpec
 from dew.training import TrainState, Trainer
 
-__all__ = ["AXES", "Checkpoints", "CollectiveReport", "collectives", "Layout", "MeshSpec", "TrainState", "Trainer", "models"]
+__all__ = [
+    "AXES",
+    "Checkpoints",
+    "CollectiveReport",
+    "collectives",
+    "Layout",
+    "MeshSpec",
+    "TrainState",
+    "Trainer",
+    "models",
+]

@@ -44,8 +44,20 @@ from dew.mesh import MeshSpec
 from dew.training.step import ENGINES
 from dew.training.trainer import Trainer
 
-__all__ = ["Contestant", "ModelSize", "Result", "DepthCheck", "Target", "compare", "compile_depth",
-           "layout_name", "state_bytes_per_device", "table", "targets", "targets_table"]
+__all__ = [
+    "Contestant",
+    "ModelSize",
+    "Result",
+    "DepthCheck",
+    "Target",
+    "compare",
+    "compile_depth",
+    "layout_name",
+    "state_bytes_per_device",
+    "table",
+    "targets",
+    "targets_table",
+]
 
 # A fully sharded state holds at most 1/n of the data-parallel one, plus this much for the small
 # weights that stay whole and the optimizer's step count.
@@ -55,369 +67,473 @@ DEPTH_LIMIT = 1.5
 
 @dataclasses.dataclass(frozen=True)
 class ModelSize:
-  """The benchmarked decoder (``causal_transformer``, byte vocabulary) and its batch.
+    """The benchmarked decoder (``causal_transformer``, byte vocabulary) and its batch.
 
-  The default is larger than the notebook's example: about 3.2 M weights, 4096 tokens a step.
-  """
+    The default is larger than the notebook's example: about 3.2 M weights, 4096 tokens a step.
+    """
 
-  layers: int = 4
-  width: int = 256
-  heads: int = 4
-  seq_len: int = 128
-  batch: int = 32
-  vocab: int = 256
+    layers: int = 4
+    width: int = 256
+    heads: int = 4
+    seq_len: int = 128
+    batch: int = 32
+    vocab: int = 256
 
-  def __post_init__(self):
-    for name in ("layers", "width", "heads", "seq_len", "batch", "vocab"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"ModelSize.{name} must be a positive integer, got {value!r}")
+    def __post_init__(self):
+        for name in ("layers", "width", "heads", "seq_len", "batch", "vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelSize.{name} must be a positive integer, got {value!r}")
 
-  def objective(self):
-    """The ``LMObjective`` of this model (raises ``ValueError`` on sizes the model refuses)."""
-    from dew import models
-    from dew.objectives.lm import LMObjective
-    model = models.build("causal_transformer", vocab_size=self.vocab, emb_features=self.width,
-                         num_layers=self.layers, num_heads=self.heads, max_seq_len=self.seq_len)
-    return LMObjective(model, self.seq_len)
+    def objective(self):
+        """The ``LMObjective`` of this model (raises ``ValueError`` on sizes the model refuses)."""
+        from dew import models
+        from dew.objectives.lm import LMObjective
+
+        model = models.build(
+            "causal_transformer",
+            vocab_size=self.vocab,
+            emb_features=self.width,
+            num_layers=self.layers,
+            num_heads=self.heads,
+            max_seq_len=self.seq_len,
+        )
+        return LMObjective(model, self.seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-  """One layout and engine's measurements (see the module docstring)."""
+    """One layout and engine's measurements (see the module docstring)."""
 
-  layout: str
-  engine: str
-  step_ms: float
-  compile_s: float
-  state_bytes_per_device: int
-  temp_bytes_per_device: int
-  wire_bytes: int
-  collectives: int
-  steps_timed: int
-  round_ms: tuple[float, ...] = ()  # the median step of each timed round, in round order
+    layout: str
+    engine: str
+    step_ms: float
+    compile_s: float
+    state_bytes_per_device: int
+    temp_bytes_per_device: int
+    wire_bytes: int
+    collectives: int
+    steps_timed: int
+    round_ms: tuple[float, ...] = ()  # the median step of each timed round, in round order
 
-  def to_json(self) -> dict:
-    return dataclasses.asdict(self)
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class DepthCheck:
-  """Compile time of the same step at two depths (medians over alternating compiles)."""
+    """Compile time of the same step at two depths (medians over alternating compiles)."""
 
-  layout: str
-  engine: str
-  shallow_layers: int
-  deep_layers: int
-  shallow_s: float
-  deep_s: float
+    layout: str
+    engine: str
+    shallow_layers: int
+    deep_layers: int
+    shallow_s: float
+    deep_s: float
 
-  @property
-  def ratio(self) -> float:
-    return self.deep_s / self.shallow_s
+    @property
+    def ratio(self) -> float:
+        return self.deep_s / self.shallow_s
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """One target of docs/benchmarks.md: ``measured <= limit`` is met."""
+    """One target of docs/benchmarks.md: ``measured <= limit`` is met."""
 
-  name: str
-  measured: float
-  limit: float
+    name: str
+    measured: float
+    limit: float
 
-  @property
-  def met(self) -> bool:
-    return self.measured <= self.limit
+    @property
+    def met(self) -> bool:
+        return self.measured <= self.limit
 
 
 def layout_name(mesh_shape: dict) -> str:
-  """``{"data": 2, "fsdp": 4, ...}`` -> ``"data=2,fsdp=4"`` (axes of size 1 left out)."""
-  parts = [f"{axis}={size}" for axis, size in mesh_shape.items() if size > 1]
-  return ",".join(parts) or "data=1"
+    """``{"data": 2, "fsdp": 4, ...}`` -> ``"data=2,fsdp=4"`` (axes of size 1 left out)."""
+    parts = [f"{axis}={size}" for axis, size in mesh_shape.items() if size > 1]
+    return ",".join(parts) or "data=1"
 
 
 def state_bytes_per_device(state) -> int:
-  """The bytes of ``state``'s arrays that one device holds: the most any device holds."""
-  per_device: dict = {}
-  for leaf in jax.tree_util.tree_leaves(state):
-    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      leaf = jax.random.key_data(leaf)
-    for shard in leaf.addressable_shards:
-      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-  return max(per_device.values(), default=0)
+    """The bytes of ``state``'s arrays that one device holds: the most any device holds."""
+    per_device: dict = {}
+    for leaf in jax.tree_util.tree_leaves(state):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
 
 
 class Contestant:
-  """One layout and engine: its trainer, compiled step, live state, batch and step times.
+    """One layout and engine: its trainer, compiled step, live state, batch and step times.
 
-      c = Contestant(size.objective(), size, MeshSpec(fsdp=8), "shard_map")
-      c.prepare(); c.compile()
-      seconds = c.run(steps=3)      # wall time of each step
-      result = c.result()           # after some run()s
-  """
+    c = Contestant(size.objective(), size, MeshSpec(fsdp=8), "shard_map")
+    c.prepare(); c.compile()
+    seconds = c.run(steps=3)      # wall time of each step
+    result = c.result()           # after some run()s
+    """
 
-  def __init__(self, objective, size: ModelSize, mesh: MeshSpec, engine: str,
-               min_shard: int = Layout().min_shard, seed: int = 0):
-    self.trainer = Trainer(objective, optax.adamw(1e-3), key=jax.random.key(seed), mesh=mesh,
-                           layout=Layout(min_shard=min_shard), engine=engine)
-    self.trainer.check_batch(size.batch)
-    self.size = size
-    self.seed = seed
-    self.layout = layout_name(dict(self.trainer.mesh.shape))
-    self.engine = engine
-    self.times: list[float] = []
-    self.rounds: list[float] = []
+    def __init__(
+        self,
+        objective,
+        size: ModelSize,
+        mesh: MeshSpec,
+        engine: str,
+        min_shard: int = Layout().min_shard,
+        seed: int = 0,
+    ):
+        self.trainer = Trainer(
+            objective,
+            optax.adamw(1e-3),
+            key=jax.random.key(seed),
+            mesh=mesh,
+            layout=Layout(min_shard=min_shard),
+            engine=engine,
+        )
+        self.trainer.check_batch(size.batch)
+        self.size = size
+        self.seed = seed
+        self.layout = layout_name(dict(self.trainer.mesh.shape))
+        self.engine = engine
+        self.times: list[float] = []
+        self.rounds: list[float] = []
 
-  def prepare(self) -> None:
-    """The live state and a fixed random batch. Its small compile also warms JAX up, which a
-    step's compile time would otherwise pay for in whichever contestant comes first."""
-    trainer, size = self.trainer, self.size
-    self.state = trainer.init_state()
-    self.state_bytes = state_bytes_per_device(self.state)
-    rows = np.random.default_rng(self.seed).integers(0, size.vocab, (size.batch, size.seq_len + 1))
-    self.batch = trainer.device_batch(rows.astype(np.int32), size.batch)
+    def prepare(self) -> None:
+        """The live state and a fixed random batch. Its small compile also warms JAX up, which a
+        step's compile time would otherwise pay for in whichever contestant comes first."""
+        trainer, size = self.trainer, self.size
+        self.state = trainer.init_state()
+        self.state_bytes = state_bytes_per_device(self.state)
+        rows = np.random.default_rng(self.seed).integers(
+            0, size.vocab, (size.batch, size.seq_len + 1)
+        )
+        self.batch = trainer.device_batch(rows.astype(np.int32), size.batch)
 
-  def compile(self) -> None:
-    """Traces, lowers and compiles the step (timed), and reads its memory and collectives."""
-    trainer, size = self.trainer, self.size
-    abstract_state = jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(trainer.init_state), trainer.state_shardings)
-    abstract_batch = jax.ShapeDtypeStruct((size.batch, size.seq_len + 1), jnp.int32,
-                                          sharding=trainer.batch_sharding)
-    began = time.perf_counter()
-    self.compiled = trainer.train_step(size.batch).lower(abstract_state, abstract_batch).compile()
-    self.compile_s = time.perf_counter() - began
-    self.temp_bytes = int(self.compiled.memory_analysis().temp_size_in_bytes)
-    self.report = hlo_collectives(self.compiled, trainer.mesh)
+    def compile(self) -> None:
+        """Traces, lowers and compiles the step (timed), and reads its memory and collectives."""
+        trainer, size = self.trainer, self.size
+        abstract_state = jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(trainer.init_state),
+            trainer.state_shardings,
+        )
+        abstract_batch = jax.ShapeDtypeStruct(
+            (size.batch, size.seq_len + 1), jnp.int32, sharding=trainer.batch_sharding
+        )
+        began = time.perf_counter()
+        self.compiled = (
+            trainer.train_step(size.batch).lower(abstract_state, abstract_batch).compile()
+        )
+        self.compile_s = time.perf_counter() - began
+        self.temp_bytes = int(self.compiled.memory_analysis().temp_size_in_bytes)
+        self.report = hlo_collectives(self.compiled, trainer.mesh)
 
-  def run(self, steps: int, record: bool = True) -> list[float]:
-    """Runs ``steps`` steps (after ``prepare`` and ``compile``); the wall time of each, in seconds,
-    also kept for ``result`` when ``record``."""
-    times = []
-    for _ in range(steps):
-      began = time.perf_counter()
-      self.state, loss = self.compiled(self.state, self.batch)
-      jax.block_until_ready((self.state, loss))
-      times.append(time.perf_counter() - began)
-    if not np.isfinite(float(loss)):
-      raise FloatingPointError(f"{self.layout} {self.engine}: the loss is {float(loss)}")
-    if record:
-      self.times.extend(times)
-      self.rounds.append(statistics.median(times))
-    return times
+    def run(self, steps: int, record: bool = True) -> list[float]:
+        """Runs ``steps`` steps (after ``prepare`` and ``compile``); the wall time of each, in seconds,
+        also kept for ``result`` when ``record``."""
+        times = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            self.state, loss = self.compiled(self.state, self.batch)
+            jax.block_until_ready((self.state, loss))
+            times.append(time.perf_counter() - began)
+        if not np.isfinite(float(loss)):
+            raise FloatingPointError(f"{self.layout} {self.engine}: the loss is {float(loss)}")
+        if record:
+            self.times.extend(times)
+            self.rounds.append(statistics.median(times))
+        return times
 
-  def result(self) -> Result:
-    if not self.times:
-      raise ValueError(f"{self.layout} {self.engine}: no timed steps yet; call run() first")
-    return Result(layout=self.layout, engine=self.engine,
-                  step_ms=1e3 * statistics.median(self.times), compile_s=self.compile_s,
-                  state_bytes_per_device=self.state_bytes, temp_bytes_per_device=self.temp_bytes,
-                  wire_bytes=self.report.wire_bytes(), collectives=self.report.count(),
-                  steps_timed=len(self.times), round_ms=tuple(1e3 * t for t in self.rounds))
+    def result(self) -> Result:
+        if not self.times:
+            raise ValueError(f"{self.layout} {self.engine}: no timed steps yet; call run() first")
+        return Result(
+            layout=self.layout,
+            engine=self.engine,
+            step_ms=1e3 * statistics.median(self.times),
+            compile_s=self.compile_s,
+            state_bytes_per_device=self.state_bytes,
+            temp_bytes_per_device=self.temp_bytes,
+            wire_bytes=self.report.wire_bytes(),
+            collectives=self.report.count(),
+            steps_timed=len(self.times),
+            round_ms=tuple(1e3 * t for t in self.rounds),
+        )
 
-  def release(self) -> None:
-    self.state = self.batch = self.compiled = None
+    def release(self) -> None:
+        self.state = self.batch = self.compiled = None
 
 
 def _mesh_specs(layouts: Sequence[MeshSpec | str]) -> list[MeshSpec]:
-  if not layouts:
-    raise ValueError("no layouts to compare; give at least one, e.g. ['fsdp=8']")
-  specs = []
-  for layout in layouts:
-    if isinstance(layout, str):
-      layout = MeshSpec.parse(layout)
-    elif not isinstance(layout, MeshSpec):
-      raise ValueError(f"a layout is a MeshSpec or text like 'data=2,fsdp=4', got {layout!r}")
-    specs.append(layout)
-  return specs
+    if not layouts:
+        raise ValueError("no layouts to compare; give at least one, e.g. ['fsdp=8']")
+    specs = []
+    for layout in layouts:
+        if isinstance(layout, str):
+            layout = MeshSpec.parse(layout)
+        elif not isinstance(layout, MeshSpec):
+            raise ValueError(f"a layout is a MeshSpec or text like 'data=2,fsdp=4', got {layout!r}")
+        specs.append(layout)
+    return specs
 
 
 def _positive(name: str, value) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def compare(size: ModelSize, layouts: Sequence[MeshSpec | str],
-            engines: Sequence[str] = ENGINES, *, steps: int = 1, repeats: int = 3,
-            warmup: int = 0, min_shard: int = Layout().min_shard, seed: int = 0,
-            log: Callable[[str], None] | None = print) -> list[Result]:
-  """Measures every layout with every engine; one ``Result`` each, layouts outer, engines inner.
+def compare(
+    size: ModelSize,
+    layouts: Sequence[MeshSpec | str],
+    engines: Sequence[str] = ENGINES,
+    *,
+    steps: int = 1,
+    repeats: int = 3,
+    warmup: int = 0,
+    min_shard: int = Layout().min_shard,
+    seed: int = 0,
+    log: Callable[[str], None] | None = print,
+) -> list[Result]:
+    """Measures every layout with every engine; one ``Result`` each, layouts outer, engines inner.
 
-  Args:
-    size: the model and batch.
-    layouts: ``MeshSpec`` s or their text (``"data=2,fsdp=4"``), on all of JAX's devices.
-    engines: ``"shard_map"`` and/or ``"gspmd"``.
-    steps: steps each contestant runs per turn.
-    repeats: timed rounds; ``step_ms`` is the median of ``steps * repeats`` steps.
-    warmup: rounds run first and not timed.
-    min_shard: the ``Layout``'s: weights with fewer elements stay whole.
-    seed: weights and the (fixed, random) batch.
-    log: called with a line of progress; ``None`` for quiet.
+    Args:
+      size: the model and batch.
+      layouts: ``MeshSpec`` s or their text (``"data=2,fsdp=4"``), on all of JAX's devices.
+      engines: ``"shard_map"`` and/or ``"gspmd"``.
+      steps: steps each contestant runs per turn.
+      repeats: timed rounds; ``step_ms`` is the median of ``steps * repeats`` steps.
+      warmup: rounds run first and not timed.
+      min_shard: the ``Layout``'s: weights with fewer elements stay whole.
+      seed: weights and the (fixed, random) batch.
+      log: called with a line of progress; ``None`` for quiet.
 
-  Every argument is checked (sizes, layouts against the device count, the batch against each
-  layout's batch split) before anything is compiled.
-  """
-  _positive("steps", steps)
-  _positive("repeats", repeats)
-  if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-    raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-  for engine in engines:
-    if engine not in ENGINES:
-      raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
-  if not engines:
-    raise ValueError(f"no engines to compare; expected some of {', '.join(ENGINES)}")
-  specs = _mesh_specs(layouts)
-  log = log or (lambda line: None)
-  objective = size.objective()
-  contestants = [Contestant(objective, size, spec, engine, min_shard, seed)
-                 for spec in specs for engine in engines]
-  names = [(c.layout, c.engine) for c in contestants]
-  duplicates = sorted({n for n in names if names.count(n) > 1})
-  if duplicates:
-    named = ", ".join(f"{layout} ({engine})" for layout, engine in duplicates)
-    raise ValueError(f"layouts (and engines) given twice: {named}")
+    Every argument is checked (sizes, layouts against the device count, the batch against each
+    layout's batch split) before anything is compiled.
+    """
+    _positive("steps", steps)
+    _positive("repeats", repeats)
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    for engine in engines:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+    if not engines:
+        raise ValueError(f"no engines to compare; expected some of {', '.join(ENGINES)}")
+    specs = _mesh_specs(layouts)
+    log = log or (lambda line: None)
+    objective = size.objective()
+    contestants = [
+        Contestant(objective, size, spec, engine, min_shard, seed)
+        for spec in specs
+        for engine in engines
+    ]
+    names = [(c.layout, c.engine) for c in contestants]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        named = ", ".join(f"{layout} ({engine})" for layout, engine in duplicates)
+        raise ValueError(f"layouts (and engines) given twice: {named}")
 
-  for c in contestants:
-    c.prepare()
-    c.compile()
-    log(f"compiled {c.layout:<16} {c.engine:<9} in {c.compile_s:6.2f} s")
-  layouts_in_order = list(dict.fromkeys(c.layout for c in contestants))
-  groups = [[c for c in contestants if c.layout == layout] for layout in layouts_in_order]
-  for round_ in range(warmup + repeats):
-    # A layout's engines back to back, the first one alternating; the layouts' order rotating.
-    shift = round_ % len(groups)
-    order = [c for group in groups[shift:] + groups[:shift]
-             for c in (group if round_ % 2 == 0 else group[::-1])]
-    line = []
-    for c in order:
-      times = c.run(steps, record=round_ >= warmup)
-      line.append(f"{c.layout} {c.engine} {1e3 * statistics.median(times):.0f}")
-    kind = "warm-up" if round_ < warmup else f"{round_ - warmup + 1}/{repeats}"
-    log(f"round {kind} (ms): " + ", ".join(line))
-  results = [c.result() for c in contestants]
-  for c in contestants:
-    c.release()
-  return results
+    for c in contestants:
+        c.prepare()
+        c.compile()
+        log(f"compiled {c.layout:<16} {c.engine:<9} in {c.compile_s:6.2f} s")
+    layouts_in_order = list(dict.fromkeys(c.layout for c in contestants))
+    groups = [[c for c in contestants if c.layout == layout] for layout in layouts_in_order]
+    for round_ in range(warmup + repeats):
+        # A layout's engines back to back, the first one alternating; the layouts' order rotating.
+        shift = round_ % len(groups)
+        order = [
+            c
+            for group in groups[shift:] + groups[:shift]
+            for c in (group if round_ % 2 == 0 else group[::-1])
+        ]
+        line = []
+        for c in order:
+            times = c.run(steps, record=round_ >= warmup)
+            line.append(f"{c.layout} {c.engine} {1e3 * statistics.median(times):.0f}")
+        kind = "warm-up" if round_ < warmup else f"{round_ - warmup + 1}/{repeats}"
+        log(f"round {kind} (ms): " + ", ".join(line))
+    results = [c.result() for c in contestants]
+    for c in contestants:
+        c.release()
+    return results
 
 
-def compile_depth(size: ModelSize, layout: MeshSpec | str, deep_layers: int = 16, *,
-                  engine: str = "shard_map", repeats: int = 1, min_shard: int = Layout().min_shard,
-                  seed: int = 0) -> DepthCheck:
-  """Compile time of the step at ``size.layers`` and at ``deep_layers`` layers, alternating.
+def compile_depth(
+    size: ModelSize,
+    layout: MeshSpec | str,
+    deep_layers: int = 16,
+    *,
+    engine: str = "shard_map",
+    repeats: int = 1,
+    min_shard: int = Layout().min_shard,
+    seed: int = 0,
+) -> DepthCheck:
+    """Compile time of the step at ``size.layers`` and at ``deep_layers`` layers, alternating.
 
-  Each compile uses a fresh ``Trainer`` (nothing cached between them); medians of ``repeats`` each.
-  """
-  _positive("deep_layers", deep_layers)
-  _positive("repeats", repeats)
-  spec = _mesh_specs([layout])[0]
-  deep_size = dataclasses.replace(size, layers=deep_layers)
-  objectives = (size.objective(), deep_size.objective())
-  shallow, deep = [], []
-  Contestant(objectives[0], size, spec, engine, min_shard, seed).prepare()  # warms JAX up
-  for _ in range(repeats):
-    for objective, times in zip(objectives, (shallow, deep)):
-      contestant = Contestant(objective, size, spec, engine, min_shard, seed)
-      contestant.compile()
-      times.append(contestant.compile_s)
-      contestant.release()
-  return DepthCheck(layout=contestant.layout, engine=engine, shallow_layers=size.layers,
-                    deep_layers=deep_layers, shallow_s=statistics.median(shallow),
-                    deep_s=statistics.median(deep))
+    Each compile uses a fresh ``Trainer`` (nothing cached between them); medians of ``repeats`` each.
+    """
+    _positive("deep_layers", deep_layers)
+    _positive("repeats", repeats)
+    spec = _mesh_specs([layout])[0]
+    deep_size = dataclasses.replace(size, layers=deep_layers)
+    objectives = (size.objective(), deep_size.objective())
+    shallow, deep = [], []
+    Contestant(objectives[0], size, spec, engine, min_shard, seed).prepare()  # warms JAX up
+    for _ in range(repeats):
+        for objective, times in zip(objectives, (shallow, deep)):
+            contestant = Contestant(objective, size, spec, engine, min_shard, seed)
+            contestant.compile()
+            times.append(contestant.compile_s)
+            contestant.release()
+    return DepthCheck(
+        layout=contestant.layout,
+        engine=engine,
+        shallow_layers=size.layers,
+        deep_layers=deep_layers,
+        shallow_s=statistics.median(shallow),
+        deep_s=statistics.median(deep),
+    )
 
 
 def _mib(n: int) -> str:
-  return f"{n / 2**20:.2f}"
+    return f"{n / 2**20:.2f}"
 
 
 def table(results: Sequence[Result]) -> str:
-  """The results as a text table, then the ratio shard_map / GSPMD of each layout."""
-  header = ("layout", "engine", "step ms", "compile s", "state MiB/dev", "temp MiB/dev",
-            "wire MiB/step", "collectives")
-  body = [(r.layout, r.engine, f"{r.step_ms:.0f}", f"{r.compile_s:.2f}",
-           _mib(r.state_bytes_per_device), _mib(r.temp_bytes_per_device), _mib(r.wire_bytes),
-           str(r.collectives)) for r in results]
-  lines = _render(header, body, right_from=2)
-  ratios = _engine_ratios(results)
-  if ratios:
-    lines += ["", "ratio shard_map / gspmd (below 1: shard_map is faster, moves fewer bytes; "
-              "step time: median over rounds of back-to-back steps)"]
-    lines += _render(("layout", "step time", "wire bytes", "temp memory"),
-                     [(layout, f"{t:.2f}", _ratio_text(w), _ratio_text(m))
-                      for layout, (t, w, m) in ratios.items()], right_from=1)
-  return "\n".join(lines)
+    """The results as a text table, then the ratio shard_map / GSPMD of each layout."""
+    header = (
+        "layout",
+        "engine",
+        "step ms",
+        "compile s",
+        "state MiB/dev",
+        "temp MiB/dev",
+        "wire MiB/step",
+        "collectives",
+    )
+    body = [
+        (
+            r.layout,
+            r.engine,
+            f"{r.step_ms:.0f}",
+            f"{r.compile_s:.2f}",
+            _mib(r.state_bytes_per_device),
+            _mib(r.temp_bytes_per_device),
+            _mib(r.wire_bytes),
+            str(r.collectives),
+        )
+        for r in results
+    ]
+    lines = _render(header, body, right_from=2)
+    ratios = _engine_ratios(results)
+    if ratios:
+        lines += [
+            "",
+            "ratio shard_map / gspmd (below 1: shard_map is faster, moves fewer bytes; "
+            "step time: median over rounds of back-to-back steps)",
+        ]
+        lines += _render(
+            ("layout", "step time", "wire bytes", "temp memory"),
+            [
+                (layout, f"{t:.2f}", _ratio_text(w), _ratio_text(m))
+                for layout, (t, w, m) in ratios.items()
+            ],
+            right_from=1,
+        )
+    return "\n".join(lines)
 
 
 def _ratio_text(value: float) -> str:
-  return "inf" if math.isinf(value) else f"{value:.3f}" if value < 0.1 else f"{value:.2f}"
+    return "inf" if math.isinf(value) else f"{value:.3f}" if value < 0.1 else f"{value:.2f}"
 
 
 def _render(header, body, right_from: int) -> list[str]:
-  widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
 
-  def line(cells):
-    return "  ".join(c.rjust(w) if i >= right_from else c.ljust(w)
-                     for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    def line(cells):
+        return "  ".join(
+            c.rjust(w) if i >= right_from else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
-  return [line(header), line(tuple("-" * w for w in widths))] + [line(row) for row in body]
+    return [line(header), line(tuple("-" * w for w in widths))] + [line(row) for row in body]
 
 
 def _ratio(a: float, b: float) -> float:
-  if b == 0:
-    return 1.0 if a == 0 else math.inf
-  return a / b
+    if b == 0:
+        return 1.0 if a == 0 else math.inf
+    return a / b
 
 
 def _time_ratio(a: Result, b: Result) -> float:
-  """``a``'s step time over ``b``'s: the median of the rounds' ratios when both ran the same
-  rounds (their steps back to back), else the ratio of the medians."""
-  if a.round_ms and len(a.round_ms) == len(b.round_ms):
-    return statistics.median(x / y for x, y in zip(a.round_ms, b.round_ms))
-  return _ratio(a.step_ms, b.step_ms)
+    """``a``'s step time over ``b``'s: the median of the rounds' ratios when both ran the same
+    rounds (their steps back to back), else the ratio of the medians."""
+    if a.round_ms and len(a.round_ms) == len(b.round_ms):
+        return statistics.median(x / y for x, y in zip(a.round_ms, b.round_ms))
+    return _ratio(a.step_ms, b.step_ms)
 
 
 def _engine_ratios(results: Sequence[Result]) -> dict[str, tuple[float, float, float]]:
-  """layout -> shard_map / gspmd of (step time, wire bytes, temp memory), where both ran."""
-  by_key = {(r.layout, r.engine): r for r in results}
-  ratios = {}
-  for r in results:
-    other = by_key.get((r.layout, "gspmd"))
-    if r.engine == "shard_map" and other is not None:
-      ratios[r.layout] = (_time_ratio(r, other), _ratio(r.wire_bytes, other.wire_bytes),
-                          _ratio(r.temp_bytes_per_device, other.temp_bytes_per_device))
-  return ratios
+    """layout -> shard_map / gspmd of (step time, wire bytes, temp memory), where both ran."""
+    by_key = {(r.layout, r.engine): r for r in results}
+    ratios = {}
+    for r in results:
+        other = by_key.get((r.layout, "gspmd"))
+        if r.engine == "shard_map" and other is not None:
+            ratios[r.layout] = (
+                _time_ratio(r, other),
+                _ratio(r.wire_bytes, other.wire_bytes),
+                _ratio(r.temp_bytes_per_device, other.temp_bytes_per_device),
+            )
+    return ratios
 
 
 def targets(results: Sequence[Result], depth: DepthCheck | None = None) -> list[Target]:
-  """The targets of docs/benchmarks.md that ``results`` (and ``depth``) measure.
+    """The targets of docs/benchmarks.md that ``results`` (and ``depth``) measure.
 
-  - per layout: shard_map step time / GSPMD's <= 1, and wire bytes / GSPMD's <= 1;
-  - a fully sharded layout (``fsdp=n``, nothing else) holds at most 1/n of the state of the pure
-    data-parallel layout (``data=n``) per device, plus 2%: measured as
-    ``state(fsdp=n) / (state(data=n) / n)`` against ``1.02``;
-  - compile time at ``depth.deep_layers`` / at ``depth.shallow_layers`` <= 1.5.
-  """
-  found = []
-  for layout, (time_ratio, wire_ratio, _) in _engine_ratios(results).items():
-    found.append(Target(f"{layout}: step time shard_map / gspmd", time_ratio, 1.0))
-    found.append(Target(f"{layout}: wire bytes shard_map / gspmd", wire_ratio, 1.0))
-  state = {}
-  for r in results:
-    state.setdefault(r.layout, r.state_bytes_per_device)
-  for layout, fsdp_bytes in state.items():
-    if layout.startswith("fsdp=") and "," not in layout:
-      n = int(layout.split("=")[1])
-      data_bytes = state.get(f"data={n}")
-      if data_bytes:
-        found.append(Target(f"{layout}: state per device / (data={n}'s / {n})",
-                            fsdp_bytes / (data_bytes / n), 1.0 + STATE_SLACK))
-  if depth is not None:
-    found.append(Target(f"{depth.layout} {depth.engine}: compile time {depth.deep_layers} layers / "
-                        f"{depth.shallow_layers} layers", depth.ratio, DEPTH_LIMIT))
-  return found
+    - per layout: shard_map step time / GSPMD's <= 1, and wire bytes / GSPMD's <= 1;
+    - a fully sharded layout (``fsdp=n``, nothing else) holds at most 1/n of the state of the pure
+      data-parallel layout (``data=n``) per device, plus 2%: measured as
+      ``state(fsdp=n) / (state(data=n) / n)`` against ``1.02``;
+    - compile time at ``depth.deep_layers`` / at ``depth.shallow_layers`` <= 1.5.
+    """
+    found = []
+    for layout, (time_ratio, wire_ratio, _) in _engine_ratios(results).items():
+        found.append(Target(f"{layout}: step time shard_map / gspmd", time_ratio, 1.0))
+        found.append(Target(f"{layout}: wire bytes shard_map / gspmd", wire_ratio, 1.0))
+    state = {}
+    for r in results:
+        state.setdefault(r.layout, r.state_bytes_per_device)
+    for layout, fsdp_bytes in state.items():
+        if layout.startswith("fsdp=") and "," not in layout:
+            n = int(layout.split("=")[1])
+            data_bytes = state.get(f"data={n}")
+            if data_bytes:
+                found.append(
+                    Target(
+                        f"{layout}: state per device / (data={n}'s / {n})",
+                        fsdp_bytes / (data_bytes / n),
+                        1.0 + STATE_SLACK,
+                    )
+                )
+    if depth is not None:
+        found.append(
+            Target(
+                f"{depth.layout} {depth.engine}: compile time {depth.deep_layers} layers / "
+                f"{depth.shallow_layers} layers",
+                depth.ratio,
+                DEPTH_LIMIT,
+            )
+        )
+    return found
 
 
 def targets_table(found: Sequence[Target]) -> str:
-  body = [(t.name, f"{t.measured:.3f}", f"<= {t.limit:g}", "met" if t.met else "MISSED")
-          for t in found]
-  return "\n".join(_render(("target", "measured", "limit", ""), body, right_from=1))
+    body = [
+        (t.name, f"{t.measured:.3f}", f"<= {t.limit:g}", "met" if t.met else "MISSED")
+        for t in found
+    ]
+    return "\n".join(_render(("target", "measured", "limit", ""), body, right_from=1))

@@ -39,118 +39,127 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
 
 
 def path_names(path) -> tuple[str, ...]:
-  """The keys of a pytree path as plain strings: ``(DictKey('params'), GetAttrKey('mu'))`` -> ``('params', 'mu')``."""
-  names = []
-  for entry in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(entry, attr):
-        names.append(str(getattr(entry, attr)))
-        break
-    else:
-      names.append(str(entry))
-  return tuple(names)
+    """The keys of a pytree path as plain strings: ``(DictKey('params'), GetAttrKey('mu'))`` -> ``('params', 'mu')``."""
+    names = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                names.append(str(getattr(entry, attr)))
+                break
+        else:
+            names.append(str(entry))
+    return tuple(names)
 
 
 def _is_axes(x) -> bool:
-  return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
+    return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Maps logical axis names to mesh axes.
-
-  Args:
-    min_shard: weights with fewer elements than this stay whole on every device.
-    rules: ordered ``(logical name, mesh axis)`` pairs. No rule may name ``data``: a data-parallel
-      replica holds whole weights by definition.
-  """
-
-  min_shard: int = 65536
-  rules: Sequence[tuple[str, str]] = DEFAULT_RULES
-
-  def __post_init__(self):
-    if not isinstance(self.min_shard, int) or self.min_shard < 0:
-      raise ValueError(f"Layout.min_shard must be an integer >= 0, got {self.min_shard!r}")
-    rules = tuple(tuple(rule) for rule in self.rules)
-    for rule in rules:
-      if len(rule) != 2 or not all(isinstance(r, str) for r in rule):
-        raise ValueError(f"a layout rule is a (logical name, mesh axis) pair of strings, got {rule!r}")
-      if rule[1] == "data":
-        raise ValueError(f"layout rule {rule!r}: parameters are never placed on the data axis")
-      if rule[1] not in AXES:
-        raise ValueError(f"layout rule {rule!r}: mesh axis {rule[1]!r} is not one of {', '.join(AXES)}")
-    object.__setattr__(self, "rules", rules)
-
-  def spec(self, shape: Sequence[int], axes: Sequence[str | None] | None,
-           mesh_shape: Mapping[str, int]) -> P:
-    """The ``PartitionSpec`` of one array of ``shape`` whose dimensions carry logical names ``axes``.
-
-    ``axes=None`` (a leaf nobody declared) splits over fsdp along the largest dimension fsdp divides.
-    """
-    shape = tuple(shape)
-    if math.prod(shape) < max(self.min_shard, 1) or not shape:
-      return P()
-    if axes is None:
-      fsdp = mesh_shape.get("fsdp", 1)
-      candidates = [d for d in range(len(shape)) if fsdp > 1 and shape[d] % fsdp == 0]
-      if not candidates:
-        return P()
-      dim = max(candidates, key=lambda d: (shape[d], -d))
-      return P(*([None] * dim + ["fsdp"]))
-    if len(axes) != len(shape):
-      raise ValueError(f"logical axes {axes} do not match an array of shape {shape}")
-    placed: list[str | None] = [None] * len(shape)
-    for logical, mesh_axis in self.rules:
-      size = mesh_shape.get(mesh_axis, 1)
-      if size == 1 or mesh_axis in placed:
-        continue
-      for dim, name in enumerate(axes):
-        if name == logical and placed[dim] is None and shape[dim] % size == 0:
-          placed[dim] = mesh_axis
-          break
-    while placed and placed[-1] is None:
-      placed.pop()
-    return P(*placed)
-
-  def specs(self, mesh: Mesh, tree: Any, axes: Any = None) -> Any:
-    """A tree shaped like ``tree`` of ``PartitionSpec``.
+    """Maps logical axis names to mesh axes.
 
     Args:
-      mesh: the mesh the arrays will live on.
-      tree: any pytree whose array leaves have ``.shape`` (arrays, ``ShapeDtypeStruct``); other
-        leaves (Python numbers) stay whole.
-      axes: optional tree of logical-axis tuples for a parameter tree (``model.logical_axes()``).
-        A leaf of ``tree`` takes the axes of the parameter whose path is the longest suffix of its
-        own and whose rank matches; leaves that match nothing stay whole. Without ``axes`` every
-        leaf is undeclared and split over fsdp along its largest dimension fsdp divides.
+      min_shard: weights with fewer elements than this stay whole on every device.
+      rules: ordered ``(logical name, mesh axis)`` pairs. No rule may name ``data``: a data-parallel
+        replica holds whole weights by definition.
     """
-    declared: dict[tuple[str, ...], tuple] = {}
-    if axes is not None:
-      for path, leaf_axes in jax.tree_util.tree_flatten_with_path(axes, is_leaf=_is_axes)[0]:
-        declared[path_names(path)] = leaf_axes
-    mesh_shape = dict(mesh.shape)
 
-    def place(path, leaf):
-      shape = getattr(leaf, "shape", None)
-      if shape is None:
-        return P()
-      names = path_names(path)
-      for start in range(len(names)):
-        leaf_axes = declared.get(names[start:])
-        if leaf_axes is not None and len(leaf_axes) == len(shape):
-          return self.spec(shape, leaf_axes, mesh_shape)
-      # Without declared axes every leaf gets the generic fsdp split; with them, a leaf that matches
-      # no parameter (an optimizer's step count, a factored statistic) stays whole.
-      return self.spec(shape, None if axes is None else (None,) * len(shape), mesh_shape)
+    min_shard: int = 65536
+    rules: Sequence[tuple[str, str]] = DEFAULT_RULES
 
-    return jax.tree_util.tree_map_with_path(place, tree)
+    def __post_init__(self):
+        if not isinstance(self.min_shard, int) or self.min_shard < 0:
+            raise ValueError(f"Layout.min_shard must be an integer >= 0, got {self.min_shard!r}")
+        rules = tuple(tuple(rule) for rule in self.rules)
+        for rule in rules:
+            if len(rule) != 2 or not all(isinstance(r, str) for r in rule):
+                raise ValueError(
+                    f"a layout rule is a (logical name, mesh axis) pair of strings, got {rule!r}"
+                )
+            if rule[1] == "data":
+                raise ValueError(
+                    f"layout rule {rule!r}: parameters are never placed on the data axis"
+                )
+            if rule[1] not in AXES:
+                raise ValueError(
+                    f"layout rule {rule!r}: mesh axis {rule[1]!r} is not one of {', '.join(AXES)}"
+                )
+        object.__setattr__(self, "rules", rules)
 
-  def shardings(self, mesh: Mesh, tree: Any, axes: Any = None) -> Any:
-    """A tree shaped like ``tree`` of ``NamedSharding`` on ``mesh``; see ``specs``."""
-    return jax.tree_util.tree_map(
-        lambda spec: NamedSharding(mesh, spec), self.specs(mesh, tree, axes),
-        is_leaf=lambda x: isinstance(x, P))
+    def spec(
+        self, shape: Sequence[int], axes: Sequence[str | None] | None, mesh_shape: Mapping[str, int]
+    ) -> P:
+        """The ``PartitionSpec`` of one array of ``shape`` whose dimensions carry logical names ``axes``.
 
-  def describe(self) -> dict:
-    """A JSON-able record of this layout (kept in checkpoints for information)."""
-    return {"min_shard": self.min_shard, "rules": [list(rule) for rule in self.rules]}
+        ``axes=None`` (a leaf nobody declared) splits over fsdp along the largest dimension fsdp divides.
+        """
+        shape = tuple(shape)
+        if math.prod(shape) < max(self.min_shard, 1) or not shape:
+            return P()
+        if axes is None:
+            fsdp = mesh_shape.get("fsdp", 1)
+            candidates = [d for d in range(len(shape)) if fsdp > 1 and shape[d] % fsdp == 0]
+            if not candidates:
+                return P()
+            dim = max(candidates, key=lambda d: (shape[d], -d))
+            return P(*([None] * dim + ["fsdp"]))
+        if len(axes) != len(shape):
+            raise ValueError(f"logical axes {axes} do not match an array of shape {shape}")
+        placed: list[str | None] = [None] * len(shape)
+        for logical, mesh_axis in self.rules:
+            size = mesh_shape.get(mesh_axis, 1)
+            if size == 1 or mesh_axis in placed:
+                continue
+            for dim, name in enumerate(axes):
+                if name == logical and placed[dim] is None and shape[dim] % size == 0:
+                    placed[dim] = mesh_axis
+                    break
+        while placed and placed[-1] is None:
+            placed.pop()
+        return P(*placed)
+
+    def specs(self, mesh: Mesh, tree: Any, axes: Any = None) -> Any:
+        """A tree shaped like ``tree`` of ``PartitionSpec``.
+
+        Args:
+          mesh: the mesh the arrays will live on.
+          tree: any pytree whose array leaves have ``.shape`` (arrays, ``ShapeDtypeStruct``); other
+            leaves (Python numbers) stay whole.
+          axes: optional tree of logical-axis tuples for a parameter tree (``model.logical_axes()``).
+            A leaf of ``tree`` takes the axes of the parameter whose path is the longest suffix of its
+            own and whose rank matches; leaves that match nothing stay whole. Without ``axes`` every
+            leaf is undeclared and split over fsdp along its largest dimension fsdp divides.
+        """
+        declared: dict[tuple[str, ...], tuple] = {}
+        if axes is not None:
+            for path, leaf_axes in jax.tree_util.tree_flatten_with_path(axes, is_leaf=_is_axes)[0]:
+                declared[path_names(path)] = leaf_axes
+        mesh_shape = dict(mesh.shape)
+
+        def place(path, leaf):
+            shape = getattr(leaf, "shape", None)
+            if shape is None:
+                return P()
+            names = path_names(path)
+            for start in range(len(names)):
+                leaf_axes = declared.get(names[start:])
+                if leaf_axes is not None and len(leaf_axes) == len(shape):
+                    return self.spec(shape, leaf_axes, mesh_shape)
+            # Without declared axes every leaf gets the generic fsdp split; with them, a leaf that matches
+            # no parameter (an optimizer's step count, a factored statistic) stays whole.
+            return self.spec(shape, None if axes is None else (None,) * len(shape), mesh_shape)
+
+        return jax.tree_util.tree_map_with_path(place, tree)
+
+    def shardings(self, mesh: Mesh, tree: Any, axes: Any = None) -> Any:
+        """A tree shaped like ``tree`` of ``NamedSharding`` on ``mesh``; see ``specs``."""
+        return jax.tree_util.tree_map(
+            lambda spec: NamedSharding(mesh, spec),
+            self.specs(mesh, tree, axes),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def describe(self) -> dict:
+        """A JSON-able record of this layout (kept in checkpoints for information)."""
+        return {"min_shard": self.min_shard, "rules": [list(rule) for rule in self.rules]}

@@ -29,70 +29,77 @@ BATCH_AXES = ("data", "expert", "fsdp")
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-  """How many devices each mesh axis takes; ``data`` gets the rest.
+    """How many devices each mesh axis takes; ``data`` gets the rest.
 
-  ``MeshSpec(fsdp=8)`` on eight devices is fully sharded; ``MeshSpec(fsdp=4)`` on eight devices is
-  ``data 2 x fsdp 4``.
-  """
+    ``MeshSpec(fsdp=8)`` on eight devices is fully sharded; ``MeshSpec(fsdp=4)`` on eight devices is
+    ``data 2 x fsdp 4``.
+    """
 
-  fsdp: int = 1
-  expert: int = 1
-  tensor: int = 1
-  sequence: int = 1
-  stage: int = 1
-  # Optional: the data-parallel size you expect; checked against the devices left over.
-  data: int | None = None
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    stage: int = 1
+    # Optional: the data-parallel size you expect; checked against the devices left over.
+    data: int | None = None
 
-  def __post_init__(self):
-    if self.data is not None and (not isinstance(self.data, (int, np.integer)) or self.data < 1):
-      raise ValueError(f"MeshSpec.data must be None or an integer >= 1, got {self.data!r}")
-    for name in AXES[1:]:
-      size = getattr(self, name)
-      if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"MeshSpec.{name} must be an integer >= 1, got {size!r}")
+    def __post_init__(self):
+        if self.data is not None and (
+            not isinstance(self.data, (int, np.integer)) or self.data < 1
+        ):
+            raise ValueError(f"MeshSpec.data must be None or an integer >= 1, got {self.data!r}")
+        for name in AXES[1:]:
+            size = getattr(self, name)
+            if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"MeshSpec.{name} must be an integer >= 1, got {size!r}")
 
-  @property
-  def model_devices(self) -> int:
-    """Devices one copy of the data-parallel group spans: the product of every axis but ``data``."""
-    return math.prod(getattr(self, name) for name in AXES[1:])
+    @property
+    def model_devices(self) -> int:
+        """Devices one copy of the data-parallel group spans: the product of every axis but ``data``."""
+        return math.prod(getattr(self, name) for name in AXES[1:])
 
-  def shape(self, device_count: int) -> dict[str, int]:
-    """The size of every axis, ``data`` included, on ``device_count`` devices."""
-    if device_count % self.model_devices:
-      named = " x ".join(f"{n} {getattr(self, n)}" for n in AXES[1:] if getattr(self, n) > 1)
-      raise ValueError(
-          f"{named} = {self.model_devices} devices does not divide the {device_count} devices available")
-    data = device_count // self.model_devices
-    if self.data is not None and self.data != data:
-      raise ValueError(
-          f"mesh asks for data={self.data}, but {device_count} devices over "
-          f"{self.model_devices} per model copy leave data={data}")
-    return {"data": data,
-            **{name: getattr(self, name) for name in AXES[1:]}}
+    def shape(self, device_count: int) -> dict[str, int]:
+        """The size of every axis, ``data`` included, on ``device_count`` devices."""
+        if device_count % self.model_devices:
+            named = " x ".join(f"{n} {getattr(self, n)}" for n in AXES[1:] if getattr(self, n) > 1)
+            raise ValueError(
+                f"{named} = {self.model_devices} devices does not divide the {device_count} devices available"
+            )
+        data = device_count // self.model_devices
+        if self.data is not None and self.data != data:
+            raise ValueError(
+                f"mesh asks for data={self.data}, but {device_count} devices over "
+                f"{self.model_devices} per model copy leave data={data}"
+            )
+        return {"data": data, **{name: getattr(self, name) for name in AXES[1:]}}
 
-  @classmethod
-  def parse(cls, text: str) -> "MeshSpec":
-    """Reads ``"fsdp=4,tensor=2"``; ``data=N`` is kept and checked against the device count."""
-    sizes = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-      name, sep, value = part.partition("=")
-      name = name.strip()
-      if not sep or name not in AXES:
-        raise ValueError(f"mesh entry {part!r} is not AXIS=SIZE with AXIS one of {', '.join(AXES)}")
-      try:
-        sizes[name] = int(value)
-      except ValueError:
-        raise ValueError(f"mesh entry {part!r}: size {value.strip()!r} is not an integer") from None
-    return cls(**sizes)
+    @classmethod
+    def parse(cls, text: str) -> "MeshSpec":
+        """Reads ``"fsdp=4,tensor=2"``; ``data=N`` is kept and checked against the device count."""
+        sizes = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = part.partition("=")
+            name = name.strip()
+            if not sep or name not in AXES:
+                raise ValueError(
+                    f"mesh entry {part!r} is not AXIS=SIZE with AXIS one of {', '.join(AXES)}"
+                )
+            try:
+                sizes[name] = int(value)
+            except ValueError:
+                raise ValueError(
+                    f"mesh entry {part!r}: size {value.strip()!r} is not an integer"
+                ) from None
+        return cls(**sizes)
 
 
 def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A mesh with axes ``data, expert, fsdp, tensor, sequence, stage`` over ``devices`` (default: all).
+    """A mesh with axes ``data, expert, fsdp, tensor, sequence, stage`` over ``devices`` (default: all).
 
-  Axes are ``Auto``: inside a ``shard_map`` every axis is manual anyway, and outside it (the GSPMD
-  baseline, ``device_put``) XLA may propagate shardings freely.
-  """
-  devices = list(jax.devices() if devices is None else devices)
-  shape = spec.shape(len(devices))
-  grid = np.asarray(devices, dtype=object).reshape(tuple(shape[a] for a in AXES))
-  return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    Axes are ``Auto``: inside a ``shard_map`` every axis is manual anyway, and outside it (the GSPMD
+    baseline, ``device_put``) XLA may propagate shardings freely.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = spec.shape(len(devices))
+    grid = np.asarray(devices, dtype=object).reshape(tuple(shape[a] for a in AXES))
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

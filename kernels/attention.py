@@ -53,13 +53,17 @@ def default_blocks(target: str, head_dim: int, dtype) -> BlockConfig:
     """
     if target == "triton":
         block_q = max(MIN_BLOCK, min(128, 32768 // (head_dim * np.dtype(dtype).itemsize)))
-        return BlockConfig(block_q, max(MIN_BLOCK, block_q // 2),
-                           num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+        return BlockConfig(
+            block_q,
+            max(MIN_BLOCK, block_q // 2),
+            num_warps=4 if head_dim <= 64 else 8,
+            num_stages=2,
+        )
     return BlockConfig(64, 64)
 
 
 def choose_target(interpret: bool | None) -> str:
-    """"interpret" or "triton", from `interpret` and the default backend; ValueError otherwise."""
+    """ "interpret" or "triton", from `interpret` and the default backend; ValueError otherwise."""
     backend = jax.default_backend()
     if interpret is None:
         interpret = backend == "cpu"
@@ -70,10 +74,12 @@ def choose_target(interpret: bool | None) -> str:
     if backend == "tpu":
         raise ValueError(
             "flash_attention has no compiled TPU kernel (its [batch, seq, heads, head_dim] blocks "
-            "do not meet Mosaic TPU's tiling rules); pass interpret=True, or use XLA attention.")
+            "do not meet Mosaic TPU's tiling rules); pass interpret=True, or use XLA attention."
+        )
     raise ValueError(
         f"flash_attention compiles only for GPU (Pallas Triton); the default backend is "
-        f"{backend!r}. Pass interpret=True (or interpret=None) to run it in interpret mode.")
+        f"{backend!r}. Pass interpret=True (or interpret=None) to run it in interpret mode."
+    )
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -81,8 +87,10 @@ def _is_power_of_two(n: int) -> bool:
 
 
 def _shapes(q, k, v) -> str:
-    return (f"q {tuple(q.shape)} {np.dtype(q.dtype).name}, k {tuple(k.shape)} "
-            f"{np.dtype(k.dtype).name}, v {tuple(v.shape)} {np.dtype(v.dtype).name}")
+    return (
+        f"q {tuple(q.shape)} {np.dtype(q.dtype).name}, k {tuple(k.shape)} "
+        f"{np.dtype(k.dtype).name}, v {tuple(v.shape)} {np.dtype(v.dtype).name}"
+    )
 
 
 def check_inputs(q, k, v, target: str) -> None:
@@ -93,43 +101,52 @@ def check_inputs(q, k, v, target: str) -> None:
     if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
         raise ValueError(
             "flash_attention expects q [batch, q_len, heads, head_dim] and k, v "
-            f"[batch, kv_len, kv_heads, head_dim]; got {_shapes(q, k, v)}")
+            f"[batch, kv_len, kv_heads, head_dim]; got {_shapes(q, k, v)}"
+        )
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(
-            f"flash_attention: k and v must have the same shape; got {_shapes(q, k, v)}")
+            f"flash_attention: k and v must have the same shape; got {_shapes(q, k, v)}"
+        )
     batch, q_len, heads, head_dim = q.shape
     if k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(
-            "flash_attention: q and k, v must agree on batch and head_dim; got "
-            f"{_shapes(q, k, v)}")
+            f"flash_attention: q and k, v must agree on batch and head_dim; got {_shapes(q, k, v)}"
+        )
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if min(batch, q_len, kv_len, heads, kv_heads, head_dim) < 1:
         raise ValueError(
-            f"flash_attention: every dimension must be at least 1; got {_shapes(q, k, v)}")
+            f"flash_attention: every dimension must be at least 1; got {_shapes(q, k, v)}"
+        )
     if heads % kv_heads:
         raise ValueError(
             f"flash_attention: heads ({heads}) must be a multiple of kv_heads ({kv_heads}); "
-            f"got {_shapes(q, k, v)}")
+            f"got {_shapes(q, k, v)}"
+        )
     dtypes = {np.dtype(q.dtype), np.dtype(k.dtype), np.dtype(v.dtype)}
     if len(dtypes) != 1:
         raise ValueError(
-            f"flash_attention: q, k and v must share one dtype; got {_shapes(q, k, v)}")
+            f"flash_attention: q, k and v must share one dtype; got {_shapes(q, k, v)}"
+        )
     if np.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"flash_attention takes float32 or bfloat16; got {_shapes(q, k, v)}")
+        raise ValueError(f"flash_attention takes float32 or bfloat16; got {_shapes(q, k, v)}")
     if target == "triton" and head_dim not in TRITON_HEAD_DIMS:
         raise ValueError(
             f"flash_attention on GPU (Triton) needs head_dim in {TRITON_HEAD_DIMS}; got head_dim "
-            f"{head_dim} from {_shapes(q, k, v)}")
+            f"{head_dim} from {_shapes(q, k, v)}"
+        )
 
 
 def _choose_block(name: str, requested: int | None, default: int, length: int) -> int:
     if requested is None:
         requested = default
-    elif not (isinstance(requested, (int, np.integer)) and _is_power_of_two(int(requested))
-              and requested >= MIN_BLOCK):
-        raise ValueError(f"flash_attention: {name} must be a power of two >= {MIN_BLOCK}; "
-                         f"got {requested!r}")
+    elif not (
+        isinstance(requested, (int, np.integer))
+        and _is_power_of_two(int(requested))
+        and requested >= MIN_BLOCK
+    ):
+        raise ValueError(
+            f"flash_attention: {name} must be a power of two >= {MIN_BLOCK}; got {requested!r}"
+        )
     # A block longer than the (power-of-two rounded) sequence would only add padding.
     return min(int(requested), max(MIN_BLOCK, 1 << (length - 1).bit_length()))
 
@@ -155,9 +172,17 @@ class _Config:
         return pallas_triton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
-                    block_q: int | None = None, block_k: int | None = None,
-                    interpret: bool | None = None):
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool | None = None,
+):
     """Softmax attention, ``softmax(sm_scale * q k^T [masked]) v``, as Pallas kernels.
 
     Args:
@@ -184,19 +209,29 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     head_dim = q.shape[3]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    elif (isinstance(sm_scale, bool)
-          or not isinstance(sm_scale, (int, float, np.floating, np.integer))
-          or not math.isfinite(sm_scale)):
+    elif (
+        isinstance(sm_scale, bool)
+        or not isinstance(sm_scale, (int, float, np.floating, np.integer))
+        or not math.isfinite(sm_scale)
+    ):
         raise ValueError(
-            f"flash_attention: sm_scale must be a finite Python number, got {sm_scale!r}")
+            f"flash_attention: sm_scale must be a finite Python number, got {sm_scale!r}"
+        )
     defaults = default_blocks(target, head_dim, q.dtype)
     tiling = Tiling(
-        q_len=int(q.shape[1]), kv_len=int(k.shape[1]),
+        q_len=int(q.shape[1]),
+        kv_len=int(k.shape[1]),
         block_q=_choose_block("block_q", block_q, defaults.block_q, int(q.shape[1])),
         block_k=_choose_block("block_k", block_k, defaults.block_k, int(k.shape[1])),
-        causal=bool(causal))
-    config = _Config(tiling=tiling, sm_scale=float(sm_scale), interpret=target == "interpret",
-                     num_warps=defaults.num_warps, num_stages=defaults.num_stages)
+        causal=bool(causal),
+    )
+    config = _Config(
+        tiling=tiling,
+        sm_scale=float(sm_scale),
+        interpret=target == "interpret",
+        num_warps=defaults.num_warps,
+        num_stages=defaults.num_stages,
+    )
     return _padded_attention(q, k, v, config=config)
 
 
@@ -210,14 +245,25 @@ def _pad_rows(x, rows: int):
 def _padded_attention(q, k, v, *, config: _Config):
     tiling = config.tiling
     q, k, v = match_varying(q, k, v)
-    o = _attention(_pad_rows(q, tiling.q_padded), _pad_rows(k, tiling.kv_padded),
-                   _pad_rows(v, tiling.kv_padded), config)
-    return o[:, :tiling.q_len]
+    o = _attention(
+        _pad_rows(q, tiling.q_padded),
+        _pad_rows(k, tiling.kv_padded),
+        _pad_rows(v, tiling.kv_padded),
+        config,
+    )
+    return o[:, : tiling.q_len]
 
 
 def _run_forward(q, k, v, config: _Config):
-    return _forward.forward(q, k, v, tiling=config.tiling, scale=config.scale,
-                            interpret=config.interpret, compiler_params=config.compiler_params())
+    return _forward.forward(
+        q,
+        k,
+        v,
+        tiling=config.tiling,
+        scale=config.scale,
+        interpret=config.interpret,
+        compiler_params=config.compiler_params(),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -233,8 +279,18 @@ def _attention_fwd(q, k, v, config: _Config):
 def _attention_bwd(config: _Config, residuals, do):
     q, k, v, o, lse = residuals
     return _backward.backward(
-        q, k, v, o, lse, do, tiling=config.tiling, scale=config.scale, sm_scale=config.sm_scale,
-        interpret=config.interpret, compiler_params=config.compiler_params())
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        tiling=config.tiling,
+        scale=config.scale,
+        sm_scale=config.sm_scale,
+        interpret=config.interpret,
+        compiler_params=config.compiler_params(),
+    )
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

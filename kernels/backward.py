@@ -26,8 +26,19 @@ from .tiling import Tiling
 from .varying import out_struct
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               tiling: Tiling, scale: float, sm_scale: float):
+def _dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    tiling: Tiling,
+    scale: float,
+    sm_scale: float,
+):
     q_block = tiling.q_block_of_program(pl.program_id(0))
     q = q_ref[...]
     do = do_ref[...]
@@ -53,8 +64,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
     dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                 tiling: Tiling, group: int, scale: float, sm_scale: float):
+def _dkdv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    tiling: Tiling,
+    group: int,
+    scale: float,
+    sm_scale: float,
+):
     kv_block = pl.program_id(0)
     k = k_ref[...]  # [block_k, head_dim]
     v = v_ref[...]
@@ -79,10 +103,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     first, first_full = tiling.q_range(kv_block)
 
     def one_head(head, carry):
-        carry = block_loop(first, first_full,
-                           functools.partial(visit, head=head, masked=True), carry)
-        return block_loop(first_full, tiling.q_blocks,
-                          functools.partial(visit, head=head, masked=False), carry)
+        carry = block_loop(
+            first, first_full, functools.partial(visit, head=head, masked=True), carry
+        )
+        return block_loop(
+            first_full, tiling.q_blocks, functools.partial(visit, head=head, masked=False), carry
+        )
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = block_loop(0, group, one_head, (zeros, zeros))
@@ -90,8 +116,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def backward(q, k, v, o, lse, do, *, tiling: Tiling, scale: float, sm_scale: float,
-             interpret: bool, compiler_params):
+def backward(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    *,
+    tiling: Tiling,
+    scale: float,
+    sm_scale: float,
+    interpret: bool,
+    compiler_params,
+):
     """Padded residuals and cotangent -> (dq, dk, dv), each like its input.
 
     q, o, do: [batch, q_padded, heads, head_dim]; k, v: [batch, kv_padded, kv_heads, head_dim];
@@ -106,17 +144,26 @@ def backward(q, k, v, o, lse, do, *, tiling: Tiling, scale: float, sm_scale: flo
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
 
     # Grids put the block index first (fastest-launched), as in the forward.
-    q_block_spec = pl.BlockSpec((None, block_q, None, head_dim),
-                                lambda i, b, h: (b, tiling.q_block_of_program(i), h, 0))
-    kv_whole_spec = pl.BlockSpec((None, kv_padded, None, head_dim),
-                                 lambda i, b, h: (b, 0, h // group, 0))
-    row_block_spec = pl.BlockSpec((None, None, block_q),
-                                  lambda i, b, h: (b, h, tiling.q_block_of_program(i)))
+    q_block_spec = pl.BlockSpec(
+        (None, block_q, None, head_dim), lambda i, b, h: (b, tiling.q_block_of_program(i), h, 0)
+    )
+    kv_whole_spec = pl.BlockSpec(
+        (None, kv_padded, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)
+    )
+    row_block_spec = pl.BlockSpec(
+        (None, None, block_q), lambda i, b, h: (b, h, tiling.q_block_of_program(i))
+    )
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, tiling=tiling, scale=scale, sm_scale=sm_scale),
         grid=(tiling.q_blocks, batch, heads),
-        in_specs=[q_block_spec, kv_whole_spec, kv_whole_spec, q_block_spec,
-                  row_block_spec, row_block_spec],
+        in_specs=[
+            q_block_spec,
+            kv_whole_spec,
+            kv_whole_spec,
+            q_block_spec,
+            row_block_spec,
+            row_block_spec,
+        ],
         out_specs=q_block_spec,
         out_shape=out_struct(q.shape, q.dtype, like=q),
         interpret=interpret,
@@ -130,11 +177,16 @@ def backward(q, k, v, o, lse, do, *, tiling: Tiling, scale: float, sm_scale: flo
     rows_group_spec = pl.BlockSpec((None, group, q_padded), lambda j, b, g: (b, g, 0))
     kv_block_spec = pl.BlockSpec((None, block_k, None, head_dim), lambda j, b, g: (b, j, g, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, tiling=tiling, group=group, scale=scale,
-                          sm_scale=sm_scale),
+        functools.partial(_dkdv_kernel, tiling=tiling, group=group, scale=scale, sm_scale=sm_scale),
         grid=(tiling.kv_blocks, batch, kv_heads),
-        in_specs=[q_group_spec, kv_block_spec, kv_block_spec, q_group_spec,
-                  rows_group_spec, rows_group_spec],
+        in_specs=[
+            q_group_spec,
+            kv_block_spec,
+            kv_block_spec,
+            q_group_spec,
+            rows_group_spec,
+            rows_group_spec,
+        ],
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[out_struct(k.shape, k.dtype, like=k), out_struct(v.shape, v.dtype, like=v)],
         interpret=interpret,

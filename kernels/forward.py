@@ -32,8 +32,12 @@ def dot(a, b, contract: tuple[int, int]):
     """2-D matmul accumulated in float32. HIGHEST precision keeps float32 inputs off TF32 on
     GPU (the Triton lowering maps DEFAULT to TF32); for bfloat16 it changes nothing."""
     return lax.dot_general(
-        a, b, (((contract[0],), (contract[1],)), ((), ())),
-        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        a,
+        b,
+        (((contract[0],), (contract[1],)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, tiling: Tiling, scale: float):
@@ -85,12 +89,13 @@ def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool, compiler_
     block_q = tiling.block_q
     # Grid (q_blocks, batch, heads): the query blocks of one head are launched next to each
     # other, so they read its K/V from L2 rather than from HBM.
-    q_spec = pl.BlockSpec((None, block_q, None, head_dim),
-                          lambda i, b, h: (b, tiling.q_block_of_program(i), h, 0))
-    kv_spec = pl.BlockSpec((None, kv_padded, None, head_dim),
-                           lambda i, b, h: (b, 0, h // group, 0))
-    lse_spec = pl.BlockSpec((None, None, block_q),
-                            lambda i, b, h: (b, h, tiling.q_block_of_program(i)))
+    q_spec = pl.BlockSpec(
+        (None, block_q, None, head_dim), lambda i, b, h: (b, tiling.q_block_of_program(i), h, 0)
+    )
+    kv_spec = pl.BlockSpec((None, kv_padded, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    lse_spec = pl.BlockSpec(
+        (None, None, block_q), lambda i, b, h: (b, h, tiling.q_block_of_program(i))
+    )
     return pl.pallas_call(
         functools.partial(_forward_kernel, tiling=tiling, scale=scale),
         grid=(tiling.q_blocks, batch, heads),

@@ -8,8 +8,13 @@ import sys
 from dew.training.runtime import prepare_process
 
 port, process_id, folder, checkpoint_dir, steps = sys.argv[1:]
-prepare_process(multi_host=True, cpu_devices=4, coordinator_address=f"127.0.0.1:{port}",
-                num_processes=2, process_id=int(process_id))
+prepare_process(
+    multi_host=True,
+    cpu_devices=4,
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=int(process_id),
+)
 
 import jax  # noqa: E402
 
@@ -19,6 +24,12 @@ from tests.helpers import SEQ, smooth_optimizer, tiny_objective  # noqa: E402
 
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
 data = TokenWindows(folder, seq_len=SEQ, seed=7).load(batch=16)
-trainer = dew.Trainer(tiny_objective(), smooth_optimizer(), jax.random.key(5), mesh=dew.MeshSpec(fsdp=4),
-                      layout=dew.Layout(min_shard=1), checkpoints=dew.Checkpoints(checkpoint_dir))
+trainer = dew.Trainer(
+    tiny_objective(),
+    smooth_optimizer(),
+    jax.random.key(5),
+    mesh=dew.MeshSpec(fsdp=4),
+    layout=dew.Layout(min_shard=1),
+    checkpoints=dew.Checkpoints(checkpoint_dir),
+)
 trainer.fit(data, steps=int(steps), log_every=1)

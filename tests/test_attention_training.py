@@ -13,23 +13,30 @@ ROWS = 8
 
 
 def run(objective, mesh, batches):
-  trainer = dew.Trainer(objective, optax.sgd(0.1, momentum=0.9), jax.random.key(3), mesh=mesh,
-                        layout=dew.Layout(min_shard=1))
-  state = trainer.init_state()
-  step = trainer.train_step(ROWS)
-  first = trainer.device_batch(batches[0], ROWS)
-  grads, _ = trainer.gradients(state.params, first)
-  losses = []
-  for batch in batches:
-    state, loss = step(state, trainer.device_batch(batch, ROWS))
-    losses.append(float(loss))
-  return losses, grads
+    trainer = dew.Trainer(
+        objective,
+        optax.sgd(0.1, momentum=0.9),
+        jax.random.key(3),
+        mesh=mesh,
+        layout=dew.Layout(min_shard=1),
+    )
+    state = trainer.init_state()
+    step = trainer.train_step(ROWS)
+    first = trainer.device_batch(batches[0], ROWS)
+    grads, _ = trainer.gradients(state.params, first)
+    losses = []
+    for batch in batches:
+        state, loss = step(state, trainer.device_batch(batch, ROWS))
+        losses.append(float(loss))
+    return losses, grads
 
 
 @pytest.mark.parametrize("mesh", [dew.MeshSpec(), dew.MeshSpec(fsdp=8)], ids=["data8", "fsdp8"])
 def test_pallas_attention_trains_like_xla(mesh):
-  batches = [fresh_batch(ROWS) for _ in range(2)]
-  xla_losses, xla_grads = run(tiny_objective(num_layers=1), mesh, batches)
-  pallas_losses, pallas_grads = run(tiny_objective(num_layers=1, attention_impl="pallas"), mesh, batches)
-  np.testing.assert_allclose(pallas_losses, xla_losses, rtol=1e-4)
-  assert relative_error(pallas_grads, xla_grads) < 1e-4
+    batches = [fresh_batch(ROWS) for _ in range(2)]
+    xla_losses, xla_grads = run(tiny_objective(num_layers=1), mesh, batches)
+    pallas_losses, pallas_grads = run(
+        tiny_objective(num_layers=1, attention_impl="pallas"), mesh, batches
+    )
+    np.testing.assert_allclose(pallas_losses, xla_losses, rtol=1e-4)
+    assert relative_error(pallas_grads, xla_grads) < 1e-4

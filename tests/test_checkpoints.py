@@ -70,8 +70,11 @@ def _spec(path) -> P:
 def host_state(seed: int = 0) -> State:
     """Distinct random values in every leaf, so a mix-up of two leaves cannot pass."""
     rng = np.random.default_rng(seed)
-    params = jax.tree.map(lambda shape: rng.standard_normal(shape).astype(np.float32), PARAM_SHAPES,
-                          is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.tree.map(
+        lambda shape: rng.standard_normal(shape).astype(np.float32),
+        PARAM_SHAPES,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
     like = lambda: jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)  # noqa: E731
     return State(
         step=np.array(20, np.int32),
@@ -92,7 +95,9 @@ def place(tree, m: Mesh):
 
 def target_for(tree, m: Mesh):
     return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s), tree, shardings_for(tree, m)
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s),
+        tree,
+        shardings_for(tree, m),
     )
 
 
@@ -135,7 +140,9 @@ def test_reshard_matrix_restores_bit_for_bit_into_every_layout(saved_by_mesh, sa
         assert metadata == {"mesh": saved_on, "data_position": 320}
         assert isinstance(restored, State) and isinstance(restored.opt[0], AdamLike)
         assert_bits_equal(restored, state)
-        for leaf, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings_for(state, m))):
+        for leaf, sharding in zip(
+            jax.tree.leaves(restored), jax.tree.leaves(shardings_for(state, m))
+        ):
             assert leaf.sharding == sharding, (saved_on, restore_on)
 
 
@@ -145,7 +152,12 @@ def test_each_distinct_piece_is_written_once(saved_by_mesh):
     pieces = {array["path"]: array["pieces"] for array in index["arrays"]}
     assert len(pieces[".params['embed']"]) == 4  # fsdp 4, replicated over data 2: 4 pieces, not 8
     assert len(pieces[".params['norm']"]) == 1
-    assert sorted(p["slice"][0] for p in pieces[".params['embed']"]) == [[0, 16], [16, 32], [32, 48], [48, 64]]
+    assert sorted(p["slice"][0] for p in pieces[".params['embed']"]) == [
+        [0, 16],
+        [16, 32],
+        [32, 48],
+        [48, 64],
+    ]
     total = sum(p["nbytes"] for array in index["arrays"] for p in array["pieces"])
     assert total == sum(np.asarray(x).nbytes for x in jax.tree.leaves(state))
     # The index also records the tree it came from, and the format name and version.
@@ -187,13 +199,17 @@ def test_bfloat16_and_other_ml_dtypes_round_trip_as_raw_bits(tmp_path):
         "c64": (rng.standard_normal(4) + 1j * rng.standard_normal(4)).astype(np.complex64),
     }
     m = mesh(1, 8)
-    placed = {k: jax.device_put(v, NamedSharding(m, P("fsdp") if v.shape[0] % 8 == 0 else P()))
-              for k, v in tree.items()}
+    placed = {
+        k: jax.device_put(v, NamedSharding(m, P("fsdp") if v.shape[0] % 8 == 0 else P()))
+        for k, v in tree.items()
+    }
     ckpt = Checkpoints(tmp_path)
     ckpt.save(1, placed)
     ckpt.wait()
-    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh(8, 1), P()))
-              for k, v in tree.items()}
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh(8, 1), P()))
+        for k, v in tree.items()
+    }
     restored, _ = ckpt.restore(target)
     for name, value in tree.items():
         assert restored[name].dtype == value.dtype, name
@@ -214,7 +230,9 @@ def test_host_leaves_come_back_on_the_host(tmp_path):
     restored, _ = ckpt.restore({"count": 0, "rate": 0.0, "table": np.zeros((2, 3), np.int16)})
     assert restored["count"] == 7 and isinstance(restored["count"], int)
     assert restored["rate"] == 0.5
-    assert isinstance(restored["table"], np.ndarray) and np.array_equal(restored["table"], np.arange(6).reshape(2, 3))
+    assert isinstance(restored["table"], np.ndarray) and np.array_equal(
+        restored["table"], np.arange(6).reshape(2, 3)
+    )
 
 
 def test_restore_into_concrete_arrays_uses_their_sharding(tmp_path):
@@ -268,10 +286,15 @@ def _assemble(step_dir, index, boxes):
     "boxes",
     [
         [((16, 0), (24, 32))],  # what one of 8 fsdp devices needs: 1 KiB
-        [((0, 0), (8, 32)), ((56, 0), (64, 32))],  # two devices far apart (other processes own the middle)
+        [
+            ((0, 0), (8, 32)),
+            ((56, 0), (64, 32)),
+        ],  # two devices far apart (other processes own the middle)
     ],
 )
-def test_a_sharded_target_reads_only_its_byte_ranges_of_a_whole_saved_array(tmp_path, monkeypatch, boxes):
+def test_a_sharded_target_reads_only_its_byte_ranges_of_a_whole_saved_array(
+    tmp_path, monkeypatch, boxes
+):
     values, step_dir, index = _one_array_checkpoint(tmp_path, P())  # saved whole: one 8 KiB piece
     counter = _CountingReads(monkeypatch)
     out = _assemble(step_dir, index, boxes)
@@ -298,11 +321,17 @@ def test_each_piece_is_read_once_per_process(tmp_path, monkeypatch, saved_spec, 
     assert counter.bytes == values.nbytes  # not once per device
 
 
-@pytest.mark.parametrize("saved_spec, target_spec", [(P("fsdp"), P(None, "fsdp")), (P(), P("fsdp"))])
+@pytest.mark.parametrize(
+    "saved_spec, target_spec", [(P("fsdp"), P(None, "fsdp")), (P(), P("fsdp"))]
+)
 def test_a_full_restore_reads_each_piece_once(tmp_path, monkeypatch, saved_spec, target_spec):
     values, step_dir, _ = _one_array_checkpoint(tmp_path, saved_spec)
     counter = _CountingReads(monkeypatch)
-    target = {"w": jax.ShapeDtypeStruct(values.shape, values.dtype, sharding=NamedSharding(mesh(1, 8), target_spec))}
+    target = {
+        "w": jax.ShapeDtypeStruct(
+            values.shape, values.dtype, sharding=NamedSharding(mesh(1, 8), target_spec)
+        )
+    }
     restored, _ = Checkpoints(step_dir.parent).restore(target)
     assert np.asarray(restored["w"]).tobytes() == values.tobytes()
     assert counter.bytes == values.nbytes
@@ -329,7 +358,9 @@ class LoaderHostMemory:
                 self._close_interval()
                 if any(array.unsafe_buffer_pointer() == host.ctypes.data for array in placed):
                     allocation = host
-                    while allocation.base is not None:  # the whole allocation, alignment padding included
+                    while (
+                        allocation.base is not None
+                    ):  # the whole allocation, alignment padding included
                         allocation = allocation.base
                     self.adopted += allocation.nbytes
             return placed
@@ -354,17 +385,29 @@ def test_restoring_a_sharded_state_holds_about_two_pieces_in_host_memory(
     tmp_path, monkeypatch, saved_spec, largest_piece
 ):
     rng = np.random.default_rng(0)
-    state = {f"w{i}": rng.standard_normal((2048, 256)).astype(np.float32) for i in range(4)}  # 4 x 2 MiB
+    state = {
+        f"w{i}": rng.standard_normal((2048, 256)).astype(np.float32) for i in range(4)
+    }  # 4 x 2 MiB
     ckpt = Checkpoints(tmp_path, read_workers=2)
-    ckpt.save(1, {k: jax.device_put(v, NamedSharding(mesh(1, 8), saved_spec)) for k, v in state.items()})
+    ckpt.save(
+        1, {k: jax.device_put(v, NamedSharding(mesh(1, 8), saved_spec)) for k, v in state.items()}
+    )
     ckpt.wait()
-    assert max(p["nbytes"] for a in index_of(ckpt.step_path(1))["arrays"] for p in a["pieces"]) == largest_piece
-    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh(1, 8), P("fsdp")))
-              for k, v in state.items()}
+    assert (
+        max(p["nbytes"] for a in index_of(ckpt.step_path(1))["arrays"] for p in a["pieces"])
+        == largest_piece
+    )
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh(1, 8), P("fsdp")))
+        for k, v in state.items()
+    }
     with LoaderHostMemory(monkeypatch) as memory:
         restored, _ = ckpt.restore(target)
     assert_bits_equal(restored, state)
-    assert memory.peak <= 2 * largest_piece + (256 << 10), (memory.peak, largest_piece)  # plus ~100 KiB of bookkeeping
+    assert memory.peak <= 2 * largest_piece + (256 << 10), (
+        memory.peak,
+        largest_piece,
+    )  # plus ~100 KiB of bookkeeping
 
 
 # --- retention, steps, latest -------------------------------------------------------------------
@@ -372,7 +415,9 @@ def test_restoring_a_sharded_state_holds_about_two_pieces_in_host_memory(
 
 def test_keep_two_keeps_the_newest_two_steps(tmp_path):
     ckpt = Checkpoints(tmp_path / "run", keep=2)
-    assert ckpt.directory == (tmp_path / "run").absolute() and ckpt.latest is None and ckpt.steps == []
+    assert (
+        ckpt.directory == (tmp_path / "run").absolute() and ckpt.latest is None and ckpt.steps == []
+    )
     for step in (1, 2, 3, 4):
         ckpt.save(step, {"x": np.full(3, step, np.float32)})
         ckpt.wait()
@@ -428,7 +473,10 @@ print("not killed", flush=True)
 def test_a_save_killed_mid_write_leaves_the_previous_step_loadable(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     process = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env,
+        [sys.executable, "-c", _KILLED_SAVE, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         line = process.stdout.readline()  # the background write is now between two members
@@ -453,7 +501,9 @@ def test_a_step_caught_between_the_two_renames_of_a_replacement_is_recovered(tmp
     ckpt = Checkpoints(tmp_path, keep=None)
     ckpt.save(1, {"x": np.ones(2)})
     ckpt.wait()
-    os.rename(ckpt.step_path(1), tmp_path / "step_00000001.replaced")  # killed before the new one landed
+    os.rename(
+        ckpt.step_path(1), tmp_path / "step_00000001.replaced"
+    )  # killed before the new one landed
     assert ckpt.steps == []
     ckpt.save(2, {"x": np.ones(2)})
     ckpt.wait()
@@ -470,7 +520,9 @@ def test_a_failed_background_write_surfaces_at_wait_and_leaves_no_step(tmp_path,
 
     monkeypatch.setattr(npz, "_pwrite_all", disk_full)
     ckpt.save(2, {"x": np.ones(4)})  # returns: the write runs in the background
-    with pytest.raises(CheckpointError, match=r"saving step 2 to .* failed: OSError: .*No space left"):
+    with pytest.raises(
+        CheckpointError, match=r"saving step 2 to .* failed: OSError: .*No space left"
+    ):
         ckpt.wait()
     ckpt.wait()  # reported once
     assert ckpt.steps == [1] and not (tmp_path / "step_00000002.tmp").exists()
@@ -488,7 +540,9 @@ def test_save_returns_before_the_files_are_written(tmp_path, monkeypatch):
     from dew.checkpoints import writer
 
     released = []
-    monkeypatch.setattr(writer, "after_member_hook", lambda member: time.sleep(0.3) or released.append(member))
+    monkeypatch.setattr(
+        writer, "after_member_hook", lambda member: time.sleep(0.3) or released.append(member)
+    )
     ckpt = Checkpoints(tmp_path)
     values = jax.device_put(np.arange(8.0), NamedSharding(mesh(4, 2), P("fsdp")))
     ckpt.save(1, {"x": values})
@@ -544,7 +598,9 @@ def _drop_piece(step_dir):
 
 
 def _corrupt_index(step_dir):
-    (step_dir / "index.json").write_text('{"format": "dew-checkpoint", "version": 1, "step": 2, "arr')
+    (step_dir / "index.json").write_text(
+        '{"format": "dew-checkpoint", "version": 1, "step": 2, "arr'
+    )
 
 
 def _escape_folder(step_dir):
@@ -594,13 +650,22 @@ DAMAGE = {
     "missing file": (_delete_file, r"process_00000\.npz is missing"),
     "missing piece": (_drop_piece, r"its pieces hold \d+ elements, the array \d+"),
     "corrupt index": (_corrupt_index, r"index\.json: not valid JSON"),
-    "missing index": (lambda step_dir: (step_dir / "index.json").unlink(), r"index\.json is missing"),
-    "file outside its folder": (_escape_folder, r"not a process_NNNNN\.npz file in the step folder"),
+    "missing index": (
+        lambda step_dir: (step_dir / "index.json").unlink(),
+        r"index\.json is missing",
+    ),
+    "file outside its folder": (
+        _escape_folder,
+        r"not a process_NNNNN\.npz file in the step folder",
+    ),
     "symlinked file": (_symlink_file, r"process_00000\.npz cannot be opened as a regular file"),
     "absurd byte length": (_absurd_nbytes, r"declares 1000000000000000 bytes, but its slice"),
     "offset past the end": (_offset_past_end, r"past the end of process_00000\.npz"),
     "negative offset": (_negative_offset, r"offset must be an integer in \[0"),
-    "slice outside the shape": (_slice_outside_shape, r"slice\[0\] must be an integer in \[0, \d+\]"),
+    "slice outside the shape": (
+        _slice_outside_shape,
+        r"slice\[0\] must be an integer in \[0, \d+\]",
+    ),
     "unknown dtype": (_unknown_dtype, r"dtype 'object', which Dew does not store"),
 }
 
@@ -613,7 +678,9 @@ def test_damage_is_caught_naming_step_and_file_and_latest_falls_back(two_steps, 
     with pytest.raises(CorruptCheckpointError, match=message) as caught:
         ckpt.restore(target, step=2)
     assert "step 2" in str(caught.value)
-    with pytest.warns(UserWarning, match=r"checkpoint step 2 in .* is damaged, trying step 1: .*" + message):
+    with pytest.warns(
+        UserWarning, match=r"checkpoint step 2 in .* is damaged, trying step 1: .*" + message
+    ):
         restored, _ = ckpt.restore(target)
     assert ckpt.restored_step == 1
     assert_bits_equal(restored, states[1])
@@ -648,9 +715,14 @@ def test_a_newer_format_version_is_refused(two_steps):
 
 def test_a_shape_mismatch_names_the_parameter_and_both_shapes(two_steps):
     ckpt, _, target = two_steps
-    target.params["embed"] = jax.ShapeDtypeStruct((128, 16), jnp.float32, sharding=target.params["embed"].sharding)
-    with pytest.raises(CheckpointMismatchError, match=r"\.params\['embed'\] has shape \(64, 16\) in the checkpoint "
-                                                      r"but \(128, 16\) in the target"):
+    target.params["embed"] = jax.ShapeDtypeStruct(
+        (128, 16), jnp.float32, sharding=target.params["embed"].sharding
+    )
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"\.params\['embed'\] has shape \(64, 16\) in the checkpoint "
+        r"but \(128, 16\) in the target",
+    ):
         ckpt.restore(target)
     assert issubclass(CheckpointMismatchError, ValueError)
 
@@ -658,16 +730,24 @@ def test_a_shape_mismatch_names_the_parameter_and_both_shapes(two_steps):
 def test_a_tree_mismatch_names_the_paths(two_steps):
     ckpt, _, target = two_steps
     target.params["extra"] = target.params.pop("norm")
-    with pytest.raises(CheckpointMismatchError, match=r"the target has \.params\['extra'\], which the checkpoint "
-                                                      r"lacks; the checkpoint has \.params\['norm'\]"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"the target has \.params\['extra'\], which the checkpoint "
+        r"lacks; the checkpoint has \.params\['norm'\]",
+    ):
         ckpt.restore(target)
 
 
 def test_a_dtype_mismatch_names_the_parameter_and_both_dtypes(two_steps):
     ckpt, _, target = two_steps
-    target.params["norm"] = jax.ShapeDtypeStruct((16,), jnp.bfloat16, sharding=target.params["norm"].sharding)
-    with pytest.raises(CheckpointMismatchError, match=r"\.params\['norm'\] has dtype float32 in the checkpoint "
-                                                      r"but bfloat16 in the target"):
+    target.params["norm"] = jax.ShapeDtypeStruct(
+        (16,), jnp.bfloat16, sharding=target.params["norm"].sharding
+    )
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"\.params\['norm'\] has dtype float32 in the checkpoint "
+        r"but bfloat16 in the target",
+    ):
         ckpt.restore(target)
 
 
@@ -679,7 +759,9 @@ def test_a_directory_that_is_not_a_dew_checkpoint_says_so(tmp_path):
     (tmp_path / "20").mkdir()
     ckpt = Checkpoints(tmp_path)
     assert ckpt.latest is None
-    with pytest.raises(NotACheckpointError, match=r"is not a Dew checkpoint directory: .*\(it holds: 20, weights"):
+    with pytest.raises(
+        NotACheckpointError, match=r"is not a Dew checkpoint directory: .*\(it holds: 20, weights"
+    ):
         ckpt.restore({"x": np.zeros(1)})
     with pytest.raises(NotACheckpointError, match="the directory does not exist"):
         Checkpoints(tmp_path / "nothing").restore({"x": np.zeros(1)})
@@ -687,7 +769,9 @@ def test_a_directory_that_is_not_a_dew_checkpoint_says_so(tmp_path):
 
 def test_a_step_folder_passed_as_the_directory_is_refused(two_steps):
     ckpt, _, _ = two_steps
-    with pytest.raises(NotACheckpointError, match="one step's folder, not a checkpoint directory; pass its parent"):
+    with pytest.raises(
+        NotACheckpointError, match="one step's folder, not a checkpoint directory; pass its parent"
+    ):
         Checkpoints(ckpt.step_path(1))
 
 
@@ -703,13 +787,20 @@ def test_asking_for_a_step_that_does_not_exist(two_steps):
         (-1, {"x": np.zeros(1)}, None, "step must be a non-negative integer"),
         (1.5, {"x": np.zeros(1)}, None, "step must be a non-negative integer"),
         (1, {"key": jax.random.key(0)}, None, r"\['key'\]: it holds typed PRNG keys"),
-        (1, {"names": np.array(["a"], dtype=object)}, None, r"\['names'\]: a checkpoint cannot hold dtype object"),
+        (
+            1,
+            {"names": np.array(["a"], dtype=object)},
+            None,
+            r"\['names'\]: a checkpoint cannot hold dtype object",
+        ),
         (1, {"s": "text"}, None, r"\['s'\]: a str is not an array"),
         (1, {"x": np.zeros(1)}, {"loss": object()}, "metadata must be JSON-serialisable"),
         (1, {"x": np.zeros(1)}, {"loss": float("nan")}, "metadata must be JSON-serialisable"),
     ],
 )
-def test_bad_save_input_is_a_value_error_before_anything_is_written(tmp_path, step, tree, metadata, message):
+def test_bad_save_input_is_a_value_error_before_anything_is_written(
+    tmp_path, step, tree, metadata, message
+):
     ckpt = Checkpoints(tmp_path / "run")
     with pytest.raises(ValueError, match=message):
         ckpt.save(step, tree, metadata=metadata)
@@ -781,18 +872,33 @@ def _free_port() -> int:
 def test_two_processes_save_and_restore_across_layouts_and_process_counts(tmp_path):
     """Two subprocesses with 4 CPU devices each (gloo collectives): restore a one-process
     checkpoint, save from both, restore in another layout; then restore theirs in this process."""
-    values = {"w": np.arange(64 * 16, dtype=np.float32).reshape(64, 16), "b": np.arange(16, dtype=np.int32)}
+    values = {
+        "w": np.arange(64 * 16, dtype=np.float32).reshape(64, 16),
+        "b": np.arange(16, dtype=np.int32),
+    }
     by_one = Checkpoints(tmp_path / "one")
-    by_one.save(3, {k: jax.device_put(v, NamedSharding(mesh(8, 1), P())) for k, v in values.items()})
+    by_one.save(
+        3, {k: jax.device_put(v, NamedSharding(mesh(8, 1), P())) for k, v in values.items()}
+    )
     by_one.wait()
     port = _free_port()
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     workers = [
         subprocess.Popen(
-            [sys.executable, "-c", _TWO_PROCESS_WORKER, str(i), str(port), str(tmp_path / "one"),
-             str(tmp_path / "two")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            [
+                sys.executable,
+                "-c",
+                _TWO_PROCESS_WORKER,
+                str(i),
+                str(port),
+                str(tmp_path / "one"),
+                str(tmp_path / "two"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         for i in range(2)
     ]
@@ -807,8 +913,14 @@ def test_two_processes_save_and_restore_across_layouts_and_process_counts(tmp_pa
     index = index_of(ckpt.step_path(7))
     assert [f["name"] for f in index["files"]] == ["process_00000.npz", "process_00001.npz"]
     assert index["writer"]["process_count"] == 2
-    assert sorted(os.listdir(ckpt.step_path(7))) == ["index.json", "process_00000.npz", "process_00001.npz"]
+    assert sorted(os.listdir(ckpt.step_path(7))) == [
+        "index.json",
+        "process_00000.npz",
+        "process_00001.npz",
+    ]
     replicated = NamedSharding(mesh(8, 1), P())
-    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in values.items()}
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in values.items()
+    }
     restored, _ = ckpt.restore(target)
     assert_bits_equal(restored, values)

@@ -44,13 +44,19 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def objective():
-  return tiny_objective()
+    return tiny_objective()
 
 
 def make_trainer(objective, mesh, engine="shard_map", accumulation=1):
-  return dew.Trainer(objective, optax.adamw(1e-3), key=jax.random.key(0), mesh=mesh,
-                     layout=dew.Layout(min_shard=MIN_SHARD), engine=engine,
-                     accumulation=accumulation)
+    return dew.Trainer(
+        objective,
+        optax.adamw(1e-3),
+        key=jax.random.key(0),
+        mesh=mesh,
+        layout=dew.Layout(min_shard=MIN_SHARD),
+        engine=engine,
+        accumulation=accumulation,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -58,91 +64,104 @@ def make_trainer(objective, mesh, engine="shard_map", accumulation=1):
 
 
 def weights(trainer):
-  """``(path, bytes, layers or None, split over fsdp)`` for every parameter of the trainer."""
-  params = jax.eval_shape(trainer.objective.model.init, jax.random.key(0))
-  specs = jax.tree_util.tree_leaves(trainer.param_specs,
-                                    is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  found = []
-  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  for (path, leaf), spec in zip(leaves, specs, strict=True):
-    names = path_names(path)
-    stacked = leaf.shape[0] if names[:2] == ("params", "layers") else None
-    found.append((names, math.prod(leaf.shape) * leaf.dtype.itemsize, stacked, fsdp.is_split(spec)))
-  return found
+    """``(path, bytes, layers or None, split over fsdp)`` for every parameter of the trainer."""
+    params = jax.eval_shape(trainer.objective.model.init, jax.random.key(0))
+    specs = jax.tree_util.tree_leaves(
+        trainer.param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    found = []
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, leaf), spec in zip(leaves, specs, strict=True):
+        names = path_names(path)
+        stacked = leaf.shape[0] if names[:2] == ("params", "layers") else None
+        found.append(
+            (names, math.prod(leaf.shape) * leaf.dtype.itemsize, stacked, fsdp.is_split(spec))
+        )
+    return found
 
 
 def expected_collectives(trainer) -> CollectiveReport:
-  """The report docs/collectives.md predicts for ``trainer``'s step.
+    """The report docs/collectives.md predicts for ``trainer``'s step.
 
-  Per device, with ``W`` a weight's bytes, ``n_d``/``n_f`` the data/fsdp sizes, ``N = n_d n_f``
-  and ``k`` microbatches:
+    Per device, with ``W`` a weight's bytes, ``n_d``/``n_f`` the data/fsdp sizes, ``N = n_d n_f``
+    and ``k`` microbatches:
 
-  - split over fsdp, in the layer scan (``L`` layers): ``2 L k`` gathers of ``W / (L n_f)``
-    (forward, and again in the rematerialized backward) and ``L k`` scatters of ``W / L``;
-  - split over fsdp, outside the scan: ``k`` gathers of ``W / n_f``, ``k`` scatters of ``W``;
-  - split: one psum of ``W / n_f`` over data; whole: one psum of ``W`` over data and fsdp;
-  - the loss: one psum of 4 bytes over data and fsdp.
-  """
-  sizes = dict(trainer.mesh.shape)
-  n_f, k = sizes["fsdp"], trainer.accumulation
-  batch_axes = tuple(a for a in ("data", "fsdp") if sizes[a] > 1)
-  tallies = {}
+    - split over fsdp, in the layer scan (``L`` layers): ``2 L k`` gathers of ``W / (L n_f)``
+      (forward, and again in the rematerialized backward) and ``L k`` scatters of ``W / L``;
+    - split over fsdp, outside the scan: ``k`` gathers of ``W / n_f``, ``k`` scatters of ``W``;
+    - split: one psum of ``W / n_f`` over data; whole: one psum of ``W`` over data and fsdp;
+    - the loss: one psum of 4 bytes over data and fsdp.
+    """
+    sizes = dict(trainer.mesh.shape)
+    n_f, k = sizes["fsdp"], trainer.accumulation
+    batch_axes = tuple(a for a in ("data", "fsdp") if sizes[a] > 1)
+    tallies = {}
 
-  def add(op, axes, count, operand, wire_per_byte):
-    if not axes:
-      return
-    count_, operand_, wire_ = tallies.get((op, axes), (0, 0, fractions.Fraction(0)))
-    tallies[(op, axes)] = (count_ + count, operand_ + operand, wire_ + wire_per_byte * operand)
+    def add(op, axes, count, operand, wire_per_byte):
+        if not axes:
+            return
+        count_, operand_, wire_ = tallies.get((op, axes), (0, 0, fractions.Fraction(0)))
+        tallies[(op, axes)] = (count_ + count, operand_ + operand, wire_ + wire_per_byte * operand)
 
-  def ring(axes, factor):
-    n = math.prod(sizes[a] for a in axes)
-    return factor * fractions.Fraction(n - 1, n)
+    def ring(axes, factor):
+        n = math.prod(sizes[a] for a in axes)
+        return factor * fractions.Fraction(n - 1, n)
 
-  for _, nbytes, layers, split in weights(trainer):
-    if split:
-      calls = (layers or 1) * k
-      gathers = 2 * calls if layers else calls
-      add("all_gather", ("fsdp",), gathers, gathers * nbytes // ((layers or 1) * n_f), n_f - 1)
-      add("psum_scatter", ("fsdp",), calls, calls * nbytes // (layers or 1), ring(("fsdp",), 1))
-      if sizes["data"] > 1:
-        add("psum", ("data",), 1, nbytes // n_f, ring(("data",), 2))
-    else:
-      add("psum", batch_axes, 1, nbytes, ring(batch_axes, 2))
-  add("psum", batch_axes, 1, LOSS_BYTES, ring(batch_axes, 2))
-  rows = [CollectiveRow(op, axes, count, operand, int(round(wire)))
-          for (op, axes), (count, operand, wire) in tallies.items()]
-  return CollectiveReport(tuple(rows), tuple(sizes), tuple(sizes.values()))
+    for _, nbytes, layers, split in weights(trainer):
+        if split:
+            calls = (layers or 1) * k
+            gathers = 2 * calls if layers else calls
+            add(
+                "all_gather", ("fsdp",), gathers, gathers * nbytes // ((layers or 1) * n_f), n_f - 1
+            )
+            add(
+                "psum_scatter",
+                ("fsdp",),
+                calls,
+                calls * nbytes // (layers or 1),
+                ring(("fsdp",), 1),
+            )
+            if sizes["data"] > 1:
+                add("psum", ("data",), 1, nbytes // n_f, ring(("data",), 2))
+        else:
+            add("psum", batch_axes, 1, nbytes, ring(batch_axes, 2))
+    add("psum", batch_axes, 1, LOSS_BYTES, ring(batch_axes, 2))
+    rows = [
+        CollectiveRow(op, axes, count, operand, int(round(wire)))
+        for (op, axes), (count, operand, wire) in tallies.items()
+    ]
+    return CollectiveReport(tuple(rows), tuple(sizes), tuple(sizes.values()))
 
 
 def whole_bytes(trainer) -> int:
-  return sum(nbytes for _, nbytes, _, split in weights(trainer) if not split)
+    return sum(nbytes for _, nbytes, _, split in weights(trainer) if not split)
 
 
 def cost_problems(report: CollectiveReport, expected: CollectiveReport) -> list[str]:
-  """What separates ``report`` from the formula: empty when it matches.
+    """What separates ``report`` from the formula: empty when it matches.
 
-  Rows are matched by (op, axes); a row only one side has is a problem (``expected.diff``'s ``+``
-  and ``-`` lines). Gathers and scatters are counted exactly. A psum may bind its arrays as one
-  call or one call each (JAX 0.10 binds one per array; XLA combines them when it compiles), so its
-  count may be anything from 1 to the number of arrays. Bytes must be within 5%.
-  """
-  problems = [line for line in expected.diff(report) if line[0] in "+-"]
-  mine = {(row.op, row.axes): row for row in report.rows}
-  for want in expected.rows:
-    got = mine.get((want.op, want.axes))
-    if got is None:
-      continue
-    where = f"{want.op} over {','.join(want.axes)}"
-    if want.op == "psum":
-      if not 1 <= got.count <= want.count:
-        problems.append(f"{where}: {got.count} calls, expected 1 to {want.count}")
-    elif got.count != want.count:
-      problems.append(f"{where}: {got.count} calls, expected {want.count}")
-    for field in ("operand_bytes", "wire_bytes"):
-      g, w = getattr(got, field), getattr(want, field)
-      if abs(g - w) > RTOL * w:
-        problems.append(f"{where}: {field} {g}, expected {w} (+-{RTOL:.0%})")
-  return problems
+    Rows are matched by (op, axes); a row only one side has is a problem (``expected.diff``'s ``+``
+    and ``-`` lines). Gathers and scatters are counted exactly. A psum may bind its arrays as one
+    call or one call each (JAX 0.10 binds one per array; XLA combines them when it compiles), so its
+    count may be anything from 1 to the number of arrays. Bytes must be within 5%.
+    """
+    problems = [line for line in expected.diff(report) if line[0] in "+-"]
+    mine = {(row.op, row.axes): row for row in report.rows}
+    for want in expected.rows:
+        got = mine.get((want.op, want.axes))
+        if got is None:
+            continue
+        where = f"{want.op} over {','.join(want.axes)}"
+        if want.op == "psum":
+            if not 1 <= got.count <= want.count:
+                problems.append(f"{where}: {got.count} calls, expected 1 to {want.count}")
+        elif got.count != want.count:
+            problems.append(f"{where}: {got.count} calls, expected {want.count}")
+        for field in ("operand_bytes", "wire_bytes"):
+            g, w = getattr(got, field), getattr(want, field)
+            if abs(g - w) > RTOL * w:
+                problems.append(f"{where}: {field} {g}, expected {w} (+-{RTOL:.0%})")
+    return problems
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,44 +170,48 @@ def cost_problems(report: CollectiveReport, expected: CollectiveReport) -> list[
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_step_collectives_match_the_formula(objective, name):
-  trainer = make_trainer(objective, LAYOUTS[name])
-  report = trainer.collectives(DATA)
-  expected = expected_collectives(trainer)
-  assert expected.rows, "the formula predicts no collective at all"
-  assert cost_problems(report, expected) == [], f"{name}:\n{report}\nexpected:\n{expected}"
-  assert report.wire_bytes() == pytest.approx(expected.wire_bytes(), rel=RTOL)
+    trainer = make_trainer(objective, LAYOUTS[name])
+    report = trainer.collectives(DATA)
+    expected = expected_collectives(trainer)
+    assert expected.rows, "the formula predicts no collective at all"
+    assert cost_problems(report, expected) == [], f"{name}:\n{report}\nexpected:\n{expected}"
+    assert report.wire_bytes() == pytest.approx(expected.wire_bytes(), rel=RTOL)
 
 
 def test_data_parallel_step_only_sums_gradients_over_data(objective):
-  trainer = make_trainer(objective, dew.MeshSpec())
-  report = trainer.collectives(DATA)
-  assert report.count("all_gather") == 0 and report.count("psum_scatter") == 0, str(report)
-  assert {row.op for row in report.rows} == {"psum"}
-  assert {row.axes for row in report.rows} == {("data",)}
-  param_bytes = sum(nbytes for _, nbytes, _, _ in weights(trainer))
-  assert report.operand_bytes("psum", axis="data") == param_bytes + LOSS_BYTES
+    trainer = make_trainer(objective, dew.MeshSpec())
+    report = trainer.collectives(DATA)
+    assert report.count("all_gather") == 0 and report.count("psum_scatter") == 0, str(report)
+    assert {row.op for row in report.rows} == {"psum"}
+    assert {row.axes for row in report.rows} == {("data",)}
+    param_bytes = sum(nbytes for _, nbytes, _, _ in weights(trainer))
+    assert report.operand_bytes("psum", axis="data") == param_bytes + LOSS_BYTES
 
 
 @pytest.mark.parametrize("name", ["fsdp=8", "data=2,fsdp=4"])
 def test_fsdp_step_never_psums_split_gradients_over_fsdp(objective, name):
-  trainer = make_trainer(objective, LAYOUTS[name])
-  report = trainer.collectives(DATA)
-  split = [nbytes for _, nbytes, _, is_split in weights(trainer) if is_split]
-  assert split and whole_bytes(trainer) > 0, "the layout should split some weights, keep some whole"
-  # Over fsdp only the whole weights' gradients and the loss are all-reduced...
-  assert report.operand_bytes("psum", axis="fsdp") == whole_bytes(trainer) + LOSS_BYTES, str(report)
-  # ...the split ones come back reduce-scattered, each layer's slice on its own.
-  assert report.operand_bytes("psum_scatter", axis="fsdp") == sum(split)
-  assert report.wire_bytes("all_gather", axis="data") == 0
+    trainer = make_trainer(objective, LAYOUTS[name])
+    report = trainer.collectives(DATA)
+    split = [nbytes for _, nbytes, _, is_split in weights(trainer) if is_split]
+    assert split and whole_bytes(trainer) > 0, (
+        "the layout should split some weights, keep some whole"
+    )
+    # Over fsdp only the whole weights' gradients and the loss are all-reduced...
+    assert report.operand_bytes("psum", axis="fsdp") == whole_bytes(trainer) + LOSS_BYTES, str(
+        report
+    )
+    # ...the split ones come back reduce-scattered, each layer's slice on its own.
+    assert report.operand_bytes("psum_scatter", axis="fsdp") == sum(split)
+    assert report.wire_bytes("all_gather", axis="data") == 0
 
 
 def test_accumulation_multiplies_gathers_and_scatters_not_gradient_sums(objective):
-  trainer = make_trainer(objective, dew.MeshSpec(fsdp=4), accumulation=2)
-  report = trainer.collectives(DATA)
-  assert cost_problems(report, expected_collectives(trainer)) == [], str(report)
-  single = make_trainer(objective, dew.MeshSpec(fsdp=4)).collectives(DATA)
-  assert report.count("all_gather") == 2 * single.count("all_gather")
-  assert report.wire_bytes("psum") == single.wire_bytes("psum")
+    trainer = make_trainer(objective, dew.MeshSpec(fsdp=4), accumulation=2)
+    report = trainer.collectives(DATA)
+    assert cost_problems(report, expected_collectives(trainer)) == [], str(report)
+    single = make_trainer(objective, dew.MeshSpec(fsdp=4)).collectives(DATA)
+    assert report.count("all_gather") == 2 * single.count("all_gather")
+    assert report.wire_bytes("psum") == single.wire_bytes("psum")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,19 +219,19 @@ def test_accumulation_multiplies_gathers_and_scatters_not_gradient_sums(objectiv
 
 
 def sum_gradients_with(split_psums, whole_psums):
-  """A stand-in for ``dew.parallel.data.sum_gradients``: the gradients of weights split over fsdp
-  psummed over each axis tuple in ``split_psums`` in turn, those kept whole over ``whole_psums``."""
+    """A stand-in for ``dew.parallel.data.sum_gradients``: the gradients of weights split over fsdp
+    psummed over each axis tuple in ``split_psums`` in turn, those kept whole over ``whole_psums``."""
 
-  def sum_gradients(grads, specs, shards):
-    leaves, treedef = jax.tree_util.tree_flatten(grads)
-    out = []
-    for g, spec in zip(leaves, treedef.flatten_up_to(specs)):
-      for axes in (split_psums if fsdp.is_split(spec) else whole_psums):
-        g = lax.psum(g, axes)
-      out.append(g)
-    return jax.tree_util.tree_unflatten(treedef, out)
+    def sum_gradients(grads, specs, shards):
+        leaves, treedef = jax.tree_util.tree_flatten(grads)
+        out = []
+        for g, spec in zip(leaves, treedef.flatten_up_to(specs)):
+            for axes in split_psums if fsdp.is_split(spec) else whole_psums:
+                g = lax.psum(g, axes)
+            out.append(g)
+        return jax.tree_util.tree_unflatten(treedef, out)
 
-  return sum_gradients
+    return sum_gradients
 
 
 VARIANTS = {
@@ -222,38 +245,40 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_check_fails_when_a_collective_is_added_dropped_or_moved(objective, monkeypatch, variant):
-  split_psums, whole_psums, line = VARIANTS[variant]
-  trainer = make_trainer(objective, dew.MeshSpec(fsdp=4))
-  expected = expected_collectives(trainer)
-  honest = trainer.collectives(DATA)
-  monkeypatch.setattr(data_parallel, "sum_gradients", sum_gradients_with(split_psums, whole_psums))
-  report = make_trainer(objective, dew.MeshSpec(fsdp=4)).collectives(DATA)
-  problems = cost_problems(report, expected)
-  if line is None:
-    assert report == honest and problems == [], "\n".join(honest.diff(report))
-  else:
-    assert report != honest
-    assert any(p.startswith(line) for p in problems), problems
-  if variant == "moved":
-    assert any(p.startswith("+ psum over fsdp") for p in problems), problems
+    split_psums, whole_psums, line = VARIANTS[variant]
+    trainer = make_trainer(objective, dew.MeshSpec(fsdp=4))
+    expected = expected_collectives(trainer)
+    honest = trainer.collectives(DATA)
+    monkeypatch.setattr(
+        data_parallel, "sum_gradients", sum_gradients_with(split_psums, whole_psums)
+    )
+    report = make_trainer(objective, dew.MeshSpec(fsdp=4)).collectives(DATA)
+    problems = cost_problems(report, expected)
+    if line is None:
+        assert report == honest and problems == [], "\n".join(honest.diff(report))
+    else:
+        assert report != honest
+        assert any(p.startswith(line) for p in problems), problems
+    if variant == "moved":
+        assert any(p.startswith("+ psum over fsdp") for p in problems), problems
 
 
 def test_check_fails_when_the_backward_keeps_gathered_weights(objective, monkeypatch):
-  """Without the layer's ``jax.checkpoint`` autodiff saves the gathered weights: the backward's
-  gathers disappear, and with them half the gathers' bytes the formula counts."""
-  trainer = make_trainer(objective, dew.MeshSpec(fsdp=8))
-  monkeypatch.setattr(jax, "checkpoint", lambda fn, **_: fn)
-  report = make_trainer(objective, dew.MeshSpec(fsdp=8)).collectives(DATA)
-  problems = cost_problems(report, expected_collectives(trainer))
-  assert any(p.startswith("all_gather over fsdp:") and "calls" in p for p in problems), problems
+    """Without the layer's ``jax.checkpoint`` autodiff saves the gathered weights: the backward's
+    gathers disappear, and with them half the gathers' bytes the formula counts."""
+    trainer = make_trainer(objective, dew.MeshSpec(fsdp=8))
+    monkeypatch.setattr(jax, "checkpoint", lambda fn, **_: fn)
+    report = make_trainer(objective, dew.MeshSpec(fsdp=8)).collectives(DATA)
+    problems = cost_problems(report, expected_collectives(trainer))
+    assert any(p.startswith("all_gather over fsdp:") and "calls" in p for p in problems), problems
 
 
 def test_check_fails_against_another_layouts_formula(objective):
-  fsdp8 = make_trainer(objective, dew.MeshSpec(fsdp=8)).collectives(DATA)
-  other_formula = expected_collectives(make_trainer(objective, dew.MeshSpec(fsdp=4)))
-  problems = cost_problems(fsdp8, other_formula)
-  assert "- psum over data: " in "\n".join(problems)
-  assert any(p.startswith("+ psum over fsdp") for p in problems), problems
+    fsdp8 = make_trainer(objective, dew.MeshSpec(fsdp=8)).collectives(DATA)
+    other_formula = expected_collectives(make_trainer(objective, dew.MeshSpec(fsdp=4)))
+    problems = cost_problems(fsdp8, other_formula)
+    assert "- psum over data: " in "\n".join(problems)
+    assert any(p.startswith("+ psum over fsdp") for p in problems), problems
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,41 +286,45 @@ def test_check_fails_against_another_layouts_formula(objective):
 
 
 def test_gspmd_losses_equal_shard_map_and_its_collectives_come_from_hlo(objective):
-  rng = np.random.default_rng()
-  seed = int(rng.integers(1 << 31))
-  batches = [fresh_batch(BATCH, seed=seed + i) for i in range(3)]
-  # Initial weights depend on the key alone: build them once, and give each trainer its own copy,
-  # laid out its way (the step donates it).
-  initial = make_trainer(objective, dew.MeshSpec()).init_state()
-  for name, mesh in LAYOUTS.items():
-    losses, reports = {}, {}
-    for engine in ("shard_map", "gspmd"):
-      trainer = make_trainer(objective, mesh, engine)
-      state = jax.device_put(initial, trainer.state_shardings, may_alias=False)
-      step = trainer.train_step(BATCH)
-      losses[engine] = []
-      for rows in batches:
-        state, loss = step(state, trainer.device_batch(rows, BATCH))
-        losses[engine].append(float(loss))
-      reports[engine] = trainer.collectives(DATA)
-    np.testing.assert_allclose(losses["gspmd"], losses["shard_map"], rtol=1e-5,
-                               err_msg=f"{name}, batches of seed {seed}")
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 31))
+    batches = [fresh_batch(BATCH, seed=seed + i) for i in range(3)]
+    # Initial weights depend on the key alone: build them once, and give each trainer its own copy,
+    # laid out its way (the step donates it).
+    initial = make_trainer(objective, dew.MeshSpec()).init_state()
+    for name, mesh in LAYOUTS.items():
+        losses, reports = {}, {}
+        for engine in ("shard_map", "gspmd"):
+            trainer = make_trainer(objective, mesh, engine)
+            state = jax.device_put(initial, trainer.state_shardings, may_alias=False)
+            step = trainer.train_step(BATCH)
+            losses[engine] = []
+            for rows in batches:
+                state, loss = step(state, trainer.device_batch(rows, BATCH))
+                losses[engine].append(float(loss))
+            reports[engine] = trainer.collectives(DATA)
+        np.testing.assert_allclose(
+            losses["gspmd"],
+            losses["shard_map"],
+            rtol=1e-5,
+            err_msg=f"{name}, batches of seed {seed}",
+        )
 
-    gspmd = reports["gspmd"]
-    sizes = dict(trainer.mesh.shape)
-    assert isinstance(gspmd, CollectiveReport)
-    assert gspmd.axis_names == AXES and gspmd.axis_sizes == tuple(sizes[a] for a in AXES)
-    assert gspmd.rows and all(row.op in OPS for row in gspmd.rows), str(gspmd)
-    assert all(sizes[a] > 1 for row in gspmd.rows for a in row.axes), str(gspmd)
-    assert all(row.count > 0 and row.operand_bytes > 0 for row in gspmd.rows)
-    # The same form as the shard_map report: they diff row by row.
-    assert isinstance(reports["shard_map"].diff(gspmd), tuple)
-    if name == "data=8":
-      # XLA too only all-reduces over data, and at least every gradient once.
-      assert {(row.op, row.axes) for row in gspmd.rows} == {("psum", ("data",))}, str(gspmd)
-      assert gspmd.wire_bytes() >= expected_collectives(trainer).wire_bytes()
-    else:
-      assert gspmd.wire_bytes(axis="fsdp") > 0, str(gspmd)
+        gspmd = reports["gspmd"]
+        sizes = dict(trainer.mesh.shape)
+        assert isinstance(gspmd, CollectiveReport)
+        assert gspmd.axis_names == AXES and gspmd.axis_sizes == tuple(sizes[a] for a in AXES)
+        assert gspmd.rows and all(row.op in OPS for row in gspmd.rows), str(gspmd)
+        assert all(sizes[a] > 1 for row in gspmd.rows for a in row.axes), str(gspmd)
+        assert all(row.count > 0 and row.operand_bytes > 0 for row in gspmd.rows)
+        # The same form as the shard_map report: they diff row by row.
+        assert isinstance(reports["shard_map"].diff(gspmd), tuple)
+        if name == "data=8":
+            # XLA too only all-reduces over data, and at least every gradient once.
+            assert {(row.op, row.axes) for row in gspmd.rows} == {("psum", ("data",))}, str(gspmd)
+            assert gspmd.wire_bytes() >= expected_collectives(trainer).wire_bytes()
+        else:
+            assert gspmd.wire_bytes(axis="fsdp") > 0, str(gspmd)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -303,9 +332,9 @@ def test_gspmd_losses_equal_shard_map_and_its_collectives_come_from_hlo(objectiv
 
 
 def test_docs_examples_run():
-  text = (Path(__file__).parent.parent / "docs" / "collectives.md").read_text()
-  blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-  assert blocks, "docs/collectives.md has no python example"
-  namespace = {}
-  for block in blocks:
-    exec(compile(block, "docs/collectives.md", "exec"), namespace)
+    text = (Path(__file__).parent.parent / "docs" / "collectives.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "docs/collectives.md has no python example"
+    namespace = {}
+    for block in blocks:
+        exec(compile(block, "docs/collectives.md", "exec"), namespace)

@@ -7,21 +7,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dew.data import (BatchStream, ByteTokenizer, Loading, TokenWindows, WindowDataset, read_meta,
-                      write_example_corpus, write_token_folder)
+from dew.data import (
+    BatchStream,
+    ByteTokenizer,
+    Loading,
+    TokenWindows,
+    WindowDataset,
+    read_meta,
+    write_example_corpus,
+    write_token_folder,
+)
 
 
 def _numbered_folder(path, train_tokens, val_tokens=0):
-  """A token folder whose token at position i of train.bin is i (and 100000 + i in val.bin), so a
-  window's values say exactly where it was read from."""
-  train = np.arange(train_tokens)
-  val = 100_000 + np.arange(val_tokens)
-  write_token_folder(path, train, val, vocab_size=200_000)
-  return train, val
+    """A token folder whose token at position i of train.bin is i (and 100000 + i in val.bin), so a
+    window's values say exactly where it was read from."""
+    train = np.arange(train_tokens)
+    val = 100_000 + np.arange(val_tokens)
+    write_token_folder(path, train, val, vocab_size=200_000)
+    return train, val
 
 
 def _reader_threads():
-  return [t for t in threading.enumerate() if t.name.startswith("dew-data-reader")]
+    return [t for t in threading.enumerate() if t.name.startswith("dew-data-reader")]
 
 
 # --- tokenizer ---------------------------------------------------------------------------------
@@ -29,383 +37,431 @@ def _reader_threads():
 
 @pytest.mark.parametrize("text", ["", "the cat sees the ball.\n", "naïve café — 東京 🌧"])
 def test_byte_tokenizer_round_trip(text):
-  tokenizer = ByteTokenizer()
-  ids = tokenizer.encode(text)
-  assert ids == list(text.encode("utf-8"))
-  assert all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in ids)
-  assert tokenizer.decode(ids) == text
-  assert tokenizer.decode(np.asarray(ids, np.int32)) == text
-  assert tokenizer.vocab_size == 256
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in ids)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(np.asarray(ids, np.int32)) == text
+    assert tokenizer.vocab_size == 256
 
 
 def test_byte_tokenizer_decode_replaces_broken_utf8_and_rejects_out_of_range_ids():
-  tokenizer = ByteTokenizer()
-  cut = tokenizer.encode("é")[:1]  # half of a two-byte character
-  assert tokenizer.decode(cut + tokenizer.encode("x")) == "\ufffdx"
-  with pytest.raises(ValueError, match="256"):
-    tokenizer.decode([65, 256])
-  with pytest.raises(ValueError, match="-1"):
-    tokenizer.decode([-1])
+    tokenizer = ByteTokenizer()
+    cut = tokenizer.encode("é")[:1]  # half of a two-byte character
+    assert tokenizer.decode(cut + tokenizer.encode("x")) == "\ufffdx"
+    with pytest.raises(ValueError, match="256"):
+        tokenizer.decode([65, 256])
+    with pytest.raises(ValueError, match="-1"):
+        tokenizer.decode([-1])
 
 
 # --- the token folder --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("vocab_size, dtype", [(256, "uint8"), (257, "uint16"), (65536, "uint16"),
-                                               (65537, "uint32")])
+@pytest.mark.parametrize(
+    "vocab_size, dtype", [(256, "uint8"), (257, "uint16"), (65536, "uint16"), (65537, "uint32")]
+)
 def test_write_token_folder_picks_smallest_dtype_little_endian(tmp_path, vocab_size, dtype):
-  train = [0, 1, vocab_size - 1, 7, 3]
-  meta = write_token_folder(tmp_path / "tok", train, [vocab_size - 1], vocab_size=vocab_size, eos_id=3)
-  assert meta.dtype == dtype
-  saved = json.loads((tmp_path / "tok" / "meta.json").read_text())
-  assert saved == {"tokenizer": "byte", "vocab_size": vocab_size, "dtype": dtype, "train_tokens": 5,
-                   "val_tokens": 1, "eos_id": 3}
-  raw = (tmp_path / "tok" / "train.bin").read_bytes()
-  assert raw == np.asarray(train, np.dtype(dtype).newbyteorder("<")).tobytes()
-  assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == ["meta.json", "train.bin", "val.bin"]
-  assert read_meta(tmp_path / "tok") == meta
+    train = [0, 1, vocab_size - 1, 7, 3]
+    meta = write_token_folder(
+        tmp_path / "tok", train, [vocab_size - 1], vocab_size=vocab_size, eos_id=3
+    )
+    assert meta.dtype == dtype
+    saved = json.loads((tmp_path / "tok" / "meta.json").read_text())
+    assert saved == {
+        "tokenizer": "byte",
+        "vocab_size": vocab_size,
+        "dtype": dtype,
+        "train_tokens": 5,
+        "val_tokens": 1,
+        "eos_id": 3,
+    }
+    raw = (tmp_path / "tok" / "train.bin").read_bytes()
+    assert raw == np.asarray(train, np.dtype(dtype).newbyteorder("<")).tobytes()
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == [
+        "meta.json",
+        "train.bin",
+        "val.bin",
+    ]
+    assert read_meta(tmp_path / "tok") == meta
 
 
 def test_write_token_folder_rejects_bad_ids_and_keeps_existing_folders(tmp_path):
-  with pytest.raises(ValueError, match=r"300.*vocab_size=256"):
-    write_token_folder(tmp_path / "a", [1, 300], [])
-  with pytest.raises(ValueError, match="-2"):
-    write_token_folder(tmp_path / "a", [1], [-2])
-  with pytest.raises(ValueError, match="float"):
-    write_token_folder(tmp_path / "a", [1.5], [])
-  with pytest.raises(ValueError, match="eos_id"):
-    write_token_folder(tmp_path / "a", [1], [], eos_id=256)
-  assert not (tmp_path / "a" / "meta.json").exists()
+    with pytest.raises(ValueError, match=r"300.*vocab_size=256"):
+        write_token_folder(tmp_path / "a", [1, 300], [])
+    with pytest.raises(ValueError, match="-2"):
+        write_token_folder(tmp_path / "a", [1], [-2])
+    with pytest.raises(ValueError, match="float"):
+        write_token_folder(tmp_path / "a", [1.5], [])
+    with pytest.raises(ValueError, match="eos_id"):
+        write_token_folder(tmp_path / "a", [1], [], eos_id=256)
+    assert not (tmp_path / "a" / "meta.json").exists()
 
-  write_token_folder(tmp_path / "b", [1, 2, 3], [4])
-  with pytest.raises(FileExistsError, match="overwrite"):
-    write_token_folder(tmp_path / "b", [9], [9])
-  assert (tmp_path / "b" / "train.bin").read_bytes() == bytes([1, 2, 3])
-  meta = write_token_folder(tmp_path / "b", [9], [9], overwrite=True)
-  assert meta.train_tokens == 1 and (tmp_path / "b" / "train.bin").read_bytes() == bytes([9])
+    write_token_folder(tmp_path / "b", [1, 2, 3], [4])
+    with pytest.raises(FileExistsError, match="overwrite"):
+        write_token_folder(tmp_path / "b", [9], [9])
+    assert (tmp_path / "b" / "train.bin").read_bytes() == bytes([1, 2, 3])
+    meta = write_token_folder(tmp_path / "b", [9], [9], overwrite=True)
+    assert meta.train_tokens == 1 and (tmp_path / "b" / "train.bin").read_bytes() == bytes([9])
 
 
 def test_read_meta_errors(tmp_path):
-  with pytest.raises(FileNotFoundError, match="nowhere"):
-    read_meta(tmp_path / "nowhere")
-  (tmp_path / "empty").mkdir()
-  with pytest.raises(FileNotFoundError, match="meta.json"):
-    read_meta(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        read_meta(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="meta.json"):
+        read_meta(tmp_path / "empty")
 
-  folder = tmp_path / "tok"
-  write_token_folder(folder, list(range(100)), list(range(10)))
-  good = json.loads((folder / "meta.json").read_text())
+    folder = tmp_path / "tok"
+    write_token_folder(folder, list(range(100)), list(range(10)))
+    good = json.loads((folder / "meta.json").read_text())
 
-  def broken(**changes):
-    (folder / "meta.json").write_text(json.dumps({**good, **changes}))
-    return folder
+    def broken(**changes):
+        (folder / "meta.json").write_text(json.dumps({**good, **changes}))
+        return folder
 
-  with pytest.raises(ValueError, match=r"train_tokens = 120.*holds 100 bytes"):
-    read_meta(broken(train_tokens=120))
-  with pytest.raises(ValueError, match=r"val_tokens = 9.*holds 10 bytes"):
-    read_meta(broken(val_tokens=9))
-  with pytest.raises(ValueError, match=r"unknown dtype 'float16'.*uint8, uint16, uint32"):
-    read_meta(broken(dtype="float16"))
-  with pytest.raises(ValueError, match="vocab_size 300 does not fit dtype uint8"):
-    read_meta(broken(vocab_size=300))
-  with pytest.raises(ValueError, match="eos_id"):
-    read_meta(broken(eos_id=256))
-  with pytest.raises(ValueError, match="train_tokens must be an integer"):
-    read_meta(broken(train_tokens="100"))
-  (folder / "meta.json").write_text(json.dumps({k: v for k, v in good.items() if k != "dtype"}))
-  with pytest.raises(ValueError, match="lacks field.*dtype"):
-    read_meta(folder)
-  (folder / "meta.json").write_text('{"tokenizer": "byte",')
-  with pytest.raises(ValueError, match="not valid JSON"):
-    read_meta(folder)
-  broken()  # valid again
-  (folder / "val.bin").unlink()
-  with pytest.raises(FileNotFoundError, match="val.bin"):
-    read_meta(folder)
+    with pytest.raises(ValueError, match=r"train_tokens = 120.*holds 100 bytes"):
+        read_meta(broken(train_tokens=120))
+    with pytest.raises(ValueError, match=r"val_tokens = 9.*holds 10 bytes"):
+        read_meta(broken(val_tokens=9))
+    with pytest.raises(ValueError, match=r"unknown dtype 'float16'.*uint8, uint16, uint32"):
+        read_meta(broken(dtype="float16"))
+    with pytest.raises(ValueError, match="vocab_size 300 does not fit dtype uint8"):
+        read_meta(broken(vocab_size=300))
+    with pytest.raises(ValueError, match="eos_id"):
+        read_meta(broken(eos_id=256))
+    with pytest.raises(ValueError, match="train_tokens must be an integer"):
+        read_meta(broken(train_tokens="100"))
+    (folder / "meta.json").write_text(json.dumps({k: v for k, v in good.items() if k != "dtype"}))
+    with pytest.raises(ValueError, match="lacks field.*dtype"):
+        read_meta(folder)
+    (folder / "meta.json").write_text('{"tokenizer": "byte",')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_meta(folder)
+    broken()  # valid again
+    (folder / "val.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="val.bin"):
+        read_meta(folder)
 
 
 # --- the example corpus ------------------------------------------------------------------------
 
 
 def _notebook_corpus(data_dir: Path):
-  """The data cell of shared/spec/scale-across-devices.ipynb, as it is written there."""
-  rng = np.random.default_rng(0)
-  subjects = ["the cat", "a dog", "the bird", "my friend", "the child"]
-  verbs = ["sees", "likes", "finds", "wants", "hears"]
-  objects = ["the ball", "a tree", "the river", "some food", "the moon"]
-  text = "".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}.\n"
-                 for _ in range(4000))
-  data_dir.mkdir(parents=True, exist_ok=True)
-  ids = np.asarray(ByteTokenizer().encode(text), np.uint8)
-  val_len = len(ids) // 50
-  ids[:val_len].tofile(data_dir / "val.bin")
-  ids[val_len:].tofile(data_dir / "train.bin")
-  (data_dir / "meta.json").write_text(json.dumps(
-      {"tokenizer": "byte", "vocab_size": 256, "dtype": "uint8",
-       "train_tokens": len(ids) - val_len, "val_tokens": val_len, "eos_id": None}))
+    """The data cell of shared/spec/scale-across-devices.ipynb, as it is written there."""
+    rng = np.random.default_rng(0)
+    subjects = ["the cat", "a dog", "the bird", "my friend", "the child"]
+    verbs = ["sees", "likes", "finds", "wants", "hears"]
+    objects = ["the ball", "a tree", "the river", "some food", "the moon"]
+    text = "".join(
+        f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}.\n" for _ in range(4000)
+    )
+    data_dir.mkdir(parents=True, exist_ok=True)
+    ids = np.asarray(ByteTokenizer().encode(text), np.uint8)
+    val_len = len(ids) // 50
+    ids[:val_len].tofile(data_dir / "val.bin")
+    ids[val_len:].tofile(data_dir / "train.bin")
+    (data_dir / "meta.json").write_text(
+        json.dumps(
+            {
+                "tokenizer": "byte",
+                "vocab_size": 256,
+                "dtype": "uint8",
+                "train_tokens": len(ids) - val_len,
+                "val_tokens": val_len,
+                "eos_id": None,
+            }
+        )
+    )
 
 
 def test_notebook_corpus_has_2987_training_windows(tmp_path):
-  _notebook_corpus(tmp_path / "data" / "07-tokens")
-  data = TokenWindows(path=str(tmp_path / "data" / "07-tokens"), seq_len=32, val_batches=2,
-                      loading=Loading(workers=0, threads=1, read_buffer=2)).load(batch=16)
-  assert data.records == 2987
-  assert data.records == (read_meta(data.path).train_tokens - 32 - 1) // 32 + 1
-  assert data.batches_per_epoch == 2987 // 16
-  assert (data.batch_size, data.seq_len, data.vocab_size, data.seed) == (16, 32, 256, 0)
-  assert [v.shape for v in data.validation()] == [(16, 33), (16, 33)]
+    _notebook_corpus(tmp_path / "data" / "07-tokens")
+    data = TokenWindows(
+        path=str(tmp_path / "data" / "07-tokens"),
+        seq_len=32,
+        val_batches=2,
+        loading=Loading(workers=0, threads=1, read_buffer=2),
+    ).load(batch=16)
+    assert data.records == 2987
+    assert data.records == (read_meta(data.path).train_tokens - 32 - 1) // 32 + 1
+    assert data.batches_per_epoch == 2987 // 16
+    assert (data.batch_size, data.seq_len, data.vocab_size, data.seed) == (16, 32, 256, 0)
+    assert [v.shape for v in data.validation()] == [(16, 33), (16, 33)]
 
 
 def test_example_corpus_is_the_notebooks_and_is_not_rewritten(tmp_path):
-  _notebook_corpus(tmp_path / "notebook")
-  meta = write_example_corpus(tmp_path / "example")
-  for name in ("train.bin", "val.bin"):
-    assert (tmp_path / "example" / name).read_bytes() == (tmp_path / "notebook" / name).read_bytes()
-  assert meta.to_json() == json.loads((tmp_path / "notebook" / "meta.json").read_text())
-  text = ByteTokenizer().decode(np.fromfile(tmp_path / "example" / "train.bin", np.uint8))
-  assert text.endswith(".\n") and " sees " in text
+    _notebook_corpus(tmp_path / "notebook")
+    meta = write_example_corpus(tmp_path / "example")
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "example" / name).read_bytes() == (
+            tmp_path / "notebook" / name
+        ).read_bytes()
+    assert meta.to_json() == json.loads((tmp_path / "notebook" / "meta.json").read_text())
+    text = ByteTokenizer().decode(np.fromfile(tmp_path / "example" / "train.bin", np.uint8))
+    assert text.endswith(".\n") and " sees " in text
 
-  # The same corpus again: nothing written. Another corpus: refused unless overwrite.
-  before = (tmp_path / "example" / "meta.json").stat().st_mtime_ns
-  write_example_corpus(tmp_path / "example")
-  assert (tmp_path / "example" / "meta.json").stat().st_mtime_ns == before
-  with pytest.raises(FileExistsError):
-    write_example_corpus(tmp_path / "example", seed=1)
-  other = write_example_corpus(tmp_path / "example", seed=1, sentences=100, overwrite=True)
-  assert other.train_tokens + other.val_tokens < meta.train_tokens
+    # The same corpus again: nothing written. Another corpus: refused unless overwrite.
+    before = (tmp_path / "example" / "meta.json").stat().st_mtime_ns
+    write_example_corpus(tmp_path / "example")
+    assert (tmp_path / "example" / "meta.json").stat().st_mtime_ns == before
+    with pytest.raises(FileExistsError):
+        write_example_corpus(tmp_path / "example", seed=1)
+    other = write_example_corpus(tmp_path / "example", seed=1, sentences=100, overwrite=True)
+    assert other.train_tokens + other.val_tokens < meta.train_tokens
 
 
 # --- windows -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tokens, seq_len", [(9, 8), (16, 8), (17, 8), (24, 8), (25, 8), (100, 1),
-                                             (101, 7)])
+@pytest.mark.parametrize(
+    "tokens, seq_len", [(9, 8), (16, 8), (17, 8), (24, 8), (25, 8), (100, 1), (101, 7)]
+)
 def test_record_count_formula_and_window_slices(tmp_path, tokens, seq_len):
-  train, _ = _numbered_folder(tmp_path / "tok", tokens)
-  data = TokenWindows(tmp_path / "tok", seq_len=seq_len).load(batch=1)
-  starts = [s for s in range(0, tokens, seq_len) if s + seq_len + 1 <= tokens]
-  assert data.records == len(starts) == (tokens - seq_len - 1) // seq_len + 1
-  seen = {}
-  for k in range(data.batches_per_epoch):
-    (window,) = data.windows_of(k)
-    row = data.batch(k)[0]
-    assert row.dtype == np.int32 and row.shape == (seq_len + 1,)
-    np.testing.assert_array_equal(row, train[window * seq_len: window * seq_len + seq_len + 1])
-    seen[int(window)] = row
-  for w in range(data.records - 1):  # neighbours share one token: a target becomes the next input
-    assert seen[w][-1] == seen[w + 1][0]
+    train, _ = _numbered_folder(tmp_path / "tok", tokens)
+    data = TokenWindows(tmp_path / "tok", seq_len=seq_len).load(batch=1)
+    starts = [s for s in range(0, tokens, seq_len) if s + seq_len + 1 <= tokens]
+    assert data.records == len(starts) == (tokens - seq_len - 1) // seq_len + 1
+    seen = {}
+    for k in range(data.batches_per_epoch):
+        (window,) = data.windows_of(k)
+        row = data.batch(k)[0]
+        assert row.dtype == np.int32 and row.shape == (seq_len + 1,)
+        np.testing.assert_array_equal(row, train[window * seq_len : window * seq_len + seq_len + 1])
+        seen[int(window)] = row
+    for w in range(data.records - 1):  # neighbours share one token: a target becomes the next input
+        assert seen[w][-1] == seen[w + 1][0]
 
 
 def test_order_is_a_permutation_per_epoch_deterministic_and_reshuffled(tmp_path):
-  _numbered_folder(tmp_path / "tok", 8 * 40 + 1)  # 40 windows of seq_len 8
-  data = TokenWindows(tmp_path / "tok", seq_len=8, seed=3).load(batch=6)
-  assert (data.records, data.batches_per_epoch) == (40, 6)
+    _numbered_folder(tmp_path / "tok", 8 * 40 + 1)  # 40 windows of seq_len 8
+    data = TokenWindows(tmp_path / "tok", seq_len=8, seed=3).load(batch=6)
+    assert (data.records, data.batches_per_epoch) == (40, 6)
 
-  def epoch(dataset, e):
-    return np.concatenate([dataset.windows_of(e * dataset.batches_per_epoch + j)
-                           for j in range(dataset.batches_per_epoch)])
+    def epoch(dataset, e):
+        return np.concatenate(
+            [
+                dataset.windows_of(e * dataset.batches_per_epoch + j)
+                for j in range(dataset.batches_per_epoch)
+            ]
+        )
 
-  e0, e1 = epoch(data, 0), epoch(data, 1)
-  for e in (e0, e1):
-    assert len(e) == 36 and len(set(e.tolist())) == 36 and set(e.tolist()) <= set(range(40))
-  np.testing.assert_array_equal(np.sort(data.order(0)), np.arange(40))
-  assert not np.array_equal(e0, e1)
-  assert not np.array_equal(e0, np.arange(36))  # shuffled, not file order
+    e0, e1 = epoch(data, 0), epoch(data, 1)
+    for e in (e0, e1):
+        assert len(e) == 36 and len(set(e.tolist())) == 36 and set(e.tolist()) <= set(range(40))
+    np.testing.assert_array_equal(np.sort(data.order(0)), np.arange(40))
+    assert not np.array_equal(e0, e1)
+    assert not np.array_equal(e0, np.arange(36))  # shuffled, not file order
 
-  again = TokenWindows(tmp_path / "tok", seq_len=8, seed=3).load(batch=6)
-  np.testing.assert_array_equal(epoch(again, 0), e0)
-  np.testing.assert_array_equal(again.batch(9), data.batch(9))
-  other = TokenWindows(tmp_path / "tok", seq_len=8, seed=4).load(batch=6)
-  assert not np.array_equal(epoch(other, 0), e0)
-  # Global batch k of epoch 1 is read from epoch 1's order, whatever was read before.
-  np.testing.assert_array_equal(again.windows_of(6), data.order(1)[:6])
+    again = TokenWindows(tmp_path / "tok", seq_len=8, seed=3).load(batch=6)
+    np.testing.assert_array_equal(epoch(again, 0), e0)
+    np.testing.assert_array_equal(again.batch(9), data.batch(9))
+    other = TokenWindows(tmp_path / "tok", seq_len=8, seed=4).load(batch=6)
+    assert not np.array_equal(epoch(other, 0), e0)
+    # Global batch k of epoch 1 is read from epoch 1's order, whatever was read before.
+    np.testing.assert_array_equal(again.windows_of(6), data.order(1)[:6])
 
 
 def test_batch_rows_are_slices_of_the_whole_batch(tmp_path):
-  _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
-  data = TokenWindows(tmp_path / "tok", seq_len=8).load(batch=8)
-  for k in (0, 3, 11):
-    whole = data.batch(k)
-    assert whole.shape == (8, 9)
-    parts = [data.batch(k, data.process_rows(p, 4)) for p in range(4)]
-    assert [p.shape for p in parts] == [(2, 9)] * 4
-    np.testing.assert_array_equal(np.concatenate(parts), whole)
-    np.testing.assert_array_equal(data.batch(k, slice(1, 8, 3)), whole[1:8:3])
-  with pytest.raises(ValueError, match="batch 8 does not split evenly over 3 processes"):
-    data.process_rows(0, 3)
-  with pytest.raises(ValueError, match="rows must be a slice"):
-    data.batch(0, rows=[0, 1])
+    _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
+    data = TokenWindows(tmp_path / "tok", seq_len=8).load(batch=8)
+    for k in (0, 3, 11):
+        whole = data.batch(k)
+        assert whole.shape == (8, 9)
+        parts = [data.batch(k, data.process_rows(p, 4)) for p in range(4)]
+        assert [p.shape for p in parts] == [(2, 9)] * 4
+        np.testing.assert_array_equal(np.concatenate(parts), whole)
+        np.testing.assert_array_equal(data.batch(k, slice(1, 8, 3)), whole[1:8:3])
+    with pytest.raises(ValueError, match="batch 8 does not split evenly over 3 processes"):
+        data.process_rows(0, 3)
+    with pytest.raises(ValueError, match="rows must be a slice"):
+        data.batch(0, rows=[0, 1])
 
 
 # --- background reading ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("loading", [Loading(threads=0), Loading(threads=1, read_buffer=1),
-                                     Loading(threads=3, read_buffer=4), Loading(workers=2, threads=0)])
+@pytest.mark.parametrize(
+    "loading",
+    [
+        Loading(threads=0),
+        Loading(threads=1, read_buffer=1),
+        Loading(threads=3, read_buffer=4),
+        Loading(workers=2, threads=0),
+    ],
+)
 def test_batches_yield_what_batch_reads_and_close_their_threads(tmp_path, loading):
-  _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
-  data = TokenWindows(tmp_path / "tok", seq_len=8, loading=loading).load(batch=8)
-  rows = slice(2, 6)
-  with data.batches(start=3, rows=rows) as stream:  # 5 batches an epoch: 3..14 crosses two epochs
-    got = [next(stream) for _ in range(12)]
-    assert stream.alive_threads == loading.readers
-  assert [index for index, _ in got] == list(range(3, 15))
-  for index, array in got:
-    np.testing.assert_array_equal(array, data.batch(index, rows))
-  assert stream.alive_threads == 0 and not _reader_threads()
-  with pytest.raises(StopIteration):
-    next(stream)
+    _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
+    data = TokenWindows(tmp_path / "tok", seq_len=8, loading=loading).load(batch=8)
+    rows = slice(2, 6)
+    with data.batches(start=3, rows=rows) as stream:  # 5 batches an epoch: 3..14 crosses two epochs
+        got = [next(stream) for _ in range(12)]
+        assert stream.alive_threads == loading.readers
+    assert [index for index, _ in got] == list(range(3, 15))
+    for index, array in got:
+        np.testing.assert_array_equal(array, data.batch(index, rows))
+    assert stream.alive_threads == 0 and not _reader_threads()
+    with pytest.raises(StopIteration):
+        next(stream)
 
 
 @pytest.mark.parametrize("loading", [Loading(threads=0), Loading(threads=2, read_buffer=3)])
 def test_a_reader_error_reaches_the_consumer(tmp_path, loading):
-  _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
-  data = TokenWindows(tmp_path / "tok", seq_len=8, loading=loading).load(batch=4)
-  read = data.batch
+    _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
+    data = TokenWindows(tmp_path / "tok", seq_len=8, loading=loading).load(batch=4)
+    read = data.batch
 
-  def failing(index, rows=slice(None)):
-    if index == 3:
-      threading.Event().wait(0.2)  # a slow read just before the failing one
-    if index == 4:
-      raise OSError(f"disk gone at batch {index}")
-    return read(index, rows)
+    def failing(index, rows=slice(None)):
+        if index == 3:
+            threading.Event().wait(0.2)  # a slow read just before the failing one
+        if index == 4:
+            raise OSError(f"disk gone at batch {index}")
+        return read(index, rows)
 
-  data.batch = failing
-  stream = data.batches(start=1)
-  delivered, raised = [], []
+    data.batch = failing
+    stream = data.batches(start=1)
+    delivered, raised = [], []
 
-  def consume():  # in a thread with a deadline: a swallowed error would otherwise hang the suite
-    try:
-      for index, array in stream:
-        delivered.append(index)
-        np.testing.assert_array_equal(array, read(index))
-    except OSError as error:
-      raised.append(error)
+    def consume():  # in a thread with a deadline: a swallowed error would otherwise hang the suite
+        try:
+            for index, array in stream:
+                delivered.append(index)
+                np.testing.assert_array_equal(array, read(index))
+        except OSError as error:
+            raised.append(error)
 
-  consumer = threading.Thread(target=consume)
-  consumer.start()
-  consumer.join(timeout=20)
-  if consumer.is_alive():
-    stream.close()
-    pytest.fail("the consumer is still waiting: the reader's error never reached it")
-  assert [str(e) for e in raised] == ["disk gone at batch 4"]
-  assert delivered == [1, 2, 3]  # the batches before the failing one still arrive, in order
-  assert stream.alive_threads == 0 and not _reader_threads()
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    consumer.join(timeout=20)
+    if consumer.is_alive():
+        stream.close()
+        pytest.fail("the consumer is still waiting: the reader's error never reached it")
+    assert [str(e) for e in raised] == ["disk gone at batch 4"]
+    assert delivered == [1, 2, 3]  # the batches before the failing one still arrive, in order
+    assert stream.alive_threads == 0 and not _reader_threads()
 
 
 def test_readers_fill_the_read_buffer_and_no_more():
-  lock, read = threading.Lock(), []
+    lock, read = threading.Lock(), []
 
-  def record(index):
-    with lock:
-      read.append(index)
-    return index
+    def record(index):
+        with lock:
+            read.append(index)
+        return index
 
-  def wait_for(count):
-    for _ in range(500):
-      with lock:
-        if len(read) >= count:
-          return
-      threading.Event().wait(0.01)
+    def wait_for(count):
+        for _ in range(500):
+            with lock:
+                if len(read) >= count:
+                    return
+            threading.Event().wait(0.01)
 
-  with BatchStream(record, start=10, loading=Loading(threads=3, read_buffer=4)) as stream:
-    wait_for(4)
-    threading.Event().wait(0.1)  # time to overrun the buffer, if it could
-    assert sorted(read) == [10, 11, 12, 13]
-    assert [next(stream) for _ in range(3)] == [(10, 10), (11, 11), (12, 12)]
-    wait_for(7)
-    threading.Event().wait(0.1)
-    assert sorted(read) == list(range(10, 17))
+    with BatchStream(record, start=10, loading=Loading(threads=3, read_buffer=4)) as stream:
+        wait_for(4)
+        threading.Event().wait(0.1)  # time to overrun the buffer, if it could
+        assert sorted(read) == [10, 11, 12, 13]
+        assert [next(stream) for _ in range(3)] == [(10, 10), (11, 11), (12, 12)]
+        wait_for(7)
+        threading.Event().wait(0.1)
+        assert sorted(read) == list(range(10, 17))
 
 
 def test_an_abandoned_stream_does_not_block_and_can_close_later(tmp_path):
-  _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
-  data = TokenWindows(tmp_path / "tok", seq_len=8, loading=Loading(threads=2, read_buffer=2)).load(
-      batch=4)
-  stream = data.batches()
-  next(stream)
-  stream.close()
-  stream.close()
-  assert stream.alive_threads == 0 and not _reader_threads()
+    _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
+    data = TokenWindows(
+        tmp_path / "tok", seq_len=8, loading=Loading(threads=2, read_buffer=2)
+    ).load(batch=4)
+    stream = data.batches()
+    next(stream)
+    stream.close()
+    stream.close()
+    assert stream.alive_threads == 0 and not _reader_threads()
 
 
 # --- validation --------------------------------------------------------------------------------
 
 
 def test_validation_reads_val_windows_in_order(tmp_path):
-  _, val = _numbered_folder(tmp_path / "tok", 8 * 40 + 1, val_tokens=8 * 7 + 1)  # 7 val windows
-  data = TokenWindows(tmp_path / "tok", seq_len=8, val_batches=3).load(batch=2)
-  batches = data.validation()
-  assert len(batches) == 3
-  for v, array in enumerate(batches):
-    assert array.dtype == np.int32 and array.shape == (2, 9)
-    for r in range(2):
-      w = 2 * v + r
-      np.testing.assert_array_equal(array[r], val[w * 8: w * 8 + 9])
-  np.testing.assert_array_equal(data.validation(rows=slice(1, 2))[2], batches[2][1:])
-  for a, b in zip(data.validation(), batches):  # the same every call
-    np.testing.assert_array_equal(a, b)
-  with pytest.raises(ValueError, match=r"val_batches 4 x batch 2 needs 8 windows.*holds 7"):
-    TokenWindows(tmp_path / "tok", seq_len=8, val_batches=4).load(batch=2)
-  assert TokenWindows(tmp_path / "tok", seq_len=8).load(batch=2).validation() == []
+    _, val = _numbered_folder(tmp_path / "tok", 8 * 40 + 1, val_tokens=8 * 7 + 1)  # 7 val windows
+    data = TokenWindows(tmp_path / "tok", seq_len=8, val_batches=3).load(batch=2)
+    batches = data.validation()
+    assert len(batches) == 3
+    for v, array in enumerate(batches):
+        assert array.dtype == np.int32 and array.shape == (2, 9)
+        for r in range(2):
+            w = 2 * v + r
+            np.testing.assert_array_equal(array[r], val[w * 8 : w * 8 + 9])
+    np.testing.assert_array_equal(data.validation(rows=slice(1, 2))[2], batches[2][1:])
+    for a, b in zip(data.validation(), batches):  # the same every call
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"val_batches 4 x batch 2 needs 8 windows.*holds 7"):
+        TokenWindows(tmp_path / "tok", seq_len=8, val_batches=4).load(batch=2)
+    assert TokenWindows(tmp_path / "tok", seq_len=8).load(batch=2).validation() == []
 
 
 # --- positions -----------------------------------------------------------------------------------
 
 
 def test_position_round_trip_and_mismatches(tmp_path):
-  _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
-  _numbered_folder(tmp_path / "longer", 8 * 41 + 1)
-  data = TokenWindows(tmp_path / "tok", seq_len=8, seed=5).load(batch=4)
-  saved = json.loads(json.dumps(data.position(23)))
-  assert saved["next_batch"] == 23 and saved["epoch"] == 2
-  reopened = TokenWindows(tmp_path / "tok", seq_len=8, seed=5).load(batch=4)
-  nxt = reopened.resume(saved)
-  assert nxt == 23
-  np.testing.assert_array_equal(reopened.batch(nxt), data.batch(23))
+    _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
+    _numbered_folder(tmp_path / "longer", 8 * 41 + 1)
+    data = TokenWindows(tmp_path / "tok", seq_len=8, seed=5).load(batch=4)
+    saved = json.loads(json.dumps(data.position(23)))
+    assert saved["next_batch"] == 23 and saved["epoch"] == 2
+    reopened = TokenWindows(tmp_path / "tok", seq_len=8, seed=5).load(batch=4)
+    nxt = reopened.resume(saved)
+    assert nxt == 23
+    np.testing.assert_array_equal(reopened.batch(nxt), data.batch(23))
 
-  cases = [(TokenWindows(tmp_path / "tok", seq_len=8, seed=5).load(batch=8), r"batch_size 4 .*!= 8"),
-           (TokenWindows(tmp_path / "tok", seq_len=8, seed=6).load(batch=4), r"seed 5 .*!= 6"),
-           (TokenWindows(tmp_path / "tok", seq_len=4, seed=5).load(batch=4),
-            r"seq_len 8 .*!= 4.*records 40 .*!= 80"),
-           (TokenWindows(tmp_path / "longer", seq_len=8, seed=5).load(batch=4), r"records 40 .*!= 41")]
-  for other, message in cases:
-    with pytest.raises(ValueError, match=message):
-      other.resume(saved)
-  with pytest.raises(ValueError, match="lacks field.*seed"):
-    data.resume({k: v for k, v in saved.items() if k != "seed"})
-  with pytest.raises(ValueError, match="next_batch"):
-    data.resume({**saved, "next_batch": -1})
+    cases = [
+        (TokenWindows(tmp_path / "tok", seq_len=8, seed=5).load(batch=8), r"batch_size 4 .*!= 8"),
+        (TokenWindows(tmp_path / "tok", seq_len=8, seed=6).load(batch=4), r"seed 5 .*!= 6"),
+        (
+            TokenWindows(tmp_path / "tok", seq_len=4, seed=5).load(batch=4),
+            r"seq_len 8 .*!= 4.*records 40 .*!= 80",
+        ),
+        (TokenWindows(tmp_path / "longer", seq_len=8, seed=5).load(batch=4), r"records 40 .*!= 41"),
+    ]
+    for other, message in cases:
+        with pytest.raises(ValueError, match=message):
+            other.resume(saved)
+    with pytest.raises(ValueError, match="lacks field.*seed"):
+        data.resume({k: v for k, v in saved.items() if k != "seed"})
+    with pytest.raises(ValueError, match="next_batch"):
+        data.resume({**saved, "next_batch": -1})
 
 
 # --- bad input -----------------------------------------------------------------------------------
 
 
 def test_bad_inputs_name_their_values(tmp_path):
-  _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
-  with pytest.raises(ValueError, match="seq_len must be an integer >= 1, got 0"):
-    TokenWindows(tmp_path / "tok", seq_len=0)
-  with pytest.raises(ValueError, match="val_batches must be an integer >= 0, got -1"):
-    TokenWindows(tmp_path / "tok", seq_len=8, val_batches=-1)
-  with pytest.raises(ValueError, match="seed"):
-    TokenWindows(tmp_path / "tok", seq_len=8, seed=-3)
-  with pytest.raises(ValueError, match="batch must be an integer >= 1, got 0"):
-    TokenWindows(tmp_path / "tok", seq_len=8).load(batch=0)
-  with pytest.raises(ValueError, match="batch 41 is larger than the 40 training windows"):
-    TokenWindows(tmp_path / "tok", seq_len=8).load(batch=41)
-  with pytest.raises(ValueError, match="holds 321 tokens, fewer than one window of seq_len \\+ 1 = 401"):
-    TokenWindows(tmp_path / "tok", seq_len=400).load(batch=1)
-  with pytest.raises(FileNotFoundError, match="missing"):
-    TokenWindows(tmp_path / "missing", seq_len=8).load(batch=1)
-  for name in ("workers", "threads", "read_buffer"):
-    with pytest.raises(ValueError, match=f"Loading.{name} must be an integer >= 0, got -1"):
-      Loading(**{name: -1})
-  with pytest.raises(ValueError, match="read_buffer must be >= 1"):
-    Loading(threads=1, read_buffer=0)
-  Loading(threads=0, read_buffer=0)  # nothing reads ahead: no buffer needed
-  data = TokenWindows(tmp_path / "tok", seq_len=8).load(batch=4)
-  assert isinstance(data, WindowDataset)
-  with pytest.raises(ValueError, match="batch index must be an integer >= 0, got -1"):
-    data.batch(-1)
-  with pytest.raises(ValueError, match="start must be an integer >= 0, got -2"):
-    data.batches(start=-2)
+    _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
+    with pytest.raises(ValueError, match="seq_len must be an integer >= 1, got 0"):
+        TokenWindows(tmp_path / "tok", seq_len=0)
+    with pytest.raises(ValueError, match="val_batches must be an integer >= 0, got -1"):
+        TokenWindows(tmp_path / "tok", seq_len=8, val_batches=-1)
+    with pytest.raises(ValueError, match="seed"):
+        TokenWindows(tmp_path / "tok", seq_len=8, seed=-3)
+    with pytest.raises(ValueError, match="batch must be an integer >= 1, got 0"):
+        TokenWindows(tmp_path / "tok", seq_len=8).load(batch=0)
+    with pytest.raises(ValueError, match="batch 41 is larger than the 40 training windows"):
+        TokenWindows(tmp_path / "tok", seq_len=8).load(batch=41)
+    with pytest.raises(
+        ValueError, match="holds 321 tokens, fewer than one window of seq_len \\+ 1 = 401"
+    ):
+        TokenWindows(tmp_path / "tok", seq_len=400).load(batch=1)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        TokenWindows(tmp_path / "missing", seq_len=8).load(batch=1)
+    for name in ("workers", "threads", "read_buffer"):
+        with pytest.raises(ValueError, match=f"Loading.{name} must be an integer >= 0, got -1"):
+            Loading(**{name: -1})
+    with pytest.raises(ValueError, match="read_buffer must be >= 1"):
+        Loading(threads=1, read_buffer=0)
+    Loading(threads=0, read_buffer=0)  # nothing reads ahead: no buffer needed
+    data = TokenWindows(tmp_path / "tok", seq_len=8).load(batch=4)
+    assert isinstance(data, WindowDataset)
+    with pytest.raises(ValueError, match="batch index must be an integer >= 0, got -1"):
+        data.batch(-1)
+    with pytest.raises(ValueError, match="start must be an integer >= 0, got -2"):
+        data.batches(start=-2)

@@ -45,8 +45,12 @@ def random_inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype):
     def draw(*shape):
         return jnp.asarray(rng.standard_normal(shape), dtype)
 
-    return (draw(batch, q_len, heads, head_dim), draw(batch, kv_len, kv_heads, head_dim),
-            draw(batch, kv_len, kv_heads, head_dim), draw(batch, q_len, heads, head_dim))
+    return (
+        draw(batch, q_len, heads, head_dim),
+        draw(batch, kv_len, kv_heads, head_dim),
+        draw(batch, kv_len, kv_heads, head_dim),
+        draw(batch, q_len, heads, head_dim),
+    )
 
 
 def run_fast_compiled(fn, *args):
@@ -58,9 +62,11 @@ def run_fast_compiled(fn, *args):
 
 def kernel_and_reference(q, k, v, do, *, causal, **blocks):
     """(out, (dq, dk, dv)) of the kernels and of the float64 reference, as float64 numpy."""
+
     def kernel(q, k, v, do):
-        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal, **blocks),
-                           q, k, v)
+        out, vjp = jax.vjp(
+            lambda q, k, v: flash_attention(q, k, v, causal=causal, **blocks), q, k, v
+        )
         return out, vjp(do)
 
     got = run_fast_compiled(kernel, q, k, v, do)
@@ -71,7 +77,10 @@ def kernel_and_reference(q, k, v, do, *, causal, **blocks):
         def reference(q, k, v, do):
             out, vjp = jax.vjp(
                 lambda q, k, v: reference_attention(q, k, v, causal=causal, sm_scale=sm_scale),
-                q, k, v)
+                q,
+                k,
+                v,
+            )
             return out, vjp(do)
 
         want = run_fast_compiled(reference, *as64)
@@ -100,26 +109,68 @@ CASES = [
     # batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, blocks
     pytest.param(1, 1, 1, 8, 2, 32, True, jnp.float32, {}, id="len1-causal-gqa"),
     pytest.param(1, 17, 17, 8, 2, 64, False, jnp.float32, {}, id="len17-full-gqa-d64"),
-    pytest.param(1, 128, 128, 8, 2, 32, True, jnp.float32, dict(block_q=32, block_k=16),
-                 id="len128-causal-gqa-multiblock"),
-    pytest.param(1, 300, 300, 8, 2, 64, True, jnp.float32, dict(block_q=64, block_k=32),
-                 id="len300-causal-gqa-tail"),
-    pytest.param(1, 300, 300, 2, 2, 32, False, jnp.float32, dict(block_q=32, block_k=64),
-                 id="len300-full-mha-tail"),
-    pytest.param(2, 17, 300, 4, 2, 32, True, jnp.float32, dict(block_q=16, block_k=64),
-                 id="q17-kv300-causal-bottom-right"),
+    pytest.param(
+        1,
+        128,
+        128,
+        8,
+        2,
+        32,
+        True,
+        jnp.float32,
+        dict(block_q=32, block_k=16),
+        id="len128-causal-gqa-multiblock",
+    ),
+    pytest.param(
+        1,
+        300,
+        300,
+        8,
+        2,
+        64,
+        True,
+        jnp.float32,
+        dict(block_q=64, block_k=32),
+        id="len300-causal-gqa-tail",
+    ),
+    pytest.param(
+        1,
+        300,
+        300,
+        2,
+        2,
+        32,
+        False,
+        jnp.float32,
+        dict(block_q=32, block_k=64),
+        id="len300-full-mha-tail",
+    ),
+    pytest.param(
+        2,
+        17,
+        300,
+        4,
+        2,
+        32,
+        True,
+        jnp.float32,
+        dict(block_q=16, block_k=64),
+        id="q17-kv300-causal-bottom-right",
+    ),
     pytest.param(1, 300, 300, 8, 2, 64, True, jnp.bfloat16, {}, id="len300-causal-gqa-bf16"),
     pytest.param(1, 17, 17, 8, 2, 32, False, jnp.bfloat16, {}, id="len17-full-gqa-bf16"),
 ]
 
 
 @pytest.mark.parametrize("batch,q_len,kv_len,heads,kv_heads,head_dim,causal,dtype,blocks", CASES)
-def test_matches_float64_reference(batch, q_len, kv_len, heads, kv_heads, head_dim, causal,
-                                   dtype, blocks):
+def test_matches_float64_reference(
+    batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, blocks
+):
     rng = np.random.default_rng()
     q, k, v, do = random_inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype)
-    (out, grads), (want_out, want_grads) = kernel_and_reference(q, k, v, do, causal=causal,
-                                                                 **blocks)
+    (out, grads), (want_out, want_grads) = kernel_and_reference(
+        q, k, v, do, causal=causal, **blocks
+    )
     assert out.shape == q.shape
     assert_close(out, want_out, dtype, "output")
     for name, got, want in zip("qkv", grads, want_grads):
@@ -134,7 +185,8 @@ def test_rows_that_see_no_key_give_zeros_not_nan(dtype):
     rng = np.random.default_rng()
     q, k, v, do = random_inputs(rng, 1, q_len, kv_len, 4, 2, 32, dtype)
     (out, (dq, dk, dv)), (want_out, want_grads) = kernel_and_reference(
-        q, k, v, do, causal=True, block_q=16, block_k=16)
+        q, k, v, do, causal=True, block_q=16, block_k=16
+    )
     empty = q_len - kv_len
     assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
     assert np.all(out[:, :empty] == 0.0) and np.all(want_out[:, :empty] == 0.0)
@@ -151,9 +203,13 @@ def test_equal_lengths_match_jax_dot_product_attention():
     q, k, v, _ = random_inputs(rng, 2, 40, 40, 4, 2, 32, jnp.float32)
 
     def both(q, k, v):
-        return [(flash_attention(q, k, v, causal=causal, block_q=16, block_k=16),
-                 jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"))
-                for causal in (True, False)]
+        return [
+            (
+                flash_attention(q, k, v, causal=causal, block_q=16, block_k=16),
+                jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"),
+            )
+            for causal in (True, False)
+        ]
 
     for got, want in run_fast_compiled(both, q, k, v):
         assert relative_error(np.asarray(got), np.asarray(want)) < 1e-5
@@ -200,10 +256,16 @@ def test_inside_shard_map_with_replicated_kv():
         return jax.lax.psum(jnp.sum(out * weights), ("data", "tensor"))
 
     sharded = jax.shard_map(
-        local_loss, mesh=mesh,
-        in_specs=(P("data", None, "tensor"), P(None, None, "tensor"), P(None, None, "tensor"),
-                  P("data", None, "tensor")),
-        out_specs=P())
+        local_loss,
+        mesh=mesh,
+        in_specs=(
+            P("data", None, "tensor"),
+            P(None, None, "tensor"),
+            P(None, None, "tensor"),
+            P("data", None, "tensor"),
+        ),
+        out_specs=P(),
+    )
 
     def unsharded(q, k, v, weights):
         k, v = (jnp.broadcast_to(x, (4,) + x.shape[1:]) for x in (k, v))
@@ -221,8 +283,9 @@ def test_inside_shard_map_with_replicated_kv():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (5, 40), (17, 17), (40, 17), (64, 33),
-                                          (33, 64), (48, 48)])
+@pytest.mark.parametrize(
+    "q_len,kv_len", [(1, 1), (5, 40), (17, 17), (40, 17), (64, 33), (33, 64), (48, 48)]
+)
 def test_loop_bounds_are_exact(q_len, kv_len, causal):
     # The kernels visit [0, n_visit) key blocks per query block, masking from n_full on (and
     # the transposed ranges for the dk/dv kernel). Both must be tight: every block with a
@@ -247,13 +310,17 @@ def test_loop_bounds_are_exact(q_len, kv_len, causal):
             assert all_visible[first_full:, j].all() and not all_visible[first:first_full, j].any()
 
 
-@pytest.mark.parametrize("q_len,kv_len,heads,kv_heads,head_dim,dtype,causal", [
-    (1000, 1000, 8, 2, 64, jnp.bfloat16, True),
-    (300, 300, 4, 4, 128, jnp.float32, False),
-    (256, 1000, 4, 2, 256, jnp.bfloat16, True),
-])
-def test_kernels_lower_to_triton_without_a_gpu(monkeypatch, q_len, kv_len, heads, kv_heads,
-                                               head_dim, dtype, causal):
+@pytest.mark.parametrize(
+    "q_len,kv_len,heads,kv_heads,head_dim,dtype,causal",
+    [
+        (1000, 1000, 8, 2, 64, jnp.bfloat16, True),
+        (300, 300, 4, 4, 128, jnp.float32, False),
+        (256, 1000, 4, 2, 256, jnp.bfloat16, True),
+    ],
+)
+def test_kernels_lower_to_triton_without_a_gpu(
+    monkeypatch, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal
+):
     # Lower forward + backward for an sm_90 GPU from this CPU machine: Pallas' Triton lowering
     # (power-of-two tensors, supported ops, loop shapes) runs here, so a kernel that could not
     # compile on a GPU fails in CI. Every loop must become an scf.for (Triton pipelines those).
@@ -285,8 +352,12 @@ def test_kernels_lower_to_triton_without_a_gpu(monkeypatch, q_len, kv_len, heads
         # the Pallas lowering (all three kernels reached and lowered) is what this test checks.
         if len(modules) < 3:
             raise
-    names = sorted(name for text in modules for name in
-                   ("forward", "dq", "dkdv") if f"@dew_flash_attention_{name}" in text)
+    names = sorted(
+        name
+        for text in modules
+        for name in ("forward", "dq", "dkdv")
+        if f"@dew_flash_attention_{name}" in text
+    )
     assert names == ["dkdv", "dq", "forward"], names
     for text in modules:
         assert "scf.while" not in text and text.count("scf.for") >= 2
@@ -294,21 +365,30 @@ def test_kernels_lower_to_triton_without_a_gpu(monkeypatch, q_len, kv_len, heads
 
 # ---- refusals: a ValueError naming the shapes, before any kernel is traced -----------------
 
+
 def _no_kernel(*args, **kwargs):
     raise AssertionError("the kernels were reached before the inputs were checked")
 
 
-@pytest.mark.parametrize("q_shape,k_shape,v_shape,dtypes,message", [
-    ((1, 8, 4, 16), (1, 8, 2, 16), (1, 9, 2, 16), ("float32",) * 3, "same shape"),
-    ((1, 8, 4, 16), (1, 8, 2, 32), (1, 8, 2, 32), ("float32",) * 3, "head_dim"),
-    ((2, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float32",) * 3, "batch"),
-    ((1, 8, 6, 16), (1, 8, 4, 16), (1, 8, 4, 16), ("float32",) * 3, "multiple of kv_heads"),
-    ((1, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float32", "bfloat16", "float32"),
-     "one dtype"),
-    ((1, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float16",) * 3, "float32 or bfloat16"),
-    ((8, 4, 16), (8, 2, 16), (8, 2, 16), ("float32",) * 3, "expects q"),
-    ((1, 0, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float32",) * 3, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "q_shape,k_shape,v_shape,dtypes,message",
+    [
+        ((1, 8, 4, 16), (1, 8, 2, 16), (1, 9, 2, 16), ("float32",) * 3, "same shape"),
+        ((1, 8, 4, 16), (1, 8, 2, 32), (1, 8, 2, 32), ("float32",) * 3, "head_dim"),
+        ((2, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float32",) * 3, "batch"),
+        ((1, 8, 6, 16), (1, 8, 4, 16), (1, 8, 4, 16), ("float32",) * 3, "multiple of kv_heads"),
+        (
+            (1, 8, 4, 16),
+            (1, 8, 2, 16),
+            (1, 8, 2, 16),
+            ("float32", "bfloat16", "float32"),
+            "one dtype",
+        ),
+        ((1, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float16",) * 3, "float32 or bfloat16"),
+        ((8, 4, 16), (8, 2, 16), (8, 2, 16), ("float32",) * 3, "expects q"),
+        ((1, 0, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16), ("float32",) * 3, "at least 1"),
+    ],
+)
 def test_refuses_bad_inputs(monkeypatch, q_shape, k_shape, v_shape, dtypes, message):
     monkeypatch.setattr(attention_module, "_padded_attention", _no_kernel)
     q, k, v = (jnp.zeros(s, d) for s, d in zip((q_shape, k_shape, v_shape), dtypes))

@@ -17,84 +17,97 @@ ROWS = 16
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-  rng = np.random.default_rng()
-  path = tmp_path_factory.mktemp("tokens") / "tokens"
-  # 3000 tokens: 187 windows, 11 batches an epoch, so 2 x 8 steps cross an epoch boundary.
-  write_token_folder(path, rng.integers(0, VOCAB, 3000), rng.integers(0, VOCAB, 300), vocab_size=VOCAB)
-  return path
+    rng = np.random.default_rng()
+    path = tmp_path_factory.mktemp("tokens") / "tokens"
+    # 3000 tokens: 187 windows, 11 batches an epoch, so 2 x 8 steps cross an epoch boundary.
+    write_token_folder(
+        path, rng.integers(0, VOCAB, 3000), rng.integers(0, VOCAB, 300), vocab_size=VOCAB
+    )
+    return path
 
 
 def trainer(directory, mesh, objective=None, **kwargs):
-  return dew.Trainer(objective or tiny_objective(ema_decay=0.9), optax.adamw(1e-2), jax.random.key(11),
-                     mesh=mesh, layout=dew.Layout(min_shard=1),
-                     checkpoints=dew.Checkpoints(directory) if directory else None, **kwargs)
+    return dew.Trainer(
+        objective or tiny_objective(ema_decay=0.9),
+        optax.adamw(1e-2),
+        jax.random.key(11),
+        mesh=mesh,
+        layout=dew.Layout(min_shard=1),
+        checkpoints=dew.Checkpoints(directory) if directory else None,
+        **kwargs,
+    )
 
 
 def leaves_equal(a, b):
-  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
+    )
 
 
 def losses(text):
-  return re.findall(r"^step \d+: loss \S+$", text, re.M)
+    return re.findall(r"^step \d+: loss \S+$", text, re.M)
 
 
 def test_restart_equals_an_uninterrupted_run(folder, tmp_path, capsys):
-  data = TokenWindows(folder, seq_len=SEQ, seed=3).load(batch=ROWS)
-  whole = trainer(None, dew.MeshSpec(fsdp=8)).fit(data, steps=16, log_every=1)
-  whole_losses = losses(capsys.readouterr().out)
+    data = TokenWindows(folder, seq_len=SEQ, seed=3).load(batch=ROWS)
+    whole = trainer(None, dew.MeshSpec(fsdp=8)).fit(data, steps=16, log_every=1)
+    whole_losses = losses(capsys.readouterr().out)
 
-  trainer(tmp_path / "run", dew.MeshSpec(fsdp=8)).fit(data, steps=8, log_every=1)
-  first_half = losses(capsys.readouterr().out)
-  again = trainer(tmp_path / "run", dew.MeshSpec(fsdp=8))          # a new Trainer, same directory
-  resumed = again.fit(data, steps=16, log_every=1)
-  out = capsys.readouterr().out
-  assert out.startswith(f"Resumed from step 8 in {(tmp_path / 'run').resolve()}")
-  assert first_half + losses(out) == whole_losses                  # the same batches, in order
-  assert int(resumed.step) == 16
-  assert leaves_equal(resumed.params, whole.params)
-  assert leaves_equal(resumed.opt_state, whole.opt_state)
-  assert leaves_equal(resumed.ema, whole.ema)
-  _, _, position = again.place()
-  assert position["next_batch"] == 16
+    trainer(tmp_path / "run", dew.MeshSpec(fsdp=8)).fit(data, steps=8, log_every=1)
+    first_half = losses(capsys.readouterr().out)
+    again = trainer(tmp_path / "run", dew.MeshSpec(fsdp=8))  # a new Trainer, same directory
+    resumed = again.fit(data, steps=16, log_every=1)
+    out = capsys.readouterr().out
+    assert out.startswith(f"Resumed from step 8 in {(tmp_path / 'run').resolve()}")
+    assert first_half + losses(out) == whole_losses  # the same batches, in order
+    assert int(resumed.step) == 16
+    assert leaves_equal(resumed.params, whole.params)
+    assert leaves_equal(resumed.opt_state, whole.opt_state)
+    assert leaves_equal(resumed.ema, whole.ema)
+    _, _, position = again.place()
+    assert position["next_batch"] == 16
 
 
 def test_restore_into_another_layout_is_bit_for_bit(folder, tmp_path):
-  data = TokenWindows(folder, seq_len=SEQ).load(batch=ROWS)
-  saved = trainer(tmp_path / "run", dew.MeshSpec()).fit(data, steps=2)
-  for mesh in (dew.MeshSpec(fsdp=8), dew.MeshSpec(fsdp=4), dew.MeshSpec(fsdp=2)):
-    restored, shardings, _ = trainer(tmp_path / "run", mesh).place()
-    assert leaves_equal(restored.params, saved.params)
-    assert leaves_equal(restored.opt_state, saved.opt_state)
-    assert leaves_equal(restored.ema, saved.ema)
-    assert jax.random.key_data(restored.key).tolist() == jax.random.key_data(saved.key).tolist()
-    table = restored.params["params"]["embed_tokens"]["embedding"]
-    assert table.sharding == shardings.params["params"]["embed_tokens"]["embedding"]
-    assert table.sharding.spec == jax.sharding.PartitionSpec("fsdp")
+    data = TokenWindows(folder, seq_len=SEQ).load(batch=ROWS)
+    saved = trainer(tmp_path / "run", dew.MeshSpec()).fit(data, steps=2)
+    for mesh in (dew.MeshSpec(fsdp=8), dew.MeshSpec(fsdp=4), dew.MeshSpec(fsdp=2)):
+        restored, shardings, _ = trainer(tmp_path / "run", mesh).place()
+        assert leaves_equal(restored.params, saved.params)
+        assert leaves_equal(restored.opt_state, saved.opt_state)
+        assert leaves_equal(restored.ema, saved.ema)
+        assert jax.random.key_data(restored.key).tolist() == jax.random.key_data(saved.key).tolist()
+        table = restored.params["params"]["embed_tokens"]["embedding"]
+        assert table.sharding == shardings.params["params"]["embed_tokens"]["embedding"]
+        assert table.sharding.spec == jax.sharding.PartitionSpec("fsdp")
 
 
 def test_bfloat16_params_round_trip(folder, tmp_path):
-  data = TokenWindows(folder, seq_len=SEQ).load(batch=ROWS)
-  objective = tiny_objective(param_dtype="bfloat16", dtype="bfloat16")
-  saved = trainer(tmp_path / "run", dew.MeshSpec(fsdp=8), objective).fit(data, steps=1)
-  restored, _, _ = trainer(tmp_path / "run", dew.MeshSpec(fsdp=2), objective).place()
-  table = restored.params["params"]["embed_tokens"]["embedding"]
-  assert table.dtype == jax.numpy.bfloat16
-  assert leaves_equal(restored.params, saved.params)
+    data = TokenWindows(folder, seq_len=SEQ).load(batch=ROWS)
+    objective = tiny_objective(param_dtype="bfloat16", dtype="bfloat16")
+    saved = trainer(tmp_path / "run", dew.MeshSpec(fsdp=8), objective).fit(data, steps=1)
+    restored, _, _ = trainer(tmp_path / "run", dew.MeshSpec(fsdp=2), objective).place()
+    table = restored.params["params"]["embed_tokens"]["embedding"]
+    assert table.dtype == jax.numpy.bfloat16
+    assert leaves_equal(restored.params, saved.params)
 
 
 def test_checkpoint_every_and_keep(folder, tmp_path):
-  data = TokenWindows(folder, seq_len=SEQ).load(batch=ROWS)
-  t = trainer(tmp_path / "run", dew.MeshSpec(fsdp=8))
-  t.fit(data, steps=7, checkpoint_every=2)
-  assert t.checkpoints.steps == [6, 7]   # keep=2: 2 and 4 were removed
-  assert t.checkpoints.latest == 7
+    data = TokenWindows(folder, seq_len=SEQ).load(batch=ROWS)
+    t = trainer(tmp_path / "run", dew.MeshSpec(fsdp=8))
+    t.fit(data, steps=7, checkpoint_every=2)
+    assert t.checkpoints.steps == [6, 7]  # keep=2: 2 and 4 were removed
+    assert t.checkpoints.latest == 7
 
 
 def test_a_checkpoint_of_another_model_is_refused(folder, tmp_path):
-  data = TokenWindows(folder, seq_len=SEQ).load(batch=ROWS)
-  trainer(tmp_path / "run", dew.MeshSpec()).fit(data, steps=1)
-  wider = tiny_objective(ema_decay=0.9, emb_features=64)
-  with pytest.raises(CheckpointMismatchError, match=r"\['embed_tokens'\]\['embedding'\].*\(64, 32\).*\(64, 64\)|"
-                                      r"\['embed_tokens'\]\['embedding'\].*\(64, 64\).*\(64, 32\)"):
-    trainer(tmp_path / "run", dew.MeshSpec(), wider).place()
+    data = TokenWindows(folder, seq_len=SEQ).load(batch=ROWS)
+    trainer(tmp_path / "run", dew.MeshSpec()).fit(data, steps=1)
+    wider = tiny_objective(ema_decay=0.9, emb_features=64)
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"\['embed_tokens'\]\['embedding'\].*\(64, 32\).*\(64, 64\)|"
+        r"\['embed_tokens'\]\['embedding'\].*\(64, 64\).*\(64, 32\)",
+    ):
+        trainer(tmp_path / "run", dew.MeshSpec(), wider).place()

@@ -45,7 +45,8 @@ def step_folders(directory: Path) -> list[int]:
 def complete_steps(directory: Path) -> list[int]:
     """The steps whose folder holds an index.json, ascending; [] if `directory` does not exist."""
     return [
-        step for step in step_folders(directory)
+        step
+        for step in step_folders(directory)
         if os.path.isfile(directory / step_folder_name(step) / INDEX_NAME)
     ]
 
@@ -68,7 +69,7 @@ def write_durably(path: Path, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -65,9 +65,12 @@ class Piece:
 
     def to_json(self) -> dict:
         return {
-            "file": self.file, "member": self.member,
+            "file": self.file,
+            "member": self.member,
             "slice": [[a, b] for a, b in zip(self.start, self.stop)],
-            "offset": self.offset, "nbytes": self.nbytes, "crc32": list(self.crc32),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "crc32": list(self.crc32),
         }
 
 
@@ -82,7 +85,9 @@ class ArrayRecord:
 
     def to_json(self) -> dict:
         return {
-            "path": self.path, "shape": list(self.shape), "dtype": self.dtype,
+            "path": self.path,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
             "stored_as": dtypes.storage_of(self.dtype).str,
             "pieces": [piece.to_json() for piece in self.pieces],
         }
@@ -101,13 +106,19 @@ class Index:
     def to_json(self) -> str:
         """The index as JSON text: one top-level field per line, one array per line."""
         fields = {
-            "format": FORMAT, "version": VERSION, "step": self.step, "metadata": self.metadata,
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "metadata": self.metadata,
             "treedef": self.treedef,
             "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": self.chunk_bytes},
             "files": [{"name": name, "bytes": size} for name, size in sorted(self.files.items())],
             "writer": self.writer,
         }
-        lines = [f" {json.dumps(key)}: {json.dumps(value, allow_nan=False)}," for key, value in fields.items()]
+        lines = [
+            f" {json.dumps(key)}: {json.dumps(value, allow_nan=False)},"
+            for key, value in fields.items()
+        ]
         arrays = ",\n".join(f"  {json.dumps(array.to_json())}" for array in self.arrays)
         return "{\n" + "\n".join(lines) + '\n "arrays": [\n' + arrays + "\n ]\n}\n"
 
@@ -149,7 +160,9 @@ def parse(text: bytes, where: str, expected_step: int | None = None) -> Index:
     if not isinstance(raw, dict):
         check.fail("not a Dew checkpoint index (the top level is not a JSON object)")
     if raw.get("format") != FORMAT:
-        check.fail(f"not a Dew checkpoint index (format {raw.get('format')!r:.80}, expected {FORMAT!r})")
+        check.fail(
+            f"not a Dew checkpoint index (format {raw.get('format')!r:.80}, expected {FORMAT!r})"
+        )
     version = check.get(raw, "version", int, "index")
     if version != VERSION:
         newer = " (written by a newer Dew)" if version > VERSION else ""
@@ -162,8 +175,12 @@ def parse(text: bytes, where: str, expected_step: int | None = None) -> Index:
     writer = raw.get("writer", {})
     checksum = check.get(raw, "checksum", dict, "index")
     if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
-        check.fail(f"checksum algorithm {checksum.get('algorithm')!r:.80} (this reader knows crc32)")
-    chunk_bytes = check.count(check.get(checksum, "chunk_bytes", int, "checksum"), "checksum.chunk_bytes")
+        check.fail(
+            f"checksum algorithm {checksum.get('algorithm')!r:.80} (this reader knows crc32)"
+        )
+    chunk_bytes = check.count(
+        check.get(checksum, "chunk_bytes", int, "checksum"), "checksum.chunk_bytes"
+    )
     if chunk_bytes == 0 or chunk_bytes % 16:
         check.fail(f"checksum.chunk_bytes must be a positive multiple of 16, not {chunk_bytes}")
 
@@ -174,7 +191,9 @@ def parse(text: bytes, where: str, expected_step: int | None = None) -> Index:
             check.fail(f"{field} is not an object")
         name = check.get(entry, "name", str, field)
         if not PROCESS_FILE.fullmatch(name):
-            check.fail(f"{field} names {name!r:.200}, which is not a process_NNNNN.npz file in the step folder")
+            check.fail(
+                f"{field} names {name!r:.200}, which is not a process_NNNNN.npz file in the step folder"
+            )
         if name in files:
             check.fail(f"{field} names {name} twice")
         files[name] = check.count(check.get(entry, "bytes", int, field), f"{field}.bytes")
@@ -190,7 +209,9 @@ def parse(text: bytes, where: str, expected_step: int | None = None) -> Index:
     return Index(step, metadata, str(treedef), chunk_bytes, files, tuple(arrays), writer)
 
 
-def _parse_array(check: _Checker, entry: dict, field: str, files: dict, chunk_bytes: int) -> ArrayRecord:
+def _parse_array(
+    check: _Checker, entry: dict, field: str, files: dict, chunk_bytes: int
+) -> ArrayRecord:
     path = check.get(entry, "path", str, field)
     field = f"{field} ({path})"
     shape = tuple(check.count(d, f"{field}.shape") for d in check.get(entry, "shape", list, field))
@@ -201,7 +222,9 @@ def _parse_array(check: _Checker, entry: dict, field: str, files: dict, chunk_by
         check.fail(f"{field} has dtype {dtype!r:.80}, which Dew does not store")
     stored_as = entry.get("stored_as", storage.str)
     if stored_as != storage.str:
-        check.fail(f"{field} is stored as {stored_as!r:.80}, but {dtype} is stored as {storage.str!r}")
+        check.fail(
+            f"{field} is stored as {stored_as!r:.80}, but {dtype} is stored as {storage.str!r}"
+        )
     itemsize = storage.itemsize
     if math.prod(shape) * itemsize > _MAX_BYTES:
         check.fail(f"{field} declares an absurd shape {shape}")
@@ -216,7 +239,9 @@ def _parse_array(check: _Checker, entry: dict, field: str, files: dict, chunk_by
         member = check.get(raw, "member", str, where)
         bounds = check.get(raw, "slice", list, where)
         if len(bounds) != len(shape):
-            check.fail(f"{where} has a {len(bounds)}-dimensional slice for a {len(shape)}-dimensional array")
+            check.fail(
+                f"{where} has a {len(bounds)}-dimensional slice for a {len(shape)}-dimensional array"
+            )
         start, stop = [], []
         for dim, (bound, size) in enumerate(zip(bounds, shape)):
             if not (isinstance(bound, list) and len(bound) == 2):
@@ -230,12 +255,18 @@ def _parse_array(check: _Checker, entry: dict, field: str, files: dict, chunk_by
         nbytes = check.count(check.get(raw, "nbytes", int, where), f"{where}.nbytes")
         expected = math.prod(b - a for a, b in zip(start, stop)) * itemsize
         if nbytes != expected:
-            check.fail(f"{where} declares {nbytes} bytes, but its slice of {dtype} holds {expected}")
+            check.fail(
+                f"{where} declares {nbytes} bytes, but its slice of {dtype} holds {expected}"
+            )
         if offset + nbytes > files[file]:
-            check.fail(f"{where} ends at byte {offset + nbytes}, past the end of {file} ({files[file]} bytes)")
+            check.fail(
+                f"{where} ends at byte {offset + nbytes}, past the end of {file} ({files[file]} bytes)"
+            )
         crcs = check.get(raw, "crc32", list, where)
         if len(crcs) != -(-nbytes // chunk_bytes):
-            check.fail(f"{where} has {len(crcs)} chunk checksums; {nbytes} bytes need {-(-nbytes // chunk_bytes)}")
+            check.fail(
+                f"{where} has {len(crcs)} chunk checksums; {nbytes} bytes need {-(-nbytes // chunk_bytes)}"
+            )
         for value in crcs:
             check.count(value, f"{where}.crc32", 0xFFFFFFFF)
         pieces.append(Piece(file, member, tuple(start), tuple(stop), offset, nbytes, tuple(crcs)))
@@ -262,4 +293,6 @@ def _check_tiling(check: _Checker, field: str, shape: tuple[int, ...], pieces: l
         if overlap.any():
             i, j = np.argwhere(overlap)[0]
             a, b = nonempty[first + i], nonempty[j]
-            check.fail(f"{field}: pieces {list(zip(a.start, a.stop))} and {list(zip(b.start, b.stop))} overlap")
+            check.fail(
+                f"{field}: pieces {list(zip(a.start, a.stop))} and {list(zip(b.start, b.stop))} overlap"
+            )

@@ -70,7 +70,9 @@ def _encode_metadata(metadata) -> dict:
     try:
         return json.loads(json.dumps(metadata, default=_json_default, allow_nan=False))
     except (TypeError, ValueError) as error:
-        raise ValueError(f"metadata must be JSON-serialisable (no NaN or infinity): {error}") from None
+        raise ValueError(
+            f"metadata must be JSON-serialisable (no NaN or infinity): {error}"
+        ) from None
 
 
 class Checkpoints:
@@ -105,7 +107,12 @@ class Checkpoints:
             )
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a positive integer or None, not {keep!r}")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 16 or chunk_bytes % 16:
+        if (
+            isinstance(chunk_bytes, bool)
+            or not isinstance(chunk_bytes, int)
+            or chunk_bytes < 16
+            or chunk_bytes % 16
+        ):
             raise ValueError(f"chunk_bytes must be a positive multiple of 16, not {chunk_bytes!r}")
         self._directory = directory
         self._keep = keep
@@ -166,7 +173,14 @@ class Checkpoints:
         def run():
             try:
                 writer.write_step(
-                    self._directory, step, shot, metadata, processes, self._keep, self._chunk_bytes, prefix
+                    self._directory,
+                    step,
+                    shot,
+                    metadata,
+                    processes,
+                    self._keep,
+                    self._chunk_bytes,
+                    prefix,
                 )
             except BaseException as error:  # surfaces at the next wait() or save()
                 pending.error = error
@@ -231,9 +245,13 @@ class Checkpoints:
                 tree, metadata = self._restore_agreed(candidate, target)
             except CorruptCheckpointError as error:
                 problems.append(str(error))
-                then = f"trying step {steps[position - 1]}" if position else "no earlier step is left"
-                warnings.warn(f"checkpoint step {candidate} in {self._directory} is damaged, {then}: {error}",
-                              stacklevel=2)
+                then = (
+                    f"trying step {steps[position - 1]}" if position else "no earlier step is left"
+                )
+                warnings.warn(
+                    f"checkpoint step {candidate} in {self._directory} is damaged, {then}: {error}",
+                    stacklevel=2,
+                )
                 continue
             self.restored_step = candidate
             return tree, metadata
@@ -255,7 +273,9 @@ class Checkpoints:
             if processes.count == 1:
                 raise
             problem = str(error)
-        failures = processes.failures(f"dew-checkpoint-restore/{self._restores}/step-{step}", problem)
+        failures = processes.failures(
+            f"dew-checkpoint-restore/{self._restores}/step-{step}", problem
+        )
         if failures:
             raise CorruptCheckpointError("; ".join(f"process {p}: {what}" for p, what in failures))
         return result
@@ -266,14 +286,18 @@ class Checkpoints:
         if step not in folders.step_folders(self._directory):
             if not self.steps:
                 raise NotACheckpointError(self._why_empty())
-            raise CheckpointError(f"{self._directory} has no complete step {step} (its steps: {self.steps})")
+            raise CheckpointError(
+                f"{self._directory} has no complete step {step} (its steps: {self.steps})"
+            )
         return step
 
     def _why_empty(self) -> str:
         if not self._directory.exists():
             return f"no checkpoint in {self._directory}: the directory does not exist"
         entries = sorted(os.listdir(self._directory))
-        shown = ", ".join(entries[:8]) + (f" and {len(entries) - 8} more" if len(entries) > 8 else "")
+        shown = ", ".join(entries[:8]) + (
+            f" and {len(entries) - 8} more" if len(entries) > 8 else ""
+        )
         return (
             f"{self._directory} is not a Dew checkpoint directory: it holds no step_NNNNNNNN folder "
             f"with an {INDEX_NAME} (it holds: {shown or 'nothing'})"

@@ -87,7 +87,11 @@ def _plan(members: list[tuple[str, np.ndarray]], zip64_limit: int) -> list[_Plan
         encoded = name.encode("utf-8")
         header = npy_header(array)
         member_bytes = len(header) + array.nbytes
-        zip64 = struct.pack("<HHQQ", 1, 16, member_bytes, member_bytes) if member_bytes >= zip64_limit else b""
+        zip64 = (
+            struct.pack("<HHQQ", 1, 16, member_bytes, member_bytes)
+            if member_bytes >= zip64_limit
+            else b""
+        )
         unpadded = offset + _LOCAL.size + len(encoded) + len(zip64)
         pad = -unpadded % ALIGNMENT
         if 0 < pad < 4:  # an extra record needs 4 bytes of its own
@@ -95,7 +99,9 @@ def _plan(members: list[tuple[str, np.ndarray]], zip64_limit: int) -> list[_Plan
         padding = struct.pack("<HH", _PADDING_EXTRA_ID, pad - 4) + bytes(pad - 4) if pad else b""
         data_offset = unpadded + pad + len(header)
         planned.append(
-            _Planned(encoded, offset, zip64 + padding, header, data_offset, array.nbytes, bool(zip64))
+            _Planned(
+                encoded, offset, zip64 + padding, header, data_offset, array.nbytes, bool(zip64)
+            )
         )
         offset = data_offset + array.nbytes
     return planned
@@ -110,10 +116,23 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 def _local_header(entry: _Planned, zip_crc: int) -> bytes:
     size = 0xFFFFFFFF if entry.zip64 else entry.member_bytes
-    return _LOCAL.pack(
-        0x04034B50, 45 if entry.zip64 else 20, 0, 0, 0, _DOS_DATE, zip_crc, size, size,
-        len(entry.name), len(entry.extra),
-    ) + entry.name + entry.extra
+    return (
+        _LOCAL.pack(
+            0x04034B50,
+            45 if entry.zip64 else 20,
+            0,
+            0,
+            0,
+            _DOS_DATE,
+            zip_crc,
+            size,
+            size,
+            len(entry.name),
+            len(entry.extra),
+        )
+        + entry.name
+        + entry.extra
+    )
 
 
 def _central_record(entry: _Planned, zip_crc: int, zip64_limit: int) -> bytes:
@@ -127,20 +146,51 @@ def _central_record(entry: _Planned, zip_crc: int, zip64_limit: int) -> bytes:
         offset = 0xFFFFFFFF
     extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
     version = 45 if fields else 20
-    return _CENTRAL.pack(
-        0x02014B50, (3 << 8) | version, version, 0, 0, 0, _DOS_DATE, zip_crc, size, size,
-        len(entry.name), len(extra), 0, 0, 0, _UNIX_FILE_MODE, offset,
-    ) + entry.name + extra
+    return (
+        _CENTRAL.pack(
+            0x02014B50,
+            (3 << 8) | version,
+            version,
+            0,
+            0,
+            0,
+            _DOS_DATE,
+            zip_crc,
+            size,
+            size,
+            len(entry.name),
+            len(extra),
+            0,
+            0,
+            0,
+            _UNIX_FILE_MODE,
+            offset,
+        )
+        + entry.name
+        + extra
+    )
 
 
-def _end_records(count: int, directory_offset: int, directory_bytes: int, zip64_limit: int) -> bytes:
-    needs_zip64 = count >= 0xFFFF or directory_offset >= zip64_limit or directory_bytes >= zip64_limit
+def _end_records(
+    count: int, directory_offset: int, directory_bytes: int, zip64_limit: int
+) -> bytes:
+    needs_zip64 = (
+        count >= 0xFFFF or directory_offset >= zip64_limit or directory_bytes >= zip64_limit
+    )
     out = b""
     if needs_zip64:
         zip64_end_offset = directory_offset + directory_bytes
         out += _ZIP64_END.pack(
-            0x06064B50, _ZIP64_END.size - 12, (3 << 8) | 45, 45, 0, 0, count, count,
-            directory_bytes, directory_offset,
+            0x06064B50,
+            _ZIP64_END.size - 12,
+            (3 << 8) | 45,
+            45,
+            0,
+            0,
+            count,
+            count,
+            directory_bytes,
+            directory_offset,
         )
         out += _ZIP64_LOCATOR.pack(0x07064B50, 0, zip64_end_offset, 1)
         count16, offset32, size32 = 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF
@@ -171,7 +221,9 @@ def write(
         # One helper thread computes CRCs while this one writes: both release the GIL.
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dew-checkpoint-crc")
         try:
-            futures = [pool.submit(crc.chunk_crcs, memoryview(array), chunk_bytes) for array in arrays]
+            futures = [
+                pool.submit(crc.chunk_crcs, memoryview(array), chunk_bytes) for array in arrays
+            ]
             for entry, array in zip(planned, arrays):
                 _pwrite_all(fd, entry.npy_header, entry.data_offset - len(entry.npy_header))
                 _pwrite_all(fd, array, entry.data_offset)
@@ -187,7 +239,9 @@ def write(
             directory.append(_central_record(entry, zip_crc, zip64_limit))
         directory_offset = planned[-1].data_offset + planned[-1].nbytes if planned else 0
         directory_bytes = b"".join(directory)
-        tail = directory_bytes + _end_records(len(planned), directory_offset, len(directory_bytes), zip64_limit)
+        tail = directory_bytes + _end_records(
+            len(planned), directory_offset, len(directory_bytes), zip64_limit
+        )
         _pwrite_all(fd, tail, directory_offset)
         os.fsync(fd)
         size = directory_offset + len(tail)

@@ -43,6 +43,7 @@ class Processes:
         client = self._client()
         client.key_value_set(f"{name}/{self.index}", "" if problem is None else "x" + problem)
         verdicts = [
-            client.blocking_key_value_get(f"{name}/{p}", int(self.timeout_s * 1000)) for p in range(self.count)
+            client.blocking_key_value_get(f"{name}/{p}", int(self.timeout_s * 1000))
+            for p in range(self.count)
         ]
         return [(p, verdict[1:]) for p, verdict in enumerate(verdicts) if verdict]

@@ -42,7 +42,9 @@ def read_index(step_dir: Path, step: int) -> Index:
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where} is missing") from None
     except OSError as error:  # ELOOP: a symlink
-        raise CorruptCheckpointError(f"{where} cannot be opened as a regular file ({error})") from None
+        raise CorruptCheckpointError(
+            f"{where} cannot be opened as a regular file ({error})"
+        ) from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CorruptCheckpointError(f"{where} is not a regular file")
@@ -73,18 +75,27 @@ class _Files:
             path = self.step_dir / name
             where = f"step {self.index.step}: {path}"
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+                fd = os.open(
+                    path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                )
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{where} is missing") from None
             except OSError as error:  # ELOOP: a symlink
-                raise CorruptCheckpointError(f"{where} cannot be opened as a regular file ({error})") from None
+                raise CorruptCheckpointError(
+                    f"{where} cannot be opened as a regular file ({error})"
+                ) from None
             info = os.fstat(fd)
             expected = self.index.files[name]
             if not stat.S_ISREG(info.st_mode) or info.st_size != expected:
                 os.close(fd)
-                what = "is not a regular file" if not stat.S_ISREG(info.st_mode) else (
-                    f"is truncated: {info.st_size} bytes, the index records {expected}"
-                    if info.st_size < expected else f"has {info.st_size} bytes, the index records {expected}"
+                what = (
+                    "is not a regular file"
+                    if not stat.S_ISREG(info.st_mode)
+                    else (
+                        f"is truncated: {info.st_size} bytes, the index records {expected}"
+                        if info.st_size < expected
+                        else f"has {info.st_size} bytes, the index records {expected}"
+                    )
                 )
                 raise CorruptCheckpointError(f"{where} {what}")
             self.fds[name] = fd
@@ -129,7 +140,9 @@ def _read_exactly(fd: int, buffers: list[memoryview], offset: int, where: str) -
         except OSError as error:
             raise CorruptCheckpointError(f"{where}: read failed ({error})") from None
         if count == 0:
-            raise CorruptCheckpointError(f"{where}: file ends at byte {offset}, before the piece does")
+            raise CorruptCheckpointError(
+                f"{where}: file ends at byte {offset}, before the piece does"
+            )
         offset += count
         while count:
             take = min(count, len(remaining[0]))
@@ -139,7 +152,9 @@ def _read_exactly(fd: int, buffers: list[memoryview], offset: int, where: str) -
                 remaining.pop(0)
 
 
-def _verify(segments: list[memoryview], begin: int, piece: Piece, chunk_bytes: int, where: str) -> None:
+def _verify(
+    segments: list[memoryview], begin: int, piece: Piece, chunk_bytes: int, where: str
+) -> None:
     """Check the CRC-32 of every chunk that `segments` (consecutive bytes of the piece starting at
     piece byte `begin`, a chunk boundary, and ending at a chunk boundary or the piece's end) cover."""
     chunk = begin // chunk_bytes
@@ -228,7 +243,9 @@ def _read_piece(
     for (region, box, buffer), (first, _, _) in zip(destinations, spans):
         source = np.lib.stride_tricks.as_strided(
             elements[first - low // itemsize :],
-            shape=tuple(b - a for a, b in zip(*region)), strides=byte_strides, writeable=False,
+            shape=tuple(b - a for a, b in zip(*region)),
+            strides=byte_strides,
+            writeable=False,
         )
         target = tuple(slice(a - o, b - o) for a, b, o in zip(region[0], region[1], box[0]))
         buffer[target] = source
@@ -306,7 +323,9 @@ def _groups(record: ArrayRecord, boxes: list[Box]) -> list[tuple[list[Box], list
     for number, box in enumerate(boxes):
         groups.setdefault(root(number), ([], []))[0].append(box)
     for piece, touched in touches:
-        groups[root(touched[0][0])][1].append((piece, [(boxes[n], region) for n, region in touched]))
+        groups[root(touched[0][0])][1].append(
+            (piece, [(boxes[n], region) for n, region in touched])
+        )
     return list(groups.values())
 
 
@@ -331,8 +350,12 @@ def _collect_runtime_garbage() -> None:
 
 
 def _fill_and_place(
-    record: ArrayRecord, group: tuple[list[Box], list[Touch]], slices: dict, files: "_Files",
-    chunk_bytes: int, where: str,
+    record: ArrayRecord,
+    group: tuple[list[Box], list[Touch]],
+    slices: dict,
+    files: "_Files",
+    chunk_bytes: int,
+    where: str,
 ) -> list[jax.Array]:
     """Read a group's pieces in order; send each slice to its devices as soon as its last piece is
     in, so that a chain of pieces and slices holds only a few slices at a time."""
@@ -346,7 +369,14 @@ def _fill_and_place(
             if box not in buffers:
                 buffers[box] = aligned_empty(tuple(b - a for a, b in zip(*box)), storage)
             destinations.append((region, box, buffers[box]))
-        _read_piece(piece, destinations, storage, files.fd(piece.file), chunk_bytes, f"{where}, {record.path}")
+        _read_piece(
+            piece,
+            destinations,
+            storage,
+            files.fd(piece.file),
+            chunk_bytes,
+            f"{where}, {record.path}",
+        )
         for box, _ in touched:
             if last[box] == k:
                 placed.extend(_place(buffers.pop(box).view(dtype), slices[box]))
@@ -356,7 +386,9 @@ def _fill_and_place(
     return placed
 
 
-def _restore_array(record: ArrayRecord, sharding, files: "_Files", chunk_bytes: int, where: str, pool) -> jax.Array:
+def _restore_array(
+    record: ArrayRecord, sharding, files: "_Files", chunk_bytes: int, where: str, pool
+) -> jax.Array:
     """One global array laid out by `sharding`, from this process's share of the pieces."""
     slices = _target_slices(record.shape, sharding)
     boxes = list(slices)
@@ -366,7 +398,9 @@ def _restore_array(record: ArrayRecord, sharding, files: "_Files", chunk_bytes: 
         # all the slices are alive until the last piece anyway, so read the pieces in parallel.
         buffers = _assemble(record, boxes, files, chunk_bytes, where, pool)
         dtype = dtypes.from_name(record.dtype)
-        arrays = [array for box in boxes for array in _place(buffers.pop(box).view(dtype), slices[box])]
+        arrays = [
+            array for box in boxes for array in _place(buffers.pop(box).view(dtype), slices[box])
+        ]
     else:
         fill = lambda group: _fill_and_place(record, group, slices, files, chunk_bytes, where)  # noqa: E731
         arrays = [array for placed in pool.map(fill, groups) for array in placed]
@@ -410,7 +444,9 @@ def _match(index: Index, target: Any, where: str):
             parts.append(f"the target has {_few(missing)}, which the checkpoint lacks")
         if extra:
             parts.append(f"the checkpoint has {_few(extra)}, which the target lacks")
-        raise CheckpointMismatchError(f"{where} does not match the target's tree: " + "; ".join(parts))
+        raise CheckpointMismatchError(
+            f"{where} does not match the target's tree: " + "; ".join(parts)
+        )
     pairs = []
     for path, leaf in wanted:
         record = saved[path]
@@ -447,15 +483,21 @@ def restore(step_dir: Path, index: Index, target: Any, workers: int = 2) -> Any:
     try:
         files.check_all()  # every file present and whole before any array is read
         results = []
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dew-checkpoint-read") as pool:
+        with ThreadPoolExecutor(
+            max_workers=max(1, workers), thread_name_prefix="dew-checkpoint-read"
+        ) as pool:
             for record, sharding, leaf in pairs:
                 if sharding is not None:
-                    results.append(_restore_array(record, sharding, files, index.chunk_bytes, where, pool))
+                    results.append(
+                        _restore_array(record, sharding, files, index.chunk_bytes, where, pool)
+                    )
                     continue
                 box = ((0,) * len(record.shape), record.shape)
                 host = _assemble(record, [box], files, index.chunk_bytes, where, pool)[box]
                 host = host.view(dtypes.from_name(record.dtype))
-                results.append(host.item() if isinstance(leaf, (bool, int, float, complex)) else host)
+                results.append(
+                    host.item() if isinstance(leaf, (bool, int, float, complex)) else host
+                )
         return jax.tree_util.tree_unflatten(treedef, results)
     finally:
         files.close()

@@ -29,7 +29,13 @@ from dew.checkpoints.errors import CheckpointError
 from dew.checkpoints.memory import copy_of
 from dew.checkpoints.processes import Processes
 from dew.checkpoints.index import (
-    INDEX_NAME, ArrayRecord, Index, Piece, parse, process_file_name, step_folder_name,
+    INDEX_NAME,
+    ArrayRecord,
+    Index,
+    Piece,
+    parse,
+    process_file_name,
+    step_folder_name,
 )
 
 # Test hook: called with each member's name after its data is written (lets a test kill a save
@@ -97,7 +103,9 @@ def snapshot(tree: Any, process_index: int) -> Snapshot:
                     "save jax.random.key_data(key) and rebuild the key with jax.random.wrap_key_data"
                 )
             if leaf.is_deleted():
-                raise ValueError(f"cannot save {path}: its buffers were deleted (donated to a step?)")
+                raise ValueError(
+                    f"cannot save {path}: its buffers were deleted (donated to a step?)"
+                )
             shape = tuple(leaf.shape)
             owned = [shard for shard in leaf.addressable_shards if shard.replica_id == 0]
             for shard in owned:
@@ -107,14 +115,18 @@ def snapshot(tree: Any, process_index: int) -> Snapshot:
             host = np.asarray(leaf)
             shape = host.shape
             if process_index == 0:
-                host_pieces.append(HostPiece(number, (0,) * host.ndim, shape, _owned_storage(host, path)))
+                host_pieces.append(
+                    HostPiece(number, (0,) * host.ndim, shape, _owned_storage(host, path))
+                )
         else:
             raise ValueError(
                 f"cannot save {path}: a {type(leaf).__name__} is not an array "
                 "(leaves must be jax.Array, numpy arrays or Python numbers)"
             )
         try:
-            names.append(dtypes.name_of(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype))
+            names.append(
+                dtypes.name_of(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
+            )
         except ValueError as error:
             raise ValueError(f"cannot save {path}: {error}") from None
         paths.append(path)
@@ -133,7 +145,9 @@ def snapshot(tree: Any, process_index: int) -> Snapshot:
 
 def _owned_storage(host: np.ndarray, path: str) -> np.ndarray:
     try:
-        return dtypes.to_storage(np.array(host, order="C", copy=True))  # the caller may mutate it later
+        return dtypes.to_storage(
+            np.array(host, order="C", copy=True)
+        )  # the caller may mutate it later
     except ValueError as error:
         raise ValueError(f"cannot save {path}: {error}") from None
 
@@ -167,21 +181,37 @@ def write_step(
         for piece in shot.pieces:
             k = per_array[piece.array] = per_array.get(piece.array, -1) + 1
             members.append((f"a{piece.array:06d}.p{k:05d}.npy", piece.data))
-        written, size = npz.write(temp / file_name, members, chunk_bytes, after_member=after_member_hook)
+        written, size = npz.write(
+            temp / file_name, members, chunk_bytes, after_member=after_member_hook
+        )
         manifest = {
-            "file": file_name, "bytes": size,
+            "file": file_name,
+            "bytes": size,
             "pieces": [
-                [piece.array, Piece(file_name, member.name, piece.start, piece.stop, member.offset,
-                                    member.nbytes, member.chunk_crcs).to_json()]
+                [
+                    piece.array,
+                    Piece(
+                        file_name,
+                        member.name,
+                        piece.start,
+                        piece.stop,
+                        member.offset,
+                        member.nbytes,
+                        member.chunk_crcs,
+                    ).to_json(),
+                ]
                 for piece, member in zip(shot.pieces, written)
             ],
         }
         if processes.count > 1 and processes.index != 0:
-            folders.write_durably(temp / _manifest_name(processes.index), json.dumps(manifest).encode())
+            folders.write_durably(
+                temp / _manifest_name(processes.index), json.dumps(manifest).encode()
+            )
         processes.barrier(f"{barrier_prefix}/written")
         if processes.index == 0:
             manifests = [manifest] + [
-                json.loads((temp / _manifest_name(p)).read_bytes()) for p in range(1, processes.count)
+                json.loads((temp / _manifest_name(p)).read_bytes())
+                for p in range(1, processes.count)
             ]
             _write_index(temp, step, shot, metadata, manifests, processes.count, chunk_bytes)
             for p in range(1, processes.count):
@@ -202,19 +232,33 @@ def _write_index(temp, step, shot, metadata, manifests, process_count, chunk_byt
     pieces: dict[int, list[Piece]] = {number: [] for number in range(len(shot.paths))}
     for manifest in manifests:
         for number, raw in manifest["pieces"]:
-            pieces[number].append(Piece(
-                raw["file"], raw["member"], tuple(a for a, _ in raw["slice"]), tuple(b for _, b in raw["slice"]),
-                raw["offset"], raw["nbytes"], tuple(raw["crc32"]),
-            ))
+            pieces[number].append(
+                Piece(
+                    raw["file"],
+                    raw["member"],
+                    tuple(a for a, _ in raw["slice"]),
+                    tuple(b for _, b in raw["slice"]),
+                    raw["offset"],
+                    raw["nbytes"],
+                    tuple(raw["crc32"]),
+                )
+            )
     arrays = tuple(
-        ArrayRecord(path, shape, dtype, tuple(sorted(pieces[number], key=lambda p: (p.start, p.file))))
+        ArrayRecord(
+            path, shape, dtype, tuple(sorted(pieces[number], key=lambda p: (p.start, p.file)))
+        )
         for number, (path, shape, dtype) in enumerate(zip(shot.paths, shot.shapes, shot.dtypes))
     )
     index = Index(
-        step=step, metadata=metadata, treedef=shot.treedef, chunk_bytes=chunk_bytes,
-        files={manifest["file"]: manifest["bytes"] for manifest in manifests}, arrays=arrays,
+        step=step,
+        metadata=metadata,
+        treedef=shot.treedef,
+        chunk_bytes=chunk_bytes,
+        files={manifest["file"]: manifest["bytes"] for manifest in manifests},
+        arrays=arrays,
         writer={
-            "jax": jax.__version__, "process_count": process_count,
+            "jax": jax.__version__,
+            "process_count": process_count,
             "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         },
     )

@@ -18,104 +18,159 @@ DEFAULT_LAYOUTS = ("data=8", "fsdp=8", "data=2,fsdp=4")
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-  """Adds ``bench`` to the ``dew`` command's subparsers."""
-  parser = commands.add_parser(
-      "bench", help="compare layouts and the GSPMD baseline side by side",
-      description="Trains the same model in every layout asked, with the shard_map engine and the "
-      "GSPMD baseline, taking turns, and prints step time, compile time, memory and wire bytes "
-      "per device, the ratio shard_map / GSPMD of each layout, and the targets of "
-      "docs/benchmarks.md.")
-  parser.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), metavar="MESH",
-                      help="mesh axis sizes per layout, e.g. data=8 fsdp=8 data=2,fsdp=4 (default)")
-  parser.add_argument("--engines", nargs="+", default=["shard_map", "gspmd"],
-                      choices=("shard_map", "gspmd"))
-  parser.add_argument("--cpu-devices", type=int, default=8, metavar="N",
-                      help="simulate N devices on the CPU (default 8); 0 uses JAX's own backend")
-  parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-  parser.add_argument("--width", type=int, default=256, help="embedding features (default 256)")
-  parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-  parser.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
-  parser.add_argument("--batch", type=int, default=32, help="global batch rows (default 32)")
-  parser.add_argument("--steps", type=int, default=1,
-                      help="steps each contestant runs per turn (default 1)")
-  parser.add_argument("--repeats", type=int, default=3,
-                      help="timed rounds; the step time is the median (default 3)")
-  parser.add_argument("--warmup", type=int, default=1,
-                      help="untimed rounds before them (default 1: a step's first run is slower)")
-  parser.add_argument("--min-shard", type=int, default=65536,
-                      help="weights with fewer elements stay whole (default 65536, the Layout's)")
-  parser.add_argument("--depth-check", type=int, default=16, metavar="LAYERS",
-                      help="also compare the compile time of a LAYERS-layer model with --layers "
-                      "(default 16; 0 skips it)")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--json", default=None, metavar="FILE",
-                      help="write one object per layout and engine to FILE")
-  parser.set_defaults(run=run)
-  return parser
+    """Adds ``bench`` to the ``dew`` command's subparsers."""
+    parser = commands.add_parser(
+        "bench",
+        help="compare layouts and the GSPMD baseline side by side",
+        description="Trains the same model in every layout asked, with the shard_map engine and the "
+        "GSPMD baseline, taking turns, and prints step time, compile time, memory and wire bytes "
+        "per device, the ratio shard_map / GSPMD of each layout, and the targets of "
+        "docs/benchmarks.md.",
+    )
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=list(DEFAULT_LAYOUTS),
+        metavar="MESH",
+        help="mesh axis sizes per layout, e.g. data=8 fsdp=8 data=2,fsdp=4 (default)",
+    )
+    parser.add_argument(
+        "--engines", nargs="+", default=["shard_map", "gspmd"], choices=("shard_map", "gspmd")
+    )
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=8,
+        metavar="N",
+        help="simulate N devices on the CPU (default 8); 0 uses JAX's own backend",
+    )
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    parser.add_argument("--width", type=int, default=256, help="embedding features (default 256)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
+    parser.add_argument("--batch", type=int, default=32, help="global batch rows (default 32)")
+    parser.add_argument(
+        "--steps", type=int, default=1, help="steps each contestant runs per turn (default 1)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed rounds; the step time is the median (default 3)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed rounds before them (default 1: a step's first run is slower)",
+    )
+    parser.add_argument(
+        "--min-shard",
+        type=int,
+        default=65536,
+        help="weights with fewer elements stay whole (default 65536, the Layout's)",
+    )
+    parser.add_argument(
+        "--depth-check",
+        type=int,
+        default=16,
+        metavar="LAYERS",
+        help="also compare the compile time of a LAYERS-layer model with --layers "
+        "(default 16; 0 skips it)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="write one object per layout and engine to FILE",
+    )
+    parser.set_defaults(run=run)
+    return parser
 
 
 def _check_json_target(path: str | None) -> Path | None:
-  if path is None:
-    return None
-  target = Path(path)
-  if not target.parent.is_dir():
-    raise FileNotFoundError(f"--json {path}: the folder {str(target.parent)!r} does not exist")
-  if target.is_dir():
-    raise ValueError(f"--json {path} is a folder; give a file name")
-  return target
+    if path is None:
+        return None
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"--json {path}: the folder {str(target.parent)!r} does not exist")
+    if target.is_dir():
+        raise ValueError(f"--json {path} is a folder; give a file name")
+    return target
 
 
 def _write_json(target: Path, objects: list) -> None:
-  # Written beside the target and renamed over it, so an old file is never left half-replaced.
-  fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(objects, f, indent=2)
-      f.write("\n")
-    os.replace(tmp, target)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+    # Written beside the target and renamed over it, so an old file is never left half-replaced.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(objects, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def run(args) -> int:
-  import jax
-  from dew import benchmark
-  from dew.mesh import MeshSpec
+    import jax
+    from dew import benchmark
+    from dew.mesh import MeshSpec
 
-  json_target = _check_json_target(args.json)
-  if args.depth_check < 0:
-    raise ValueError(
-        f"--depth-check must be 0 (skip) or a number of layers, got {args.depth_check}")
-  size = benchmark.ModelSize(layers=args.layers, width=args.width, heads=args.heads,
-                             seq_len=args.seq_len, batch=args.batch)
-  specs = [MeshSpec.parse(text) for text in args.layouts]
-  print(f"dew bench: {size.layers} layers, width {size.width}, {size.heads} heads, "
+    json_target = _check_json_target(args.json)
+    if args.depth_check < 0:
+        raise ValueError(
+            f"--depth-check must be 0 (skip) or a number of layers, got {args.depth_check}"
+        )
+    size = benchmark.ModelSize(
+        layers=args.layers,
+        width=args.width,
+        heads=args.heads,
+        seq_len=args.seq_len,
+        batch=args.batch,
+    )
+    specs = [MeshSpec.parse(text) for text in args.layouts]
+    print(
+        f"dew bench: {size.layers} layers, width {size.width}, {size.heads} heads, "
         f"batch {size.batch} x {size.seq_len} tokens, min_shard {args.min_shard}, "
         f"on {jax.device_count()} {jax.devices()[0].platform} devices; "
         f"{args.repeats} timed rounds of {args.steps} step(s)"
-        + (f" after {args.warmup} warm-up round(s)" if args.warmup else ""), flush=True)
-  results = benchmark.compare(size, specs, args.engines, steps=args.steps, repeats=args.repeats,
-                              warmup=args.warmup, min_shard=args.min_shard, seed=args.seed,
-                              log=lambda line: print("  " + line, flush=True))
-  depth = None
-  if args.depth_check:
-    # The fully sharded layout if one was asked (its gathers sit in the layer scan), else the first.
-    spec = next((s for s in specs if s.fsdp > 1 and s.model_devices == s.fsdp), specs[0])
-    depth = benchmark.compile_depth(size, spec, args.depth_check, min_shard=args.min_shard,
-                                    seed=args.seed)
-  print()
-  print(benchmark.table(results))
-  if depth is not None:
+        + (f" after {args.warmup} warm-up round(s)" if args.warmup else ""),
+        flush=True,
+    )
+    results = benchmark.compare(
+        size,
+        specs,
+        args.engines,
+        steps=args.steps,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        min_shard=args.min_shard,
+        seed=args.seed,
+        log=lambda line: print("  " + line, flush=True),
+    )
+    depth = None
+    if args.depth_check:
+        # The fully sharded layout if one was asked (its gathers sit in the layer scan), else the first.
+        spec = next((s for s in specs if s.fsdp > 1 and s.model_devices == s.fsdp), specs[0])
+        depth = benchmark.compile_depth(
+            size, spec, args.depth_check, min_shard=args.min_shard, seed=args.seed
+        )
     print()
-    print(f"compile time, {depth.engine} on {depth.layout}: {depth.shallow_layers} layers "
-          f"{depth.shallow_s:.2f} s, {depth.deep_layers} layers {depth.deep_s:.2f} s "
-          f"(ratio {depth.ratio:.2f})")
-  found = benchmark.targets(results, depth)
-  if found:
-    print()
-    print(benchmark.targets_table(found))
-  if json_target is not None:
-    _write_json(json_target, [r.to_json() for r in results])
-    print(f"\nwrote {json_target}")
-  return 0
+    print(benchmark.table(results))
+    if depth is not None:
+        print()
+        print(
+            f"compile time, {depth.engine} on {depth.layout}: {depth.shallow_layers} layers "
+            f"{depth.shallow_s:.2f} s, {depth.deep_layers} layers {depth.deep_s:.2f} s "
+            f"(ratio {depth.ratio:.2f})"
+        )
+    found = benchmark.targets(results, depth)
+    if found:
+        print()
+        print(benchmark.targets_table(found))
+    if json_target is not None:
+        _write_json(json_target, [r.to_json() for r in results])
+        print(f"\nwrote {json_target}")
+    return 0

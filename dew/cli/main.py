@@ -15,118 +15,168 @@ import sys
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--mesh", default="", help="axis sizes, e.g. fsdp=8 or data=2,fsdp=4 "
-                      "(data takes the devices left over; default: all data parallel)")
-  parser.add_argument("--cpu-devices", type=int, default=8, metavar="N",
-                      help="simulate N devices on the CPU (default 8); 0 uses JAX's own backend")
-  parser.add_argument("--batch", type=int, default=16, help="global batch rows (default 16)")
-  parser.add_argument("--seq-len", type=int, default=32, help="tokens per row (default 32)")
-  parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-  parser.add_argument("--width", type=int, default=64, help="embedding features (default 64)")
-  parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-  parser.add_argument("--min-shard", type=int, default=1,
-                      help="weights with fewer elements stay whole (default 1: split everything)")
-  parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
-  parser.add_argument("--accumulation", type=int, default=1, help="microbatches per step")
+    parser.add_argument(
+        "--mesh",
+        default="",
+        help="axis sizes, e.g. fsdp=8 or data=2,fsdp=4 "
+        "(data takes the devices left over; default: all data parallel)",
+    )
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=8,
+        metavar="N",
+        help="simulate N devices on the CPU (default 8); 0 uses JAX's own backend",
+    )
+    parser.add_argument("--batch", type=int, default=16, help="global batch rows (default 16)")
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per row (default 32)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument("--width", type=int, default=64, help="embedding features (default 64)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument(
+        "--min-shard",
+        type=int,
+        default=1,
+        help="weights with fewer elements stay whole (default 1: split everything)",
+    )
+    parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
+    parser.add_argument("--accumulation", type=int, default=1, help="microbatches per step")
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="dew", description=__doc__.split("\n\n")[0])
-  commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="dew", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
 
-  train = commands.add_parser("train", help="train the example model")
-  _common(train)
-  train.add_argument("--steps", type=int, default=20, help="train until this step (default 20)")
-  train.add_argument("--data", default=None, help="a token folder (default: write the example corpus "
-                     "into RUN_DIR/corpus)")
-  train.add_argument("--run-dir", default="runs/dew-train",
-                     help="checkpoints go to RUN_DIR/checkpoints; a rerun resumes from them")
-  train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-  train.add_argument("--log-every", type=int, default=10)
-  train.add_argument("--checkpoint-every", type=int, default=None)
-  train.add_argument("--seed", type=int, default=0)
-  train.set_defaults(run=train_command)
+    train = commands.add_parser("train", help="train the example model")
+    _common(train)
+    train.add_argument("--steps", type=int, default=20, help="train until this step (default 20)")
+    train.add_argument(
+        "--data",
+        default=None,
+        help="a token folder (default: write the example corpus into RUN_DIR/corpus)",
+    )
+    train.add_argument(
+        "--run-dir",
+        default="runs/dew-train",
+        help="checkpoints go to RUN_DIR/checkpoints; a rerun resumes from them",
+    )
+    train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    train.add_argument("--log-every", type=int, default=10)
+    train.add_argument("--checkpoint-every", type=int, default=None)
+    train.add_argument("--seed", type=int, default=0)
+    train.set_defaults(run=train_command)
 
-  coll = commands.add_parser("collectives", help="print the collectives of the example model's step")
-  _common(coll)
-  coll.add_argument("--engine", default="shard_map", choices=("shard_map", "gspmd"))
-  coll.set_defaults(run=collectives_command)
+    coll = commands.add_parser(
+        "collectives", help="print the collectives of the example model's step"
+    )
+    _common(coll)
+    coll.add_argument("--engine", default="shard_map", choices=("shard_map", "gspmd"))
+    coll.set_defaults(run=collectives_command)
 
-  try:
-    from dew.cli import bench
-  except ImportError:  # the benchmark module is optional in a trimmed install
-    bench = None
-  if bench is not None:
-    bench.add_parser(commands)
-  return parser
+    try:
+        from dew.cli import bench
+    except ImportError:  # the benchmark module is optional in a trimmed install
+        bench = None
+    if bench is not None:
+        bench.add_parser(commands)
+    return parser
 
 
 def _setup_devices(cpu_devices: int) -> None:
-  if cpu_devices < 0:
-    raise SystemExit(f"dew: --cpu-devices must be >= 0, got {cpu_devices}")
-  from dew.training.runtime import prepare_process
-  prepare_process(cpu_devices=cpu_devices or None)
+    if cpu_devices < 0:
+        raise SystemExit(f"dew: --cpu-devices must be >= 0, got {cpu_devices}")
+    from dew.training.runtime import prepare_process
+
+    prepare_process(cpu_devices=cpu_devices or None)
 
 
 def _example(args, data_dir):
-  """The example model, objective and data of ``args``."""
-  from dew import models
-  from dew.data import Loading, TokenWindows
-  from dew.objectives.lm import LMObjective
-  model = models.build("causal_transformer", vocab_size=256, emb_features=args.width,
-                       num_layers=args.layers, num_heads=args.heads, max_seq_len=args.seq_len,
-                       attention_impl=args.attention)
-  data = TokenWindows(path=data_dir, seq_len=args.seq_len, val_batches=0,
-                      loading=Loading(workers=0, threads=1, read_buffer=2)).load(batch=args.batch)
-  return LMObjective(model, args.seq_len), data
+    """The example model, objective and data of ``args``."""
+    from dew import models
+    from dew.data import Loading, TokenWindows
+    from dew.objectives.lm import LMObjective
+
+    model = models.build(
+        "causal_transformer",
+        vocab_size=256,
+        emb_features=args.width,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        max_seq_len=args.seq_len,
+        attention_impl=args.attention,
+    )
+    data = TokenWindows(
+        path=data_dir,
+        seq_len=args.seq_len,
+        val_batches=0,
+        loading=Loading(workers=0, threads=1, read_buffer=2),
+    ).load(batch=args.batch)
+    return LMObjective(model, args.seq_len), data
 
 
 def _trainer(args, objective, checkpoints=None, engine="shard_map", lr=1e-3, seed=0):
-  import jax
-  import optax
-  from dew import Layout, MeshSpec, Trainer
-  return Trainer(objective, optax.adamw(lr), key=jax.random.key(seed), mesh=MeshSpec.parse(args.mesh),
-                 layout=Layout(min_shard=args.min_shard), checkpoints=checkpoints,
-                 accumulation=args.accumulation, engine=engine)
+    import jax
+    import optax
+    from dew import Layout, MeshSpec, Trainer
+
+    return Trainer(
+        objective,
+        optax.adamw(lr),
+        key=jax.random.key(seed),
+        mesh=MeshSpec.parse(args.mesh),
+        layout=Layout(min_shard=args.min_shard),
+        checkpoints=checkpoints,
+        accumulation=args.accumulation,
+        engine=engine,
+    )
 
 
 def _example_corpus(path):
-  from dew.data import write_example_corpus
-  write_example_corpus(path)
-  return path
+    from dew.data import write_example_corpus
+
+    write_example_corpus(path)
+    return path
 
 
 def train_command(args) -> int:
-  from pathlib import Path
-  from dew.checkpoints import Checkpoints
-  run_dir = Path(args.run_dir)
-  data_dir = args.data or _example_corpus(run_dir / "corpus")
-  objective, data = _example(args, data_dir)
-  trainer = _trainer(args, objective, Checkpoints(run_dir / "checkpoints"), lr=args.lr, seed=args.seed)
-  trainer.fit(data, steps=args.steps, log_every=args.log_every, checkpoint_every=args.checkpoint_every)
-  return 0
+    from pathlib import Path
+    from dew.checkpoints import Checkpoints
+
+    run_dir = Path(args.run_dir)
+    data_dir = args.data or _example_corpus(run_dir / "corpus")
+    objective, data = _example(args, data_dir)
+    trainer = _trainer(
+        args, objective, Checkpoints(run_dir / "checkpoints"), lr=args.lr, seed=args.seed
+    )
+    trainer.fit(
+        data, steps=args.steps, log_every=args.log_every, checkpoint_every=args.checkpoint_every
+    )
+    return 0
 
 
 def collectives_command(args) -> int:
-  import tempfile
-  with tempfile.TemporaryDirectory() as tmp:
-    objective, data = _example(args, _example_corpus(f"{tmp}/corpus"))
-    trainer = _trainer(args, objective, engine=args.engine)
-    print(f"Collectives of one {args.engine} step on {dict(trainer.mesh.shape)}, "
-          f"batch {args.batch} x {args.seq_len} tokens:")
-    print(trainer.collectives(data))
-  return 0
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        objective, data = _example(args, _example_corpus(f"{tmp}/corpus"))
+        trainer = _trainer(args, objective, engine=args.engine)
+        print(
+            f"Collectives of one {args.engine} step on {dict(trainer.mesh.shape)}, "
+            f"batch {args.batch} x {args.seq_len} tokens:"
+        )
+        print(trainer.collectives(data))
+    return 0
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
-  _setup_devices(args.cpu_devices)
-  try:
-    return args.run(args)
-  except (ValueError, FileNotFoundError, FileExistsError) as error:
-    print(f"dew {args.command}: {error}", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    _setup_devices(args.cpu_devices)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        print(f"dew {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+    sys.exit(main())

@@ -33,197 +33,233 @@ _REQUIRED = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens", "
 
 @dataclasses.dataclass(frozen=True)
 class TokenMeta:
-  """A validated ``meta.json``, with the folder it came from."""
+    """A validated ``meta.json``, with the folder it came from."""
 
-  path: Path
-  tokenizer: str
-  vocab_size: int
-  dtype: str
-  train_tokens: int
-  val_tokens: int
-  eos_id: int | None
+    path: Path
+    tokenizer: str
+    vocab_size: int
+    dtype: str
+    train_tokens: int
+    val_tokens: int
+    eos_id: int | None
 
-  @property
-  def numpy_dtype(self) -> np.dtype:
-    """The on-disk dtype, little-endian."""
-    return storage_dtype(self.dtype)
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The on-disk dtype, little-endian."""
+        return storage_dtype(self.dtype)
 
-  def to_json(self) -> dict[str, Any]:
-    """The ``meta.json`` object (without ``path``)."""
-    return {name: getattr(self, name) for name in _REQUIRED}
+    def to_json(self) -> dict[str, Any]:
+        """The ``meta.json`` object (without ``path``)."""
+        return {name: getattr(self, name) for name in _REQUIRED}
 
 
 def storage_dtype(name: str) -> np.dtype:
-  """The little-endian numpy dtype for an accepted dtype name; ValueError for any other."""
-  if name not in DTYPES:
-    raise ValueError(f"unknown token dtype {name!r}; accepted: {', '.join(DTYPES)}")
-  return np.dtype(name).newbyteorder("<")
+    """The little-endian numpy dtype for an accepted dtype name; ValueError for any other."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown token dtype {name!r}; accepted: {', '.join(DTYPES)}")
+    return np.dtype(name).newbyteorder("<")
 
 
 def smallest_dtype(vocab_size: int) -> str:
-  """The smallest accepted unsigned dtype that holds every id in ``[0, vocab_size)``."""
-  for name in DTYPES:
-    if vocab_size - 1 <= np.iinfo(name).max:
-      return name
-  raise ValueError(f"vocab_size {vocab_size} does not fit any accepted dtype ({', '.join(DTYPES)})")
+    """The smallest accepted unsigned dtype that holds every id in ``[0, vocab_size)``."""
+    for name in DTYPES:
+        if vocab_size - 1 <= np.iinfo(name).max:
+            return name
+    raise ValueError(
+        f"vocab_size {vocab_size} does not fit any accepted dtype ({', '.join(DTYPES)})"
+    )
 
 
 def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def read_meta(path: str | os.PathLike) -> TokenMeta:
-  """Reads and validates the ``meta.json`` of the token folder at ``path``.
+    """Reads and validates the ``meta.json`` of the token folder at ``path``.
 
-  Raises FileNotFoundError (naming the path) when the folder, ``meta.json``, ``train.bin`` or
-  ``val.bin`` is missing; ValueError for JSON that does not parse, a missing or ill-typed field, an
-  unknown dtype, a ``vocab_size`` the dtype cannot hold, an ``eos_id`` outside the vocabulary, or a
-  ``train.bin`` / ``val.bin`` whose size disagrees with ``train_tokens`` / ``val_tokens``.
-  """
-  folder = Path(path)
-  if not folder.is_dir():
-    raise FileNotFoundError(f"token folder {str(folder)!r} does not exist (or is not a folder)")
-  meta_path = folder / META
-  if not meta_path.is_file():
-    raise FileNotFoundError(f"token folder {str(folder)!r} has no {META} (expected {str(meta_path)!r})")
-  try:
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
-  except (json.JSONDecodeError, UnicodeDecodeError) as error:
-    raise ValueError(f"{str(meta_path)!r} is not valid JSON: {error}") from error
-  if not isinstance(meta, dict):
-    raise ValueError(f"{str(meta_path)!r} must hold a JSON object, got {type(meta).__name__}")
-  missing = [name for name in _REQUIRED if name not in meta]
-  if missing:
-    raise ValueError(f"{str(meta_path)!r} lacks field(s) {', '.join(missing)}")
+    Raises FileNotFoundError (naming the path) when the folder, ``meta.json``, ``train.bin`` or
+    ``val.bin`` is missing; ValueError for JSON that does not parse, a missing or ill-typed field, an
+    unknown dtype, a ``vocab_size`` the dtype cannot hold, an ``eos_id`` outside the vocabulary, or a
+    ``train.bin`` / ``val.bin`` whose size disagrees with ``train_tokens`` / ``val_tokens``.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"token folder {str(folder)!r} does not exist (or is not a folder)")
+    meta_path = folder / META
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"token folder {str(folder)!r} has no {META} (expected {str(meta_path)!r})"
+        )
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{str(meta_path)!r} is not valid JSON: {error}") from error
+    if not isinstance(meta, dict):
+        raise ValueError(f"{str(meta_path)!r} must hold a JSON object, got {type(meta).__name__}")
+    missing = [name for name in _REQUIRED if name not in meta]
+    if missing:
+        raise ValueError(f"{str(meta_path)!r} lacks field(s) {', '.join(missing)}")
 
-  def fail(message: str):
-    raise ValueError(f"{str(meta_path)!r}: {message}")
+    def fail(message: str):
+        raise ValueError(f"{str(meta_path)!r}: {message}")
 
-  if not isinstance(meta["tokenizer"], str):
-    fail(f"tokenizer must be a string, got {meta['tokenizer']!r}")
-  vocab_size = meta["vocab_size"]
-  if not _is_int(vocab_size) or vocab_size < 1:
-    fail(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
-  dtype = meta["dtype"]
-  if dtype not in DTYPES:
-    fail(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
-  if vocab_size - 1 > np.iinfo(dtype).max:
-    fail(f"vocab_size {vocab_size} does not fit dtype {dtype} (largest id {np.iinfo(dtype).max})")
-  for name in ("train_tokens", "val_tokens"):
-    if not _is_int(meta[name]) or meta[name] < 0:
-      fail(f"{name} must be an integer >= 0, got {meta[name]!r}")
-  eos_id = meta["eos_id"]
-  if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < vocab_size):
-    fail(f"eos_id must be null or an integer in [0, {vocab_size}), got {eos_id!r}")
+    if not isinstance(meta["tokenizer"], str):
+        fail(f"tokenizer must be a string, got {meta['tokenizer']!r}")
+    vocab_size = meta["vocab_size"]
+    if not _is_int(vocab_size) or vocab_size < 1:
+        fail(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
+    dtype = meta["dtype"]
+    if dtype not in DTYPES:
+        fail(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        fail(
+            f"vocab_size {vocab_size} does not fit dtype {dtype} (largest id {np.iinfo(dtype).max})"
+        )
+    for name in ("train_tokens", "val_tokens"):
+        if not _is_int(meta[name]) or meta[name] < 0:
+            fail(f"{name} must be an integer >= 0, got {meta[name]!r}")
+    eos_id = meta["eos_id"]
+    if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < vocab_size):
+        fail(f"eos_id must be null or an integer in [0, {vocab_size}), got {eos_id!r}")
 
-  itemsize = np.dtype(dtype).itemsize
-  for file, count_name in ((TRAIN, "train_tokens"), (VAL, "val_tokens")):
-    file_path = folder / file
-    if not file_path.is_file():
-      raise FileNotFoundError(f"token folder {str(folder)!r} has no {file} (expected {str(file_path)!r})")
-    size = file_path.stat().st_size
-    expected = meta[count_name] * itemsize
-    if size != expected:
-      fail(f"{count_name} = {meta[count_name]} ({expected} bytes of {dtype}) but {file} holds {size} "
-           f"bytes ({size / itemsize:g} tokens)")
+    itemsize = np.dtype(dtype).itemsize
+    for file, count_name in ((TRAIN, "train_tokens"), (VAL, "val_tokens")):
+        file_path = folder / file
+        if not file_path.is_file():
+            raise FileNotFoundError(
+                f"token folder {str(folder)!r} has no {file} (expected {str(file_path)!r})"
+            )
+        size = file_path.stat().st_size
+        expected = meta[count_name] * itemsize
+        if size != expected:
+            fail(
+                f"{count_name} = {meta[count_name]} ({expected} bytes of {dtype}) but {file} holds {size} "
+                f"bytes ({size / itemsize:g} tokens)"
+            )
 
-  return TokenMeta(path=folder, tokenizer=meta["tokenizer"], vocab_size=vocab_size, dtype=dtype,
-                   train_tokens=meta["train_tokens"], val_tokens=meta["val_tokens"], eos_id=eos_id)
+    return TokenMeta(
+        path=folder,
+        tokenizer=meta["tokenizer"],
+        vocab_size=vocab_size,
+        dtype=dtype,
+        train_tokens=meta["train_tokens"],
+        val_tokens=meta["val_tokens"],
+        eos_id=eos_id,
+    )
 
 
 def open_tokens(meta: TokenMeta, split: str) -> np.ndarray:
-  """A read-only memory map of ``train.bin`` (``split="train"``) or ``val.bin`` (``"val"``), shape
-  ``[tokens]`` in the stored dtype. Nothing is read until it is indexed."""
-  file, count = {"train": (TRAIN, meta.train_tokens), "val": (VAL, meta.val_tokens)}[split]
-  if count == 0:
-    # mmap cannot map an empty file.
-    return np.zeros(0, meta.numpy_dtype)
-  return np.memmap(meta.path / file, dtype=meta.numpy_dtype, mode="r", shape=(count,))
+    """A read-only memory map of ``train.bin`` (``split="train"``) or ``val.bin`` (``"val"``), shape
+    ``[tokens]`` in the stored dtype. Nothing is read until it is indexed."""
+    file, count = {"train": (TRAIN, meta.train_tokens), "val": (VAL, meta.val_tokens)}[split]
+    if count == 0:
+        # mmap cannot map an empty file.
+        return np.zeros(0, meta.numpy_dtype)
+    return np.memmap(meta.path / file, dtype=meta.numpy_dtype, mode="r", shape=(count,))
 
 
 def _as_token_array(ids: Any, name: str, vocab_size: int, dtype: str) -> np.ndarray:
-  array = np.asarray(ids)
-  if array.ndim != 1:
-    raise ValueError(f"{name} must be a flat sequence of token ids, got shape {array.shape}")
-  if array.size == 0:
-    return np.zeros(0, storage_dtype(dtype))
-  if not np.issubdtype(array.dtype, np.integer):
-    raise ValueError(f"{name} must hold integer token ids, got dtype {array.dtype}")
-  low, high = int(array.min()), int(array.max())
-  if low < 0 or high >= vocab_size:
-    raise ValueError(f"{name} holds ids from {low} to {high}, outside [0, vocab_size={vocab_size})")
-  return array.astype(storage_dtype(dtype))
+    array = np.asarray(ids)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a flat sequence of token ids, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, storage_dtype(dtype))
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {array.dtype}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"{name} holds ids from {low} to {high}, outside [0, vocab_size={vocab_size})"
+        )
+    return array.astype(storage_dtype(dtype))
 
 
 def _write_file(path: Path, data: bytes | np.ndarray) -> None:
-  with open(path, "wb") as file:
-    if isinstance(data, np.ndarray):
-      data.tofile(file)
-    else:
-      file.write(data)
-    file.flush()
-    os.fsync(file.fileno())
+    with open(path, "wb") as file:
+        if isinstance(data, np.ndarray):
+            data.tofile(file)
+        else:
+            file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
 
 
-def write_token_folder(path: str | os.PathLike, train_ids: Any, val_ids: Any, *,
-                       tokenizer: str = "byte", vocab_size: int = 256, eos_id: int | None = None,
-                       overwrite: bool = False) -> TokenMeta:
-  """Writes a token folder at ``path`` and returns its validated meta.
+def write_token_folder(
+    path: str | os.PathLike,
+    train_ids: Any,
+    val_ids: Any,
+    *,
+    tokenizer: str = "byte",
+    vocab_size: int = 256,
+    eos_id: int | None = None,
+    overwrite: bool = False,
+) -> TokenMeta:
+    """Writes a token folder at ``path`` and returns its validated meta.
 
-  ``train_ids`` and ``val_ids`` are flat integer sequences (lists or arrays) with every id in
-  ``[0, vocab_size)`` (checked here, ValueError otherwise); they are stored in the smallest unsigned
-  dtype that holds ``vocab_size`` (uint8 up to 256, uint16 up to 65536, else uint32).
+    ``train_ids`` and ``val_ids`` are flat integer sequences (lists or arrays) with every id in
+    ``[0, vocab_size)`` (checked here, ValueError otherwise); they are stored in the smallest unsigned
+    dtype that holds ``vocab_size`` (uint8 up to 256, uint16 up to 65536, else uint32).
 
-  The files are written under temporary names, flushed to disk, and renamed into place, ``meta.json``
-  last: a reader sees either no token folder (no ``meta.json``), or a complete one. A folder that
-  already holds any of the three files is left alone (FileExistsError) unless ``overwrite=True``;
-  then the old ``meta.json`` is removed first, so an interrupted overwrite leaves no ``meta.json``
-  rather than one that describes the wrong files.
-  """
-  folder = Path(path)
-  if not _is_int(vocab_size) or vocab_size < 1:
-    raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
-  if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < vocab_size):
-    raise ValueError(f"eos_id must be None or an integer in [0, {vocab_size}), got {eos_id!r}")
-  if not isinstance(tokenizer, str):
-    raise ValueError(f"tokenizer must be a name (str), got {tokenizer!r}")
-  dtype = smallest_dtype(vocab_size)
-  train = _as_token_array(train_ids, "train_ids", vocab_size, dtype)
-  val = _as_token_array(val_ids, "val_ids", vocab_size, dtype)
+    The files are written under temporary names, flushed to disk, and renamed into place, ``meta.json``
+    last: a reader sees either no token folder (no ``meta.json``), or a complete one. A folder that
+    already holds any of the three files is left alone (FileExistsError) unless ``overwrite=True``;
+    then the old ``meta.json`` is removed first, so an interrupted overwrite leaves no ``meta.json``
+    rather than one that describes the wrong files.
+    """
+    folder = Path(path)
+    if not _is_int(vocab_size) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
+    if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < vocab_size):
+        raise ValueError(f"eos_id must be None or an integer in [0, {vocab_size}), got {eos_id!r}")
+    if not isinstance(tokenizer, str):
+        raise ValueError(f"tokenizer must be a name (str), got {tokenizer!r}")
+    dtype = smallest_dtype(vocab_size)
+    train = _as_token_array(train_ids, "train_ids", vocab_size, dtype)
+    val = _as_token_array(val_ids, "val_ids", vocab_size, dtype)
 
-  existing = [name for name in (META, TRAIN, VAL) if (folder / name).exists()]
-  if existing and not overwrite:
-    raise FileExistsError(
-        f"{str(folder)!r} already holds {', '.join(existing)}; pass overwrite=True to replace them")
-  folder.mkdir(parents=True, exist_ok=True)
-  meta = {"tokenizer": tokenizer, "vocab_size": vocab_size, "dtype": dtype,
-          "train_tokens": int(train.size), "val_tokens": int(val.size), "eos_id": eos_id}
-  suffix = f".tmp-{os.getpid()}"
-  staged = [(folder / (TRAIN + suffix), train), (folder / (VAL + suffix), val),
-            (folder / (META + suffix), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))]
-  try:
-    for temp, data in staged:
-      _write_file(temp, data)
-    (folder / META).unlink(missing_ok=True)
-    os.replace(staged[0][0], folder / TRAIN)
-    os.replace(staged[1][0], folder / VAL)
-    os.replace(staged[2][0], folder / META)
-  finally:
-    for temp, _ in staged:
-      temp.unlink(missing_ok=True)
-  _fsync_folder(folder)
-  return read_meta(folder)
+    existing = [name for name in (META, TRAIN, VAL) if (folder / name).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"{str(folder)!r} already holds {', '.join(existing)}; pass overwrite=True to replace them"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "tokenizer": tokenizer,
+        "vocab_size": vocab_size,
+        "dtype": dtype,
+        "train_tokens": int(train.size),
+        "val_tokens": int(val.size),
+        "eos_id": eos_id,
+    }
+    suffix = f".tmp-{os.getpid()}"
+    staged = [
+        (folder / (TRAIN + suffix), train),
+        (folder / (VAL + suffix), val),
+        (folder / (META + suffix), (json.dumps(meta, indent=2) + "\n").encode("utf-8")),
+    ]
+    try:
+        for temp, data in staged:
+            _write_file(temp, data)
+        (folder / META).unlink(missing_ok=True)
+        os.replace(staged[0][0], folder / TRAIN)
+        os.replace(staged[1][0], folder / VAL)
+        os.replace(staged[2][0], folder / META)
+    finally:
+        for temp, _ in staged:
+            temp.unlink(missing_ok=True)
+    _fsync_folder(folder)
+    return read_meta(folder)
 
 
 def _fsync_folder(folder: Path) -> None:
-  # Makes the renames themselves durable; not every platform can open a folder.
-  try:
-    descriptor = os.open(folder, os.O_RDONLY)
-  except OSError:
-    return
-  try:
-    os.fsync(descriptor)
-  except OSError:
-    pass
-  finally:
-    os.close(descriptor)
+    # Makes the renames themselves durable; not every platform can open a folder.
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)

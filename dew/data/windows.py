@@ -30,194 +30,233 @@ _INT32_VOCAB = 2**31
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-  return int(value)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def window_count(tokens: int, seq_len: int) -> int:
-  """How many ``seq_len + 1``-token windows, starting every ``seq_len`` tokens, fit in ``tokens``."""
-  if tokens < seq_len + 1:
-    return 0
-  return (tokens - seq_len - 1) // seq_len + 1
+    """How many ``seq_len + 1``-token windows, starting every ``seq_len`` tokens, fit in ``tokens``."""
+    if tokens < seq_len + 1:
+        return 0
+    return (tokens - seq_len - 1) // seq_len + 1
 
 
 def _windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
-  """A ``[windows, seq_len + 1]`` view of ``tokens`` (no copy: still backed by the memory map)."""
-  count = window_count(tokens.shape[0], seq_len)
-  if count == 0:
-    return np.zeros((0, seq_len + 1), tokens.dtype)
-  return np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::seq_len][:count]
+    """A ``[windows, seq_len + 1]`` view of ``tokens`` (no copy: still backed by the memory map)."""
+    count = window_count(tokens.shape[0], seq_len)
+    if count == 0:
+        return np.zeros((0, seq_len + 1), tokens.dtype)
+    return np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::seq_len][:count]
 
 
 def _row_indices(rows: slice, batch_size: int) -> range:
-  if not isinstance(rows, slice):
-    raise ValueError(f"rows must be a slice of the batch's {batch_size} rows, got {rows!r}")
-  return range(batch_size)[rows]
+    if not isinstance(rows, slice):
+        raise ValueError(f"rows must be a slice of the batch's {batch_size} rows, got {rows!r}")
+    return range(batch_size)[rows]
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenWindows:
-  """Training (and validation) windows of ``seq_len + 1`` tokens from the token folder at ``path``.
+    """Training (and validation) windows of ``seq_len + 1`` tokens from the token folder at ``path``.
 
-  ``load(batch=B)`` opens the folder and returns a ``WindowDataset`` of global batches of ``B``
-  windows. ``val_batches`` is how many validation batches ``validation()`` returns; ``seed`` fixes the
-  shuffled order; ``loading`` says how ``batches()`` reads ahead (it never changes what is read).
-  """
+    ``load(batch=B)`` opens the folder and returns a ``WindowDataset`` of global batches of ``B``
+    windows. ``val_batches`` is how many validation batches ``validation()`` returns; ``seed`` fixes the
+    shuffled order; ``loading`` says how ``batches()`` reads ahead (it never changes what is read).
+    """
 
-  path: str | os.PathLike
-  seq_len: int
-  val_batches: int = 0
-  loading: Loading = Loading()
-  seed: int = 0
+    path: str | os.PathLike
+    seq_len: int
+    val_batches: int = 0
+    loading: Loading = Loading()
+    seed: int = 0
 
-  def __post_init__(self):
-    _check_int("seq_len", self.seq_len, 1)
-    _check_int("val_batches", self.val_batches, 0)
-    _check_int("seed", self.seed, 0)
-    if not isinstance(self.loading, Loading):
-      raise ValueError(f"loading must be a dew.data.Loading, got {self.loading!r}")
+    def __post_init__(self):
+        _check_int("seq_len", self.seq_len, 1)
+        _check_int("val_batches", self.val_batches, 0)
+        _check_int("seed", self.seed, 0)
+        if not isinstance(self.loading, Loading):
+            raise ValueError(f"loading must be a dew.data.Loading, got {self.loading!r}")
 
-  def load(self, batch: int) -> WindowDataset:
-    """Opens the folder (memory maps, nothing read yet) and returns the dataset of global batches of
-    ``batch`` windows. Raises FileNotFoundError / ValueError for a bad folder (see ``read_meta``),
-    ValueError when ``batch < 1``, when ``train.bin`` is shorter than one window, when ``batch``
-    exceeds the training windows, or when ``val.bin`` holds fewer than ``val_batches * batch``
-    windows."""
-    batch = _check_int("batch", batch, 1)
-    meta = read_meta(self.path)
-    return WindowDataset(meta, seq_len=int(self.seq_len), batch_size=batch,
-                         val_batches=int(self.val_batches), loading=self.loading, seed=int(self.seed))
+    def load(self, batch: int) -> WindowDataset:
+        """Opens the folder (memory maps, nothing read yet) and returns the dataset of global batches of
+        ``batch`` windows. Raises FileNotFoundError / ValueError for a bad folder (see ``read_meta``),
+        ValueError when ``batch < 1``, when ``train.bin`` is shorter than one window, when ``batch``
+        exceeds the training windows, or when ``val.bin`` holds fewer than ``val_batches * batch``
+        windows."""
+        batch = _check_int("batch", batch, 1)
+        meta = read_meta(self.path)
+        return WindowDataset(
+            meta,
+            seq_len=int(self.seq_len),
+            batch_size=batch,
+            val_batches=int(self.val_batches),
+            loading=self.loading,
+            seed=int(self.seed),
+        )
 
 
 class WindowDataset:
-  """Global batches of training windows, int32 ``[batch_size, seq_len + 1]``, indexed over epochs.
+    """Global batches of training windows, int32 ``[batch_size, seq_len + 1]``, indexed over epochs.
 
-  Attributes:
-    records: training windows in ``train.bin``: ``(train_tokens - seq_len - 1) // seq_len + 1``.
-    batch_size: rows of a global batch.
-    seq_len: tokens a model sees per row; a row holds ``seq_len + 1`` (inputs, shifted targets).
-    batches_per_epoch: ``records // batch_size``.
-    vocab_size, seed, path: from the folder and the ``TokenWindows`` that opened it.
-    val_batches: how many batches ``validation()`` returns.
-    meta: the folder's ``TokenMeta``.
-  """
+    Attributes:
+      records: training windows in ``train.bin``: ``(train_tokens - seq_len - 1) // seq_len + 1``.
+      batch_size: rows of a global batch.
+      seq_len: tokens a model sees per row; a row holds ``seq_len + 1`` (inputs, shifted targets).
+      batches_per_epoch: ``records // batch_size``.
+      vocab_size, seed, path: from the folder and the ``TokenWindows`` that opened it.
+      val_batches: how many batches ``validation()`` returns.
+      meta: the folder's ``TokenMeta``.
+    """
 
-  def __init__(self, meta: TokenMeta, *, seq_len: int, batch_size: int, val_batches: int,
-               loading: Loading, seed: int):
-    if meta.vocab_size > _INT32_VOCAB:
-      raise ValueError(f"vocab_size {meta.vocab_size} does not fit the int32 batches (max {_INT32_VOCAB})")
-    self.meta = meta
-    self.path = meta.path
-    self.vocab_size = meta.vocab_size
-    self.seq_len = seq_len
-    self.batch_size = batch_size
-    self.val_batches = val_batches
-    self.loading = loading
-    self.seed = seed
+    def __init__(
+        self,
+        meta: TokenMeta,
+        *,
+        seq_len: int,
+        batch_size: int,
+        val_batches: int,
+        loading: Loading,
+        seed: int,
+    ):
+        if meta.vocab_size > _INT32_VOCAB:
+            raise ValueError(
+                f"vocab_size {meta.vocab_size} does not fit the int32 batches (max {_INT32_VOCAB})"
+            )
+        self.meta = meta
+        self.path = meta.path
+        self.vocab_size = meta.vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_batches = val_batches
+        self.loading = loading
+        self.seed = seed
 
-    if meta.train_tokens < seq_len + 1:
-      raise ValueError(
-          f"train.bin in {str(meta.path)!r} holds {meta.train_tokens} tokens, fewer than one window "
-          f"of seq_len + 1 = {seq_len + 1}")
-    self._train = _windows(open_tokens(meta, "train"), seq_len)
-    self.records = self._train.shape[0]
-    if batch_size > self.records:
-      raise ValueError(
-          f"batch {batch_size} is larger than the {self.records} training windows of seq_len "
-          f"{seq_len} in {str(meta.path)!r}")
-    self.batches_per_epoch = self.records // batch_size
+        if meta.train_tokens < seq_len + 1:
+            raise ValueError(
+                f"train.bin in {str(meta.path)!r} holds {meta.train_tokens} tokens, fewer than one window "
+                f"of seq_len + 1 = {seq_len + 1}"
+            )
+        self._train = _windows(open_tokens(meta, "train"), seq_len)
+        self.records = self._train.shape[0]
+        if batch_size > self.records:
+            raise ValueError(
+                f"batch {batch_size} is larger than the {self.records} training windows of seq_len "
+                f"{seq_len} in {str(meta.path)!r}"
+            )
+        self.batches_per_epoch = self.records // batch_size
 
-    self._val = _windows(open_tokens(meta, "val"), seq_len)
-    if val_batches * batch_size > self._val.shape[0]:
-      raise ValueError(
-          f"val_batches {val_batches} x batch {batch_size} needs {val_batches * batch_size} windows "
-          f"of seq_len {seq_len}, but val.bin ({meta.val_tokens} tokens) holds {self._val.shape[0]}")
+        self._val = _windows(open_tokens(meta, "val"), seq_len)
+        if val_batches * batch_size > self._val.shape[0]:
+            raise ValueError(
+                f"val_batches {val_batches} x batch {batch_size} needs {val_batches * batch_size} windows "
+                f"of seq_len {seq_len}, but val.bin ({meta.val_tokens} tokens) holds {self._val.shape[0]}"
+            )
 
-    # Permutations of the two epochs last asked for (readers straddle an epoch boundary); shared by
-    # the reader threads.
-    self._order_lock = threading.Lock()
-    self._orders: dict[int, np.ndarray] = {}
+        # Permutations of the two epochs last asked for (readers straddle an epoch boundary); shared by
+        # the reader threads.
+        self._order_lock = threading.Lock()
+        self._orders: dict[int, np.ndarray] = {}
 
-  def order(self, epoch: int) -> np.ndarray:
-    """The window indices of ``epoch`` in the order its batches read them, shape ``[records]``."""
-    epoch = _check_int("epoch", epoch, 0)
-    with self._order_lock:
-      if epoch not in self._orders:
-        if len(self._orders) >= 2:
-          del self._orders[min(self._orders)]
-        self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.records)
-      return self._orders[epoch]
+    def order(self, epoch: int) -> np.ndarray:
+        """The window indices of ``epoch`` in the order its batches read them, shape ``[records]``."""
+        epoch = _check_int("epoch", epoch, 0)
+        with self._order_lock:
+            if epoch not in self._orders:
+                if len(self._orders) >= 2:
+                    del self._orders[min(self._orders)]
+                self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(
+                    self.records
+                )
+            return self._orders[epoch]
 
-  def windows_of(self, index: int) -> np.ndarray:
-    """The window indices (into train.bin's windows) that global batch ``index`` holds, ``[batch_size]``."""
-    index = _check_int("batch index", index, 0)
-    epoch, within = divmod(index, self.batches_per_epoch)
-    start = within * self.batch_size
-    return self.order(epoch)[start:start + self.batch_size]
+    def windows_of(self, index: int) -> np.ndarray:
+        """The window indices (into train.bin's windows) that global batch ``index`` holds, ``[batch_size]``."""
+        index = _check_int("batch index", index, 0)
+        epoch, within = divmod(index, self.batches_per_epoch)
+        start = within * self.batch_size
+        return self.order(epoch)[start : start + self.batch_size]
 
-  def batch(self, index: int, rows: slice = slice(None)) -> np.ndarray:
-    """Rows ``rows`` of global batch ``index`` (counting over epochs): int32
-    ``[len(rows), seq_len + 1]``. Reads only those rows' windows from the memory map."""
-    picked = self.windows_of(index)[_row_indices(rows, self.batch_size)]
-    return self._train[picked].astype(np.int32)
+    def batch(self, index: int, rows: slice = slice(None)) -> np.ndarray:
+        """Rows ``rows`` of global batch ``index`` (counting over epochs): int32
+        ``[len(rows), seq_len + 1]``. Reads only those rows' windows from the memory map."""
+        picked = self.windows_of(index)[_row_indices(rows, self.batch_size)]
+        return self._train[picked].astype(np.int32)
 
-  def batches(self, start: int = 0, rows: slice = slice(None)) -> BatchStream:
-    """``(index, batch(index, rows))`` for index = start, start + 1, ... forever, read ahead as
-    ``loading`` says. Close it (``close()`` or ``with``) to stop its reader threads; an error in a
-    reader is raised here, by ``next()``, at the batch that failed."""
-    start = _check_int("start", start, 0)
-    _row_indices(rows, self.batch_size)
-    return BatchStream(lambda index: self.batch(index, rows), start, self.loading)
+    def batches(self, start: int = 0, rows: slice = slice(None)) -> BatchStream:
+        """``(index, batch(index, rows))`` for index = start, start + 1, ... forever, read ahead as
+        ``loading`` says. Close it (``close()`` or ``with``) to stop its reader threads; an error in a
+        reader is raised here, by ``next()``, at the batch that failed."""
+        start = _check_int("start", start, 0)
+        _row_indices(rows, self.batch_size)
+        return BatchStream(lambda index: self.batch(index, rows), start, self.loading)
 
-  def validation(self, rows: slice = slice(None)) -> list[np.ndarray]:
-    """The ``val_batches`` validation batches, rows ``rows`` of each: int32 ``[len(rows), seq_len + 1]``.
-    Batch ``v`` holds val.bin's windows ``v * batch_size`` to ``(v + 1) * batch_size - 1``, in order,
-    the same every call."""
-    picked = _row_indices(rows, self.batch_size)
-    return [self._val[v * self.batch_size:(v + 1) * self.batch_size][picked].astype(np.int32)
-            for v in range(self.val_batches)]
+    def validation(self, rows: slice = slice(None)) -> list[np.ndarray]:
+        """The ``val_batches`` validation batches, rows ``rows`` of each: int32 ``[len(rows), seq_len + 1]``.
+        Batch ``v`` holds val.bin's windows ``v * batch_size`` to ``(v + 1) * batch_size - 1``, in order,
+        the same every call."""
+        picked = _row_indices(rows, self.batch_size)
+        return [
+            self._val[v * self.batch_size : (v + 1) * self.batch_size][picked].astype(np.int32)
+            for v in range(self.val_batches)
+        ]
 
-  def process_rows(self, process_index: int, process_count: int) -> slice:
-    """The contiguous rows of each global batch that process ``process_index`` of ``process_count``
-    reads: ``slice(p * B / P, (p + 1) * B / P)``. ValueError unless ``process_count`` divides B."""
-    process_count = _check_int("process_count", process_count, 1)
-    process_index = _check_int("process_index", process_index, 0)
-    if process_index >= process_count:
-      raise ValueError(f"process_index {process_index} is not below process_count {process_count}")
-    if self.batch_size % process_count:
-      raise ValueError(
-          f"batch {self.batch_size} does not split evenly over {process_count} processes")
-    share = self.batch_size // process_count
-    return slice(process_index * share, (process_index + 1) * share)
+    def process_rows(self, process_index: int, process_count: int) -> slice:
+        """The contiguous rows of each global batch that process ``process_index`` of ``process_count``
+        reads: ``slice(p * B / P, (p + 1) * B / P)``. ValueError unless ``process_count`` divides B."""
+        process_count = _check_int("process_count", process_count, 1)
+        process_index = _check_int("process_index", process_index, 0)
+        if process_index >= process_count:
+            raise ValueError(
+                f"process_index {process_index} is not below process_count {process_count}"
+            )
+        if self.batch_size % process_count:
+            raise ValueError(
+                f"batch {self.batch_size} does not split evenly over {process_count} processes"
+            )
+        share = self.batch_size // process_count
+        return slice(process_index * share, (process_index + 1) * share)
 
-  def position(self, next_index: int) -> dict[str, int]:
-    """Where a run stands, as a JSON-serialisable dict: the next global batch it will read, and what
-    identifies this order of batches (batch size, seq_len, seed, records). ``epoch`` is informative."""
-    next_index = _check_int("next_index", next_index, 0)
-    return {"next_batch": next_index, "epoch": next_index // self.batches_per_epoch,
-            "batch_size": self.batch_size, "seq_len": self.seq_len, "seed": self.seed,
-            "records": self.records}
+    def position(self, next_index: int) -> dict[str, int]:
+        """Where a run stands, as a JSON-serialisable dict: the next global batch it will read, and what
+        identifies this order of batches (batch size, seq_len, seed, records). ``epoch`` is informative."""
+        next_index = _check_int("next_index", next_index, 0)
+        return {
+            "next_batch": next_index,
+            "epoch": next_index // self.batches_per_epoch,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "records": self.records,
+        }
 
-  def resume(self, position: dict[str, Any]) -> int:
-    """The next batch index of a saved ``position(...)``, after checking that it describes this
-    dataset's order of batches: ValueError naming every field that differs (saved vs now)."""
-    if not isinstance(position, dict):
-      raise ValueError(f"a data position is a dict from position(), got {type(position).__name__}")
-    fields = ("next_batch", "batch_size", "seq_len", "seed", "records")
-    missing = [name for name in fields if name not in position]
-    if missing:
-      raise ValueError(f"data position {position!r} lacks field(s) {', '.join(missing)}")
-    mine = self.position(0)
-    differ = [f"{name} {position[name]!r} (saved) != {mine[name]!r} (this dataset)"
-              for name in fields[1:] if position[name] != mine[name]]
-    if differ:
-      raise ValueError(
-          f"the data position does not belong to this dataset ({str(self.path)!r}): "
-          + "; ".join(differ))
-    return _check_int("next_batch", position["next_batch"], 0)
+    def resume(self, position: dict[str, Any]) -> int:
+        """The next batch index of a saved ``position(...)``, after checking that it describes this
+        dataset's order of batches: ValueError naming every field that differs (saved vs now)."""
+        if not isinstance(position, dict):
+            raise ValueError(
+                f"a data position is a dict from position(), got {type(position).__name__}"
+            )
+        fields = ("next_batch", "batch_size", "seq_len", "seed", "records")
+        missing = [name for name in fields if name not in position]
+        if missing:
+            raise ValueError(f"data position {position!r} lacks field(s) {', '.join(missing)}")
+        mine = self.position(0)
+        differ = [
+            f"{name} {position[name]!r} (saved) != {mine[name]!r} (this dataset)"
+            for name in fields[1:]
+            if position[name] != mine[name]
+        ]
+        if differ:
+            raise ValueError(
+                f"the data position does not belong to this dataset ({str(self.path)!r}): "
+                + "; ".join(differ)
+            )
+        return _check_int("next_batch", position["next_batch"], 0)
 
-  def __repr__(self) -> str:
-    return (f"WindowDataset(path={str(self.path)!r}, records={self.records}, batch_size="
+    def __repr__(self) -> str:
+        return (
+            f"WindowDataset(path={str(self.path)!r}, records={self.records}, batch_size="
             f"{self.batch_size}, seq_len={self.seq_len}, batches_per_epoch={self.batches_per_epoch}, "
-            f"seed={self.seed})")
+            f"seed={self.seed})"
+        )

@@ -16,49 +16,55 @@ from dew.nn.param import Param, normal
 
 
 def xla_attention(q, k, v, *, causal: bool = True):
-  """Plain-JAX attention. ``q``: ``[batch, q_len, heads, d]``; ``k``, ``v``: ``[batch, kv_len, kv_heads, d]``.
+    """Plain-JAX attention. ``q``: ``[batch, q_len, heads, d]``; ``k``, ``v``: ``[batch, kv_len, kv_heads, d]``.
 
-  Softmax in float32; a query head ``h`` attends with kv head ``h // (heads // kv_heads)``, without
-  repeating K/V in memory. Returns ``[batch, q_len, heads, d]`` in ``q``'s dtype.
-  """
-  b, s, h, d = q.shape
-  kv_heads = k.shape[2]
-  groups = h // kv_heads
-  qg = q.reshape(b, s, kv_heads, groups, d)
-  logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
-  logits = logits / math.sqrt(d)
-  if causal:
-    mask = jnp.tril(jnp.ones((s, k.shape[1]), bool))
-    logits = jnp.where(mask, logits, -jnp.inf)
-  weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v, preferred_element_type=jnp.float32)
-  return out.reshape(b, s, h, d).astype(q.dtype)
+    Softmax in float32; a query head ``h`` attends with kv head ``h // (heads // kv_heads)``, without
+    repeating K/V in memory. Returns ``[batch, q_len, heads, d]`` in ``q``'s dtype.
+    """
+    b, s, h, d = q.shape
+    kv_heads = k.shape[2]
+    groups = h // kv_heads
+    qg = q.reshape(b, s, kv_heads, groups, d)
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(d)
+    if causal:
+        mask = jnp.tril(jnp.ones((s, k.shape[1]), bool))
+        logits = jnp.where(mask, logits, -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, s, h, d).astype(q.dtype)
 
 
 def pallas_attention(q, k, v, *, causal: bool = True):
-  """Dew's Pallas flash attention kernel (``dew.kernels``), on this device's local shard."""
-  from dew.kernels import flash_attention
-  return flash_attention(q, k, v, causal=causal)
+    """Dew's Pallas flash attention kernel (``dew.kernels``), on this device's local shard."""
+    from dew.kernels import flash_attention
+
+    return flash_attention(q, k, v, causal=causal)
 
 
 IMPLEMENTATIONS = {"xla": xla_attention, "pallas": pallas_attention}
 
 
-def attention_params(features: int, heads: int, kv_heads: int, head_dim: int, out_scale: float) -> dict:
-  std = 1.0 / math.sqrt(features)
-  return {
-      "q": Param((features, heads, head_dim), ("embed", "heads", "head_dim"), normal(std)),
-      "k": Param((features, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), normal(std)),
-      "v": Param((features, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), normal(std)),
-      "o": Param((heads, head_dim, features), ("heads", "head_dim", "embed"),
-                 normal(out_scale / math.sqrt(heads * head_dim))),
-  }
+def attention_params(
+    features: int, heads: int, kv_heads: int, head_dim: int, out_scale: float
+) -> dict:
+    std = 1.0 / math.sqrt(features)
+    return {
+        "q": Param((features, heads, head_dim), ("embed", "heads", "head_dim"), normal(std)),
+        "k": Param((features, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), normal(std)),
+        "v": Param((features, kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), normal(std)),
+        "o": Param(
+            (heads, head_dim, features),
+            ("heads", "head_dim", "embed"),
+            normal(out_scale / math.sqrt(heads * head_dim)),
+        ),
+    }
 
 
 def self_attention(p: dict, x: jax.Array, positions: jax.Array, impl: str = "xla") -> jax.Array:
-  """``x``: ``[batch, seq, embed]`` -> ``[batch, seq, embed]``, causal, rotary positions."""
-  q = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["q"].astype(x.dtype)), positions)
-  k = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["k"].astype(x.dtype)), positions)
-  v = jnp.einsum("bse,ehd->bshd", x, p["v"].astype(x.dtype))
-  out = IMPLEMENTATIONS[impl](q, k, v, causal=True)
-  return jnp.einsum("bshd,hde->bse", out, p["o"].astype(x.dtype))
+    """``x``: ``[batch, seq, embed]`` -> ``[batch, seq, embed]``, causal, rotary positions."""
+    q = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["q"].astype(x.dtype)), positions)
+    k = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["k"].astype(x.dtype)), positions)
+    v = jnp.einsum("bse,ehd->bshd", x, p["v"].astype(x.dtype))
+    out = IMPLEMENTATIONS[impl](q, k, v, causal=True)
+    return jnp.einsum("bshd,hde->bse", out, p["o"].astype(x.dtype))

@@ -7,18 +7,19 @@ from dew.nn.param import Param, normal
 
 
 def embed_params(vocab: int, features: int) -> dict:
-  # Standard deviation 1/sqrt(features): as the (tied) output head it gives logits of unit scale on
-  # normalized inputs. On the example corpus it reached a loss of 2.06 by step 20 where GPT-2's 0.02
-  # reached 3.79.
-  return {"embedding": Param((vocab, features), ("vocab", "embed"), normal(features ** -0.5))}
+    # Standard deviation 1/sqrt(features): as the (tied) output head it gives logits of unit scale on
+    # normalized inputs. On the example corpus it reached a loss of 2.06 by step 20 where GPT-2's 0.02
+    # reached 3.79.
+    return {"embedding": Param((vocab, features), ("vocab", "embed"), normal(features**-0.5))}
 
 
 def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
-  """``tokens``: ``[batch, seq]`` integers -> ``[batch, seq, embed]``."""
-  return jnp.take(p["embedding"], tokens, axis=0).astype(dtype)
+    """``tokens``: ``[batch, seq]`` integers -> ``[batch, seq, embed]``."""
+    return jnp.take(p["embedding"], tokens, axis=0).astype(dtype)
 
 
 def unembed(p: dict, x: jax.Array) -> jax.Array:
-  """``x``: ``[batch, seq, embed]`` -> float32 logits ``[batch, seq, vocab]``."""
-  return jnp.einsum("bse,ve->bsv", x, p["embedding"].astype(x.dtype),
-                    preferred_element_type=jnp.float32)
+    """``x``: ``[batch, seq, embed]`` -> float32 logits ``[batch, seq, vocab]``."""
+    return jnp.einsum(
+        "bse,ve->bsv", x, p["embedding"].astype(x.dtype), preferred_element_type=jnp.float32
+    )

@@ -22,27 +22,27 @@ AXIS = "fsdp"
 
 
 def gather(tree: Any, specs: Any, shards) -> Any:
-  """Undo the fsdp split of every leaf of ``tree`` whose spec names ``fsdp``.
+    """Undo the fsdp split of every leaf of ``tree`` whose spec names ``fsdp``.
 
-  Args:
-    tree: local weight shards.
-    specs: ``PartitionSpec`` tree matching ``tree`` (the layout of the full weights), or ``None``.
-    shards: the step's ``Shards``; on an fsdp axis of size 1 nothing is gathered.
-  """
-  if specs is None or shards.size(AXIS) == 1:
-    return tree
+    Args:
+      tree: local weight shards.
+      specs: ``PartitionSpec`` tree matching ``tree`` (the layout of the full weights), or ``None``.
+      shards: the step's ``Shards``; on an fsdp axis of size 1 nothing is gathered.
+    """
+    if specs is None or shards.size(AXIS) == 1:
+        return tree
 
-  def whole(x, spec):
-    for dim, entry in enumerate(tuple(spec)):
-      names = entry if isinstance(entry, tuple) else (entry,)
-      if AXIS in names:
-        # Ring all-gather: each device sends and receives (n-1)/n of the whole weight.
-        return lax.all_gather(x, AXIS, axis=dim, tiled=True)
-    return x
+    def whole(x, spec):
+        for dim, entry in enumerate(tuple(spec)):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if AXIS in names:
+                # Ring all-gather: each device sends and receives (n-1)/n of the whole weight.
+                return lax.all_gather(x, AXIS, axis=dim, tiled=True)
+        return x
 
-  return jax.tree_util.tree_map(whole, tree, specs)
+    return jax.tree_util.tree_map(whole, tree, specs)
 
 
 def is_split(spec: P) -> bool:
-  """Whether a weight of this spec is split over fsdp (so its gradient arrives reduce-scattered)."""
-  return any(AXIS in (e if isinstance(e, tuple) else (e,)) for e in tuple(spec))
+    """Whether a weight of this spec is split over fsdp (so its gradient arrives reduce-scattered)."""
+    return any(AXIS in (e if isinstance(e, tuple) else (e,)) for e in tuple(spec))

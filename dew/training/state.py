@@ -11,21 +11,21 @@ import jax
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-  """A pytree; each array laid out on the mesh as the layout says.
+    """A pytree; each array laid out on the mesh as the layout says.
 
-  Attributes:
-    step: optimizer steps taken (int32 scalar).
-    params: the model's weights, ``{"params": ...}``.
-    opt_state: the optax optimizer's state; its moments follow their parameter's layout.
-    ema: an exponential moving average of ``params``, or ``None`` when the objective keeps none.
-    key: the run's PRNG key (typed key array); steps that need randomness fold the step into it.
-  """
+    Attributes:
+      step: optimizer steps taken (int32 scalar).
+      params: the model's weights, ``{"params": ...}``.
+      opt_state: the optax optimizer's state; its moments follow their parameter's layout.
+      ema: an exponential moving average of ``params``, or ``None`` when the objective keeps none.
+      key: the run's PRNG key (typed key array); steps that need randomness fold the step into it.
+    """
 
-  step: jax.Array
-  params: Any
-  opt_state: Any
-  ema: Any
-  key: jax.Array
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    ema: Any
+    key: jax.Array
 
-  def replace(self, **changes) -> "TrainState":
-    return dataclasses.replace(self, **changes)
+    def replace(self, **changes) -> "TrainState":
+        return dataclasses.replace(self, **changes)

@@ -37,105 +37,140 @@ BATCH_SPEC = P(BATCH_AXES)
 
 
 def accumulated_gradients(loss_share: Callable, params, microbatches: jax.Array):
-  """Sum over ``microbatches`` (leading axis) of ``value_and_grad(loss_share)``, under one ``scan``."""
+    """Sum over ``microbatches`` (leading axis) of ``value_and_grad(loss_share)``, under one ``scan``."""
 
-  def accumulate(total, micro):
-    loss, grads = jax.value_and_grad(loss_share)(params, micro)
-    return jax.tree_util.tree_map(jnp.add, total, (loss, grads)), None
+    def accumulate(total, micro):
+        loss, grads = jax.value_and_grad(loss_share)(params, micro)
+        return jax.tree_util.tree_map(jnp.add, total, (loss, grads)), None
 
-  zeros = (jnp.zeros((), jnp.float32), jax.tree_util.tree_map(jnp.zeros_like, params))
-  (loss, grads), _ = jax.lax.scan(accumulate, zeros, microbatches)
-  return loss, grads
+    zeros = (jnp.zeros((), jnp.float32), jax.tree_util.tree_map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(accumulate, zeros, microbatches)
+    return loss, grads
 
 
 def local_gradients(objective, shards: Shards, accumulation: int, global_tokens: int) -> Callable:
-  """``(params, batch) -> (grads, loss)`` on one device's shards; summed over the batch axes.
+    """``(params, batch) -> (grads, loss)`` on one device's shards; summed over the batch axes.
 
-  ``batch``: this device's ``[rows, seq_len + 1]`` tokens, taken as ``accumulation`` microbatches
-  of consecutive rows. Each microbatch's loss is its share of the global mean, so the gradients add
-  up to the whole batch's.
-  """
+    ``batch``: this device's ``[rows, seq_len + 1]`` tokens, taken as ``accumulation`` microbatches
+    of consecutive rows. Each microbatch's loss is its share of the global mean, so the gradients add
+    up to the whole batch's.
+    """
 
-  def share(params, micro):
-    return objective.loss_sum(params, micro, shards) / global_tokens
+    def share(params, micro):
+        return objective.loss_sum(params, micro, shards) / global_tokens
 
-  def fn(params, batch):
-    micro = batch.reshape(accumulation, batch.shape[0] // accumulation, batch.shape[1])
-    loss, grads = accumulated_gradients(share, params, micro)
-    grads = data.sum_gradients(grads, shards.param_specs, shards)
-    return grads, data.sum_over_batch(loss, shards)
+    def fn(params, batch):
+        micro = batch.reshape(accumulation, batch.shape[0] // accumulation, batch.shape[1])
+        loss, grads = accumulated_gradients(share, params, micro)
+        grads = data.sum_gradients(grads, shards.param_specs, shards)
+        return grads, data.sum_over_batch(loss, shards)
 
-  return fn
-
-
-def global_gradients(objective, batch_splits: int, accumulation: int, global_tokens: int) -> Callable:
-  """The GSPMD baseline's ``(params, batch) -> (grads, loss)`` on the global arrays.
-
-  Microbatch i takes the i-th block of rows of each of the ``batch_splits`` batch shards, the rows
-  the shard_map engine's microbatch i holds, so both engines add the same numbers.
-  """
-
-  def share(params, micro):
-    return objective.loss_sum(params, micro) / global_tokens
-
-  def fn(params, batch):
-    rows, width = batch.shape
-    micro = batch.reshape(batch_splits, accumulation, rows // (batch_splits * accumulation), width)
-    micro = micro.swapaxes(0, 1).reshape(accumulation, rows // accumulation, width)
-    loss, grads = accumulated_gradients(share, params, micro)
-    return grads, loss
-
-  return fn
+    return fn
 
 
-def apply_updates(state: TrainState, grads, optimizer: optax.GradientTransformation,
-                  ema_decay: float | None) -> TrainState:
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  ema = state.ema
-  if ema_decay is not None:
-    ema = jax.tree_util.tree_map(lambda e, p: ema_decay * e + (1.0 - ema_decay) * p, ema, params)
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema=ema)
+def global_gradients(
+    objective, batch_splits: int, accumulation: int, global_tokens: int
+) -> Callable:
+    """The GSPMD baseline's ``(params, batch) -> (grads, loss)`` on the global arrays.
+
+    Microbatch i takes the i-th block of rows of each of the ``batch_splits`` batch shards, the rows
+    the shard_map engine's microbatch i holds, so both engines add the same numbers.
+    """
+
+    def share(params, micro):
+        return objective.loss_sum(params, micro) / global_tokens
+
+    def fn(params, batch):
+        rows, width = batch.shape
+        micro = batch.reshape(
+            batch_splits, accumulation, rows // (batch_splits * accumulation), width
+        )
+        micro = micro.swapaxes(0, 1).reshape(accumulation, rows // accumulation, width)
+        loss, grads = accumulated_gradients(share, params, micro)
+        return grads, loss
+
+    return fn
 
 
-def build_gradients(objective, mesh: Mesh, param_specs, *, accumulation: int, global_rows: int,
-                    engine: str = "shard_map") -> Callable:
-  """``(params, batch) -> (grads, loss)`` on global arrays laid out on ``mesh``: the gradient of
-  the mean loss of the whole batch, laid out like the parameters.
-
-  Args:
-    param_specs: ``PartitionSpec`` tree of the parameters (what each device holds).
-    global_rows: rows of the global batch (the loss is a mean over ``global_rows * seq_len`` tokens).
-  """
-  global_tokens = global_rows * objective.seq_len
-  if engine == "shard_map":
-    shards = Shards(axis_sizes=dict(mesh.shape), param_specs=param_specs)
-    # check_vma=False: gradients are summed where dew.parallel says, not by the transposes of
-    # implicit casts, so the collectives of a step are exactly those written in dew.parallel.
-    return jax.shard_map(
-        local_gradients(objective, shards, accumulation, global_tokens), mesh=mesh,
-        in_specs=(param_specs, BATCH_SPEC), out_specs=(param_specs, P()), check_vma=False)
-  if engine == "gspmd":
-    splits = mesh.shape["data"] * mesh.shape["expert"] * mesh.shape["fsdp"]
-    return global_gradients(objective, splits, accumulation, global_tokens)
-  raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+def apply_updates(
+    state: TrainState, grads, optimizer: optax.GradientTransformation, ema_decay: float | None
+) -> TrainState:
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    ema = state.ema
+    if ema_decay is not None:
+        ema = jax.tree_util.tree_map(
+            lambda e, p: ema_decay * e + (1.0 - ema_decay) * p, ema, params
+        )
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema=ema)
 
 
-def build_train_step(objective, optimizer, mesh: Mesh, param_specs, state_shardings, *,
-                     accumulation: int, global_rows: int, engine: str = "shard_map") -> Callable:
-  """The jitted step ``(state, batch) -> (state, loss)``; ``state`` is donated.
+def build_gradients(
+    objective,
+    mesh: Mesh,
+    param_specs,
+    *,
+    accumulation: int,
+    global_rows: int,
+    engine: str = "shard_map",
+) -> Callable:
+    """``(params, batch) -> (grads, loss)`` on global arrays laid out on ``mesh``: the gradient of
+    the mean loss of the whole batch, laid out like the parameters.
 
-  ``state_shardings`` is the ``NamedSharding`` tree of the whole ``TrainState``; the other
-  arguments are ``build_gradients``'.
-  """
-  gradients = build_gradients(objective, mesh, param_specs, accumulation=accumulation,
-                              global_rows=global_rows, engine=engine)
+    Args:
+      param_specs: ``PartitionSpec`` tree of the parameters (what each device holds).
+      global_rows: rows of the global batch (the loss is a mean over ``global_rows * seq_len`` tokens).
+    """
+    global_tokens = global_rows * objective.seq_len
+    if engine == "shard_map":
+        shards = Shards(axis_sizes=dict(mesh.shape), param_specs=param_specs)
+        # check_vma=False: gradients are summed where dew.parallel says, not by the transposes of
+        # implicit casts, so the collectives of a step are exactly those written in dew.parallel.
+        return jax.shard_map(
+            local_gradients(objective, shards, accumulation, global_tokens),
+            mesh=mesh,
+            in_specs=(param_specs, BATCH_SPEC),
+            out_specs=(param_specs, P()),
+            check_vma=False,
+        )
+    if engine == "gspmd":
+        splits = mesh.shape["data"] * mesh.shape["expert"] * mesh.shape["fsdp"]
+        return global_gradients(objective, splits, accumulation, global_tokens)
+    raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
 
-  def step(state: TrainState, batch: jax.Array):
-    grads, loss = gradients(state.params, batch)
-    return apply_updates(state, grads, optimizer, objective.ema_decay), loss
 
-  return jax.jit(step,
-                 in_shardings=(state_shardings, NamedSharding(mesh, BATCH_SPEC)),
-                 out_shardings=(state_shardings, NamedSharding(mesh, P())),
-                 donate_argnums=0)
+def build_train_step(
+    objective,
+    optimizer,
+    mesh: Mesh,
+    param_specs,
+    state_shardings,
+    *,
+    accumulation: int,
+    global_rows: int,
+    engine: str = "shard_map",
+) -> Callable:
+    """The jitted step ``(state, batch) -> (state, loss)``; ``state`` is donated.
+
+    ``state_shardings`` is the ``NamedSharding`` tree of the whole ``TrainState``; the other
+    arguments are ``build_gradients``'.
+    """
+    gradients = build_gradients(
+        objective,
+        mesh,
+        param_specs,
+        accumulation=accumulation,
+        global_rows=global_rows,
+        engine=engine,
+    )
+
+    def step(state: TrainState, batch: jax.Array):
+        grads, loss = gradients(state.params, batch)
+        return apply_updates(state, grads, optimizer, objective.ema_decay), loss
+
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, NamedSharding(mesh, BATCH_SPEC)),
+        out_shardings=(state_shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )

@@ -29,254 +29,320 @@ SUPPORTED_AXES = ("data", "fsdp")
 
 
 class Trainer:
-  """Trains ``objective`` with ``optimizer`` over a device mesh.
-
-  Args:
-    objective: e.g. ``LMObjective(model, seq_len)``.
-    optimizer: any ``optax.GradientTransformation``; it gives its one-device result.
-    key: a PRNG key (``jax.random.key(0)``); the initial weights depend on it alone.
-    mesh: a ``MeshSpec``; ``data`` takes the devices the other axes leave.
-    layout: a ``Layout`` placing each weight (and its optimizer state and EMA) on the mesh.
-    checkpoints: a ``dew.Checkpoints``, or ``None`` to keep nothing on disk.
-    accumulation: microbatches per step; the gradients of all are added, equal to the whole batch's.
-    engine: ``"shard_map"`` (explicit collectives, the default) or ``"gspmd"`` (XLA's partitioner,
-      the baseline benchmarks compare with).
-    devices: the devices to use (default: all of them).
-  """
-
-  def __init__(self, objective, optimizer: optax.GradientTransformation, key: jax.Array,
-               mesh: MeshSpec = MeshSpec(), layout: Layout = Layout(), checkpoints=None,
-               accumulation: int = 1, engine: str = "shard_map", devices=None):
-    if not isinstance(mesh, MeshSpec):
-      raise TypeError(f"mesh must be a dew.MeshSpec, got {type(mesh).__name__}")
-    if not isinstance(layout, Layout):
-      raise TypeError(f"layout must be a dew.Layout, got {type(layout).__name__}")
-    if not isinstance(accumulation, int) or isinstance(accumulation, bool) or accumulation < 1:
-      raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}")
-    if engine not in ENGINES:
-      raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
-    for axis in AXES:
-      size = getattr(mesh, axis, None)
-      if axis not in SUPPORTED_AXES and size and size > 1:
-        raise ValueError(f"MeshSpec({axis}={size}): the training step does not split over the "
-                         f"{axis} axis yet; it supports {' and '.join(SUPPORTED_AXES)}")
-    self.objective = objective
-    self.optimizer = optimizer
-    self.key = key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
-    self.mesh_spec = mesh
-    self.mesh = build_mesh(mesh, devices)
-    self.layout = layout
-    self.checkpoints = checkpoints
-    self.accumulation = accumulation
-    self.engine = engine
-
-    axes = objective.model.logical_axes()
-    abstract_state = jax.eval_shape(self._fresh_state, self.key)
-    self.param_specs = layout.specs(self.mesh, abstract_state.params, axes)
-    self.state_shardings = layout.shardings(self.mesh, abstract_state, axes)
-    self._abstract_state = abstract_state
-    self._steps: dict[int, Any] = {}
-    self._gradients: dict[int, Any] = {}
-
-  # ----------------------------------------------------------------------------- state
-
-  def _fresh_state(self, key: jax.Array) -> TrainState:
-    params = self.objective.model.init(key)
-    ema = params if self.objective.ema_decay is not None else None
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=self.optimizer.init(params), ema=ema, key=key)
-
-  def init_state(self) -> TrainState:
-    """A fresh state, created directly in its final layout (no device ever holds all of it)."""
-    return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(self.key)
-
-  def place(self):
-    """``(state, shardings, data_position)``: the latest checkpoint laid out for this trainer's mesh
-    and layout, or a fresh state (and position ``None``) when there is none."""
-    if self.checkpoints is not None and self.checkpoints.latest is not None:
-      state, metadata = self._restore()
-      print(f"Resumed from step {int(state.step)} in {self.checkpoints.directory}")
-      return state, self.state_shardings, metadata.get("data_position")
-    return self.init_state(), self.state_shardings, None
-
-  def _saveable(self, state: TrainState) -> TrainState:
-    # Checkpoints hold plain numbers: the typed key goes as its uint32 key data.
-    return state.replace(key=jax.random.key_data(state.key))
-
-  def _restore(self):
-    abstract = jax.eval_shape(self._saveable, self._abstract_state)
-    shardings = self._saveable_shardings()
-    target = jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    tree, metadata = self.checkpoints.restore(target)
-    key = jax.random.wrap_key_data(tree.key, impl=jax.random.key_impl(self.key))
-    return tree.replace(key=key), metadata
-
-  def _saveable_shardings(self):
-    return self.state_shardings.replace(key=NamedSharding(self.mesh, P()))
-
-  def save(self, state: TrainState, data=None, next_batch: int | None = None) -> None:
-    """Writes ``state`` (and where ``data`` stands) to this trainer's checkpoints, in the background."""
-    if self.checkpoints is None:
-      raise ValueError("this Trainer was built with checkpoints=None; there is nowhere to save")
-    metadata = {
-        "accumulation": self.accumulation,
-        "mesh": dict(self.mesh.shape),
-        "layout": self.layout.describe(),
-        "engine": self.engine,
-    }
-    if data is not None:
-      metadata["data_position"] = data.position(int(state.step) if next_batch is None else next_batch)
-    self.checkpoints.save(int(state.step), self._saveable(state), metadata=metadata)
-
-  # ----------------------------------------------------------------------------- checks
-
-  @property
-  def batch_devices(self) -> int:
-    return math.prod(self.mesh.shape[a] for a in BATCH_AXES)
-
-  def check_batch(self, batch_size: int, seq_len: int | None = None) -> None:
-    """Raises ``ValueError`` if a global batch of ``batch_size`` rows cannot be split over the batch
-    axes into ``accumulation`` microbatches, or if ``seq_len`` is not the objective's."""
-    split = " x ".join(f"{a} {self.mesh.shape[a]}" for a in BATCH_AXES
-                       if a in SUPPORTED_AXES or self.mesh.shape[a] > 1)
-    if batch_size % self.batch_devices:
-      raise ValueError(f"batch {batch_size} does not split evenly over {self.batch_devices} devices ({split})")
-    if (batch_size // self.batch_devices) % self.accumulation:
-      raise ValueError(
-          f"batch {batch_size} over {self.batch_devices} devices ({split}) leaves "
-          f"{batch_size // self.batch_devices} rows per device, which do not split into "
-          f"accumulation {self.accumulation} microbatches")
-    if seq_len is not None and seq_len != self.objective.seq_len:
-      raise ValueError(f"the data's seq_len {seq_len} is not the objective's seq_len {self.objective.seq_len}")
-
-  # ----------------------------------------------------------------------------- the step
-
-  def train_step(self, batch_size: int):
-    """The compiled-on-first-call step ``(state, batch) -> (state, loss)`` for global batches of
-    ``batch_size`` rows."""
-    self.check_batch(batch_size)
-    if batch_size not in self._steps:
-      self._steps[batch_size] = build_train_step(
-          self.objective, self.optimizer, self.mesh, self.param_specs, self.state_shardings,
-          accumulation=self.accumulation, global_rows=batch_size, engine=self.engine)
-    return self._steps[batch_size]
-
-  def gradients(self, params, batch: jax.Array):
-    """``(grads, loss)`` of the mean loss of the global ``batch``, computed as the step computes them
-    (for tests and inspection; ``fit`` does not call it)."""
-    rows = batch.shape[0]
-    self.check_batch(rows)
-    if rows not in self._gradients:
-      fn = build_gradients(self.objective, self.mesh, self.param_specs, accumulation=self.accumulation,
-                           global_rows=rows, engine=self.engine)
-      self._gradients[rows] = jax.jit(
-          fn, out_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P())))
-    return self._gradients[rows](params, batch)
-
-  @property
-  def batch_sharding(self) -> NamedSharding:
-    return NamedSharding(self.mesh, BATCH_SPEC)
-
-  def _process_rows(self, batch_size: int, width: int) -> slice:
-    """The rows of a global batch this process's devices hold (all of them in one process)."""
-    if jax.process_count() == 1:
-      return slice(None)
-    index = self.batch_sharding.addressable_devices_indices_map((batch_size, width))
-    starts = sorted({idx[0].start or 0 for idx in index.values()})
-    stops = sorted({idx[0].stop or batch_size for idx in index.values()})
-    lo, hi = starts[0], stops[-1]
-    covered = sum(stop - start for start, stop in zip(starts, stops))
-    if covered != hi - lo:
-      raise ValueError(f"this process's batch rows are not contiguous: {sorted(index.values())}")
-    return slice(lo, hi)
-
-  def device_batch(self, rows: np.ndarray, batch_size: int) -> jax.Array:
-    """A global batch array from this process's ``rows`` of it."""
-    if jax.process_count() == 1:
-      return jax.device_put(rows, self.batch_sharding)
-    return jax.make_array_from_process_local_data(self.batch_sharding, rows,
-                                                  (batch_size, rows.shape[1]))
-
-  # ----------------------------------------------------------------------------- fit
-
-  def fit(self, data, steps: int, log_every: int = 100, checkpoint_every: int | None = None) -> TrainState:
-    """Trains until ``state.step == steps`` (resuming from the latest checkpoint, if any).
+    """Trains ``objective`` with ``optimizer`` over a device mesh.
 
     Args:
-      data: a ``dew.data.WindowDataset`` (``TokenWindows(...).load(batch=B)``).
-      steps: the step to stop at, counted from the run's start (not from the resumed step).
-      log_every: prints ``step N: loss L`` every this many steps, and at the last step.
-      checkpoint_every: saves every this many steps (and always at the end, when checkpoints are on).
-
-    Returns:
-      the final ``TrainState``, laid out on the mesh.
+      objective: e.g. ``LMObjective(model, seq_len)``.
+      optimizer: any ``optax.GradientTransformation``; it gives its one-device result.
+      key: a PRNG key (``jax.random.key(0)``); the initial weights depend on it alone.
+      mesh: a ``MeshSpec``; ``data`` takes the devices the other axes leave.
+      layout: a ``Layout`` placing each weight (and its optimizer state and EMA) on the mesh.
+      checkpoints: a ``dew.Checkpoints``, or ``None`` to keep nothing on disk.
+      accumulation: microbatches per step; the gradients of all are added, equal to the whole batch's.
+      engine: ``"shard_map"`` (explicit collectives, the default) or ``"gspmd"`` (XLA's partitioner,
+        the baseline benchmarks compare with).
+      devices: the devices to use (default: all of them).
     """
-    started = time.perf_counter()
-    if not isinstance(steps, int) or steps < 0:
-      raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
-    if not isinstance(log_every, int) or log_every < 1:
-      raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}")
-    if checkpoint_every is not None:
-      if self.checkpoints is None:
-        raise ValueError("checkpoint_every needs a Trainer built with checkpoints=Checkpoints(...)")
-      if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
-    self.check_batch(data.batch_size, data.seq_len)
-    step_fn = self.train_step(data.batch_size)
 
-    state, _, position = self.place()
-    start = int(state.step)
-    mesh_shape = dict(self.mesh.shape)
-    if start >= steps:
-      print(f"Already at step {start}; fit(steps={steps}) has nothing to train on {mesh_shape}")
-      return state
-    print(f"Training from step {start} to {steps} on {mesh_shape} ({jax.process_count()} process(es))")
+    def __init__(
+        self,
+        objective,
+        optimizer: optax.GradientTransformation,
+        key: jax.Array,
+        mesh: MeshSpec = MeshSpec(),
+        layout: Layout = Layout(),
+        checkpoints=None,
+        accumulation: int = 1,
+        engine: str = "shard_map",
+        devices=None,
+    ):
+        if not isinstance(mesh, MeshSpec):
+            raise TypeError(f"mesh must be a dew.MeshSpec, got {type(mesh).__name__}")
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout must be a dew.Layout, got {type(layout).__name__}")
+        if not isinstance(accumulation, int) or isinstance(accumulation, bool) or accumulation < 1:
+            raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+        for axis in AXES:
+            size = getattr(mesh, axis, None)
+            if axis not in SUPPORTED_AXES and size and size > 1:
+                raise ValueError(
+                    f"MeshSpec({axis}={size}): the training step does not split over the "
+                    f"{axis} axis yet; it supports {' and '.join(SUPPORTED_AXES)}"
+                )
+        self.objective = objective
+        self.optimizer = optimizer
+        self.key = (
+            key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+        )
+        self.mesh_spec = mesh
+        self.mesh = build_mesh(mesh, devices)
+        self.layout = layout
+        self.checkpoints = checkpoints
+        self.accumulation = accumulation
+        self.engine = engine
 
-    next_batch = data.resume(position) if position is not None else start
-    width = data.seq_len + 1
-    first_step_after = None
-    in_steps = 0.0
-    with data.batches(start=next_batch, rows=self._process_rows(data.batch_size, width)) as batches:
-      for step in range(start + 1, steps + 1):
-        index, rows = next(batches)
-        batch = self.device_batch(rows, data.batch_size)
-        began = time.perf_counter()
-        state, loss = step_fn(state, batch)
-        loss = float(loss)  # waits for the step
-        ended = time.perf_counter()
-        if first_step_after is None:
-          first_step_after = ended - started
-        else:
-          in_steps += ended - began
-        if step % log_every == 0 or step == steps:
-          print(f"step {step}: loss {loss:.4f}")
-        if checkpoint_every is not None and step % checkpoint_every == 0 and step != steps:
-          self.save(state, data, index + 1)
-    if self.checkpoints is not None:
-      self.save(state, data, index + 1)
-      self.checkpoints.wait()
-    wall = time.perf_counter() - started
-    print(f"Goodput: first step after {first_step_after:.2f} s, "
-          f"{100.0 * in_steps / wall:.1f}% of the wall time in steps")
-    return state
+        axes = objective.model.logical_axes()
+        abstract_state = jax.eval_shape(self._fresh_state, self.key)
+        self.param_specs = layout.specs(self.mesh, abstract_state.params, axes)
+        self.state_shardings = layout.shardings(self.mesh, abstract_state, axes)
+        self._abstract_state = abstract_state
+        self._steps: dict[int, Any] = {}
+        self._gradients: dict[int, Any] = {}
 
-  # ----------------------------------------------------------------------------- inspection
+    # ----------------------------------------------------------------------------- state
 
-  def collectives(self, data):
-    """The collectives of one training step on batches of ``data`` (anything with ``batch_size``
-    and ``seq_len``), as a ``CollectiveReport``.
+    def _fresh_state(self, key: jax.Array) -> TrainState:
+        params = self.objective.model.init(key)
+        ema = params if self.objective.ema_decay is not None else None
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.optimizer.init(params),
+            ema=ema,
+            key=key,
+        )
 
-    For the shard_map engine they are read from the step's jaxpr (what the code asks for); for the
-    GSPMD engine from the compiled HLO (what XLA inserted).
-    """
-    from dew.collective_report import collectives, hlo_collectives
-    step_fn = self.train_step(data.batch_size)
-    batch = jax.ShapeDtypeStruct((data.batch_size, data.seq_len + 1), jnp.int32,
-                                 sharding=self.batch_sharding)
-    state = jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        self._abstract_state, self.state_shardings)
-    if self.engine == "gspmd":
-      return hlo_collectives(step_fn.lower(state, batch).compile(), self.mesh)
-    return collectives(step_fn, state, batch)
+    def init_state(self) -> TrainState:
+        """A fresh state, created directly in its final layout (no device ever holds all of it)."""
+        return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(self.key)
+
+    def place(self):
+        """``(state, shardings, data_position)``: the latest checkpoint laid out for this trainer's mesh
+        and layout, or a fresh state (and position ``None``) when there is none."""
+        if self.checkpoints is not None and self.checkpoints.latest is not None:
+            state, metadata = self._restore()
+            print(f"Resumed from step {int(state.step)} in {self.checkpoints.directory}")
+            return state, self.state_shardings, metadata.get("data_position")
+        return self.init_state(), self.state_shardings, None
+
+    def _saveable(self, state: TrainState) -> TrainState:
+        # Checkpoints hold plain numbers: the typed key goes as its uint32 key data.
+        return state.replace(key=jax.random.key_data(state.key))
+
+    def _restore(self):
+        abstract = jax.eval_shape(self._saveable, self._abstract_state)
+        shardings = self._saveable_shardings()
+        target = jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+        )
+        tree, metadata = self.checkpoints.restore(target)
+        key = jax.random.wrap_key_data(tree.key, impl=jax.random.key_impl(self.key))
+        return tree.replace(key=key), metadata
+
+    def _saveable_shardings(self):
+        return self.state_shardings.replace(key=NamedSharding(self.mesh, P()))
+
+    def save(self, state: TrainState, data=None, next_batch: int | None = None) -> None:
+        """Writes ``state`` (and where ``data`` stands) to this trainer's checkpoints, in the background."""
+        if self.checkpoints is None:
+            raise ValueError(
+                "this Trainer was built with checkpoints=None; there is nowhere to save"
+            )
+        metadata = {
+            "accumulation": self.accumulation,
+            "mesh": dict(self.mesh.shape),
+            "layout": self.layout.describe(),
+            "engine": self.engine,
+        }
+        if data is not None:
+            metadata["data_position"] = data.position(
+                int(state.step) if next_batch is None else next_batch
+            )
+        self.checkpoints.save(int(state.step), self._saveable(state), metadata=metadata)
+
+    # ----------------------------------------------------------------------------- checks
+
+    @property
+    def batch_devices(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in BATCH_AXES)
+
+    def check_batch(self, batch_size: int, seq_len: int | None = None) -> None:
+        """Raises ``ValueError`` if a global batch of ``batch_size`` rows cannot be split over the batch
+        axes into ``accumulation`` microbatches, or if ``seq_len`` is not the objective's."""
+        split = " x ".join(
+            f"{a} {self.mesh.shape[a]}"
+            for a in BATCH_AXES
+            if a in SUPPORTED_AXES or self.mesh.shape[a] > 1
+        )
+        if batch_size % self.batch_devices:
+            raise ValueError(
+                f"batch {batch_size} does not split evenly over {self.batch_devices} devices ({split})"
+            )
+        if (batch_size // self.batch_devices) % self.accumulation:
+            raise ValueError(
+                f"batch {batch_size} over {self.batch_devices} devices ({split}) leaves "
+                f"{batch_size // self.batch_devices} rows per device, which do not split into "
+                f"accumulation {self.accumulation} microbatches"
+            )
+        if seq_len is not None and seq_len != self.objective.seq_len:
+            raise ValueError(
+                f"the data's seq_len {seq_len} is not the objective's seq_len {self.objective.seq_len}"
+            )
+
+    # ----------------------------------------------------------------------------- the step
+
+    def train_step(self, batch_size: int):
+        """The compiled-on-first-call step ``(state, batch) -> (state, loss)`` for global batches of
+        ``batch_size`` rows."""
+        self.check_batch(batch_size)
+        if batch_size not in self._steps:
+            self._steps[batch_size] = build_train_step(
+                self.objective,
+                self.optimizer,
+                self.mesh,
+                self.param_specs,
+                self.state_shardings,
+                accumulation=self.accumulation,
+                global_rows=batch_size,
+                engine=self.engine,
+            )
+        return self._steps[batch_size]
+
+    def gradients(self, params, batch: jax.Array):
+        """``(grads, loss)`` of the mean loss of the global ``batch``, computed as the step computes them
+        (for tests and inspection; ``fit`` does not call it)."""
+        rows = batch.shape[0]
+        self.check_batch(rows)
+        if rows not in self._gradients:
+            fn = build_gradients(
+                self.objective,
+                self.mesh,
+                self.param_specs,
+                accumulation=self.accumulation,
+                global_rows=rows,
+                engine=self.engine,
+            )
+            self._gradients[rows] = jax.jit(
+                fn, out_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P()))
+            )
+        return self._gradients[rows](params, batch)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, BATCH_SPEC)
+
+    def _process_rows(self, batch_size: int, width: int) -> slice:
+        """The rows of a global batch this process's devices hold (all of them in one process)."""
+        if jax.process_count() == 1:
+            return slice(None)
+        index = self.batch_sharding.addressable_devices_indices_map((batch_size, width))
+        starts = sorted({idx[0].start or 0 for idx in index.values()})
+        stops = sorted({idx[0].stop or batch_size for idx in index.values()})
+        lo, hi = starts[0], stops[-1]
+        covered = sum(stop - start for start, stop in zip(starts, stops))
+        if covered != hi - lo:
+            raise ValueError(
+                f"this process's batch rows are not contiguous: {sorted(index.values())}"
+            )
+        return slice(lo, hi)
+
+    def device_batch(self, rows: np.ndarray, batch_size: int) -> jax.Array:
+        """A global batch array from this process's ``rows`` of it."""
+        if jax.process_count() == 1:
+            return jax.device_put(rows, self.batch_sharding)
+        return jax.make_array_from_process_local_data(
+            self.batch_sharding, rows, (batch_size, rows.shape[1])
+        )
+
+    # ----------------------------------------------------------------------------- fit
+
+    def fit(
+        self, data, steps: int, log_every: int = 100, checkpoint_every: int | None = None
+    ) -> TrainState:
+        """Trains until ``state.step == steps`` (resuming from the latest checkpoint, if any).
+
+        Args:
+          data: a ``dew.data.WindowDataset`` (``TokenWindows(...).load(batch=B)``).
+          steps: the step to stop at, counted from the run's start (not from the resumed step).
+          log_every: prints ``step N: loss L`` every this many steps, and at the last step.
+          checkpoint_every: saves every this many steps (and always at the end, when checkpoints are on).
+
+        Returns:
+          the final ``TrainState``, laid out on the mesh.
+        """
+        started = time.perf_counter()
+        if not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+        if not isinstance(log_every, int) or log_every < 1:
+            raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}")
+        if checkpoint_every is not None:
+            if self.checkpoints is None:
+                raise ValueError(
+                    "checkpoint_every needs a Trainer built with checkpoints=Checkpoints(...)"
+                )
+            if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+                raise ValueError(
+                    f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}"
+                )
+        self.check_batch(data.batch_size, data.seq_len)
+        step_fn = self.train_step(data.batch_size)
+
+        state, _, position = self.place()
+        start = int(state.step)
+        mesh_shape = dict(self.mesh.shape)
+        if start >= steps:
+            print(
+                f"Already at step {start}; fit(steps={steps}) has nothing to train on {mesh_shape}"
+            )
+            return state
+        print(
+            f"Training from step {start} to {steps} on {mesh_shape} ({jax.process_count()} process(es))"
+        )
+
+        next_batch = data.resume(position) if position is not None else start
+        width = data.seq_len + 1
+        first_step_after = None
+        in_steps = 0.0
+        with data.batches(
+            start=next_batch, rows=self._process_rows(data.batch_size, width)
+        ) as batches:
+            for step in range(start + 1, steps + 1):
+                index, rows = next(batches)
+                batch = self.device_batch(rows, data.batch_size)
+                began = time.perf_counter()
+                state, loss = step_fn(state, batch)
+                loss = float(loss)  # waits for the step
+                ended = time.perf_counter()
+                if first_step_after is None:
+                    first_step_after = ended - started
+                else:
+                    in_steps += ended - began
+                if step % log_every == 0 or step == steps:
+                    print(f"step {step}: loss {loss:.4f}")
+                if checkpoint_every is not None and step % checkpoint_every == 0 and step != steps:
+                    self.save(state, data, index + 1)
+        if self.checkpoints is not None:
+            self.save(state, data, index + 1)
+            self.checkpoints.wait()
+        wall = time.perf_counter() - started
+        print(
+            f"Goodput: first step after {first_step_after:.2f} s, "
+            f"{100.0 * in_steps / wall:.1f}% of the wall time in steps"
+        )
+        return state
+
+    # ----------------------------------------------------------------------------- inspection
+
+    def collectives(self, data):
+        """The collectives of one training step on batches of ``data`` (anything with ``batch_size``
+        and ``seq_len``), as a ``CollectiveReport``.
+
+        For the shard_map engine they are read from the step's jaxpr (what the code asks for); for the
+        GSPMD engine from the compiled HLO (what XLA inserted).
+        """
+        from dew.collective_report import collectives, hlo_collectives
+
+        step_fn = self.train_step(data.batch_size)
+        batch = jax.ShapeDtypeStruct(
+            (data.batch_size, data.seq_len + 1), jnp.int32, sharding=self.batch_sharding
+        )
+        state = jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self._abstract_state,
+            self.state_shardings,
+        )
+        if self.engine == "gspmd":
+            return hlo_collectives(step_fn.lower(state, batch).compile(), self.mesh)
+        return collectives(step_fn, state, batch)
