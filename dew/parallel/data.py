@@ -7,8 +7,9 @@ token count), so gradients need summing, not averaging, over the batch axes:
   transposes its gather), so it is ``psum``med over ``data`` only, at 1/n of its size;
 - a weight that stays whole is ``psum``med over every batch axis at once.
 
-That is two ``psum`` s per step at most, after the layer loop: at small sizes the number of
-collectives decides the step time (DESIGN.md), so one all-reduce of many gradients beats one per layer.
+Each group is summed once per step, after the layer loop: at small sizes the number of collectives
+decides the step time (DESIGN.md), so one sum of all gradients beats one per layer. The jaxpr holds a
+``psum`` per array of a group; XLA combines them into one all-reduce when it compiles the step.
 Bytes, per device, ring all-reduce of ``G`` bytes over ``n`` devices: ``2 (n - 1) / n * G``.
 """
 
@@ -42,7 +43,7 @@ def sum_gradients(grads: Any, specs: Any, shards) -> Any:
     out = list(leaves)
     for remaining, idx in groups.items():
         if remaining:
-            # One all-reduce for the whole group: 2 (n-1)/n of the group's bytes per device.
+            # One all-reduce once compiled: 2 (n-1)/n of the group's bytes per device.
             summed = lax.psum([leaves[i] for i in idx], remaining)
             for i, g in zip(idx, summed):
                 out[i] = g
