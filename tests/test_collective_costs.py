@@ -14,17 +14,19 @@ import types
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import dew
 from dew.collective_report import OPS, CollectiveReport, CollectiveRow
 from dew.layout import path_names
-from dew.mesh import AXES
+from dew.mesh import AXES, build_mesh
 from dew.parallel import data as data_parallel
-from dew.parallel import fsdp
+from dew.parallel import Shards, fsdp
 from helpers import SEQ, fresh_batch, tiny_objective
 
 BATCH = 16
@@ -64,7 +66,7 @@ def make_trainer(objective, mesh, engine="shard_map", accumulation=1):
 
 
 def weights(trainer):
-    """``(path, bytes, layers or None, split over fsdp)`` for every parameter of the trainer."""
+    """``(path, bytes, layers or None, split over fsdp, dtype)`` for every parameter of the trainer."""
     params = jax.eval_shape(trainer.objective.model.init, jax.random.key(0))
     specs = jax.tree_util.tree_leaves(
         trainer.param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
@@ -74,9 +76,22 @@ def weights(trainer):
     for (path, leaf), spec in zip(leaves, specs, strict=True):
         names = path_names(path)
         stacked = leaf.shape[0] if names[:2] == ("params", "layers") else None
-        found.append(
-            (names, math.prod(leaf.shape) * leaf.dtype.itemsize, stacked, fsdp.is_split(spec))
-        )
+        nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
+        found.append((names, nbytes, stacked, fsdp.is_split(spec), leaf.dtype))
+    return found
+
+
+def buckets(trainer):
+    """``{(gathered with, dtype): (bytes, layers or None)}`` of the weights split over fsdp.
+
+    The model gathers each top-level parameter (``embed_tokens``, ``layers``, ``lm_head``) in a call
+    of its own, and one call sends all its split weights of one dtype in one ``all_gather``.
+    """
+    found = {}
+    for names, nbytes, layers, split, dtype in weights(trainer):
+        if split:
+            key = (names[1], dtype)
+            found[key] = (found.get(key, (0, layers))[0] + nbytes, layers)
     return found
 
 
@@ -84,11 +99,12 @@ def expected_collectives(trainer) -> CollectiveReport:
     """The report docs/collectives.md predicts for ``trainer``'s step.
 
     Per device, with ``W`` a weight's bytes, ``n_d``/``n_f`` the data/fsdp sizes, ``N = n_d n_f``
-    and ``k`` microbatches:
+    and ``k`` microbatches; a bucket is the split weights of one dtype that one gather call sends
+    together (``buckets``), ``B`` their bytes:
 
-    - split over fsdp, in the layer scan (``L`` layers): ``2 L k`` gathers of ``W / (L n_f)``
-      (forward, and again in the rematerialized backward) and ``L k`` scatters of ``W / L``;
-    - split over fsdp, outside the scan: ``k`` gathers of ``W / n_f``, ``k`` scatters of ``W``;
+    - a bucket of the layer scan (``L`` layers): ``2 L k`` gathers of ``B / (L n_f)`` (forward, and
+      again in the rematerialized backward) and ``L k`` scatters of ``B / L``;
+    - a bucket outside the scan: ``k`` gathers of ``B / n_f``, ``k`` scatters of ``B``;
     - split: one psum of ``W / n_f`` over data; whole: one psum of ``W`` over data and fsdp;
     - the loss: one psum of 4 bytes over data and fsdp.
     """
@@ -107,24 +123,18 @@ def expected_collectives(trainer) -> CollectiveReport:
         n = math.prod(sizes[a] for a in axes)
         return factor * fractions.Fraction(n - 1, n)
 
-    for _, nbytes, layers, split in weights(trainer):
-        if split:
-            calls = (layers or 1) * k
-            gathers = 2 * calls if layers else calls
-            add(
-                "all_gather", ("fsdp",), gathers, gathers * nbytes // ((layers or 1) * n_f), n_f - 1
-            )
-            add(
-                "psum_scatter",
-                ("fsdp",),
-                calls,
-                calls * nbytes // (layers or 1),
-                ring(("fsdp",), 1),
-            )
-            if sizes["data"] > 1:
-                add("psum", ("data",), 1, nbytes // n_f, ring(("data",), 2))
-        else:
+    for nbytes, layers in buckets(trainer).values():
+        calls = (layers or 1) * k
+        gathers = 2 * calls if layers else calls
+        shard = nbytes // ((layers or 1) * n_f)
+        add("all_gather", ("fsdp",), gathers, gathers * shard, n_f - 1)
+        scatter = nbytes // (layers or 1)
+        add("psum_scatter", ("fsdp",), calls, calls * scatter, ring(("fsdp",), 1))
+    for _, nbytes, _, split, _ in weights(trainer):
+        if not split:
             add("psum", batch_axes, 1, nbytes, ring(batch_axes, 2))
+        elif sizes["data"] > 1:
+            add("psum", ("data",), 1, nbytes // n_f, ring(("data",), 2))
     add("psum", batch_axes, 1, LOSS_BYTES, ring(batch_axes, 2))
     rows = [
         CollectiveRow(op, axes, count, operand, int(round(wire)))
@@ -134,7 +144,7 @@ def expected_collectives(trainer) -> CollectiveReport:
 
 
 def whole_bytes(trainer) -> int:
-    return sum(nbytes for _, nbytes, _, split in weights(trainer) if not split)
+    return sum(nbytes for _, nbytes, _, split, _ in weights(trainer) if not split)
 
 
 def cost_problems(report: CollectiveReport, expected: CollectiveReport) -> list[str]:
@@ -184,7 +194,7 @@ def test_data_parallel_step_only_sums_gradients_over_data(objective):
     assert report.count("all_gather") == 0 and report.count("psum_scatter") == 0, str(report)
     assert {row.op for row in report.rows} == {"psum"}
     assert {row.axes for row in report.rows} == {("data",)}
-    param_bytes = sum(nbytes for _, nbytes, _, _ in weights(trainer))
+    param_bytes = sum(nbytes for _, nbytes, _, _, _ in weights(trainer))
     assert report.operand_bytes("psum", axis="data") == param_bytes + LOSS_BYTES
 
 
@@ -192,7 +202,7 @@ def test_data_parallel_step_only_sums_gradients_over_data(objective):
 def test_fsdp_step_never_psums_split_gradients_over_fsdp(objective, name):
     trainer = make_trainer(objective, LAYOUTS[name])
     report = trainer.collectives(DATA)
-    split = [nbytes for _, nbytes, _, is_split in weights(trainer) if is_split]
+    split = [nbytes for _, nbytes, _, is_split, _ in weights(trainer) if is_split]
     assert split and whole_bytes(trainer) > 0, (
         "the layout should split some weights, keep some whole"
     )
@@ -200,7 +210,7 @@ def test_fsdp_step_never_psums_split_gradients_over_fsdp(objective, name):
     assert report.operand_bytes("psum", axis="fsdp") == whole_bytes(trainer) + LOSS_BYTES, str(
         report
     )
-    # ...the split ones come back reduce-scattered, each layer's slice on its own.
+    # ...the split ones come back reduce-scattered, one scatter per layer for all its weights.
     assert report.operand_bytes("psum_scatter", axis="fsdp") == sum(split)
     assert report.wire_bytes("all_gather", axis="data") == 0
 
@@ -263,6 +273,30 @@ def test_check_fails_when_a_collective_is_added_dropped_or_moved(objective, monk
         assert any(p.startswith("+ psum over fsdp") for p in problems), problems
 
 
+def gather_one_by_one(tree, specs, shards):
+    """A stand-in for ``dew.parallel.fsdp.gather``: one ``all_gather`` per split weight."""
+    if specs is None or shards.size(fsdp.AXIS) == 1:
+        return tree
+
+    def whole(x, spec):
+        dim = fsdp.split_dim(spec)
+        return x if dim is None else lax.all_gather(x, fsdp.AXIS, axis=dim, tiled=True)
+
+    return jax.tree_util.tree_map(whole, tree, specs)
+
+
+def test_check_fails_when_weights_are_gathered_one_by_one(objective, monkeypatch):
+    """The same bytes in one gather per weight instead of one per layer: the counts catch it."""
+    trainer = make_trainer(objective, dew.MeshSpec(fsdp=8))
+    expected = expected_collectives(trainer)
+    monkeypatch.setattr(fsdp, "gather", gather_one_by_one)
+    report = make_trainer(objective, dew.MeshSpec(fsdp=8)).collectives(DATA)
+    assert report.wire_bytes() == pytest.approx(expected.wire_bytes(), rel=RTOL)
+    problems = cost_problems(report, expected)
+    assert any(p.startswith("all_gather over fsdp:") and "calls" in p for p in problems), problems
+    assert any(p.startswith("psum_scatter over fsdp:") and "calls" in p for p in problems), problems
+
+
 def test_check_fails_when_the_backward_keeps_gathered_weights(objective, monkeypatch):
     """Without the layer's ``jax.checkpoint`` autodiff saves the gathered weights: the backward's
     gathers disappear, and with them half the gathers' bytes the formula counts."""
@@ -279,6 +313,64 @@ def test_check_fails_against_another_layouts_formula(objective):
     problems = cost_problems(fsdp8, other_formula)
     assert "- psum over data: " in "\n".join(problems)
     assert any(p.startswith("+ psum over fsdp") for p in problems), problems
+
+
+# ------------------------------------------------------------------------------------------------
+# dew.parallel.fsdp.gather on its own
+
+
+def test_gather_sends_one_all_gather_per_dtype_and_rebuilds_every_weight():
+    """Weights split on each of their dimensions, in two dtypes, and one kept whole, on data 2 x
+    fsdp 4: one gather per dtype over fsdp rebuilds each weight exactly; the gradients come back in
+    one reduce-scatter per dtype, summed over the fsdp group."""
+    mesh = build_mesh(dew.MeshSpec(fsdp=4))
+    rng = np.random.default_rng(0)
+    layout = {  # name: (whole shape, spec, dtype)
+        "a": ((8, 3, 5), P("fsdp"), jnp.float32),
+        "b": ((3, 8, 5), P(None, "fsdp"), jnp.float32),
+        "c": ((3, 5, 12), P(None, None, "fsdp"), jnp.float32),
+        "d": ((6, 16), P(None, "fsdp"), jnp.bfloat16),
+        "e": ((4, 8), P("fsdp"), jnp.bfloat16),
+        "whole": ((7,), P(), jnp.float32),
+    }
+    full = {k: jnp.asarray(rng.standard_normal(s), t) for k, (s, _, t) in layout.items()}
+    specs = {k: spec for k, (_, spec, _) in layout.items()}
+    # Small integers: the 4-way sums of their gradients are exact in bfloat16 too.
+    coeffs = {k: jnp.asarray(rng.integers(-8, 9, s), t) for k, (s, _, t) in layout.items()}
+    shards = Shards(axis_sizes=dict(mesh.shape), param_specs=specs)
+
+    def gathered(tree):
+        return fsdp.gather(tree, specs, shards)
+
+    def grads(tree):
+        def loss(tree):
+            return sum(
+                jnp.sum(w * coeffs[k]).astype(jnp.float32) for k, w in gathered(tree).items()
+            )
+
+        return jax.grad(loss)(tree)
+
+    def on_mesh(fn, out_specs):
+        return jax.jit(
+            jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=out_specs, check_vma=False)
+        )
+
+    gather_step = on_mesh(gathered, {k: P() for k in specs})
+    for k, w in gather_step(full).items():
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(full[k]), err_msg=k)
+    report = dew.collectives(gather_step, full)
+    assert report.count("all_gather", axis="fsdp") == 2 and report.count() == 2, str(report)
+    split_bytes = sum(w.nbytes for k, w in full.items() if k != "whole")
+    assert report.wire_bytes("all_gather") == 3 * split_bytes // 4
+
+    grad_step = on_mesh(grads, specs)
+    report = dew.collectives(grad_step, full)
+    assert report.count("psum_scatter", axis="fsdp") == 2, str(report)
+    assert report.count("all_gather") == 2 and report.count() == 4, str(report)
+    for k, g in grad_step(full).items():
+        # Each of the 4 devices of an fsdp group adds its own copy of the weight's gradient.
+        want = np.asarray(coeffs[k], np.float32) * (1 if k == "whole" else 4)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), want, err_msg=k)
 
 
 # ------------------------------------------------------------------------------------------------

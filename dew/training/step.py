@@ -4,10 +4,11 @@
 whole mesh, on each device's local shards, and every byte between devices is a collective written in
 ``dew.parallel``:
 
-    fsdp.gather       all_gather of a layer's weights just before it runs (again in the backward)
-    (autodiff)        psum_scatter of those weights' gradients over fsdp
-    data.sum_gradients  psum of gradients over data (and over fsdp for weights kept whole)
-    data.sum_over_batch psum of the loss over the batch axes
+    fsdp.gather          one all_gather of a layer's split weights (per dtype) just before the
+                         layer runs, and again in its recomputed backward
+    (its transpose)      one psum_scatter of those weights' gradients over fsdp
+    data.sum_gradients   psum of gradients over data (and over fsdp for weights kept whole)
+    data.sum_over_batch  psum of the loss over the batch axes
 
 The optax update then runs on the gradients as laid out (the same layout as the weights), outside
 the ``shard_map`` but in the same ``jit``. That makes any optax transformation give its one-device
