@@ -2,3 +2,5 @@
 applies them to whatever shards it is handed; none of them knows about the mesh."""
 
 from dew.nn.param import Param, init_params, logical_axes
+
+__all__ = ["Param", "init_params", "logical_axes"]

@@ -3,7 +3,6 @@
 import math
 
 import jax
-import jax.numpy as jnp
 
 from dew.nn.param import Param, normal
 

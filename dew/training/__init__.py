@@ -2,3 +2,5 @@
 
 from dew.training.state import TrainState
 from dew.training.trainer import Trainer
+
+__all__ = ["TrainState", "Trainer"]
