@@ -536,6 +536,28 @@ def test_a_failed_background_write_surfaces_at_wait_and_leaves_no_step(tmp_path,
     assert ckpt.steps == [1, 4]
 
 
+def test_an_error_in_an_early_sync_of_the_data_fails_the_save(tmp_path, monkeypatch):
+    """The writer syncs data on a helper thread while it writes the rest; the kernel reports a
+    failed writeback to one sync call only, so an error there must fail the save even though the
+    later syncs succeed."""
+    monkeypatch.setattr(npz, "WRITEBACK_BYTES", 1)  # a sync after every member
+    calls, real_fdatasync = [], os.fdatasync
+
+    def first_fails(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", first_fails)
+    ckpt = Checkpoints(tmp_path)
+    ckpt.save(1, {"a": np.ones(4), "b": np.ones(4)})
+    with pytest.raises(CheckpointError, match=r"saving step 1 .* failed: OSError: .*Input/output"):
+        ckpt.wait()
+    assert len(calls) == 3  # after a, after b, and the last one while the CRCs finish
+    assert ckpt.steps == [] and not (tmp_path / "step_00000001.tmp").exists()
+
+
 def test_save_returns_before_the_files_are_written(tmp_path, monkeypatch):
     from dew.checkpoints import writer
 

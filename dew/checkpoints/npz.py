@@ -13,6 +13,9 @@ After the last member: the central directory and the end records (ZIP64 ones whe
 
 The CRC-32 of each `chunk_bytes` chunk of a member's data is computed in a helper thread while the
 data is being written (both release the GIL); the ZIP's whole-member CRC is derived from those.
+The disk works meanwhile: every `WRITEBACK_BYTES` written, another helper thread starts an
+`fdatasync` of what is in the page cache so far, and once the data is in, a last one runs while the
+CRCs finish; the final `fsync`, after the headers, then has little left to wait for.
 """
 
 import dataclasses
@@ -28,6 +31,11 @@ import numpy as np
 from dew.checkpoints import crc
 
 ALIGNMENT = 64
+# Measured writing 256 MB in 4 MiB members (2 shared cores, virtio disk, medians of 10 rounds):
+# one fsync after everything took 0.22 s in all, np.save + fsync of the same bytes 0.17 s; with the
+# last sync of the data overlapping the CRCs 0.20 s; with a sync every 64 MiB as well 0.17 s.
+# Preallocating the file (posix_fallocate) added nothing to that.
+WRITEBACK_BYTES = 64 << 20
 _ZIP64_LIMIT = 0xFFFFFFFF
 _PADDING_EXTRA_ID = 0xD935  # the id zipalign uses for alignment padding
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
@@ -105,6 +113,12 @@ def _plan(members: list[tuple[str, np.ndarray]], zip64_limit: int) -> list[_Plan
         )
         offset = data_offset + array.nbytes
     return planned
+
+
+def _sync_data(fd: int) -> None:
+    """Write the file's data to disk (its metadata follows with the final fsync; macOS has no
+    fdatasync)."""
+    getattr(os, "fdatasync", os.fsync)(fd)
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -218,31 +232,48 @@ def write(
     arrays = [array.reshape(-1).view(np.uint8) for _, array in members]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        # One helper thread computes CRCs while this one writes: both release the GIL.
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dew-checkpoint-crc")
-        try:
+        # One helper computes CRCs while this thread writes (both release the GIL); another syncs
+        # what is written so far. Both are joined before the descriptor is closed.
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix="dew-checkpoint-crc") as crc_thread,
+            ThreadPoolExecutor(1, thread_name_prefix="dew-checkpoint-sync") as sync_thread,
+        ):
             futures = [
-                pool.submit(crc.chunk_crcs, memoryview(array), chunk_bytes) for array in arrays
+                crc_thread.submit(crc.chunk_crcs, memoryview(array), chunk_bytes)
+                for array in arrays
             ]
-            for entry, array in zip(planned, arrays):
-                _pwrite_all(fd, entry.npy_header, entry.data_offset - len(entry.npy_header))
-                _pwrite_all(fd, array, entry.data_offset)
-                if after_member is not None:
-                    after_member(entry.name.decode())
-            chunk_crcs = [future.result() for future in futures]
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        directory = []
-        for entry, crcs in zip(planned, chunk_crcs):
-            zip_crc = crc.whole_crc(crcs, chunk_bytes, entry.nbytes, zlib.crc32(entry.npy_header))
-            _pwrite_all(fd, _local_header(entry, zip_crc), entry.header_offset)
-            directory.append(_central_record(entry, zip_crc, zip64_limit))
-        directory_offset = planned[-1].data_offset + planned[-1].nbytes if planned else 0
-        directory_bytes = b"".join(directory)
-        tail = directory_bytes + _end_records(
-            len(planned), directory_offset, len(directory_bytes), zip64_limit
-        )
-        _pwrite_all(fd, tail, directory_offset)
+            syncs, unsynced = [], 0
+            try:
+                for entry, array in zip(planned, arrays):
+                    _pwrite_all(fd, entry.npy_header, entry.data_offset - len(entry.npy_header))
+                    _pwrite_all(fd, array, entry.data_offset)
+                    if after_member is not None:
+                        after_member(entry.name.decode())
+                    unsynced += array.nbytes
+                    if unsynced >= WRITEBACK_BYTES:
+                        syncs.append(sync_thread.submit(_sync_data, fd))
+                        unsynced = 0
+                syncs.append(sync_thread.submit(_sync_data, fd))
+                chunk_crcs = [future.result() for future in futures]
+            finally:
+                for future in futures:
+                    future.cancel()
+            directory = []
+            for entry, crcs in zip(planned, chunk_crcs):
+                zip_crc = crc.whole_crc(
+                    crcs, chunk_bytes, entry.nbytes, zlib.crc32(entry.npy_header)
+                )
+                _pwrite_all(fd, _local_header(entry, zip_crc), entry.header_offset)
+                directory.append(_central_record(entry, zip_crc, zip64_limit))
+            directory_offset = planned[-1].data_offset + planned[-1].nbytes if planned else 0
+            directory_bytes = b"".join(directory)
+            tail = directory_bytes + _end_records(
+                len(planned), directory_offset, len(directory_bytes), zip64_limit
+            )
+            _pwrite_all(fd, tail, directory_offset)
+            # A failed writeback is reported to one fsync call only: check every one of them.
+            for sync in syncs:
+                sync.result()
         os.fsync(fd)
         size = directory_offset + len(tail)
     finally:
