@@ -14,6 +14,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from dew.cli.main import add_device_flag, add_model_flags
+
 DEFAULT_LAYOUTS = ("data=8", "fsdp=8", "data=2,fsdp=4")
 
 
@@ -37,18 +39,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument(
         "--engines", nargs="+", default=["shard_map", "gspmd"], choices=("shard_map", "gspmd")
     )
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=8,
-        metavar="N",
-        help="simulate N devices on the CPU (default 8); 0 uses JAX's own backend",
-    )
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    parser.add_argument("--width", type=int, default=256, help="embedding features (default 256)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per row (default 128)")
-    parser.add_argument("--batch", type=int, default=32, help="global batch rows (default 32)")
+    add_device_flag(parser)
+    add_model_flags(parser, batch=32, seq_len=128, layers=4, width=256, heads=4)
     parser.add_argument(
         "--steps", type=int, default=1, help="steps each contestant runs per turn (default 1)"
     )

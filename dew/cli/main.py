@@ -14,13 +14,7 @@ import argparse
 import sys
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--mesh",
-        default="",
-        help="axis sizes, e.g. fsdp=8 or data=2,fsdp=4 "
-        "(data takes the devices left over; default: all data parallel)",
-    )
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cpu-devices",
         type=int,
@@ -28,11 +22,38 @@ def _common(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="simulate N devices on the CPU (default 8); 0 uses JAX's own backend",
     )
-    parser.add_argument("--batch", type=int, default=16, help="global batch rows (default 16)")
-    parser.add_argument("--seq-len", type=int, default=32, help="tokens per row (default 32)")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    parser.add_argument("--width", type=int, default=64, help="embedding features (default 64)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+
+
+def add_model_flags(
+    parser, *, batch: int, seq_len: int, layers: int, width: int, heads: int
+) -> None:
+    """The example decoder's size and its batch, with the defaults given."""
+    parser.add_argument(
+        "--batch", type=int, default=batch, help=f"global batch rows (default {batch})"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=seq_len, help=f"tokens per row (default {seq_len})"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=layers, help=f"decoder layers (default {layers})"
+    )
+    parser.add_argument(
+        "--width", type=int, default=width, help=f"embedding features (default {width})"
+    )
+    parser.add_argument(
+        "--heads", type=int, default=heads, help=f"attention heads (default {heads})"
+    )
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mesh",
+        default="",
+        help="axis sizes, e.g. fsdp=8 or data=2,fsdp=4 "
+        "(data takes the devices left over; default: all data parallel)",
+    )
+    add_device_flag(parser)
+    add_model_flags(parser, batch=16, seq_len=32, layers=2, width=64, heads=4)
     parser.add_argument(
         "--min-shard",
         type=int,
@@ -44,7 +65,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dew", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="dew", description="Dew: train one model across many devices.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train the example model")
@@ -73,12 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     coll.add_argument("--engine", default="shard_map", choices=("shard_map", "gspmd"))
     coll.set_defaults(run=collectives_command)
 
-    try:
-        from dew.cli import bench
-    except ImportError:  # the benchmark module is optional in a trimmed install
-        bench = None
-    if bench is not None:
-        bench.add_parser(commands)
+    from dew.cli import bench  # imports this module's flag helpers
+
+    bench.add_parser(commands)
     return parser
 
 
