@@ -111,3 +111,26 @@ def test_a_checkpoint_of_another_model_is_refused(folder, tmp_path):
         r"\['embed_tokens'\]\['embedding'\].*\(64, 64\).*\(64, 32\)",
     ):
         trainer(tmp_path / "run", dew.MeshSpec(), wider).place()
+
+
+def test_a_non_finite_loss_stops_before_saving(folder, tmp_path):
+    data = TokenWindows(folder, seq_len=SEQ).load(batch=ROWS)
+    trainer(tmp_path / "run", dew.MeshSpec(fsdp=8)).fit(data, steps=2)
+    diverging = dew.Trainer(
+        tiny_objective(ema_decay=0.9),
+        optax.adamw(float("nan")),
+        jax.random.key(11),
+        mesh=dew.MeshSpec(fsdp=8),
+        layout=dew.Layout(min_shard=1),
+        checkpoints=dew.Checkpoints(tmp_path / "run"),
+    )
+    # Step 3's loss is computed before its update and is finite; the weights it leaves are NaN.
+    with pytest.raises(
+        FloatingPointError, match=r"step 3: the weights hold NaN or inf; not saving"
+    ):
+        diverging.fit(data, steps=6, checkpoint_every=1)
+    with pytest.raises(
+        FloatingPointError, match=r"step 4: the loss is nan; .*latest checkpoint: 2"
+    ):
+        diverging.fit(data, steps=6)  # resumes from step 2; step 4 computes the first NaN loss
+    assert diverging.checkpoints.steps == [2]

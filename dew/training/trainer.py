@@ -24,6 +24,12 @@ from dew.mesh import AXES, BATCH_AXES, MeshSpec, build_mesh
 from dew.training.state import TrainState
 from dew.training.step import BATCH_SPEC, ENGINES, build_gradients, build_train_step
 
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+
+
 # Axes whose collectives the step engine writes today; the others must stay of size 1.
 SUPPORTED_AXES = ("data", "fsdp")
 
@@ -135,10 +141,19 @@ class Trainer:
         return self.state_shardings.replace(key=NamedSharding(self.mesh, P()))
 
     def save(self, state: TrainState, data=None, next_batch: int | None = None) -> None:
-        """Writes ``state`` (and where ``data`` stands) to this trainer's checkpoints, in the background."""
+        """Writes ``state`` (and where ``data`` stands) to this trainer's checkpoints, in the background.
+
+        Raises ``FloatingPointError`` instead when a weight holds NaN or inf: such a state would
+        push a good checkpoint out of the ``keep`` newest.
+        """
         if self.checkpoints is None:
             raise ValueError(
                 "this Trainer was built with checkpoints=None; there is nowhere to save"
+            )
+        if not bool(_all_finite(state.params)):
+            raise FloatingPointError(
+                f"step {int(state.step)}: the weights hold NaN or inf; not saving them "
+                f"(latest checkpoint: {self.checkpoints.latest})"
             )
         metadata = {
             "accumulation": self.accumulation,
@@ -305,6 +320,12 @@ class Trainer:
                 state, loss = step_fn(state, batch)
                 loss = float(loss)  # waits for the step
                 ended = time.perf_counter()
+                if not math.isfinite(loss):
+                    # Stop before this state can be saved over (and rotate out) good checkpoints.
+                    raise FloatingPointError(
+                        f"step {step}: the loss is {loss}; stopping without saving this state "
+                        f"(latest checkpoint: {self.checkpoints.latest if self.checkpoints else None})"
+                    )
                 if first_step_after is None:
                     first_step_after = ended - started
                 else:
