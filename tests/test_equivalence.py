@@ -133,3 +133,29 @@ def test_ema_follows_params():
         state.ema["params"]["embed_tokens"]["embedding"].sharding.spec
         == state.params["params"]["embed_tokens"]["embedding"].sharding.spec
     )
+
+
+def test_validation_loss_matches_one_device(tmp_path):
+    from dew.data import TokenWindows, write_token_folder
+    from tests.helpers import SEQ, VOCAB
+
+    rng = np.random.default_rng()
+    write_token_folder(
+        tmp_path / "t", rng.integers(0, VOCAB, 2000), rng.integers(0, VOCAB, 800), vocab_size=VOCAB
+    )
+    data = TokenWindows(tmp_path / "t", seq_len=SEQ, val_batches=2).load(batch=16)
+    objective = tiny_objective(ema_decay=0.5)
+    trainer = dew.Trainer(
+        objective,
+        optax.sgd(0.1),
+        jax.random.key(2),
+        mesh=dew.MeshSpec(fsdp=4),
+        layout=dew.Layout(min_shard=1),
+    )
+    state = trainer.init_state()
+    state, _ = trainer.train_step(16)(state, trainer.device_batch(fresh_batch(16), 16))
+    for which in ("params", "ema"):
+        weights = jax.tree_util.tree_map(np.asarray, getattr(state, which))
+        expected = np.mean([float(objective.loss(weights, b)) for b in data.validation()])
+        np.testing.assert_allclose(trainer.evaluate(state, data, params=which), expected, rtol=TOL)
+    assert trainer.evaluate(state, data) != trainer.evaluate(state, data, params="ema")

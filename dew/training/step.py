@@ -106,6 +106,23 @@ def apply_updates(
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema=ema)
 
 
+def build_loss(objective, mesh: Mesh, param_specs, *, global_rows: int) -> Callable:
+    """The jitted ``(params, batch) -> loss``: the mean loss of a global batch, forward only, with
+    the step's collectives (weights gathered per layer, the loss summed over the batch axes)."""
+    shards = Shards(axis_sizes=dict(mesh.shape), param_specs=param_specs)
+    global_tokens = global_rows * objective.seq_len
+
+    def local_loss(params, batch):
+        return (
+            data.sum_over_batch(objective.loss_sum(params, batch, shards), shards) / global_tokens
+        )
+
+    loss = jax.shard_map(
+        local_loss, mesh=mesh, in_specs=(param_specs, BATCH_SPEC), out_specs=P(), check_vma=False
+    )
+    return jax.jit(loss, out_shardings=NamedSharding(mesh, P()))
+
+
 def build_gradients(
     objective,
     mesh: Mesh,

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dew.layout import Layout
 from dew.mesh import AXES, BATCH_AXES, MeshSpec, build_mesh
 from dew.training.state import TrainState
-from dew.training.step import BATCH_SPEC, ENGINES, build_gradients, build_train_step
+from dew.training.step import BATCH_SPEC, ENGINES, build_gradients, build_loss, build_train_step
 
 
 @jax.jit
@@ -95,6 +95,7 @@ class Trainer:
         self.state_shardings = layout.shardings(self.mesh, abstract_state, axes)
         self._abstract_state = abstract_state
         self._steps: dict[int, Any] = {}
+        self._losses: dict[int, Any] = {}
         self._gradients: dict[int, Any] = {}
 
     # ----------------------------------------------------------------------------- state
@@ -233,6 +234,29 @@ class Trainer:
                 fn, out_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P()))
             )
         return self._gradients[rows](params, batch)
+
+    def evaluate(self, state: TrainState, data, params: str = "params") -> float:
+        """The mean loss over ``data``'s validation batches (``TokenWindows(val_batches=...)``).
+
+        ``params="ema"`` evaluates the EMA weights instead. Forward only, with the same layout and
+        collectives as the step; every validation token counts once.
+        """
+        batches = data.validation(rows=self._process_rows(data.batch_size, data.seq_len + 1))
+        if not batches:
+            raise ValueError("the data has no validation batches; load it with val_batches >= 1")
+        weights = {"params": state.params, "ema": state.ema}.get(params)
+        if weights is None:
+            raise ValueError(
+                f"params must be 'params' or 'ema' (with ema_decay set), got {params!r}"
+            )
+        self.check_batch(data.batch_size)
+        if data.batch_size not in self._losses:
+            self._losses[data.batch_size] = build_loss(
+                self.objective, self.mesh, self.param_specs, global_rows=data.batch_size
+            )
+        loss = self._losses[data.batch_size]
+        losses = [loss(weights, self.device_batch(rows, data.batch_size)) for rows in batches]
+        return float(np.mean([float(loss) for loss in losses]))
 
     @property
     def batch_sharding(self) -> NamedSharding:
