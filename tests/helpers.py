@@ -40,3 +40,18 @@ def smooth_optimizer():
     first steps are close to sign(g), which turns float32 rounding of a near-zero gradient element
     into a full-size difference of the update, in any two correct implementations alike.)"""
     return optax.chain(optax.add_decayed_weights(1e-2), optax.sgd(0.1, momentum=0.9))
+
+
+def two_process_trainer(mesh, checkpoint_dir=None):
+    """The trainer of tests/test_multiprocess.py, built alike in its two processes and in the
+    one-process run it is compared with."""
+    import dew
+
+    return dew.Trainer(
+        tiny_objective(),
+        smooth_optimizer(),
+        jax.random.key(5),
+        mesh=mesh,
+        layout=dew.Layout(min_shard=1),
+        checkpoints=None if checkpoint_dir is None else dew.Checkpoints(checkpoint_dir),
+    )

@@ -20,16 +20,9 @@ import jax  # noqa: E402
 
 import dew  # noqa: E402
 from dew.data import TokenWindows  # noqa: E402
-from tests.helpers import SEQ, smooth_optimizer, tiny_objective  # noqa: E402
+from tests.helpers import SEQ, two_process_trainer  # noqa: E402
 
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
 data = TokenWindows(folder, seq_len=SEQ, seed=7).load(batch=16)
-trainer = dew.Trainer(
-    tiny_objective(),
-    smooth_optimizer(),
-    jax.random.key(5),
-    mesh=dew.MeshSpec(fsdp=4),
-    layout=dew.Layout(min_shard=1),
-    checkpoints=dew.Checkpoints(checkpoint_dir),
-)
+trainer = two_process_trainer(dew.MeshSpec(fsdp=4), checkpoint_dir)
 trainer.fit(data, steps=int(steps), log_every=1)

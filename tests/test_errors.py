@@ -68,15 +68,11 @@ def test_unknown_model_lists_the_known_ones():
     assert "causal_transformer" in dew.models.available()
 
 
+SMALL_MODEL = dict(vocab_size=64, emb_features=32, num_layers=1, num_heads=4, max_seq_len=16)
+
+
 def test_seq_len_above_max_seq_len():
-    model = dew.models.build(
-        "causal_transformer",
-        vocab_size=64,
-        emb_features=32,
-        num_layers=1,
-        num_heads=4,
-        max_seq_len=16,
-    )
+    model = dew.models.build("causal_transformer", **SMALL_MODEL)
     with pytest.raises(ValueError, match="seq_len 32 is above the model's max_seq_len 16"):
         LMObjective(model, 32)
 
@@ -86,15 +82,7 @@ def test_unknown_dtype(field):
     with pytest.raises(
         ValueError, match="unknown dtype 'float13'; expected one of float32, bfloat16"
     ):
-        dew.models.build(
-            "causal_transformer",
-            vocab_size=64,
-            emb_features=32,
-            num_layers=1,
-            num_heads=4,
-            max_seq_len=16,
-            **{field: "float13"},
-        )
+        dew.models.build("causal_transformer", **SMALL_MODEL, **{field: "float13"})
 
 
 @pytest.mark.parametrize(
@@ -110,9 +98,8 @@ def test_unknown_dtype(field):
     ],
 )
 def test_bad_model_config(config, message):
-    base = dict(vocab_size=64, emb_features=32, num_layers=1, num_heads=4, max_seq_len=16)
     with pytest.raises(ValueError, match=message):
-        dew.models.build("causal_transformer", **{**base, **config})
+        dew.models.build("causal_transformer", **{**SMALL_MODEL, **config})
 
 
 def test_missing_token_folder_and_meta(tmp_path, folder):

@@ -8,12 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 
 import dew
 from dew.data import TokenWindows, write_token_folder
-from tests.helpers import SEQ, VOCAB, relative_error, smooth_optimizer, tiny_objective
+from tests.helpers import SEQ, VOCAB, relative_error, two_process_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,27 +79,14 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, capsys):
 
     # The same run in this one process of 8 devices, uninterrupted.
     data = TokenWindows(folder, seq_len=SEQ, seed=7).load(batch=16)
-    single = dew.Trainer(
-        tiny_objective(),
-        smooth_optimizer(),
-        jax.random.key(5),
-        mesh=dew.MeshSpec(fsdp=4),
-        layout=dew.Layout(min_shard=1),
-    )
+    single = two_process_trainer(dew.MeshSpec(fsdp=4))
     state = single.fit(data, steps=4, log_every=1)
     one = printed_losses(capsys.readouterr().out)
     for step in one:
         assert abs(multi[step] - one[step]) <= 2e-4, (step, multi[step], one[step])
 
     # The checkpoint the two processes wrote, restored here into another layout, equals the one-process state.
-    reader = dew.Trainer(
-        tiny_objective(),
-        smooth_optimizer(),
-        jax.random.key(5),
-        mesh=dew.MeshSpec(fsdp=8),
-        layout=dew.Layout(min_shard=1),
-        checkpoints=dew.Checkpoints(checkpoints),
-    )
+    reader = two_process_trainer(dew.MeshSpec(fsdp=8), checkpoints)
     restored, _, position = reader.place()
     assert int(restored.step) == 4 and position["next_batch"] == 4
     assert relative_error(restored.params, state.params) < 1e-5

@@ -33,18 +33,25 @@ from dew.checkpoints.index import INDEX_NAME, ArrayRecord, Index, Piece, parse
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, stop) per dimension
 
 
-def read_index(step_dir: Path, step: int) -> Index:
-    """Read and validate `step_dir`/index.json; CorruptCheckpointError naming the step and file."""
-    path = step_dir / INDEX_NAME
-    where = f"step {step}: {path}"
+def _open_no_follow(path: Path, where: str) -> int:
+    """A read-only descriptor of `path`, refusing a symlink; CorruptCheckpointError otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        return os.open(
+            path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        )
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where} is missing") from None
     except OSError as error:  # ELOOP: a symlink
         raise CorruptCheckpointError(
             f"{where} cannot be opened as a regular file ({error})"
         ) from None
+
+
+def read_index(step_dir: Path, step: int) -> Index:
+    """Read and validate `step_dir`/index.json; CorruptCheckpointError naming the step and file."""
+    path = step_dir / INDEX_NAME
+    where = f"step {step}: {path}"
+    fd = _open_no_follow(path, where)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CorruptCheckpointError(f"{where} is not a regular file")
@@ -74,16 +81,7 @@ class _Files:
         if name not in self.fds:
             path = self.step_dir / name
             where = f"step {self.index.step}: {path}"
-            try:
-                fd = os.open(
-                    path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-                )
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"{where} is missing") from None
-            except OSError as error:  # ELOOP: a symlink
-                raise CorruptCheckpointError(
-                    f"{where} cannot be opened as a regular file ({error})"
-                ) from None
+            fd = _open_no_follow(path, where)
             info = os.fstat(fd)
             expected = self.index.files[name]
             if not stat.S_ISREG(info.st_mode) or info.st_size != expected:
