@@ -1,0 +1,25 @@
+"""Argument checks shared by every public entry point, so that each refusal reads alike and comes
+before anything is traced or compiled."""
+
+from __future__ import annotations
+
+import numbers
+
+
+def is_int(value) -> bool:
+    """An integer (Python or NumPy), and not a ``bool``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` if it is an integer >= 1; else ``ValueError("NAME must be an integer >= 1, got V")``."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def nonnegative_int(name: str, value) -> int:
+    """``value`` if it is an integer >= 0; else ``ValueError("NAME must be an integer >= 0, got V")``."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
