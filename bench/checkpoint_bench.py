@@ -1,4 +1,5 @@
-"""Checkpoint throughput against np.save / np.load of the same bytes, and the loader's peak host memory.
+"""Checkpoint throughput against np.save / np.load of the same bytes, and the loader's peak host
+memory.
 
     python bench/checkpoint_bench.py                  # about 256 MB, a warm-up and 5 timed rounds
     python bench/checkpoint_bench.py --mb 64 --rounds 9 --dir /scratch/bench --cold
@@ -125,7 +126,10 @@ def np_load(names, folder: str) -> dict:
 
 
 class LoaderHostMemory:
-    """Peak numpy memory the loader holds beyond the restored arrays (see tests/test_checkpoints.py)."""
+    """Peak numpy memory the loader holds beyond the restored arrays.
+
+    See tests/test_checkpoints.py.
+    """
 
     def __init__(self):
         self.lock, self.adopted, self.peak = threading.Lock(), 0, 0
@@ -387,7 +391,8 @@ def main() -> None:
     def row(name, baselines=(), target=None):
         wall = results.median(name)
         print(
-            f"{name:<{width}} {wall:7.3f} {nbytes / wall / 1e9:6.2f} {results.median(name, 1):6.3f}",
+            f"{name:<{width}} {wall:7.3f} {nbytes / wall / 1e9:6.2f} "
+            f"{results.median(name, 1):6.3f}",
             end="",
         )
         for number, baseline in enumerate(baselines):

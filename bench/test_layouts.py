@@ -2,10 +2,12 @@
 
     python -m pytest bench/test_layouts.py --benchmark-enable
 
-Not part of the default test run (``tests/`` only). Each benchmark times one step of a small model
-(2 layers, width 64, batch 16 x 32 tokens) on 8 simulated CPU devices, and records the step's wire
-bytes, train state and temporary memory per device in ``extra_info`` (kept by
-``--benchmark-json``). Compare layouts and engines from one run only: the machines are shared.
+The default test run collects this file too, with the timing disabled (``--benchmark-disable`` in
+pyproject.toml): each benchmark then runs its step once, and the checks still hold. Each benchmark
+times one step of a small model (2 layers, width 64, batch 16 x 32 tokens) on 8 simulated CPU
+devices, and records the step's wire bytes, train state and temporary memory per device in
+``extra_info`` (kept by ``--benchmark-json``). Compare layouts and engines from one run only: the
+machines are shared.
 """
 
 import json
@@ -57,8 +59,20 @@ def test_step(benchmark, objective, layout, engine):
         state_bytes_per_device=contestant.state_bytes,
         temp_bytes_per_device=contestant.temp_bytes,
     )
-    benchmark.pedantic(contestant.run, args=(1,), rounds=5, warmup_rounds=1)
-    assert contestant.times, "the benchmark ran no step"
+    before = jax.tree_util.tree_map(np.asarray, contestant.state.params)
+    calls = []
+
+    def one_step():
+        calls.append(1)
+        return contestant.run(1)
+
+    benchmark.pedantic(one_step, rounds=5, warmup_rounds=1)
+    # What was timed is a training step: each call advanced the step count and moved the weights.
+    assert calls and int(contestant.state.step) == len(calls)
+    moved = jax.tree_util.tree_map(
+        lambda b, a: bool(np.any(b != np.asarray(a))), before, contestant.state.params
+    )
+    assert all(jax.tree_util.tree_leaves(moved)), moved
 
 
 def benchmark_contestant(objective, layout, engine):
@@ -93,7 +107,7 @@ def test_state_bytes_per_device_counts_one_devices_shards(objective):
     assert whole / 8 < contestant.state_bytes < whole / 4  # most of it split 8 ways, not all
 
 
-def test_compare_measures_every_contestant_and_targets_read_them(objective):
+def test_compare_measures_every_contestant_and_the_one_device_row(objective):
     results = benchmark.compare(
         SMALL, ["data=8", "fsdp=8"], steps=1, repeats=2, min_shard=MIN_SHARD, log=None
     )
@@ -102,10 +116,11 @@ def test_compare_measures_every_contestant_and_targets_read_them(objective):
         ("data=8", "gspmd"),
         ("fsdp=8", "shard_map"),
         ("fsdp=8", "gspmd"),
+        ("data=1", "one_device"),
     ]
     for r in results:
         assert r.steps_timed == 2 and len(r.round_ms) == 2 and r.step_ms > 0 and r.compile_s > 0
-        assert r.temp_bytes_per_device > 0 and r.wire_bytes > 0 and r.collectives > 0
+        assert r.temp_bytes_per_device > 0
         assert set(r.to_json()) >= {
             "layout",
             "engine",
@@ -116,25 +131,67 @@ def test_compare_measures_every_contestant_and_targets_read_them(objective):
             "wire_bytes",
         }
     by = {(r.layout, r.engine): r for r in results}
-    # Both engines hold the same state; the fully sharded one about 1/8 of it.
-    data8 = by["data=8", "shard_map"], by["data=8", "gspmd"]
-    assert data8[0].state_bytes_per_device == data8[1].state_bytes_per_device
-    found = {t.name: t for t in benchmark.targets(results)}
-    state = found["fsdp=8: state per device / (data=8's / 8)"]
-    assert state.measured == pytest.approx(
-        by["fsdp=8", "shard_map"].state_bytes_per_device
-        / (by["data=8", "shard_map"].state_bytes_per_device / 8)
-    )
-    # Step time: the median over rounds of the two engines' back-to-back steps.
-    time_ratio = found["fsdp=8: step time shard_map / gspmd"].measured
-    fsdp8 = by["fsdp=8", "shard_map"], by["fsdp=8", "gspmd"]
-    paired = [a / b for a, b in zip(fsdp8[0].round_ms, fsdp8[1].round_ms)]
-    assert time_ratio == pytest.approx(float(np.median(paired)))
-    wire = found["fsdp=8: wire bytes shard_map / gspmd"]
-    assert wire.measured == by["fsdp=8", "shard_map"].wire_bytes / by["fsdp=8", "gspmd"].wire_bytes
-    assert wire.met == (wire.measured <= 1.0)
+    one = by["data=1", "one_device"]
+    # One device: nothing to send, and the whole state on it, as on every data-parallel replica.
+    assert one.wire_bytes == 0 and one.collectives == 0
+    assert one.state_bytes_per_device == by["data=8", "shard_map"].state_bytes_per_device
+    assert by["data=8", "gspmd"].state_bytes_per_device == one.state_bytes_per_device
+    # The shard_map data-parallel step sends its gradients in one all-reduce (after XLA merges
+    # them).
+    assert by["data=8", "shard_map"].collectives == 1
+    for layout in ("data=8", "fsdp=8"):
+        for engine in ENGINES:
+            assert by[layout, engine].wire_bytes > 0 and by[layout, engine].collectives > 0
+    # Fully sharded: most of the state split 8 ways.
+    fsdp8 = by["fsdp=8", "shard_map"].state_bytes_per_device
+    assert one.state_bytes_per_device / 8 <= fsdp8 < one.state_bytes_per_device / 4
+    names = {t.name for t in benchmark.targets(results)}
+    for layout in ("data=8", "fsdp=8"):
+        assert f"{layout}: step time shard_map / one device" in names
+        assert f"{layout}: wire bytes gspmd / shard_map" in names
     text = benchmark.table(results)
-    assert "ratio shard_map / gspmd" in text and "fsdp=8" in text
+    assert "time / one device" in text and "one_device" in text
+
+
+def _result(layout, engine, round_ms, wire, temp=100, state=800):
+    return benchmark.Result(
+        layout=layout,
+        engine=engine,
+        step_ms=float(np.median(round_ms)),
+        compile_s=1.0,
+        state_bytes_per_device=state,
+        temp_bytes_per_device=temp,
+        wire_bytes=wire,
+        collectives=1,
+        steps_timed=len(round_ms),
+        round_ms=tuple(round_ms),
+    )
+
+
+def test_ratios_and_targets_from_known_times_and_bytes():
+    # Rounds chosen so that the median of the per-round ratios (1.5) is not the ratio of the
+    # medians (250 / 200 = 1.25): a time ratio is taken within each round.
+    results = [
+        _result("fsdp=8", "shard_map", (100, 300, 250), wire=30, temp=90, state=100),
+        _result("fsdp=8", "gspmd", (200, 200, 100), wire=75, temp=100, state=100),
+        _result("data=8", "shard_map", (100, 100, 100), wire=10, state=800),
+        _result("data=1", "one_device", (50, 100, 125), wire=0, state=800),
+    ]
+    ratios = benchmark.layout_ratios(results)
+    assert ratios["fsdp=8"]["time_vs_gspmd"] == pytest.approx(1.5)  # 0.5, 1.5, 2.5
+    assert ratios["fsdp=8"]["time_vs_one_device"] == pytest.approx(2.0)  # 2, 3, 2
+    assert ratios["fsdp=8"]["gspmd_vs_one_device"] == pytest.approx(2.0)  # 4, 2, 0.8
+    assert ratios["fsdp=8"]["wire"] == pytest.approx(0.4)
+    assert ratios["fsdp=8"]["temp"] == pytest.approx(0.9)
+    assert ratios["data=8"] == {"time_vs_one_device": pytest.approx(1.0)}  # 2, 1, 0.8
+    found = {(t.name, t.stretch): t for t in benchmark.targets(results)}
+    assert not found["fsdp=8: step time shard_map / gspmd", False].met  # 1.5 > 1.05
+    assert found["fsdp=8: wire bytes gspmd / shard_map", False].measured == pytest.approx(2.5)
+    assert not found["fsdp=8: wire bytes gspmd / shard_map", False].met  # a strawman baseline
+    assert found["fsdp=8: temp memory shard_map / gspmd", True].met
+    assert found["data=8: step time shard_map / one device", False].met
+    state = found["fsdp=8: state per device / (data=8's / 8)", False]
+    assert state.measured == pytest.approx(1.0) and state.met  # 100 / (800 / 8)
 
 
 def test_depth_check_compiles_both_depths(objective):
@@ -169,23 +226,17 @@ def test_cli_writes_one_object_per_layout_and_engine(tmp_path, capsys):
     ]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
-    assert (
-        "ratio shard_map / gspmd" in printed and "fsdp=8: wire bytes shard_map / gspmd" in printed
-    )
+    assert "time / one device" in printed and "fsdp=8: wire bytes shard_map / gspmd" in printed
     objects = json.loads(out.read_text())
     assert [(o["layout"], o["engine"]) for o in objects] == [
         ("fsdp=8", "shard_map"),
         ("fsdp=8", "gspmd"),
+        ("data=1", "one_device"),
     ]
     for o in objects:
-        for key in (
-            "step_ms",
-            "compile_s",
-            "state_bytes_per_device",
-            "temp_bytes_per_device",
-            "wire_bytes",
-        ):
+        for key in ("step_ms", "compile_s", "state_bytes_per_device", "temp_bytes_per_device"):
             assert o[key] > 0, (key, o)
+        assert (o["wire_bytes"] > 0) == (o["engine"] != "one_device"), o
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,11 @@
 """Dew: train one JAX model across many devices, every byte between them an explicit collective."""
 
-from dew import models
+from dew import collectives, models  # collectives: the package, callable as its function
 from dew.checkpoints import Checkpoints
-from dew.collective_report import CollectiveReport, collectives
+from dew.collectives import CollectiveReport
 from dew.layout import Layout
 from dew.mesh import AXES, MeshSpec
-from dew.training import TrainState, Trainer
+from dew.training import Trainer, TrainState
 
 __all__ = [
     "AXES",

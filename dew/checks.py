@@ -12,14 +12,20 @@ def is_int(value) -> bool:
 
 
 def positive_int(name: str, value) -> int:
-    """``value`` if it is an integer >= 1; else ``ValueError("NAME must be an integer >= 1, got V")``."""
+    """``value`` if it is an integer >= 1.
+
+    Raises ``ValueError("NAME must be an integer >= 1, got V")`` otherwise.
+    """
     if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
 
 
 def nonnegative_int(name: str, value) -> int:
-    """``value`` if it is an integer >= 0; else ``ValueError("NAME must be an integer >= 0, got V")``."""
+    """``value`` if it is an integer >= 0.
+
+    Raises ``ValueError("NAME must be an integer >= 0, got V")`` otherwise.
+    """
     if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return int(value)

@@ -6,9 +6,9 @@ table, ``("layers", "embed", "mlp")`` for a stacked MLP weight). A ``Layout`` ho
 
 - a weight with fewer than ``min_shard`` elements stays whole (splitting it costs more in
   communication than it saves in memory);
-- rules are tried in order; a rule places its mesh axis on the first dimension with that logical name
-  that is still free and that the axis size divides; a mesh axis of size 1, an axis already used by
-  this weight, or a size it does not divide: the rule is skipped and the next one is tried;
+- rules are tried in order; a rule places its mesh axis on the first dimension with that logical
+  name that is still free and that the axis size divides; a mesh axis of size 1, an axis already
+  used by this weight, or a size it does not divide: the rule is skipped and the next one is tried;
 - dimensions no rule claims stay whole.
 
 Optimizer moments and EMA copies follow their parameter: a leaf of any tree is matched to the
@@ -23,12 +23,15 @@ import math
 from typing import Any, Mapping, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from dew.checks import nonnegative_int
 from dew.mesh import AXES
 
 # A weight's dimensions are split over fsdp in this order of preference: the vocabulary first (the
-# embedding table is usually the largest weight), then the model width, then the MLP width and heads.
+# embedding table is usually the largest weight), then the model width, then the MLP width and
+# heads.
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     ("vocab", "fsdp"),
     ("embed", "fsdp"),
@@ -39,7 +42,10 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
 
 
 def path_names(path) -> tuple[str, ...]:
-    """The keys of a pytree path as plain strings: ``(DictKey('params'), GetAttrKey('mu'))`` -> ``('params', 'mu')``."""
+    """The keys of a pytree path as plain strings.
+
+    ``(DictKey('params'), GetAttrKey('mu'))`` -> ``('params', 'mu')``.
+    """
     names = []
     for entry in path:
         for attr in ("key", "name", "idx"):
@@ -69,8 +75,7 @@ class Layout:
     rules: Sequence[tuple[str, str]] = DEFAULT_RULES
 
     def __post_init__(self):
-        if not isinstance(self.min_shard, int) or self.min_shard < 0:
-            raise ValueError(f"Layout.min_shard must be an integer >= 0, got {self.min_shard!r}")
+        nonnegative_int("Layout.min_shard", self.min_shard)
         rules = tuple(tuple(rule) for rule in self.rules)
         for rule in rules:
             if len(rule) != 2 or not all(isinstance(r, str) for r in rule):
@@ -90,9 +95,11 @@ class Layout:
     def spec(
         self, shape: Sequence[int], axes: Sequence[str | None] | None, mesh_shape: Mapping[str, int]
     ) -> P:
-        """The ``PartitionSpec`` of one array of ``shape`` whose dimensions carry logical names ``axes``.
+        """The ``PartitionSpec`` of one array of ``shape`` whose dimensions carry logical names
+        ``axes``.
 
-        ``axes=None`` (a leaf nobody declared) splits over fsdp along the largest dimension fsdp divides.
+        ``axes=None`` (a leaf nobody declared) splits over fsdp along the largest dimension fsdp
+        divides.
         """
         shape = tuple(shape)
         if math.prod(shape) < max(self.min_shard, 1) or not shape:
@@ -126,10 +133,11 @@ class Layout:
           mesh: the mesh the arrays will live on.
           tree: any pytree whose array leaves have ``.shape`` (arrays, ``ShapeDtypeStruct``); other
             leaves (Python numbers) stay whole.
-          axes: optional tree of logical-axis tuples for a parameter tree (``model.logical_axes()``).
-            A leaf of ``tree`` takes the axes of the parameter whose path is the longest suffix of its
-            own and whose rank matches; leaves that match nothing stay whole. Without ``axes`` every
-            leaf is undeclared and split over fsdp along its largest dimension fsdp divides.
+          axes: optional tree of logical-axis tuples for a parameter tree
+            (``model.logical_axes()``). A leaf of ``tree`` takes the axes of the parameter whose
+            path is the longest suffix of its own and whose rank matches; leaves that match nothing
+            stay whole. Without ``axes`` every leaf is undeclared and split over fsdp along its
+            largest dimension fsdp divides.
         """
         declared: dict[tuple[str, ...], tuple] = {}
         if axes is not None:
@@ -146,8 +154,8 @@ class Layout:
                 leaf_axes = declared.get(names[start:])
                 if leaf_axes is not None and len(leaf_axes) == len(shape):
                     return self.spec(shape, leaf_axes, mesh_shape)
-            # Without declared axes every leaf gets the generic fsdp split; with them, a leaf that matches
-            # no parameter (an optimizer's step count, a factored statistic) stays whole.
+            # Without declared axes every leaf gets the generic fsdp split; with them, a leaf that
+            # matches no parameter (an optimizer's step count, a factored statistic) stays whole.
             return self.spec(shape, None if axes is None else (None,) * len(shape), mesh_shape)
 
         return jax.tree_util.tree_map_with_path(place, tree)

@@ -22,6 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from dew.checks import positive_int
+
 AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
 # The axes a batch's rows are split over, in mesh order.
 BATCH_AXES = ("data", "expert", "fsdp")
@@ -44,18 +46,15 @@ class MeshSpec:
     data: int | None = None
 
     def __post_init__(self):
-        if self.data is not None and (
-            not isinstance(self.data, (int, np.integer)) or self.data < 1
-        ):
-            raise ValueError(f"MeshSpec.data must be None or an integer >= 1, got {self.data!r}")
+        if self.data is not None:
+            positive_int("MeshSpec.data", self.data)
         for name in AXES[1:]:
-            size = getattr(self, name)
-            if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"MeshSpec.{name} must be an integer >= 1, got {size!r}")
+            positive_int(f"MeshSpec.{name}", getattr(self, name))
 
     @property
     def model_devices(self) -> int:
-        """Devices one copy of the data-parallel group spans: the product of every axis but ``data``."""
+        """Devices one copy of the data-parallel group spans: the product of every axis but
+        ``data``."""
         return math.prod(getattr(self, name) for name in AXES[1:])
 
     def shape(self, device_count: int) -> dict[str, int]:
@@ -63,7 +62,8 @@ class MeshSpec:
         if device_count % self.model_devices:
             named = " x ".join(f"{n} {getattr(self, n)}" for n in AXES[1:] if getattr(self, n) > 1)
             raise ValueError(
-                f"{named} = {self.model_devices} devices does not divide the {device_count} devices available"
+                f"{named} = {self.model_devices} devices does not divide the {device_count} "
+                "devices available"
             )
         data = device_count // self.model_devices
         if self.data is not None and self.data != data:
@@ -94,7 +94,8 @@ class MeshSpec:
 
 
 def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes ``data, expert, fsdp, tensor, sequence, stage`` over ``devices`` (default: all).
+    """A mesh with axes ``data, expert, fsdp, tensor, sequence, stage`` over ``devices``
+    (default: all).
 
     Axes are ``Auto``: inside a ``shard_map`` every axis is manual anyway, and outside it (the GSPMD
     baseline, ``device_put``) XLA may propagate shardings freely.

@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import backward as _backward
 from . import forward as _forward
@@ -238,7 +239,10 @@ def flash_attention(
 def _pad_rows(x, rows: int):
     if x.shape[1] == rows:
         return x
-    return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0), (0, 0)))
+    # lax.pad with a zero of x's own dtype: jnp.pad's fill is a Python 0, an int64 under x64,
+    # and the program then holds no 64-bit value at all (tests/test_x64.py checks that).
+    no_pad = (0, 0, 0)
+    return lax.pad(x, jnp.zeros((), x.dtype), (no_pad, (0, rows - x.shape[1], 0), no_pad, no_pad))
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 
 from .forward import dot
 from .loop import block_loop
-from .tiling import Tiling
+from .tiling import Tiling, block_index, index_div
 from .varying import out_struct
 
 
@@ -145,13 +145,14 @@ def backward(
 
     # Grids put the block index first (fastest-launched), as in the forward.
     q_block_spec = pl.BlockSpec(
-        (None, block_q, None, head_dim), lambda i, b, h: (b, tiling.q_block_of_program(i), h, 0)
+        (None, block_q, None, head_dim),
+        lambda i, b, h: block_index(b, tiling.q_block_of_program(i), h, 0),
     )
     kv_whole_spec = pl.BlockSpec(
-        (None, kv_padded, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)
+        (None, kv_padded, None, head_dim), lambda i, b, h: block_index(b, 0, index_div(h, group), 0)
     )
     row_block_spec = pl.BlockSpec(
-        (None, None, block_q), lambda i, b, h: (b, h, tiling.q_block_of_program(i))
+        (None, None, block_q), lambda i, b, h: block_index(b, h, tiling.q_block_of_program(i))
     )
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, tiling=tiling, scale=scale, sm_scale=sm_scale),
@@ -173,9 +174,13 @@ def backward(
 
     # One program per (key block, batch, kv head); it sees all query rows of its `group` heads.
     # Key block j = 0 sees the most query rows under a causal mask; it is launched first.
-    q_group_spec = pl.BlockSpec((None, q_padded, group, head_dim), lambda j, b, g: (b, 0, g, 0))
-    rows_group_spec = pl.BlockSpec((None, group, q_padded), lambda j, b, g: (b, g, 0))
-    kv_block_spec = pl.BlockSpec((None, block_k, None, head_dim), lambda j, b, g: (b, j, g, 0))
+    q_group_spec = pl.BlockSpec(
+        (None, q_padded, group, head_dim), lambda j, b, g: block_index(b, 0, g, 0)
+    )
+    rows_group_spec = pl.BlockSpec((None, group, q_padded), lambda j, b, g: block_index(b, g, 0))
+    kv_block_spec = pl.BlockSpec(
+        (None, block_k, None, head_dim), lambda j, b, g: block_index(b, j, g, 0)
+    )
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, tiling=tiling, group=group, scale=scale, sm_scale=sm_scale),
         grid=(tiling.kv_blocks, batch, kv_heads),

@@ -2,14 +2,14 @@
 
 Each program of the grid ``(q_blocks, batch, heads)`` holds one ``[block_q, head_dim]`` query block
 and walks the key/value blocks of its kv head (``head // group``: grouped queries read the shared
-K/V in place, never a repeated copy). It keeps a running row maximum ``m``, a running row sum ``l``
-and an unnormalised accumulator; each new key block rescales them by ``exp2(m_old - m_new)``.
-Key blocks wholly visible to the query block run without a mask; the diagonal and the padded tail
-run with one.
+K/V in place, never a repeated copy). It keeps a running row maximum ``m``, a running row sum
+``row_sum`` and an unnormalised accumulator; each new key block rescales them by
+``exp2(m_old - m_new)``. Key blocks wholly visible to the query block run without a mask; the
+diagonal and the padded tail run with one.
 
 Logits are kept in base 2: ``s = (q . k) * sm_scale * log2(e)``, so ``exp2(s - m)`` is the
-softmax numerator. The saved residual is ``lse = m + log2(l)`` per row, ``+inf`` for a row that
-sees no key (so that the backward's ``exp2(s - lse)`` is exactly 0 there, never NaN).
+softmax numerator. The saved residual is ``lse = m + log2(row_sum)`` per row, ``+inf`` for a row
+that sees no key (so that the backward's ``exp2(s - lse)`` is exactly 0 there, never NaN).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .loop import block_loop
-from .tiling import Tiling
+from .tiling import Tiling, block_index, index_div
 from .varying import out_struct
 
 LOG2_E = math.log2(math.e)
@@ -46,7 +46,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, tiling: Tiling, scal
     block_q, block_k = tiling.block_q, tiling.block_k
 
     def visit(kv_block, carry, masked: bool):
-        acc, m, l = carry
+        acc, m, row_sum = carry
         keys = pl.ds(kv_block * block_k, block_k)
         k = k_ref[keys, :]
         v = v_ref[keys, :]
@@ -59,9 +59,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, tiling: Tiling, scal
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp2(s - m_safe[:, None])
         rescale = jnp.exp2(m - m_safe)
-        l = rescale * l + jnp.sum(p, axis=1)
+        row_sum = rescale * row_sum + jnp.sum(p, axis=1)
         acc = rescale[:, None] * acc + dot(p.astype(v.dtype), v, (1, 0))
-        return acc, m_new, l
+        return acc, m_new, row_sum
 
     n_full, n_visit = tiling.kv_range(q_block)
     carry = (
@@ -70,11 +70,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, tiling: Tiling, scal
         jnp.zeros((block_q,), jnp.float32),
     )
     carry = block_loop(0, n_full, functools.partial(visit, masked=False), carry)
-    acc, m, l = block_loop(n_full, n_visit, functools.partial(visit, masked=True), carry)
+    acc, m, row_sum = block_loop(n_full, n_visit, functools.partial(visit, masked=True), carry)
 
-    sees_nothing = l == 0.0  # only rows with no visible key: a visible key adds exp2(0) = 1
-    o_ref[...] = (acc / jnp.where(sees_nothing, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(sees_nothing, jnp.inf, m + jnp.log2(l))
+    sees_nothing = row_sum == 0.0  # only rows with no visible key: a visible key adds exp2(0) = 1
+    o_ref[...] = (acc / jnp.where(sees_nothing, 1.0, row_sum)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(sees_nothing, jnp.inf, m + jnp.log2(row_sum))
 
 
 def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool, compiler_params):
@@ -90,11 +90,14 @@ def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool, compiler_
     # Grid (q_blocks, batch, heads): the query blocks of one head are launched next to each
     # other, so they read its K/V from L2 rather than from HBM.
     q_spec = pl.BlockSpec(
-        (None, block_q, None, head_dim), lambda i, b, h: (b, tiling.q_block_of_program(i), h, 0)
+        (None, block_q, None, head_dim),
+        lambda i, b, h: block_index(b, tiling.q_block_of_program(i), h, 0),
     )
-    kv_spec = pl.BlockSpec((None, kv_padded, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    kv_spec = pl.BlockSpec(
+        (None, kv_padded, None, head_dim), lambda i, b, h: block_index(b, 0, index_div(h, group), 0)
+    )
     lse_spec = pl.BlockSpec(
-        (None, None, block_q), lambda i, b, h: (b, h, tiling.q_block_of_program(i))
+        (None, None, block_q), lambda i, b, h: block_index(b, h, tiling.q_block_of_program(i))
     )
     return pl.pallas_call(
         functools.partial(_forward_kernel, tiling=tiling, scale=scale),

@@ -10,12 +10,14 @@ can software-pipeline.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jax import lax
+
+from .tiling import as_index
 
 
 def block_loop(lower, upper, body, carry):
-    """``for i in range(lower, upper): carry = body(i, carry)``; bounds static or traced int32."""
+    """``for i in range(lower, upper): carry = body(i, carry)``; bounds static or traced int32
+    (the counter ``i`` is ``INDEX_DTYPE``, int32, also under x64)."""
 
     def cond(state):
         i, stop, _ = state
@@ -25,5 +27,5 @@ def block_loop(lower, upper, body, carry):
         i, stop, x = state
         return i + 1, stop, body(i, x)
 
-    start = (jnp.asarray(lower, jnp.int32), jnp.asarray(upper, jnp.int32), carry)
+    start = (as_index(lower), as_index(upper), carry)
     return lax.while_loop(cond, step, start)[2]

@@ -10,7 +10,13 @@ gradients are zeros).
 
 The loop-bound helpers take traced ``int32`` block indices (from ``pl.program_id`` or a loop
 counter) and use only ops the Triton lowering accepts (``lax.div`` on non-negative values,
-``jnp.maximum``/``jnp.minimum``): Python ``//`` on a traced scalar does not lower there.
+``jnp.maximum``/``jnp.minimum``). ``lax.div`` is one op where Python ``//`` on a traced scalar is
+a floor division with sign corrections (a remainder, two signs and a select).
+
+All index arithmetic of the kernels is ``INDEX_DTYPE`` (int32), with ``jax_enable_x64`` on or
+off: grid indices are int32 in either mode, but a Python int given to a ``lax`` op, returned by
+a BlockSpec index map or starting a loop carry becomes int64 under x64 (and ``lax`` ops do not
+promote). So each goes through `as_index` (`index_div`, `block_index`, `block_loop`) first.
 """
 
 from __future__ import annotations
@@ -18,16 +24,36 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+INDEX_DTYPE = np.dtype(np.int32)
+
+
+def as_index(x):
+    """`x` (a Python int, or a traced integer scalar) as an ``INDEX_DTYPE`` scalar."""
+    return jnp.asarray(x, INDEX_DTYPE)
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def index_div(a, b):
+    """``a // b`` for a traced non-negative ``a`` and a positive ``b``: ``lax.div`` truncates,
+    which is the floor for these, in one op."""
+    return lax.div(as_index(a), as_index(b))
+
+
+def block_index(*indices):
+    """A BlockSpec index map's result: each block index as ``INDEX_DTYPE`` (a literal 0 returned
+    as is would be an int64 under x64)."""
+    return tuple(as_index(i) for i in indices)
+
+
 def _traced_cdiv(a, b: int):
     """ceil(a / b) for a traced non-negative int32 ``a``."""
-    return lax.div(a + (b - 1), b)
+    return index_div(a + (b - 1), b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +94,8 @@ class Tiling:
 
     def mask(self, q_block, kv_block):
         """bool[block_q, block_k]: which (row, key) pairs of this block pair are attended."""
-        rows = q_block * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32)[:, None]
-        cols = kv_block * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32)[None, :]
+        rows = q_block * self.block_q + jnp.arange(self.block_q, dtype=INDEX_DTYPE)[:, None]
+        cols = kv_block * self.block_k + jnp.arange(self.block_k, dtype=INDEX_DTYPE)[None, :]
         visible = cols < self.kv_len
         if self.causal:
             visible = jnp.logical_and(visible, cols <= rows + self.offset)
@@ -80,12 +106,12 @@ class Tiling:
         blocks ``[n_full, n_visit)`` need one, blocks from ``n_visit`` on are never seen."""
         full_by_length = self.kv_len // self.block_k  # key blocks with no padded tail
         if not self.causal:
-            return jnp.int32(full_by_length), jnp.int32(self.kv_blocks)
+            return as_index(full_by_length), as_index(self.kv_blocks)
         last_row_limit = (q_block + 1) * self.block_q - 1 + self.offset
         n_visit = _traced_cdiv(jnp.maximum(last_row_limit + 1, 0), self.block_k)
         n_visit = jnp.minimum(n_visit, self.kv_blocks)
         first_row_limit = q_block * self.block_q + self.offset
-        n_full = lax.div(jnp.maximum(first_row_limit + 1, 0), self.block_k)
+        n_full = index_div(jnp.maximum(first_row_limit + 1, 0), self.block_k)
         n_full = jnp.minimum(jnp.minimum(n_full, full_by_length), n_visit)
         return n_full, n_visit
 
@@ -96,11 +122,11 @@ class Tiling:
         # q_blocks if this key block holds padded keys, else 0. Arithmetic rather than a select:
         # Pallas' Triton lowering (JAX 0.10) types a select of two constants as i1.
         is_tail = (kv_block + 1) * self.block_k > self.kv_len
-        tail_bound = is_tail.astype(jnp.int32) * self.q_blocks
+        tail_bound = is_tail.astype(INDEX_DTYPE) * self.q_blocks
         if not self.causal:
-            return jnp.int32(0), tail_bound
+            return as_index(0), tail_bound
         first_key = kv_block * self.block_k
-        first = lax.div(jnp.maximum(first_key - self.offset, 0), self.block_q)
+        first = index_div(jnp.maximum(first_key - self.offset, 0), self.block_q)
         first = jnp.minimum(first, self.q_blocks)
         last_key = first_key + self.block_k - 1
         first_full = _traced_cdiv(jnp.maximum(last_key - self.offset, 0), self.block_q)

@@ -6,21 +6,15 @@ by `out_struct`). Before the kernels run, q, k and v are cast to one common set
 (`match_varying`): autodiff of that cast outside the custom_vjp then sums a gradient over any axis
 its input did not vary over, which is what the transpose of "replicated -> varying" means.
 
-Older JAX releases call this field `vma`, JAX 0.10 `manual_axis_type`; both spellings are read.
-Outside shard_map the set is empty and nothing is cast.
+Where that set lives in a value's type changed between JAX releases; `dew._jax_compat` reads
+it. Outside shard_map the set is empty and nothing is cast.
 """
 
 from __future__ import annotations
 
 import jax
 
-
-def varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))
+from dew._jax_compat import shape_dtype_struct_varying_like, varying_axes
 
 
 def match_varying(*xs):
@@ -35,11 +29,4 @@ def match_varying(*xs):
 
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     """A `pallas_call` output spec that varies over the same mesh axes as `like`."""
-    aval = jax.typeof(like)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-    vma = getattr(aval, "vma", None)
-    if vma is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
-    return jax.ShapeDtypeStruct(shape, dtype)
+    return shape_dtype_struct_varying_like(shape, dtype, like)

@@ -17,21 +17,35 @@ def tiny_objective(ema_decay=None, **overrides):
     return LMObjective(dew.models.build("causal_transformer", **config), SEQ, ema_decay=ema_decay)
 
 
-def fresh_batch(rows, seed=None, vocab=VOCAB, seq=SEQ):
-    """Random tokens drawn fresh each run (the seed is printed by pytest on failure via the assert)."""
+def fresh_batch(rows, seed, vocab=VOCAB, seq=SEQ):
+    """Random tokens ``[rows, seq + 1]`` int32 in ``[0, vocab)``, a function of ``seed`` alone.
+
+    ``seed``: an int, or a tuple of ints to draw several independent batches from one test's seed
+    (``fresh_batch(rows, (seed, i))``). Tests pass the ``seed`` fixture of tests/conftest.py, which
+    is fresh each run, shown in the report of a failing test and replayed with ``DEW_SEED``.
+    """
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab, (rows, seq + 1)).astype(np.int32)
 
 
+def seeded_key(seed, stream=0) -> jax.Array:
+    """A PRNG key from a test's ``seed`` (below 2**31); each ``stream`` an independent key."""
+    return jax.random.fold_in(jax.random.key(seed), stream)
+
+
 def relative_error(actual, expected) -> float:
-    """The largest, over the leaves, of ||actual - expected|| / ||expected||."""
+    """The largest, over the leaves, of ||actual - expected|| / ||expected||; ``inf`` when any
+    leaf's error is not finite (a NaN must fail a ``< tolerance`` check, not pass it)."""
     worst = 0.0
     for a, e in zip(
         jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True
     ):
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
         assert a.shape == e.shape, (a.shape, e.shape)
-        worst = max(worst, float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)))
+        error = float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
+        if not np.isfinite(error):
+            return float("inf")
+        worst = max(worst, error)
     return worst
 
 

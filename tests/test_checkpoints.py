@@ -1,14 +1,16 @@
-"""Dew checkpoints: format, background writer, resharding loader, crash safety and damage detection."""
+"""Dew checkpoints: format, background writer, resharding loader, crash safety, damage detection."""
 
 import dataclasses
 import errno
 import json
 import os
+import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
-import time
+import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -28,8 +30,9 @@ from dew.checkpoints import (
     Checkpoints,
     CorruptCheckpointError,
     NotACheckpointError,
+    npz,
+    reader,
 )
-from dew.checkpoints import npz, reader
 
 AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
 REPO = Path(__file__).resolve().parents[1]
@@ -179,6 +182,96 @@ def test_pieces_are_raw_bytes_at_the_recorded_offsets_of_a_plain_npz(saved_by_me
         assert piece["offset"] % 64 == 0
         assert data[piece["offset"] : piece["offset"] + piece["nbytes"]] == expected.tobytes()
         assert np.array_equal(members[piece["member"].removesuffix(".npy")], expected)
+
+
+def _zip64_fields(extra: bytes) -> tuple[int, ...] | None:
+    """The 8-byte values of the ZIP64 record (header id 0x0001) in a ZIP extra field, or None."""
+    position = 0
+    while position + 4 <= len(extra):
+        header_id, size = struct.unpack_from("<HH", extra, position)
+        if header_id == 0x0001:
+            return struct.unpack_from(f"<{size // 8}Q", extra, position + 4)
+        position += 4 + size
+    return None
+
+
+def test_members_over_the_zip64_limit_get_zip64_records_and_restore_bit_for_bit(
+    tmp_path, monkeypatch, seed
+):
+    """ZIP64 starts at 0xFFFFFFFF bytes; with the writer's limit lowered to 4096 bytes, a save of
+    small arrays takes the same path: ZIP64 sizes for the members over the limit (local header and
+    central directory), ZIP64 offsets for members that start past it, and the ZIP64 end records."""
+    limit = 4096
+    real_write = npz.write
+    monkeypatch.setattr(
+        npz, "write", lambda *args, **kwargs: real_write(*args, **kwargs, zip64_limit=limit)
+    )
+    rng = np.random.default_rng(seed)
+    tree = {
+        "a_small": rng.standard_normal(16).astype(np.float32),  # 64 bytes, first: no ZIP64 at all
+        "b_big": rng.standard_normal((256, 32)).astype(np.float32),  # 4 pieces of 8 KiB: over it
+        "c_small": rng.integers(0, 2**16, 8, dtype=np.uint16).view(ml_dtypes.bfloat16),
+    }
+    ckpt = Checkpoints(tmp_path)
+    ckpt.save(
+        1,
+        {
+            "a_small": tree["a_small"],
+            "b_big": jax.device_put(tree["b_big"], NamedSharding(mesh(2, 4), P("fsdp"))),
+            "c_small": tree["c_small"],
+        },
+    )
+    ckpt.wait()
+    path = ckpt.step_path(1) / "process_00000.npz"
+    data = path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None, f"seed {seed}"
+        infos = archive.infolist()
+        assert len(infos) == 6, [info.filename for info in infos]  # 1 + 4 pieces of b_big + 1
+        for info in infos:
+            member_bytes = info.file_size
+            over, past = member_bytes >= limit, info.header_offset >= limit
+            central = _zip64_fields(info.extra)
+            expected = (member_bytes, member_bytes) * over + (info.header_offset,) * past
+            assert (central or ()) == expected, (info.filename, central, expected)
+            local = struct.unpack_from("<IHHHHHIIIHH", data, info.header_offset)
+            assert local[0] == 0x04034B50, info.filename
+            name_length, extra_length = local[9], local[10]
+            extra_start = info.header_offset + 30 + name_length
+            local_zip64 = _zip64_fields(data[extra_start : extra_start + extra_length])
+            if over:
+                assert local[7] == local[8] == 0xFFFFFFFF, info.filename
+                assert local_zip64 == (member_bytes, member_bytes), info.filename
+            else:
+                assert local[7] == local[8] == member_bytes and local_zip64 is None, info.filename
+        assert any(info.file_size >= limit for info in infos)
+        assert any(info.file_size < limit and info.header_offset >= limit for info in infos)
+    # The end: ZIP64 end record, its locator, then the classic end record pointing to them.
+    end = data[-22:]
+    locator = data[-42:-22]
+    assert end[:4] == b"PK\x05\x06" and struct.unpack_from("<I", end, 16)[0] == 0xFFFFFFFF
+    assert locator[:4] == b"PK\x06\x07"
+    zip64_end_offset = struct.unpack_from("<Q", locator, 8)[0]
+    assert data[zip64_end_offset : zip64_end_offset + 4] == b"PK\x06\x06"
+    count, _, directory_offset = struct.unpack_from("<QQQ", data, zip64_end_offset + 32)
+    assert count == 6 and directory_offset >= limit
+    # Every reader finds the same bytes: numpy through the ZIP structure, Dew through the index.
+    members = np.load(path, allow_pickle=False)
+    index = index_of(ckpt.step_path(1))
+    for array in index["arrays"]:
+        for piece in array["pieces"]:
+            stored = members[piece["member"].removesuffix(".npy")]
+            assert stored.tobytes() == data[piece["offset"] : piece["offset"] + piece["nbytes"]]
+    target = {
+        "a_small": np.zeros(16, np.float32),
+        "b_big": jax.ShapeDtypeStruct(
+            (256, 32), np.float32, sharding=NamedSharding(mesh(8, 1), P())
+        ),
+        "c_small": np.zeros(8, ml_dtypes.bfloat16),
+    }
+    restored, _ = ckpt.restore(target)
+    for name, value in tree.items():
+        assert np.asarray(restored[name]).tobytes() == value.tobytes(), (name, f"seed {seed}")
 
 
 # --- dtypes -------------------------------------------------------------------------------------
@@ -442,7 +535,7 @@ def test_keep_none_keeps_every_step_and_keep_is_validated(tmp_path):
         ckpt.save(step, {"x": np.zeros(1)})
     ckpt.wait()
     assert ckpt.steps == [5, 6, 7]
-    with pytest.raises(ValueError, match="keep must be a positive integer"):
+    with pytest.raises(ValueError, match=re.escape("keep (or None) must be an integer >= 1")):
         Checkpoints(tmp_path, keep=0)
 
 
@@ -559,18 +652,59 @@ def test_an_error_in_an_early_sync_of_the_data_fails_the_save(tmp_path, monkeypa
 
 
 def test_save_returns_before_the_files_are_written(tmp_path, monkeypatch):
-    from dew.checkpoints import writer
+    """save() copies to the host and hands the writing to a thread: with that write held on an
+    Event, save has returned and the step is not visible; released, the step commits and
+    restores."""
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+    real_write = npz.write
 
-    released = []
-    monkeypatch.setattr(
-        writer, "after_member_hook", lambda member: time.sleep(0.3) or released.append(member)
-    )
+    def held_write(*args, **kwargs):
+        started.set()
+        if not release.wait(timeout=60):  # only reached if save() never returned to release it
+            raise AssertionError("the write was never released: save() waited for it")
+        result = real_write(*args, **kwargs)
+        finished.set()
+        return result
+
+    monkeypatch.setattr(npz, "write", held_write)
     ckpt = Checkpoints(tmp_path)
-    values = jax.device_put(np.arange(8.0), NamedSharding(mesh(4, 2), P("fsdp")))
-    ckpt.save(1, {"x": values})
-    assert ckpt.steps == [] and released == []  # still writing
+    values = np.arange(8, dtype=np.float32)
+    ckpt.save(1, {"x": jax.device_put(values, NamedSharding(mesh(4, 2), P("fsdp")))})
+    assert started.wait(timeout=60), "the background write never started"
+    assert not finished.is_set() and ckpt.steps == [] and ckpt.latest is None
+    assert not ckpt.step_path(1).exists()
+    release.set()
     ckpt.wait()
-    assert ckpt.steps == [1] and len(released) == 2
+    assert finished.is_set() and ckpt.steps == [1]
+    restored, _ = ckpt.restore({"x": np.zeros(8, np.float32)})
+    assert restored["x"].tobytes() == values.tobytes()
+
+
+@pytest.mark.parametrize("reader_call", ["restore", "metadata"])
+def test_restore_and_metadata_raise_the_error_of_a_failed_background_save(
+    tmp_path, monkeypatch, reader_call
+):
+    """restore() and metadata() wait for the save in the background first; if it failed, they raise
+    its error (once), as save() and wait() do, rather than quietly reading an older step."""
+    ckpt = Checkpoints(tmp_path)
+    ckpt.save(1, {"x": np.ones(4)}, metadata={"step": 1})
+    ckpt.wait()
+
+    def disk_full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(npz, "_pwrite_all", disk_full)
+    ckpt.save(2, {"x": np.full(4, 2.0)}, metadata={"step": 2})
+    read = {
+        "restore": lambda: ckpt.restore({"x": np.zeros(4)})[1],
+        "metadata": lambda: ckpt.metadata(),
+    }[reader_call]
+    with pytest.raises(
+        CheckpointError, match=r"saving step 2 to .* failed: OSError: .*No space left"
+    ):
+        read()
+    assert read() == {"step": 1}  # reported once; step 1 is what is on disk
+    assert ckpt.steps == [1]
 
 
 # --- damage is detected, never loaded -----------------------------------------------------------
@@ -666,6 +800,37 @@ def _unknown_dtype(step_dir):
     _rewrite_index(step_dir, lambda index: _matrix(index).update(dtype="object"))
 
 
+def _step_differs_from_folder(step_dir):
+    _rewrite_index(step_dir, lambda index: index.update(step=3))
+
+
+def _stored_as_mismatch(step_dir):
+    _rewrite_index(step_dir, lambda index: _matrix(index).update(stored_as="<f8"))
+
+
+def _extra_chunk_crc(step_dir):
+    _rewrite_index(step_dir, lambda index: _matrix(index)["pieces"][0]["crc32"].append(0))
+
+
+def _overlapping_pieces(step_dir):
+    """The second piece claims the first one's rows: element counts still add up, the rows
+    [8, 16) are covered by no piece and [0, 8) by two."""
+
+    def edit(index):
+        first, second = _matrix(index)["pieces"][:2]
+        second["slice"] = first["slice"]
+
+    _rewrite_index(step_dir, edit)
+
+
+def _chunk_bytes(value):
+    def edit_step(step_dir):
+        _rewrite_index(step_dir, lambda index: index["checksum"].update(chunk_bytes=value))
+
+    return edit_step
+
+
+INDEX_OF_STEP_2 = r"step 2: .*step_00000002[/\\]index\.json: "
 DAMAGE = {
     "truncated file": (_truncate, r"process_00000\.npz is truncated"),
     "flipped byte": (_flip_byte, r"process_00000\.npz.*checksum mismatch"),
@@ -689,6 +854,33 @@ DAMAGE = {
         r"slice\[0\] must be an integer in \[0, \d+\]",
     ),
     "unknown dtype": (_unknown_dtype, r"dtype 'object', which Dew does not store"),
+    # Section 9 of docs/checkpoint-format.md, each naming the index file of step 2:
+    "step differs from its folder": (
+        _step_differs_from_folder,
+        INDEX_OF_STEP_2 + r"index says step 3, but its folder is step 2",
+    ),
+    "stored_as mismatch": (
+        _stored_as_mismatch,
+        INDEX_OF_STEP_2 + r"arrays\[\d+\] \(\.\w+\['embed'\]\) is stored as '<f8', "
+        r"but float32 is stored as '<f4'",
+    ),
+    "wrong CRC count": (
+        _extra_chunk_crc,
+        INDEX_OF_STEP_2 + r"arrays\[\d+\] .*pieces\[0\] has 2 chunk checksums; 512 bytes need 1",
+    ),
+    "overlapping pieces": (
+        _overlapping_pieces,
+        INDEX_OF_STEP_2 + r"arrays\[\d+\] .*pieces \[\(0, 8\), \(0, 16\)\] and "
+        r"\[\(0, 8\), \(0, 16\)\] overlap",
+    ),
+    "chunk_bytes not a multiple of 16": (
+        _chunk_bytes(1000),
+        INDEX_OF_STEP_2 + r"checksum\.chunk_bytes must be a positive multiple of 16, not 1000",
+    ),
+    "chunk_bytes zero": (
+        _chunk_bytes(0),
+        INDEX_OF_STEP_2 + r"checksum\.chunk_bytes must be a positive multiple of 16, not 0",
+    ),
 }
 
 
@@ -773,7 +965,7 @@ def test_a_dtype_mismatch_names_the_parameter_and_both_dtypes(two_steps):
         ckpt.restore(target)
 
 
-# --- not a checkpoint, bad input --------------------------------------------------------------------
+# --- not a checkpoint, bad input ----------------------------------------------------------------
 
 
 def test_a_directory_that_is_not_a_dew_checkpoint_says_so(tmp_path):
@@ -847,7 +1039,8 @@ def test_metadata_is_readable_without_the_arrays(tmp_path):
 
 _TWO_PROCESS_WORKER = """
 import os, sys
-process_id, port, written_by_one, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+process_id, port = int(sys.argv[1]), sys.argv[2]
+written_by_one, directory = sys.argv[3], sys.argv[4]
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
@@ -858,7 +1051,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from dew.checkpoints import Checkpoints
 AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
 mesh = lambda d, f: Mesh(np.array(jax.devices()).reshape(d, 1, f, 1, 1, 1), AXES)
-values = {"w": np.arange(64 * 16, dtype=np.float32).reshape(64, 16), "b": np.arange(16, dtype=np.int32)}
+values = {
+    "w": np.arange(64 * 16, dtype=np.float32).reshape(64, 16),
+    "b": np.arange(16, dtype=np.int32),
+}
 
 def check(tree):
     for name, value in values.items():
@@ -866,15 +1062,23 @@ def check(tree):
             assert np.asarray(shard.data).tobytes() == value[shard.index].tobytes(), name
 
 def target(m, spec):
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(m, spec if k == "w" else P()))
-            for k, v in values.items()}
+    shardings = {k: NamedSharding(m, spec if k == "w" else P()) for k in values}
+    return {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in values.items()
+    }
 
 # A checkpoint written by one process (8 devices, data 8), restored by two (fsdp 8 over both).
 restored, _ = Checkpoints(written_by_one).restore(target(mesh(1, 8), P("fsdp")))
 check(restored)
 # Written by two processes in data 2 x fsdp 4, restored by the same two in another layout.
-placed = {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh(2, 4), P("fsdp") if k == "w" else P()),
-                                          lambda index, v=v: v[index]) for k, v in values.items()}
+placed = {
+    k: jax.make_array_from_callback(
+        v.shape,
+        NamedSharding(mesh(2, 4), P("fsdp") if k == "w" else P()),
+        lambda index, v=v: v[index],
+    )
+    for k, v in values.items()
+}
 ckpt = Checkpoints(directory)
 ckpt.save(7, placed, metadata={"processes": 2})
 ckpt.wait()

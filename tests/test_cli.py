@@ -1,10 +1,13 @@
 """The `dew` command, run as a user runs it (a fresh process; it sets up 8 CPU devices itself)."""
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from dew.collectives import OPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,14 +26,24 @@ def dew(*args, cwd):
 
 
 def test_dew_train_runs_and_resumes(tmp_path):
-    first = dew("train", "--mesh", "fsdp=8", "--steps", "4", "--log-every", "2", cwd=tmp_path)
+    first = dew(
+        "train",
+        *("--mesh", "fsdp=8", "--steps", "4", "--log-every", "2", "--metrics", "m/metrics.jsonl"),
+        cwd=tmp_path,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     lines = first.stdout.splitlines()
+    # --metrics: one JSON line per step, the printed losses among them.
+    metrics = [
+        json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [f"step {m['step']}: loss {m['loss']:.4f}" for m in metrics[1::2]] == lines[1:3]
     assert lines[0] == (
         "Training from step 0 to 4 on {'data': 1, 'expert': 1, 'fsdp': 8, 'tensor': 1, "
         "'sequence': 1, 'stage': 1} (1 process(es))"
     )
-    assert [l.split(":")[0] for l in lines[1:3]] == ["step 2", "step 4"]
+    assert [line.split(":")[0] for line in lines[1:3]] == ["step 2", "step 4"]
     assert re.fullmatch(
         r"Goodput: first step after \d+\.\d\d s, \d+\.\d% of the wall time in steps", lines[3]
     )
@@ -71,3 +84,52 @@ def test_dew_collectives_prints_the_table(tmp_path):
     )
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line[:1].isalpha()}
     assert rows["all_gather"][1] == "fsdp" and rows["psum_scatter"][1] == "fsdp"
+
+
+UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def table_bytes(number: str, unit: str) -> float:
+    """``("1.5", "KiB")`` -> 1536.0: a byte count as the report prints it."""
+    return float(number) * UNITS[unit]
+
+
+def test_dew_collectives_gspmd_prints_the_compiled_steps_rows(tmp_path):
+    out = dew("collectives", "--mesh", "data=2,fsdp=4", "--engine", "gspmd", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(
+        "Collectives of one gspmd step on {'data': 2, 'expert': 1, 'fsdp': 4,"
+    ), out.stdout
+    # The rows sit between the rule under the header and the rule above the total.
+    rules = [i for i, line in enumerate(lines) if line.startswith("-----")]
+    assert len(rules) == 2, out.stdout
+    row = re.compile(
+        r"(\w+)\s+([\w,]+)\s+(\d+)\s+([\d.]+) (B|KiB|MiB|GiB)\s+([\d.]+) (B|KiB|MiB|GiB)"
+    )
+    rows = {}
+    for line in lines[rules[0] + 1 : rules[1]]:
+        m = row.fullmatch(line)
+        assert m, f"not a report row: {line!r}\n{out.stdout}"
+        op, axes, count = m.group(1), tuple(m.group(2).split(",")), int(m.group(3))
+        operand, wire = table_bytes(*m.group(4, 5)), table_bytes(*m.group(6, 7))
+        assert op in OPS and set(axes) <= {"data", "fsdp"}, out.stdout
+        assert count > 0 and operand > 0 and wire > 0, out.stdout
+        rows[(op, axes)] = count
+    # XLA gathers the weights split over fsdp, and sums the gradients over the data replicas.
+    assert ("all_gather", ("fsdp",)) in rows, out.stdout
+    assert any(op == "psum" and "data" in axes for op, axes in rows), out.stdout
+    total = lines[rules[1] + 1].split()
+    assert total[0] == "total" and int(total[1]) == sum(rows.values()), out.stdout
+    # Bytes per axis: the two axes the mesh splits move bytes, the axes of size 1 none.
+    per_axis = {}
+    for line in lines[
+        lines.index("wire bytes per axis (a row over several axes counts under each):") + 1 :
+    ]:
+        m = re.fullmatch(r"\s+(\w+)\s+([\d.]+) (B|KiB|MiB|GiB) \(size (\d+)\)", line)
+        if m:
+            per_axis[m.group(1)] = (table_bytes(*m.group(2, 3)), int(m.group(4)))
+    assert set(per_axis) == {"data", "expert", "fsdp", "tensor", "sequence", "stage"}, out.stdout
+    assert per_axis["data"][1] == 2 and per_axis["fsdp"][1] == 4, out.stdout
+    assert per_axis["data"][0] > 0 and per_axis["fsdp"][0] > 0, out.stdout
+    assert all(b == 0 for b, size in per_axis.values() if size == 1), out.stdout

@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dew.collective_report import CollectiveReport, CollectiveRow, collectives, hlo_collectives
+from dew.collectives import CollectiveReport, CollectiveRow, collectives, hlo_collectives
 
 F32 = 4
 
@@ -428,3 +428,50 @@ def test_hlo_text_groups_are_positions_in_the_mesh(mesh):
     # Text alone carries no device assignment: logical id i is the i-th device of mesh.devices.
     transposed = Mesh(np.array(jax.devices()).reshape(4, 2).T, ("data", "fsdp"))
     assert hlo_collectives(HLO_TEXT, transposed) == hlo_collectives(HLO_TEXT, mesh)
+
+
+# ------------------------------------------------------------------------------------------------
+# The package: `dew.collectives` is both the function users call and the package they import from
+
+
+def test_dew_collectives_calls_the_reader_and_every_import_path_finds_the_package(mesh):
+    import importlib
+    import sys
+
+    import dew
+    import dew.collectives as package
+    import dew.collectives.hlo as hlo_module
+    from dew.collectives import jaxpr as jaxpr_module
+
+    f = smap(lambda x: lax.psum(x, "data"), mesh, P(("data", "fsdp")), P("fsdp"))
+    assert dew.collectives(f, X) == collectives(f, X)
+    assert dew.collectives(f, X).count("psum", axis="data") == 1
+    assert package is sys.modules["dew.collectives"] is dew.collectives
+    assert dew.collectives.hlo_collectives is hlo_module.hlo_collectives is hlo_collectives
+    assert jaxpr_module.collectives is collectives
+    assert dew.CollectiveReport is CollectiveReport
+    with pytest.raises(TypeError, match="needs a function to trace"):
+        dew.collectives("not a function")
+    # The report moved into the package whole: no alias module is left behind.
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("dew.collective_report")
+
+
+def test_primitive_spellings_live_only_in_the_primitives_table():
+    from pathlib import Path
+
+    from dew.collectives import OPS, primitives
+
+    spellings = set(primitives.JAXPR_PRIMITIVES) | set(primitives.HLO_OPCODES)
+    assert set(primitives.JAXPR_PRIMITIVES.values()) <= set(OPS)
+    assert set(primitives.HLO_OPCODES.values()) <= set(OPS)
+    # A spelling that is not also an op name must not be written in a reader: a JAX release that
+    # renames it would then need edits in two places.
+    only_spellings = spellings - set(OPS)
+    package = Path(primitives.__file__).parent
+    for module in sorted(package.glob("*.py")):
+        if module.name == "primitives.py":
+            continue
+        text = module.read_text()
+        written = sorted(name for name in only_spellings if f'"{name}"' in text)
+        assert not written, f"{module.name} spells {written}; look them up in primitives.py"

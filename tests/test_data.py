@@ -1,4 +1,5 @@
-"""dew.data: the byte tokenizer, the token folder, the example corpus, windows, order, loading, resume."""
+"""dew.data: the byte tokenizer, the token folder, the example corpus, windows, order, loading,
+resume."""
 
 import json
 import threading
@@ -306,21 +307,72 @@ def test_batches_yield_what_batch_reads_and_close_their_threads(tmp_path, loadin
         next(stream)
 
 
+class _ParkingCondition(threading.Condition):
+    """A Condition that knows which threads wait in it and have not been notified since, and tells
+    `observer` each time one starts waiting.
+
+    When every reader is parked here and the consumer does nothing, nothing can wake them: no reader
+    is running to notify. So "all parked" is a stable state to check the reads in, with no timing.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.parked: set[int] = set()
+        self.observer = threading.Condition()
+
+    def wait(self, timeout=None):
+        self.parked.add(threading.get_ident())
+        with self.observer:
+            self.observer.notify_all()
+        return super().wait(timeout)
+
+    def notify(self, n=1):
+        # notify_all() calls notify(); BatchStream wakes every waiter at once, so all are unparked.
+        self.parked.clear()
+        super().notify(n)
+
+
+@pytest.fixture
+def parking(monkeypatch):
+    """Every BatchStream made in the test uses a _ParkingCondition (as `stream._shared.cond`);
+    returns the list of the streams' shared states, each added before its readers start."""
+    from dew.data import loading as loading_module
+
+    made = []
+
+    class Shared(loading_module._Shared):
+        def __init__(self, start, depth):
+            super().__init__(start, depth)
+            self.cond = _ParkingCondition()
+            made.append(self)
+
+    monkeypatch.setattr(loading_module, "_Shared", Shared)
+    return made
+
+
 @pytest.mark.parametrize("loading", [Loading(threads=0), Loading(threads=2, read_buffer=3)])
-def test_a_reader_error_reaches_the_consumer(tmp_path, loading):
+def test_a_reader_error_reaches_the_consumer(tmp_path, loading, parking):
     _numbered_folder(tmp_path / "tok", 8 * 40 + 1)
     data = TokenWindows(tmp_path / "tok", seq_len=8, loading=loading).load(batch=4)
     read = data.batch
 
     def failing(index, rows=slice(None)):
-        if index == 3:
-            threading.Event().wait(0.2)  # a slow read just before the failing one
+        if index == 3 and loading.readers:
+            # Batch 3 is read only once batch 4's error is in and the consumer, waiting for
+            # batch 3, has seen it and waits on: the error must not overtake the batch before it.
+            (shared,) = parking
+            with shared.cond.observer:
+                seen = shared.cond.observer.wait_for(
+                    lambda: shared.error is not None and consumer.ident in shared.cond.parked,
+                    timeout=60,
+                )
+            if not seen:
+                raise AssertionError("the consumer did not wait for batch 3 after batch 4 failed")
         if index == 4:
             raise OSError(f"disk gone at batch {index}")
         return read(index, rows)
 
     data.batch = failing
-    stream = data.batches(start=1)
     delivered, raised = [], []
 
     def consume():  # in a thread with a deadline: a swallowed error would otherwise hang the suite
@@ -331,9 +383,10 @@ def test_a_reader_error_reaches_the_consumer(tmp_path, loading):
         except OSError as error:
             raised.append(error)
 
-    consumer = threading.Thread(target=consume)
+    consumer = threading.Thread(target=consume)  # its ident is None until it starts
+    stream = data.batches(start=1)
     consumer.start()
-    consumer.join(timeout=20)
+    consumer.join(timeout=60)
     if consumer.is_alive():
         stream.close()
         pytest.fail("the consumer is still waiting: the reader's error never reached it")
@@ -342,29 +395,32 @@ def test_a_reader_error_reaches_the_consumer(tmp_path, loading):
     assert stream.alive_threads == 0 and not _reader_threads()
 
 
-def test_readers_fill_the_read_buffer_and_no_more():
-    lock, read = threading.Lock(), []
+def test_readers_fill_the_read_buffer_and_no_more(parking):
+    read, lock = [], threading.Lock()
 
     def record(index):
         with lock:
             read.append(index)
         return index
 
-    def wait_for(count):
-        for _ in range(500):
-            with lock:
-                if len(read) >= count:
-                    return
-            threading.Event().wait(0.01)
+    def reads_once_every_reader_parks(stream):
+        """The indices read by the time every reader waits, un-notified, for room in the buffer."""
+        cond = stream._shared.cond
+        readers = {thread.ident for thread in stream._threads}
+        with cond.observer:
+            if not cond.observer.wait_for(lambda: readers <= cond.parked, timeout=60):
+                with lock:
+                    count, last = len(read), max(read, default=None)
+                pytest.fail(
+                    f"the readers never all waited: they read {count} batches, up to {last}"
+                )
+        with lock:
+            return sorted(read)
 
     with BatchStream(record, start=10, loading=Loading(threads=3, read_buffer=4)) as stream:
-        wait_for(4)
-        threading.Event().wait(0.1)  # time to overrun the buffer, if it could
-        assert sorted(read) == [10, 11, 12, 13]
+        assert reads_once_every_reader_parks(stream) == [10, 11, 12, 13]
         assert [next(stream) for _ in range(3)] == [(10, 10), (11, 11), (12, 12)]
-        wait_for(7)
-        threading.Event().wait(0.1)
-        assert sorted(read) == list(range(10, 17))
+        assert reads_once_every_reader_parks(stream) == list(range(10, 17))
 
 
 def test_an_abandoned_stream_does_not_block_and_can_close_later(tmp_path):

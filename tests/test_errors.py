@@ -90,7 +90,7 @@ def test_unknown_dtype(field):
     [
         (dict(num_heads=5), "emb_features 32 does not split over num_heads 5"),
         (dict(num_kv_heads=3), "num_heads 4 is not a multiple of num_kv_heads 3"),
-        (dict(num_layers=0), "num_layers must be a positive integer, got 0"),
+        (dict(num_layers=0), "num_layers must be an integer >= 1, got 0"),
         (
             dict(attention_impl="flash"),
             "unknown attention_impl 'flash'; expected one of xla, pallas",

@@ -1,11 +1,14 @@
 """dew.kernels.flash_attention in interpret mode against a float64 reference.
 
-Every case draws fresh random inputs and runs the kernels forward and backward in one compile.
-Compile time dominates interpret mode, so the cases are picked to cover lengths 1/17/128/300,
-head_dim 32/64, causal and not, 8 query heads over 2 kv heads, float32 and bfloat16,
-q_len < kv_len and q_len > kv_len, without taking the full cross product. The GPU path is
-checked by lowering the kernels to Triton from this CPU machine.
+Every case draws random inputs from the `seed` fixture (fresh each run, `DEW_SEED` replays it)
+and runs the kernels forward and backward in one compile. Compile time dominates interpret mode,
+so the cases are picked to cover lengths 1/17/128/300, head_dim 32/64, causal and not, 8 query
+heads over 2 kv heads, float32 and bfloat16, q_len < kv_len and q_len > kv_len, without taking
+the full cross product. The GPU path is checked by lowering the kernels to Triton from this CPU
+machine.
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +18,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import dew.kernels.attention as attention_module
+from dew._jax_compat import has_triton_compiler, pallas_triton_lowering
 from dew.kernels import flash_attention
 from dew.kernels.attention import check_inputs, choose_target
 from dew.kernels.tiling import Tiling
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+# What JAX raises when it must compile a Triton kernel and no GPU plugin registered a compiler.
+NO_TRITON_COMPILER = "Platform CUDA does not have a Triton compilation handler"
 
 
 def reference_attention(q, k, v, *, causal, sm_scale):
@@ -60,17 +66,22 @@ def run_fast_compiled(fn, *args):
     return compiled(*args)
 
 
-def kernel_and_reference(q, k, v, do, *, causal, **blocks):
-    """(out, (dq, dk, dv)) of the kernels and of the float64 reference, as float64 numpy."""
+def kernel_and_reference(q, k, v, do, *, causal, sm_scale=None, **blocks):
+    """(out, (dq, dk, dv)) of the kernels and of the float64 reference, as float64 numpy.
+    `sm_scale` None leaves the kernel its default and gives the reference 1 / sqrt(head_dim)."""
 
     def kernel(q, k, v, do):
         out, vjp = jax.vjp(
-            lambda q, k, v: flash_attention(q, k, v, causal=causal, **blocks), q, k, v
+            lambda q, k, v: flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, **blocks),
+            q,
+            k,
+            v,
         )
         return out, vjp(do)
 
     got = run_fast_compiled(kernel, q, k, v, do)
-    sm_scale = 1.0 / np.sqrt(q.shape[-1])
+    if sm_scale is None:
+        sm_scale = 1.0 / np.sqrt(q.shape[-1])
     with jax.enable_x64(True):
         as64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do)]
 
@@ -118,7 +129,7 @@ CASES = [
         32,
         True,
         jnp.float32,
-        dict(block_q=32, block_k=16),
+        {"block_q": 32, "block_k": 16},
         id="len128-causal-gqa-multiblock",
     ),
     pytest.param(
@@ -130,7 +141,7 @@ CASES = [
         64,
         True,
         jnp.float32,
-        dict(block_q=64, block_k=32),
+        {"block_q": 64, "block_k": 32},
         id="len300-causal-gqa-tail",
     ),
     pytest.param(
@@ -142,7 +153,7 @@ CASES = [
         32,
         False,
         jnp.float32,
-        dict(block_q=32, block_k=64),
+        {"block_q": 32, "block_k": 64},
         id="len300-full-mha-tail",
     ),
     pytest.param(
@@ -154,7 +165,7 @@ CASES = [
         32,
         True,
         jnp.float32,
-        dict(block_q=16, block_k=64),
+        {"block_q": 16, "block_k": 64},
         id="q17-kv300-causal-bottom-right",
     ),
     pytest.param(1, 300, 300, 8, 2, 64, True, jnp.bfloat16, {}, id="len300-causal-gqa-bf16"),
@@ -164,42 +175,98 @@ CASES = [
 
 @pytest.mark.parametrize("batch,q_len,kv_len,heads,kv_heads,head_dim,causal,dtype,blocks", CASES)
 def test_matches_float64_reference(
-    batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, blocks
+    seed, batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, blocks
 ):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     q, k, v, do = random_inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype)
     (out, grads), (want_out, want_grads) = kernel_and_reference(
         q, k, v, do, causal=causal, **blocks
     )
     assert out.shape == q.shape
-    assert_close(out, want_out, dtype, "output")
+    assert_close(out, want_out, dtype, f"output (seed {seed})")
     for name, got, want in zip("qkv", grads, want_grads):
-        assert_close(got, want, dtype, f"d{name}")
+        assert_close(got, want, dtype, f"d{name} (seed {seed})")
+
+
+@pytest.mark.parametrize(
+    "sm_scale,causal",
+    [pytest.param(0.3, True, id="0.3-causal"), pytest.param(-2.0, False, id="-2-full")],
+)
+def test_non_default_sm_scale_matches_reference(seed, sm_scale, causal):
+    # The forward folds sm_scale into base-2 logits, the backward multiplies dq and dk by it
+    # separately: a kernel that used the default 1/sqrt(head_dim) anywhere differs here. A
+    # negative scale is accepted (and reverses which keys dominate).
+    rng = np.random.default_rng(seed)
+    q, k, v, do = random_inputs(rng, 1, 40, 40, 4, 2, 16, jnp.float32)
+    (out, grads), (want_out, want_grads) = kernel_and_reference(
+        q, k, v, do, causal=causal, sm_scale=sm_scale, block_q=16, block_k=16
+    )
+    assert_close(out, want_out, jnp.float32, f"output (seed {seed})")
+    for name, got, want in zip("qkv", grads, want_grads):
+        assert_close(got, want, jnp.float32, f"d{name} (seed {seed})")
+
+
+def test_under_vmap_with_shared_kv(seed):
+    # jax.vmap over a leading axis of q and dO, with k and v shared (in_axes None): Pallas'
+    # batching rule adds a grid dimension for the mapped inputs and broadcasts the others. Each
+    # slice must equal the float64 reference for that slice, output and all three gradients.
+    rng = np.random.default_rng(seed)
+    slices = 2
+    q, k, v, do = random_inputs(rng, 1, 33, 33, 4, 2, 16, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((slices, *q.shape)), jnp.float32)
+    do = jnp.asarray(rng.standard_normal((slices, *do.shape)), jnp.float32)
+
+    def forward_backward(attend):
+        def one_slice(q, k, v, do):
+            out, vjp = jax.vjp(attend, q, k, v)
+            return out, vjp(do)
+
+        return jax.vmap(one_slice, in_axes=(0, None, None, 0))
+
+    kernel = forward_backward(
+        lambda q, k, v: flash_attention(q, k, v, causal=True, block_q=16, block_k=16)
+    )
+    got = run_fast_compiled(kernel, q, k, v, do)
+    with jax.enable_x64(True):
+        reference = forward_backward(
+            lambda q, k, v: reference_attention(
+                q, k, v, causal=True, sm_scale=1 / np.sqrt(q.shape[-1])
+            )
+        )
+        as64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do)]
+        want = jax.tree.map(lambda x: np.asarray(x, np.float64), reference(*as64))
+    (out, grads), (want_out, want_grads) = jax.tree.map(np.asarray, got), want
+    assert out.shape == q.shape and grads[1].shape == (slices, *k.shape), (out.shape, seed)
+    for i in range(slices):
+        assert_close(out[i], want_out[i], jnp.float32, f"slice {i} output (seed {seed})")
+        for name, g, w in zip("qkv", grads, want_grads):
+            assert_close(g[i], w[i], jnp.float32, f"slice {i} d{name} (seed {seed})")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_rows_that_see_no_key_give_zeros_not_nan(dtype):
+def test_rows_that_see_no_key_give_zeros_not_nan(seed, dtype):
     # Causal with q_len > kv_len, bottom-right aligned: rows 0..22 of 40 see no key (as in the
     # reference), rows 23.. see 1..17 keys. Blocks of 16 put the boundary inside a block.
     q_len, kv_len = 40, 17
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     q, k, v, do = random_inputs(rng, 1, q_len, kv_len, 4, 2, 32, dtype)
     (out, (dq, dk, dv)), (want_out, want_grads) = kernel_and_reference(
         q, k, v, do, causal=True, block_q=16, block_k=16
     )
     empty = q_len - kv_len
-    assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
-    assert np.all(out[:, :empty] == 0.0) and np.all(want_out[:, :empty] == 0.0)
-    assert np.all(dq[:, :empty] == 0.0)
-    assert np.any(out[:, empty:] != 0.0)
-    assert_close(out, want_out, dtype, "output")
+    finite = np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+    assert finite, f"seed {seed}"
+    assert np.all(out[:, :empty] == 0.0) and np.all(want_out[:, :empty] == 0.0), f"seed {seed}"
+    assert np.all(dq[:, :empty] == 0.0), f"seed {seed}"
+    assert np.any(out[:, empty:] != 0.0), f"seed {seed}"
+    assert_close(out, want_out, dtype, f"output (seed {seed})")
     for name, got, want in zip("qkv", (dq, dk, dv), want_grads):
-        assert_close(got, want, dtype, f"d{name}")
+        assert_close(got, want, dtype, f"d{name} (seed {seed})")
 
 
-def test_equal_lengths_match_jax_dot_product_attention():
+def test_equal_lengths_match_jax_dot_product_attention(seed):
     # Same scale and causal convention as JAX's own attention when q_len == kv_len.
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     q, k, v, _ = random_inputs(rng, 2, 40, 40, 4, 2, 32, jnp.float32)
 
     def both(q, k, v):
@@ -212,7 +279,8 @@ def test_equal_lengths_match_jax_dot_product_attention():
         ]
 
     for got, want in run_fast_compiled(both, q, k, v):
-        assert relative_error(np.asarray(got), np.asarray(want)) < 1e-5
+        error = relative_error(np.asarray(got), np.asarray(want))
+        assert error < 1e-5, f"relative error {error:.3g} (seed {seed})"
 
 
 def _walk_avals(jaxpr):
@@ -241,12 +309,12 @@ def test_grouped_queries_never_repeat_kv():
     assert not [s for s in shapes if len(s) == 4 and s[1] == 48 and s[2] == 8], shapes
 
 
-def test_inside_shard_map_with_replicated_kv():
+def test_inside_shard_map_with_replicated_kv(seed):
     # The model calls the kernel on each device's local shard. Here q is split over batch and
     # heads, k/v over heads only (replicated over `data`): the gradients of k/v must be summed
     # over `data`, exactly as the unsharded computation with k/v broadcast over batch.
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tensor"))
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     q, _, _, _ = random_inputs(rng, 4, 33, 33, 4, 2, 16, jnp.float32)
     _, k, v, _ = random_inputs(rng, 1, 33, 33, 4, 2, 16, jnp.float32)
     weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
@@ -276,10 +344,11 @@ def test_inside_shard_map_with_replicated_kv():
     (got_loss, got_grads), (want_loss, want_grads) = got, want
     # The loss is a sum of ~8k terms of both signs, summed in another order: compare it to the
     # size of those terms, not to the (possibly small) total.
-    assert abs(float(got_loss) - float(want_loss)) < 1e-5 * float(jnp.sum(jnp.abs(weights)))
+    difference = abs(float(got_loss) - float(want_loss))
+    assert difference < 1e-5 * float(jnp.sum(jnp.abs(weights))), f"loss (seed {seed})"
     for name, got_x, want_x in zip("qkv", got_grads, want_grads):
         error = relative_error(np.asarray(got_x), np.asarray(want_x))
-        assert error < 1e-5, f"d{name}: relative error {error:.3g}"
+        assert error < 1e-5, f"d{name}: relative error {error:.3g} (seed {seed})"
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -321,13 +390,24 @@ def test_loop_bounds_are_exact(q_len, kv_len, causal):
 def test_kernels_lower_to_triton_without_a_gpu(
     monkeypatch, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal
 ):
-    # Lower forward + backward for an sm_90 GPU from this CPU machine: Pallas' Triton lowering
-    # (power-of-two tensors, supported ops, loop shapes) runs here, so a kernel that could not
-    # compile on a GPU fails in CI. Every loop must become an scf.for (Triton pipelines those).
-    try:
-        from jax._src.pallas.triton import lowering as triton_lowering
-    except ImportError as error:
-        pytest.skip(f"this JAX has no Pallas Triton lowering to check: {error}")
+    """Lower forward + backward for an sm_90 GPU from this CPU machine: Pallas' Triton lowering
+    (power-of-two tensors, supported ops, loop shapes) runs here, so a kernel that could not
+    compile on a GPU fails in CI. All three kernels must lower, and every loop must become an
+    scf.for (Triton pipelines those).
+
+    Skipped in exactly two cases, both "Triton lowering is not available in this JAX":
+    - `dew._jax_compat.pallas_triton_lowering()` is None: the private module
+      `jax._src.pallas.triton.lowering`, or the jaxlib Triton dialect it imports, is not
+      installed, or it has no `lower_jaxpr_to_triton_module` to wrap;
+    - lowering raises ``RuntimeError("Platform CUDA does not have a Triton compilation
+      handler")`` while `dew._jax_compat.has_triton_compiler("cuda")` is False: jaxlib releases
+      after 0.10.2 compile each kernel with Triton as they lower it, which needs jaxlib's CUDA
+      plugin (JAX 0.10.2, installed here, lowers without it).
+    Anything else that goes wrong, at import or while lowering, fails the test.
+    """
+    triton_lowering = pallas_triton_lowering()
+    if triton_lowering is None:
+        pytest.skip("this JAX has no Pallas Triton lowering (jax._src.pallas.triton.lowering)")
     modules = []
     real_lower = triton_lowering.lower_jaxpr_to_triton_module
 
@@ -347,11 +427,10 @@ def test_kernels_lower_to_triton_without_a_gpu(
 
     try:
         jax.jit(forward_backward).trace(q, k, k, q).lower(lowering_platforms=("cuda",))
-    except Exception:
-        # Newer jaxlibs also run Triton's own compiler here, which needs a GPU toolchain; only
-        # the Pallas lowering (all three kernels reached and lowered) is what this test checks.
-        if len(modules) < 3:
-            raise
+    except RuntimeError as error:
+        if str(error) == NO_TRITON_COMPILER and not has_triton_compiler("cuda"):
+            pytest.skip(f"this JAX compiles Triton while lowering and has no compiler: {error}")
+        raise
     names = sorted(
         name
         for text in modules
@@ -395,6 +474,28 @@ def test_refuses_bad_inputs(monkeypatch, q_shape, k_shape, v_shape, dtypes, mess
     with pytest.raises(ValueError, match=message) as info:
         flash_attention(q, k, v)
     assert str(q_shape) in str(info.value) and str(k_shape) in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [1, 0, "True", None, jnp.array(True)], ids=repr)
+def test_refuses_causal_that_is_not_a_bool(monkeypatch, bad):
+    monkeypatch.setattr(attention_module, "_padded_attention", _no_kernel)
+    q, k = jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match=re.escape(f"causal must be a bool, got {bad!r}")):
+        flash_attention(q, k, k, causal=bad)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [True, "0.5", jnp.asarray(0.5), float("nan"), float("inf"), -float("inf"), np.float32("nan")],
+    ids=repr,
+)
+def test_refuses_sm_scale_that_is_not_a_finite_number(monkeypatch, bad):
+    # The scale is static (it is folded into the kernels), so an array is refused like a string.
+    monkeypatch.setattr(attention_module, "_padded_attention", _no_kernel)
+    q, k = jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 8, 2, 16))
+    message = f"sm_scale must be a finite Python number, got {bad!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        flash_attention(q, k, k, sm_scale=bad)
 
 
 def test_refuses_head_dims_triton_cannot_take():

@@ -1,5 +1,6 @@
 """Only one layer's gathered weights are alive at a time: the backward gathers again instead of
-keeping what the forward gathered (DESIGN.md), checked on the compiled step's memory_analysis()."""
+keeping what the forward gathered (docs/design.md), checked on the compiled step's
+memory_analysis()."""
 
 import jax
 import jax.numpy as jnp

@@ -59,11 +59,13 @@ def launch(folder, checkpoints, steps):
 
 
 def printed_losses(text):
-    return {int(s): float(l) for s, l in re.findall(r"^step (\d+): loss (\S+)$", text, re.M)}
+    return {
+        int(step): float(loss) for step, loss in re.findall(r"^step (\d+): loss (\S+)$", text, re.M)
+    }
 
 
-def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, capsys):
-    rng = np.random.default_rng()
+def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, capsys, seed):
+    rng = np.random.default_rng(seed)
     folder = tmp_path / "tokens"
     write_token_folder(
         folder, rng.integers(0, VOCAB, 3000), rng.integers(0, VOCAB, 300), vocab_size=VOCAB
@@ -83,11 +85,12 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, capsys):
     state = single.fit(data, steps=4, log_every=1)
     one = printed_losses(capsys.readouterr().out)
     for step in one:
-        assert abs(multi[step] - one[step]) <= 2e-4, (step, multi[step], one[step])
+        assert abs(multi[step] - one[step]) <= 2e-4, (f"seed {seed}", step, multi[step], one[step])
 
-    # The checkpoint the two processes wrote, restored here into another layout, equals the one-process state.
+    # The checkpoint the two processes wrote, restored here into another layout, equals the
+    # one-process state.
     reader = two_process_trainer(dew.MeshSpec(fsdp=8), checkpoints)
     restored, _, position = reader.place()
     assert int(restored.step) == 4 and position["next_batch"] == 4
-    assert relative_error(restored.params, state.params) < 1e-5
-    assert relative_error(restored.opt_state, state.opt_state) < 1e-5
+    assert relative_error(restored.params, state.params) < 1e-5, f"seed {seed}"
+    assert relative_error(restored.opt_state, state.opt_state) < 1e-5, f"seed {seed}"

@@ -1,4 +1,11 @@
-"""Runs the user's example notebook (less its %pip line) and checks the lines it prints."""
+"""Runs the user's example notebook (less its %pip line) and checks the lines it prints.
+
+The notebook is the user's, kept beside the repository (``../shared/spec/``) on the machines this
+project is built on; it is not part of a clone, so these tests skip where it is absent.
+``DEW_NOTEBOOK=path/to/scale-across-devices.ipynb`` points them at a copy elsewhere. The project's
+own example, which every clone runs, is ``docs/examples/scale_across_devices.py``
+(tests/test_example.py).
+"""
 
 import json
 import os
@@ -9,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOK = Path(__file__).resolve().parents[2] / "shared" / "spec" / "scale-across-devices.ipynb"
+NOTEBOOK = Path(
+    os.environ.get("DEW_NOTEBOOK")
+    or Path(__file__).resolve().parents[2] / "shared" / "spec" / "scale-across-devices.ipynb"
+)
 
 
 def _code_only(line: str) -> str:
@@ -19,12 +29,12 @@ def _code_only(line: str) -> str:
 
 
 def restore_indentation(source: str) -> str:
-    """The stored notebook's indentation was collapsed to one space per line, whatever its depth (a
-    loop inside a function reads ``def f():\\n x = 1\\n for a in b:\\n print(a)``). Rebuild four-space
-    indentation: the line after a block opener goes one level deeper than the opener; a line indented
-    like the line above stays at its level; a smaller indentation closes blocks. Lines inside brackets
-    keep their text. Ambiguous cases (a block closing back to a non-zero indent) do not occur here, and
-    the result is compiled before it runs.
+    """The stored notebook's indentation was collapsed to one space per line, whatever its depth
+    (a loop inside a function reads ``def f():\\n x = 1\\n for a in b:\\n print(a)``). Rebuild
+    four-space indentation: the line after a block opener goes one level deeper than the opener; a
+    line indented like the line above stays at its level; a smaller indentation closes blocks. Lines
+    inside brackets keep their text. Ambiguous cases (a block closing back to a non-zero indent) do
+    not occur here, and the result is compiled before it runs.
     """
     out, stack, opener, depth = [], [(0, 0)], None, 0
     for line in source.splitlines():
@@ -52,7 +62,8 @@ def notebook_script() -> str:
     cells = json.loads(NOTEBOOK.read_text())["cells"]
     code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
     code = [
-        "\n".join(l for l in cell.splitlines() if not l.lstrip().startswith("%")) for cell in code
+        "\n".join(line for line in cell.splitlines() if not line.lstrip().startswith("%"))
+        for cell in code
     ]
     script = restore_indentation("\n\n".join(code)) + "\n"
     compile(script, str(NOTEBOOK), "exec")
@@ -61,8 +72,11 @@ def notebook_script() -> str:
 
 @pytest.fixture(scope="module")
 def printed(tmp_path_factory):
-    if not NOTEBOOK.exists():
-        pytest.fail(f"the example notebook is missing at {NOTEBOOK}")
+    if not NOTEBOOK.is_file():
+        pytest.skip(
+            f"the user's notebook is not at {NOTEBOOK}: it lives outside the repository, and a "
+            "clone has none (set DEW_NOTEBOOK to a copy of scale-across-devices.ipynb to run it)"
+        )
     work = tmp_path_factory.mktemp("notebook")
     (work / "notebook.py").write_text(notebook_script())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -71,6 +85,7 @@ def printed(tmp_path_factory):
     )
     run = subprocess.run(
         [sys.executable, "notebook.py"],
+        check=False,
         cwd=work,
         env=env,
         capture_output=True,
@@ -82,7 +97,8 @@ def printed(tmp_path_factory):
 
 
 def losses(text: str) -> list[tuple[int, str]]:
-    return [(int(s), l) for s, l in re.findall(r"^step (\d+): loss (\d+\.\d{4})$", text, re.M)]
+    found = re.findall(r"^step (\d+): loss (\d+\.\d{4})$", text, re.MULTILINE)
+    return [(int(step), loss) for step, loss in found]
 
 
 def test_meshes_and_placement(printed):

@@ -16,8 +16,8 @@ ROWS = 16
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    rng = np.random.default_rng()
+def folder(tmp_path_factory, module_seed):
+    rng = np.random.default_rng(module_seed)
     path = tmp_path_factory.mktemp("tokens") / "tokens"
     # 3000 tokens: 187 windows, 11 batches an epoch, so 2 x 8 steps cross an epoch boundary.
     write_token_folder(

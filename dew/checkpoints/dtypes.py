@@ -93,7 +93,8 @@ def storage_of(name: str) -> np.dtype:
 
 
 def to_storage(array: np.ndarray) -> np.ndarray:
-    """`array`'s bits as a C-contiguous little-endian array of its storage dtype (no copy if possible)."""
+    """`array`'s bits as a C-contiguous little-endian array of its storage dtype (no copy if
+    possible)."""
     name = name_of(array.dtype)
     storage = storage_of(name)
     if not array.flags.c_contiguous:  # np.ascontiguousarray would turn 0-d into 1-d

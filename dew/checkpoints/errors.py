@@ -16,7 +16,8 @@ class CheckpointError(Exception):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A step folder is damaged: a file is missing, truncated, fails its checksum or is malformed."""
+    """A step folder is damaged: a file is missing, truncated, fails its checksum or is
+    malformed."""
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):

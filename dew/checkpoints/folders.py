@@ -84,7 +84,8 @@ def remove(path: Path) -> None:
 
 
 def clean_leftovers(directory: Path) -> None:
-    """Remove the temporary folders earlier saves left behind; restore an interrupted replacement."""
+    """Remove the temporary folders earlier saves left behind; restore an interrupted
+    replacement."""
     for entry in list(os.scandir(directory)):
         match = _LEFTOVER.fullmatch(entry.name)
         if not match:

@@ -192,7 +192,8 @@ def parse(text: bytes, where: str, expected_step: int | None = None) -> Index:
         name = check.get(entry, "name", str, field)
         if not PROCESS_FILE.fullmatch(name):
             check.fail(
-                f"{field} names {name!r:.200}, which is not a process_NNNNN.npz file in the step folder"
+                f"{field} names {name!r:.200}, "
+                "which is not a process_NNNNN.npz file in the step folder"
             )
         if name in files:
             check.fail(f"{field} names {name} twice")
@@ -240,7 +241,8 @@ def _parse_array(
         bounds = check.get(raw, "slice", list, where)
         if len(bounds) != len(shape):
             check.fail(
-                f"{where} has a {len(bounds)}-dimensional slice for a {len(shape)}-dimensional array"
+                f"{where} has a {len(bounds)}-dimensional slice "
+                f"for a {len(shape)}-dimensional array"
             )
         start, stop = [], []
         for dim, (bound, size) in enumerate(zip(bounds, shape)):
@@ -260,13 +262,13 @@ def _parse_array(
             )
         if offset + nbytes > files[file]:
             check.fail(
-                f"{where} ends at byte {offset + nbytes}, past the end of {file} ({files[file]} bytes)"
+                f"{where} ends at byte {offset + nbytes}, "
+                f"past the end of {file} ({files[file]} bytes)"
             )
         crcs = check.get(raw, "crc32", list, where)
-        if len(crcs) != -(-nbytes // chunk_bytes):
-            check.fail(
-                f"{where} has {len(crcs)} chunk checksums; {nbytes} bytes need {-(-nbytes // chunk_bytes)}"
-            )
+        chunks = -(-nbytes // chunk_bytes)
+        if len(crcs) != chunks:
+            check.fail(f"{where} has {len(crcs)} chunk checksums; {nbytes} bytes need {chunks}")
         for value in crcs:
             check.count(value, f"{where}.crc32", 0xFFFFFFFF)
         pieces.append(Piece(file, member, tuple(start), tuple(stop), offset, nbytes, tuple(crcs)))
@@ -275,7 +277,8 @@ def _parse_array(
 
 
 def _check_tiling(check: _Checker, field: str, shape: tuple[int, ...], pieces: list[Piece]) -> None:
-    """The pieces must cover the array exactly once: disjoint, and their sizes add up to its size."""
+    """The pieces must cover the array exactly once: disjoint, and their sizes add up to its
+    size."""
     total = sum(math.prod(piece.shape) for piece in pieces)
     if total != math.prod(shape):
         check.fail(f"{field}: its pieces hold {total} elements, the array {math.prod(shape)}")
@@ -294,5 +297,6 @@ def _check_tiling(check: _Checker, field: str, shape: tuple[int, ...], pieces: l
             i, j = np.argwhere(overlap)[0]
             a, b = nonempty[first + i], nonempty[j]
             check.fail(
-                f"{field}: pieces {list(zip(a.start, a.stop))} and {list(zip(b.start, b.stop))} overlap"
+                f"{field}: pieces {list(zip(a.start, a.stop))} "
+                f"and {list(zip(b.start, b.stop))} overlap"
             )

@@ -1,9 +1,10 @@
-"""`Checkpoints`: a directory of training checkpoints, saved in the background, restored into any layout.
+"""`Checkpoints`: a directory of training checkpoints, saved in the background, restored into any
+layout.
 
     ckpt = Checkpoints("runs/lm", keep=2)
-    ckpt.save(20, state, metadata={"data_position": 320})   # returns once the state is on the host
-    ckpt.wait()                                              # the files are on disk (or it raises)
-    state, metadata = ckpt.restore(target)                   # target: ShapeDtypeStructs with shardings
+    ckpt.save(20, state, metadata={"data_position": 320})  # returns once the state is on the host
+    ckpt.wait()  # the files are on disk (or it raises)
+    state, metadata = ckpt.restore(target)  # target: ShapeDtypeStructs with shardings
 
 The format is specified in docs/checkpoint-format.md.
 """
@@ -23,6 +24,7 @@ from dew.checkpoints import folders, reader, writer
 from dew.checkpoints.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dew.checkpoints.index import DEFAULT_CHUNK_BYTES, INDEX_NAME, step_folder_name
 from dew.checkpoints.processes import Processes
+from dew.checks import positive_int
 
 
 class _PendingSave:
@@ -62,7 +64,8 @@ def _json_default(value):
 
 
 def _encode_metadata(metadata) -> dict:
-    """A JSON round trip of `metadata`: a private copy, and an early ValueError if it cannot be saved."""
+    """A JSON round trip of `metadata`: a private copy, and an early ValueError if it cannot be
+    saved."""
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
@@ -76,7 +79,7 @@ def _encode_metadata(metadata) -> dict:
 
 
 class Checkpoints:
-    """A directory of checkpoints of one run: `step_NNNNNNNN/` folders, the newest `keep` of them kept.
+    """A directory of checkpoints of one run: `step_NNNNNNNN/` folders, the newest `keep` kept.
 
     Args:
       directory: where the step folders live; created at the first save. Stored absolute.
@@ -105,8 +108,8 @@ class Checkpoints:
                 f"{directory} holds an {INDEX_NAME}: it is one step's folder, not a checkpoint "
                 f"directory; pass its parent, {directory.parent}"
             )
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"keep must be a positive integer or None, not {keep!r}")
+        if keep is not None:
+            positive_int("keep (or None)", keep)
         if (
             isinstance(chunk_bytes, bool)
             or not isinstance(chunk_bytes, int)
@@ -153,7 +156,8 @@ class Checkpoints:
         return self._directory / step_folder_name(_check_step(step))
 
     def save(self, step: int, tree: Any, *, metadata: dict | None = None) -> None:
-        """Save `tree` as step `step`: copy it to host memory now, write the files in the background.
+        """Save `tree` as step `step`: copy it to host memory now, write the files in the
+        background.
 
         Waits for the previous save first (and raises its error, if it failed). `tree` is any
         pytree whose leaves are jax.Arrays (any sharding, possibly over several processes), numpy
@@ -182,7 +186,7 @@ class Checkpoints:
                     self._chunk_bytes,
                     prefix,
                 )
-            except BaseException as error:  # surfaces at the next wait() or save()
+            except BaseException as error:  # raised by the next save, wait, restore or metadata
                 pending.error = error
                 _unreported.add(pending)
 
@@ -201,11 +205,16 @@ class Checkpoints:
             _unreported.discard(pending)
             error = pending.error
             raise CheckpointError(
-                f"saving step {pending.step} to {self._directory} failed: {type(error).__name__}: {error}"
+                f"saving step {pending.step} to {self._directory} failed: "
+                f"{type(error).__name__}: {error}"
             ) from error
 
     def metadata(self, step: int | None = None) -> dict:
-        """The metadata saved with `step` (default: the latest complete step), without reading arrays."""
+        """The metadata saved with `step` (default: the latest complete step), without reading
+        arrays.
+
+        Waits for the save in the background first, and raises its error if it failed.
+        """
         self.wait()
         if step is None:
             step = self.latest
@@ -224,8 +233,9 @@ class Checkpoints:
         names what is wrong and the previous complete step is tried, and so on.
 
         Raises CorruptCheckpointError (damage, naming the step and file), CheckpointMismatchError
-        (tree, shape or dtype differs from `target`, naming the path and both values), or
-        NotACheckpointError (nothing to restore). `restored_step` records the step read.
+        (tree, shape or dtype differs from `target`, naming the path and both values),
+        NotACheckpointError (nothing to restore), or CheckpointError (the save in the background,
+        which restore waits for first, failed). `restored_step` records the step read.
         """
         self.wait()
         if step is not None:
@@ -299,6 +309,6 @@ class Checkpoints:
             f" and {len(entries) - 8} more" if len(entries) > 8 else ""
         )
         return (
-            f"{self._directory} is not a Dew checkpoint directory: it holds no step_NNNNNNNN folder "
-            f"with an {INDEX_NAME} (it holds: {shown or 'nothing'})"
+            f"{self._directory} is not a Dew checkpoint directory: it holds no step_NNNNNNNN "
+            f"folder with an {INDEX_NAME} (it holds: {shown or 'nothing'})"
         )

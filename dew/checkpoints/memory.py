@@ -9,13 +9,10 @@ price is up to 2 MiB of padding per buffer: address space that nothing touches, 
 memory, but it stays allocated as long as the buffer does.
 
 - Buffers the loader fills become the restored arrays and live as long as they do, so only those of
-  32 MiB and more are aligned that way (padding at most 6%). Measured: restoring 256 MB into 4 MiB
-  slices was no faster with 2 MiB alignment (in one run of 10 rounds, slower: reads 180 against
-  98 ms of CPU time).
-- A save's host copy lives only until its files are written, so it is aligned from 4 MiB on.
-  Measured on this project's 2-core VM, 256 MB in 4 MiB pieces: the copy in `save()` took 91 ms
-  at 64-byte alignment and 40 ms at 2 MiB (10 saves in a row); in bench/checkpoint_bench.py, where
-  other contenders allocate between the saves, 29 and 35 ms.
+  32 MiB and more are aligned that way (padding at most 6%): smaller restored slices gained nothing
+  from it (measured: docs/benchmarks.md, 'Checkpoint internals').
+- A save's host copy lives only until its files are written, so it is aligned from 4 MiB on, where
+  the copy in `save()` gains (measured: docs/benchmarks.md, 'Checkpoint internals').
 """
 
 import math

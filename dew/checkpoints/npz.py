@@ -7,8 +7,9 @@ parsing the ZIP or the .npy header. The result is an ordinary ZIP64-capable arch
 and `unzip` read.
 
 Layout of one member: ZIP local header (30 bytes), file name, extra field (a ZIP64 size record when
-the member is 4 GiB or larger, then padding in an extra record with id 0xD935 so that what follows
-starts on a 64-byte boundary), the .npy header (its length is a multiple of 64), the raw data.
+the member is 0xFFFFFFFF bytes or larger, then padding in an extra record with id 0xD935 so that
+what follows starts on a 64-byte boundary), the .npy header (its length is a multiple of 64), the
+raw data.
 After the last member: the central directory and the end records (ZIP64 ones when needed).
 
 The CRC-32 of each `chunk_bytes` chunk of a member's data is computed in a helper thread while the
@@ -31,10 +32,8 @@ import numpy as np
 from dew.checkpoints import crc
 
 ALIGNMENT = 64
-# Measured writing 256 MB in 4 MiB members (2 shared cores, virtio disk, medians of 10 rounds):
-# one fsync after everything took 0.22 s in all, np.save + fsync of the same bytes 0.17 s; with the
-# last sync of the data overlapping the CRCs 0.20 s; with a sync every 64 MiB as well 0.17 s.
-# Preallocating the file (posix_fallocate) added nothing to that.
+# Sync the data written so far every this many bytes, so the final fsync has little left to wait
+# for (measured: docs/benchmarks.md, 'Checkpoint internals').
 WRITEBACK_BYTES = 64 << 20
 _ZIP64_LIMIT = 0xFFFFFFFF
 _PADDING_EXTRA_ID = 0xD935  # the id zipalign uses for alignment padding
@@ -73,12 +72,14 @@ class _Planned:
 
 
 def _c_order(array: np.ndarray) -> np.ndarray:
-    """`array` itself if C-contiguous, else a C-ordered copy (unlike np.ascontiguousarray, keeps 0-d)."""
+    """`array` itself if C-contiguous, else a C-ordered copy (unlike np.ascontiguousarray, keeps
+    0-d arrays 0-d)."""
     return array if array.flags.c_contiguous else np.array(array, order="C")
 
 
 def npy_header(array: np.ndarray) -> bytes:
-    """The .npy header (magic, version, dict) for a C-ordered `array`; its length is a multiple of 64."""
+    """The .npy header (magic, version, dict) for a C-ordered `array`; its length is a multiple of
+    64."""
     out = io.BytesIO()
     header = np.lib.format.header_data_from_array_1_0(array)
     try:
@@ -225,7 +226,8 @@ def write(
 
     Returns the data offset, length and chunk CRCs of each member, and the file's size. The file
     must not exist. `after_member` is called after each member's data is written (a test hook).
-    `zip64_limit` lowers the size from which ZIP64 records are used (for tests; default 4 GiB).
+    `zip64_limit` lowers the size from which ZIP64 records are used (for tests; default
+    0xFFFFFFFF bytes, where ZIP needs them).
     """
     members = [(name, _c_order(array)) for name, array in members]
     planned = _plan(members, zip64_limit)

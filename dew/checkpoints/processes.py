@@ -9,6 +9,7 @@ from two threads could be ordered differently on different processes and deadloc
 
 import jax
 
+from dew._jax_compat import distributed_client
 from dew.checkpoints.errors import CheckpointError
 
 
@@ -21,9 +22,7 @@ class Processes:
         return cls(jax.process_index(), jax.process_count(), timeout_s)
 
     def _client(self):
-        from jax._src import distributed  # no public handle on the coordination client
-
-        client = distributed.global_state.client
+        client = distributed_client()
         if client is None:
             raise CheckpointError(
                 f"a checkpoint shared by {self.count} processes needs jax.distributed.initialize()"

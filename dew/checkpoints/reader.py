@@ -4,9 +4,9 @@ For each array, this process works out the distinct slices its devices need (dev
 same slice share one host buffer) and reads every saved piece that overlaps them once: only the byte
 range of the piece that the slices need, widened to whole checksum chunks. When a slice's region is
 contiguous both in the piece and in the slice (splits along the leading axis, the usual case), one
-positioned read (`os.preadv`) puts the bytes straight into the slice's buffer; otherwise they go to a
-scratch buffer and are copied into place. Every chunk read is checked against its CRC-32 before any
-of its bytes are used: a mismatch raises instead of placing damaged data.
+positioned read (`os.preadv`) puts the bytes straight into the slice's buffer; otherwise they go to
+a scratch buffer and are copied into place. Every chunk read is checked against its CRC-32 before
+any of its bytes are used: a mismatch raises instead of placing damaged data.
 
 Host memory: the slices are split into groups joined by the pieces they share; a group's slices are
 sent to their devices as soon as their last piece is in, `workers` groups at a time (on threads:
@@ -25,10 +25,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from dew._jax_compat import collect_runtime_garbage
 from dew.checkpoints import dtypes
-from dew.checkpoints.memory import aligned_empty
 from dew.checkpoints.errors import CheckpointMismatchError, CorruptCheckpointError
 from dew.checkpoints.index import INDEX_NAME, ArrayRecord, Index, Piece, parse
+from dew.checkpoints.memory import aligned_empty
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, stop) per dimension
 
@@ -116,7 +117,8 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _span(region: Box, origin: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int, bool]:
     """Element range [first, last + 1) that `region` occupies in a C-ordered block of `shape` whose
-    corner is at global `origin`, and whether the region fills that range exactly (is contiguous)."""
+    corner is at global `origin`, and whether the region fills that range exactly (is
+    contiguous)."""
     strides = _strides(shape)
     first = sum((a - o) * s for a, o, s in zip(region[0], origin, strides))
     last = sum((b - 1 - o) * s for b, o, s in zip(region[1], origin, strides))
@@ -154,7 +156,8 @@ def _verify(
     segments: list[memoryview], begin: int, piece: Piece, chunk_bytes: int, where: str
 ) -> None:
     """Check the CRC-32 of every chunk that `segments` (consecutive bytes of the piece starting at
-    piece byte `begin`, a chunk boundary, and ending at a chunk boundary or the piece's end) cover."""
+    piece byte `begin`, a chunk boundary, and ending at a chunk boundary or the piece's end)
+    cover."""
     chunk = begin // chunk_bytes
     position, crc = begin, 0
     chunk_end = min(position + chunk_bytes, piece.nbytes)
@@ -167,8 +170,9 @@ def _verify(
             if position == chunk_end:
                 if crc != piece.crc32[chunk]:
                     raise CorruptCheckpointError(
-                        f"{where}: checksum mismatch in bytes {chunk * chunk_bytes}-{position} of piece "
-                        f"{piece.member} (CRC-32 {crc:08x}, the index records {piece.crc32[chunk]:08x})"
+                        f"{where}: checksum mismatch in bytes {chunk * chunk_bytes}-{position} "
+                        f"of piece {piece.member} (CRC-32 {crc:08x}, "
+                        f"the index records {piece.crc32[chunk]:08x})"
                     )
                 chunk, crc = chunk + 1, 0
                 chunk_end = min(position + chunk_bytes, piece.nbytes)
@@ -333,18 +337,10 @@ def _place(host: np.ndarray, devices: list) -> list[jax.Array]:
     placed = jax.device_put([host] * len(devices), devices)
     jax.block_until_ready(placed)
     # The runtime lets go of the host buffer from its own thread and defers the Python release to
-    # its next call; collect it now, so that each slice's host buffer is freed as soon as it is copied.
-    _collect_runtime_garbage()
+    # its next call; collect it now, so that each slice's host buffer is freed as soon as it is
+    # copied (on a jaxlib without that call, a no-op: the buffer then goes a call later).
+    collect_runtime_garbage()
     return placed
-
-
-def _collect_runtime_garbage() -> None:
-    try:
-        from jax._src.lib import _jax
-
-        _jax.collect_garbage()
-    except (ImportError, AttributeError):  # another jaxlib layout: the buffer goes a call later
-        pass
 
 
 def _fill_and_place(
@@ -451,11 +447,13 @@ def _match(index: Index, target: Any, where: str):
         shape, dtype, sharding = _describe_target(path, leaf)
         if shape != record.shape:
             raise CheckpointMismatchError(
-                f"{where}: {path} has shape {record.shape} in the checkpoint but {shape} in the target"
+                f"{where}: {path} has shape {record.shape} in the checkpoint "
+                f"but {shape} in the target"
             )
         if dtype != dtypes.from_name(record.dtype):
             raise CheckpointMismatchError(
-                f"{where}: {path} has dtype {record.dtype} in the checkpoint but {dtype} in the target"
+                f"{where}: {path} has dtype {record.dtype} in the checkpoint "
+                f"but {dtype} in the target"
             )
         pairs.append((record, sharding, leaf))
     return pairs, treedef

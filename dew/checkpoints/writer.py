@@ -1,14 +1,15 @@
-"""Saving one step: a blocking copy of this process's pieces to host memory, then the files and commit.
+"""Saving one step: a blocking copy of this process's pieces to host memory, then the files and
+the commit.
 
 `snapshot(tree)` runs in the caller's thread: it starts the device-to-host copy of every shard this
 process owns (the addressable shard with `replica_id == 0`, so each distinct piece is copied and
 written once however many devices hold it), then waits for them. After it returns, the tree may be
 donated or overwritten; the snapshot owns its bytes.
 
-`write_step(...)` runs in a background thread. Every process writes its own `process_NNNNN.npz` into
-the step's temporary folder; with several processes, each also writes a small manifest of its pieces,
-then all meet at a barrier; process 0 reads the manifests, writes `index.json` last, renames the
-folder into place and applies retention; a second barrier ends the save on every process. The
+`write_step(...)` runs in a background thread. Every process writes its own `process_NNNNN.npz`
+into the step's temporary folder; with several processes, each also writes a small manifest of its
+pieces, then all meet at a barrier; process 0 reads the manifests, writes `index.json` last, renames
+the folder into place and applies retention; a second barrier ends the save on every process. The
 barriers use the JAX distributed runtime's coordination service, not a device collective, so they
 are safe to call from a background thread while the main thread runs training steps.
 """
@@ -26,8 +27,6 @@ import numpy as np
 
 from dew.checkpoints import dtypes, folders, npz
 from dew.checkpoints.errors import CheckpointError
-from dew.checkpoints.memory import copy_of
-from dew.checkpoints.processes import Processes
 from dew.checkpoints.index import (
     INDEX_NAME,
     ArrayRecord,
@@ -37,6 +36,8 @@ from dew.checkpoints.index import (
     process_file_name,
     step_folder_name,
 )
+from dew.checkpoints.memory import copy_of
+from dew.checkpoints.processes import Processes
 
 # Test hook: called with each member's name after its data is written (lets a test kill a save
 # deterministically in the middle of writing a file).
@@ -100,7 +101,8 @@ def snapshot(tree: Any, process_index: int) -> Snapshot:
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 raise ValueError(
                     f"cannot save {path}: it holds typed PRNG keys ({leaf.dtype}); "
-                    "save jax.random.key_data(key) and rebuild the key with jax.random.wrap_key_data"
+                    "save jax.random.key_data(key) and rebuild the key with "
+                    "jax.random.wrap_key_data"
                 )
             if leaf.is_deleted():
                 raise ValueError(

@@ -1,6 +1,7 @@
 """``dew bench``: compare layouts, and the shard_map engine against GSPMD, on one machine.
 
-    dew bench                                  # data=8, fsdp=8, data=2,fsdp=4; both engines
+    dew bench                                  # data=8, fsdp=8, data=2,fsdp=4; shard_map, gspmd
+                                               # and the one-device row
     dew bench --layouts fsdp=8 --json out.json
 
 The measurements and the targets are ``dew.benchmark``'s; this module only reads flags and prints.
@@ -14,7 +15,13 @@ import os
 import tempfile
 from pathlib import Path
 
-from dew.cli.main import add_device_flag, add_model_flags
+from dew.cli.flags import (
+    add_device_flag,
+    add_min_shard_flag,
+    add_model_flags,
+    add_seed_flag,
+    engine_names,
+)
 
 DEFAULT_LAYOUTS = ("data=8", "fsdp=8", "data=2,fsdp=4")
 
@@ -24,9 +31,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         "bench",
         help="compare layouts and the GSPMD baseline side by side",
-        description="Trains the same model in every layout asked, with the shard_map engine and the "
-        "GSPMD baseline, taking turns, and prints step time, compile time, memory and wire bytes "
-        "per device, the ratio shard_map / GSPMD of each layout, and the targets of "
+        description="Trains the same model in every layout asked, with the shard_map engine and "
+        "the GSPMD baseline, taking turns, and prints step time, compile time, memory and wire "
+        "bytes per device, the ratio shard_map / GSPMD of each layout, and the targets of "
         "docs/benchmarks.md.",
     )
     parser.add_argument(
@@ -37,7 +44,17 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="mesh axis sizes per layout, e.g. data=8 fsdp=8 data=2,fsdp=4 (default)",
     )
     parser.add_argument(
-        "--engines", nargs="+", default=["shard_map", "gspmd"], choices=("shard_map", "gspmd")
+        "--engines",
+        nargs="+",
+        default=["shard_map", "gspmd"],
+        choices=engine_names(),
+        help="step engines per layout (default: shard_map gspmd)",
+    )
+    parser.add_argument(
+        "--no-one-device",
+        dest="one_device",
+        action="store_false",
+        help="skip the one-device row (the same model and global batch on one device)",
     )
     add_device_flag(parser)
     add_model_flags(parser, batch=32, seq_len=128, layers=4, width=256, heads=4)
@@ -56,12 +73,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
         default=1,
         help="untimed rounds before them (default 1: a step's first run is slower)",
     )
-    parser.add_argument(
-        "--min-shard",
-        type=int,
-        default=65536,
-        help="weights with fewer elements stay whole (default 65536, the Layout's)",
-    )
+    from dew.layout import Layout
+
+    add_min_shard_flag(parser, default=Layout().min_shard)
     parser.add_argument(
         "--depth-check",
         type=int,
@@ -70,12 +84,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="also compare the compile time of a LAYERS-layer model with --layers "
         "(default 16; 0 skips it)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_flag(parser, "the initial weights and the random batch")
     parser.add_argument(
         "--json",
         default=None,
         metavar="FILE",
-        help="write one object per layout and engine to FILE",
+        help="write one object per layout and engine (and the one-device row) to FILE",
     )
     parser.set_defaults(run=run)
     return parser
@@ -107,6 +121,7 @@ def _write_json(target: Path, objects: list) -> None:
 
 def run(args) -> int:
     import jax
+
     from dew import benchmark
     from dew.mesh import MeshSpec
 
@@ -135,6 +150,7 @@ def run(args) -> int:
         size,
         specs,
         args.engines,
+        one_device=args.one_device,
         steps=args.steps,
         repeats=args.repeats,
         warmup=args.warmup,
@@ -144,7 +160,8 @@ def run(args) -> int:
     )
     depth = None
     if args.depth_check:
-        # The fully sharded layout if one was asked (its gathers sit in the layer scan), else the first.
+        # The fully sharded layout if one was asked (its gathers sit in the layer scan), else the
+        # first.
         spec = next((s for s in specs if s.fsdp > 1 and s.model_devices == s.fsdp), specs[0])
         depth = benchmark.compile_depth(
             size, spec, args.depth_check, min_shard=args.min_shard, seed=args.seed

@@ -13,36 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def add_device_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=8,
-        metavar="N",
-        help="simulate N devices on the CPU (default 8); 0 uses JAX's own backend",
-    )
-
-
-def add_model_flags(
-    parser, *, batch: int, seq_len: int, layers: int, width: int, heads: int
-) -> None:
-    """The example decoder's size and its batch, with the defaults given."""
-    parser.add_argument(
-        "--batch", type=int, default=batch, help=f"global batch rows (default {batch})"
-    )
-    parser.add_argument(
-        "--seq-len", type=int, default=seq_len, help=f"tokens per row (default {seq_len})"
-    )
-    parser.add_argument(
-        "--layers", type=int, default=layers, help=f"decoder layers (default {layers})"
-    )
-    parser.add_argument(
-        "--width", type=int, default=width, help=f"embedding features (default {width})"
-    )
-    parser.add_argument(
-        "--heads", type=int, default=heads, help=f"attention heads (default {heads})"
-    )
+from dew.cli import bench
+from dew.cli.flags import (
+    add_device_flag,
+    add_min_shard_flag,
+    add_model_flags,
+    add_seed_flag,
+    engine_names,
+)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -54,18 +32,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     add_device_flag(parser)
     add_model_flags(parser, batch=16, seq_len=32, layers=2, width=64, heads=4)
-    parser.add_argument(
-        "--min-shard",
-        type=int,
-        default=1,
-        help="weights with fewer elements stay whole (default 1: split everything)",
-    )
+    add_min_shard_flag(parser, default=1)
     parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
     parser.add_argument("--accumulation", type=int, default=1, help="microbatches per step")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dew", description="Dew: train one model across many devices.")
+    parser = argparse.ArgumentParser(
+        prog="dew", description="Dew: train one model across many devices."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train the example model")
@@ -82,19 +57,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoints go to RUN_DIR/checkpoints; a rerun resumes from them",
     )
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    train.add_argument("--log-every", type=int, default=10)
-    train.add_argument("--checkpoint-every", type=int, default=None)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--log-every", type=int, default=10, help="print the loss every N steps (default 10)"
+    )
+    train.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="save every N steps (default: only at the end)",
+    )
+    train.add_argument(
+        "--metrics",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per step (step, loss, step_time_s, tokens_per_s) to FILE",
+    )
+    add_seed_flag(train, "the initial weights")
     train.set_defaults(run=train_command)
 
     coll = commands.add_parser(
         "collectives", help="print the collectives of the example model's step"
     )
     _common(coll)
-    coll.add_argument("--engine", default="shard_map", choices=("shard_map", "gspmd"))
+    coll.add_argument(
+        "--engine",
+        default="shard_map",
+        choices=engine_names(),
+        help="shard_map (default; read from the jaxpr) or a GSPMD baseline (read from the HLO)",
+    )
     coll.set_defaults(run=collectives_command)
-
-    from dew.cli import bench  # imports this module's flag helpers
 
     bench.add_parser(commands)
     return parser
@@ -135,6 +126,7 @@ def _example(args, data_dir):
 def _trainer(args, objective, checkpoints=None, engine="shard_map", lr=1e-3, seed=0):
     import jax
     import optax
+
     from dew import Layout, MeshSpec, Trainer
 
     return Trainer(
@@ -158,6 +150,7 @@ def _example_corpus(path):
 
 def train_command(args) -> int:
     from pathlib import Path
+
     from dew.checkpoints import Checkpoints
 
     run_dir = Path(args.run_dir)
@@ -167,7 +160,11 @@ def train_command(args) -> int:
         args, objective, Checkpoints(run_dir / "checkpoints"), lr=args.lr, seed=args.seed
     )
     trainer.fit(
-        data, steps=args.steps, log_every=args.log_every, checkpoint_every=args.checkpoint_every
+        data,
+        steps=args.steps,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        metrics=args.metrics,
     )
     return 0
 

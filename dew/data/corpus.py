@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dew.checks import positive_int
 from dew.data.folder import TokenMeta, open_tokens, read_meta, write_token_folder
 from dew.data.tokenizer import ByteTokenizer
 
@@ -23,8 +24,7 @@ def example_text(*, seed: int = 0, sentences: int = 4000) -> str:
 
     With the defaults this is exactly the text the scaling notebook builds by hand.
     """
-    if not isinstance(sentences, int) or isinstance(sentences, bool) or sentences < 1:
-        raise ValueError(f"sentences must be an integer >= 1, got {sentences!r}")
+    positive_int("sentences", sentences)
     rng = np.random.default_rng(seed)
     return "".join(
         f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}.\n"
@@ -36,13 +36,13 @@ def write_example_corpus(
     path: str | os.PathLike, *, seed: int = 0, sentences: int = 4000, overwrite: bool = False
 ) -> TokenMeta:
     """Writes the example corpus (``example_text(seed=seed, sentences=sentences)``), byte-tokenized,
-    as a token folder at ``path``; the first ``len(tokens) // 50`` tokens go to ``val.bin``, the rest to
-    ``train.bin``. Returns the folder's meta.
+    as a token folder at ``path``; the first ``len(tokens) // 50`` tokens go to ``val.bin``, the
+    rest to ``train.bin``. Returns the folder's meta.
 
     With the defaults: 97,548 tokens, 95,598 for training (2,987 windows at ``seq_len=32``) and
     1,950 for validation.
-    Calling it again on a folder that already holds this very corpus writes nothing; a folder that holds
-    something else is left alone (FileExistsError) unless ``overwrite=True``.
+    Calling it again on a folder that already holds this very corpus writes nothing; a folder that
+    holds something else is left alone (FileExistsError) unless ``overwrite=True``.
     """
     ids = np.asarray(ByteTokenizer().encode(example_text(seed=seed, sentences=sentences)), np.uint8)
     val_len = len(ids) // VAL_FRACTION

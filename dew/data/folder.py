@@ -1,7 +1,7 @@
 """The token folder: ``train.bin``, ``val.bin`` and the ``meta.json`` that describes them.
 
-A token folder holds two flat arrays of token ids, stored as raw little-endian unsigned integers with
-no header, and one JSON object::
+A token folder holds two flat arrays of token ids, stored as raw little-endian unsigned integers
+with no header, and one JSON object::
 
     {"tokenizer": "byte", "vocab_size": 256, "dtype": "uint8",
      "train_tokens": 391286, "val_tokens": 7985, "eos_id": null}
@@ -9,8 +9,8 @@ no header, and one JSON object::
 ``train_tokens`` and ``val_tokens`` count tokens (not bytes): ``train.bin`` must be exactly
 ``train_tokens * itemsize`` bytes long, and ``read_meta`` refuses a folder where it is not, so a
 truncated or swapped file is caught before training reads garbage. Token values are *not* checked
-against ``vocab_size`` when a folder is read (that would mean reading every token); ``write_token_folder``
-checks them when it writes.
+against ``vocab_size`` when a folder is read (that would mean reading every token);
+``write_token_folder`` checks them when it writes.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dew.checks import positive_int
 
 META = "meta.json"
 TRAIN = "train.bin"
@@ -78,9 +80,9 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
     """Reads and validates the ``meta.json`` of the token folder at ``path``.
 
     Raises FileNotFoundError (naming the path) when the folder, ``meta.json``, ``train.bin`` or
-    ``val.bin`` is missing; ValueError for JSON that does not parse, a missing or ill-typed field, an
-    unknown dtype, a ``vocab_size`` the dtype cannot hold, an ``eos_id`` outside the vocabulary, or a
-    ``train.bin`` / ``val.bin`` whose size disagrees with ``train_tokens`` / ``val_tokens``.
+    ``val.bin`` is missing; ValueError for JSON that does not parse, a missing or ill-typed field,
+    an unknown dtype, a ``vocab_size`` the dtype cannot hold, an ``eos_id`` outside the vocabulary,
+    or a ``train.bin`` / ``val.bin`` whose size disagrees with ``train_tokens`` / ``val_tokens``.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -133,8 +135,8 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
         expected = meta[count_name] * itemsize
         if size != expected:
             fail(
-                f"{count_name} = {meta[count_name]} ({expected} bytes of {dtype}) but {file} holds {size} "
-                f"bytes ({size / itemsize:g} tokens)"
+                f"{count_name} = {meta[count_name]} ({expected} bytes of {dtype}) "
+                f"but {file} holds {size} bytes ({size / itemsize:g} tokens)"
             )
 
     return TokenMeta(
@@ -197,18 +199,17 @@ def write_token_folder(
     """Writes a token folder at ``path`` and returns its validated meta.
 
     ``train_ids`` and ``val_ids`` are flat integer sequences (lists or arrays) with every id in
-    ``[0, vocab_size)`` (checked here, ValueError otherwise); they are stored in the smallest unsigned
-    dtype that holds ``vocab_size`` (uint8 up to 256, uint16 up to 65536, else uint32).
+    ``[0, vocab_size)`` (checked here, ValueError otherwise); they are stored in the smallest
+    unsigned dtype that holds ``vocab_size`` (uint8 up to 256, uint16 up to 65536, else uint32).
 
-    The files are written under temporary names, flushed to disk, and renamed into place, ``meta.json``
-    last: a reader sees either no token folder (no ``meta.json``), or a complete one. A folder that
-    already holds any of the three files is left alone (FileExistsError) unless ``overwrite=True``;
-    then the old ``meta.json`` is removed first, so an interrupted overwrite leaves no ``meta.json``
-    rather than one that describes the wrong files.
+    The files are written under temporary names, flushed to disk, and renamed into place,
+    ``meta.json`` last: a reader sees either no token folder (no ``meta.json``), or a complete one.
+    A folder that already holds any of the three files is left alone (FileExistsError) unless
+    ``overwrite=True``; then the old ``meta.json`` is removed first, so an interrupted overwrite
+    leaves no ``meta.json`` rather than one that describes the wrong files.
     """
     folder = Path(path)
-    if not _is_int(vocab_size) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
+    positive_int("vocab_size", vocab_size)
     if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < vocab_size):
         raise ValueError(f"eos_id must be None or an integer in [0, {vocab_size}), got {eos_id!r}")
     if not isinstance(tokenizer, str):
@@ -220,7 +221,8 @@ def write_token_folder(
     existing = [name for name in (META, TRAIN, VAL) if (folder / name).exists()]
     if existing and not overwrite:
         raise FileExistsError(
-            f"{str(folder)!r} already holds {', '.join(existing)}; pass overwrite=True to replace them"
+            f"{str(folder)!r} already holds {', '.join(existing)}; "
+            "pass overwrite=True to replace them"
         )
     folder.mkdir(parents=True, exist_ok=True)
     meta = {

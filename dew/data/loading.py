@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from dew.checks import nonnegative_int
+
 
 @dataclasses.dataclass(frozen=True)
 class Loading:
@@ -17,8 +19,8 @@ class Loading:
 
     Attributes:
       workers: accepted for the familiar loader signature, and read with threads, not processes:
-        ``workers`` adds that many reader threads (``readers == threads + workers``). A batch here is
-        a gather of whole windows from a memory map into one array, which numpy does with the GIL
+        ``workers`` adds that many reader threads (``readers == threads + workers``). A batch here
+        is a gather of whole windows from a memory map into one array, which numpy does with the GIL
         released, so threads overlap the reads as well as processes would, without pickling every
         batch across a process boundary. Default 0.
       threads: background reader threads. 0 reads each batch in the calling thread when it is
@@ -35,13 +37,11 @@ class Loading:
 
     def __post_init__(self):
         for name in ("workers", "threads", "read_buffer"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Loading.{name} must be an integer >= 0, got {value!r}")
+            nonnegative_int(f"Loading.{name}", getattr(self, name))
         if self.readers > 0 and self.read_buffer < 1:
             raise ValueError(
-                f"Loading.read_buffer must be >= 1 when there are reader threads (threads={self.threads}, "
-                f"workers={self.workers}), got {self.read_buffer}"
+                "Loading.read_buffer must be >= 1 when there are reader threads "
+                f"(threads={self.threads}, workers={self.workers}), got {self.read_buffer}"
             )
 
     @property
@@ -52,7 +52,8 @@ class Loading:
 
 class _Shared:
     """State shared by the reader threads and the consumer. The threads hold this, never the
-    BatchStream, so a stream that is dropped without close() can still be collected and close them."""
+    BatchStream, so a stream that is dropped without close() can still be collected and close
+    them."""
 
     def __init__(self, start: int, depth: int):
         self.cond = threading.Condition()
@@ -93,10 +94,10 @@ def _read_ahead(shared: _Shared, read: Callable[[int], Any]) -> None:
 class BatchStream(Iterator[tuple[int, Any]]):
     """Yields ``(index, read(index))`` for index = start, start + 1, ... in order, forever.
 
-    With ``loading.readers > 0`` background threads read up to ``loading.read_buffer`` batches ahead of
-    the consumer; otherwise ``read`` runs in ``next()``. An exception raised by ``read`` reaches the
-    consumer, with its original type and traceback, at the index that raised it (the batches before it
-    are delivered first), and ends the stream.
+    With ``loading.readers > 0`` background threads read up to ``loading.read_buffer`` batches ahead
+    of the consumer; otherwise ``read`` runs in ``next()``. An exception raised by ``read`` reaches
+    the consumer, with its original type and traceback, at the index that raised it (the batches
+    before it are delivered first), and ends the stream.
 
     Close it with ``close()`` or use it as a context manager: closing stops and joins the threads.
     """
@@ -150,7 +151,8 @@ class BatchStream(Iterator[tuple[int, Any]]):
         raise error
 
     def close(self) -> None:
-        """Stops the reader threads and waits for them (a read in progress finishes first). Idempotent."""
+        """Stops the reader threads and waits for them (a read in progress finishes first).
+        Idempotent."""
         with self._shared.cond:
             self._shared.closed = True
             self._shared.ready.clear()

@@ -11,8 +11,9 @@ class ByteTokenizer:
     """Encodes text as the UTF-8 bytes it is made of.
 
     Every string round-trips exactly: ``decode(encode(s)) == s``. A byte sequence that is not valid
-    UTF-8 (a window cut in the middle of a multi-byte character, say) decodes with U+FFFD in place of
-    the broken bytes instead of raising. There is no end-of-sequence token: ``eos_id`` is ``None``.
+    UTF-8 (a window cut in the middle of a multi-byte character, say) decodes with U+FFFD in place
+    of the broken bytes instead of raising. There is no end-of-sequence token: ``eos_id`` is
+    ``None``.
     """
 
     name = "byte"
@@ -26,8 +27,8 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        """Returns the text whose UTF-8 bytes are ``ids`` (any int sequence or integer array, any shape
-        read in C order); invalid UTF-8 becomes U+FFFD."""
+        """Returns the text whose UTF-8 bytes are ``ids`` (any int sequence or integer array, any
+        shape read in C order); invalid UTF-8 becomes U+FFFD."""
         array = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
         if array.size == 0:
             return ""
@@ -38,8 +39,8 @@ class ByteTokenizer:
         low, high = int(array.min()), int(array.max())
         if low < 0 or high >= self.vocab_size:
             raise ValueError(
-                f"ByteTokenizer.decode: token ids must lie in [0, {self.vocab_size}), got values from "
-                f"{low} to {high}"
+                f"ByteTokenizer.decode: token ids must lie in [0, {self.vocab_size}), "
+                f"got values from {low} to {high}"
             )
         # astype first: bytes() of a wider integer array would read its raw memory, not its values.
         return array.astype(np.uint8).tobytes().decode("utf-8", errors="replace")

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dew.checks import nonnegative_int, positive_int
 from dew.data.folder import TokenMeta, open_tokens, read_meta
 from dew.data.loading import BatchStream, Loading
 
@@ -30,13 +31,12 @@ _INT32_VOCAB = 2**31
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    return positive_int(name, value) if minimum == 1 else nonnegative_int(name, value)
 
 
 def window_count(tokens: int, seq_len: int) -> int:
-    """How many ``seq_len + 1``-token windows, starting every ``seq_len`` tokens, fit in ``tokens``."""
+    """How many ``seq_len + 1``-token windows, starting every ``seq_len`` tokens, fit in
+    ``tokens``."""
     if tokens < seq_len + 1:
         return 0
     return (tokens - seq_len - 1) // seq_len + 1
@@ -58,11 +58,13 @@ def _row_indices(rows: slice, batch_size: int) -> range:
 
 @dataclasses.dataclass(frozen=True)
 class TokenWindows:
-    """Training (and validation) windows of ``seq_len + 1`` tokens from the token folder at ``path``.
+    """Training (and validation) windows of ``seq_len + 1`` tokens from the token folder at
+    ``path``.
 
     ``load(batch=B)`` opens the folder and returns a ``WindowDataset`` of global batches of ``B``
-    windows. ``val_batches`` is how many validation batches ``validation()`` returns; ``seed`` fixes the
-    shuffled order; ``loading`` says how ``batches()`` reads ahead (it never changes what is read).
+    windows. ``val_batches`` is how many validation batches ``validation()`` returns; ``seed`` fixes
+    the shuffled order; ``loading`` says how ``batches()`` reads ahead (it never changes what is
+    read).
     """
 
     path: str | os.PathLike
@@ -79,11 +81,11 @@ class TokenWindows:
             raise ValueError(f"loading must be a dew.data.Loading, got {self.loading!r}")
 
     def load(self, batch: int) -> WindowDataset:
-        """Opens the folder (memory maps, nothing read yet) and returns the dataset of global batches of
-        ``batch`` windows. Raises FileNotFoundError / ValueError for a bad folder (see ``read_meta``),
-        ValueError when ``batch < 1``, when ``train.bin`` is shorter than one window, when ``batch``
-        exceeds the training windows, or when ``val.bin`` holds fewer than ``val_batches * batch``
-        windows."""
+        """Opens the folder (memory maps, nothing read yet) and returns the dataset of global
+        batches of ``batch`` windows. Raises FileNotFoundError / ValueError for a bad folder (see
+        ``read_meta``), ValueError when ``batch < 1``, when ``train.bin`` is shorter than one
+        window, when ``batch`` exceeds the training windows, or when ``val.bin`` holds fewer than
+        ``val_batches * batch`` windows."""
         batch = _check_int("batch", batch, 1)
         meta = read_meta(self.path)
         return WindowDataset(
@@ -134,8 +136,8 @@ class WindowDataset:
 
         if meta.train_tokens < seq_len + 1:
             raise ValueError(
-                f"train.bin in {str(meta.path)!r} holds {meta.train_tokens} tokens, fewer than one window "
-                f"of seq_len + 1 = {seq_len + 1}"
+                f"train.bin in {str(meta.path)!r} holds {meta.train_tokens} tokens, "
+                f"fewer than one window of seq_len + 1 = {seq_len + 1}"
             )
         self._train = _windows(open_tokens(meta, "train"), seq_len)
         self.records = self._train.shape[0]
@@ -149,17 +151,19 @@ class WindowDataset:
         self._val = _windows(open_tokens(meta, "val"), seq_len)
         if val_batches * batch_size > self._val.shape[0]:
             raise ValueError(
-                f"val_batches {val_batches} x batch {batch_size} needs {val_batches * batch_size} windows "
-                f"of seq_len {seq_len}, but val.bin ({meta.val_tokens} tokens) holds {self._val.shape[0]}"
+                f"val_batches {val_batches} x batch {batch_size} needs "
+                f"{val_batches * batch_size} windows of seq_len {seq_len}, "
+                f"but val.bin ({meta.val_tokens} tokens) holds {self._val.shape[0]}"
             )
 
-        # Permutations of the two epochs last asked for (readers straddle an epoch boundary); shared by
-        # the reader threads.
+        # Permutations of the two epochs last asked for (readers straddle an epoch boundary);
+        # shared by the reader threads.
         self._order_lock = threading.Lock()
         self._orders: dict[int, np.ndarray] = {}
 
     def order(self, epoch: int) -> np.ndarray:
-        """The window indices of ``epoch`` in the order its batches read them, shape ``[records]``."""
+        """The window indices of ``epoch`` in the order its batches read them, shape
+        ``[records]``."""
         epoch = _check_int("epoch", epoch, 0)
         with self._order_lock:
             if epoch not in self._orders:
@@ -171,7 +175,8 @@ class WindowDataset:
             return self._orders[epoch]
 
     def windows_of(self, index: int) -> np.ndarray:
-        """The window indices (into train.bin's windows) that global batch ``index`` holds, ``[batch_size]``."""
+        """The window indices (into train.bin's windows) that global batch ``index`` holds,
+        ``[batch_size]``."""
         index = _check_int("batch index", index, 0)
         epoch, within = divmod(index, self.batches_per_epoch)
         start = within * self.batch_size
@@ -185,16 +190,16 @@ class WindowDataset:
 
     def batches(self, start: int = 0, rows: slice = slice(None)) -> BatchStream:
         """``(index, batch(index, rows))`` for index = start, start + 1, ... forever, read ahead as
-        ``loading`` says. Close it (``close()`` or ``with``) to stop its reader threads; an error in a
-        reader is raised here, by ``next()``, at the batch that failed."""
+        ``loading`` says. Close it (``close()`` or ``with``) to stop its reader threads; an error in
+        a reader is raised here, by ``next()``, at the batch that failed."""
         start = _check_int("start", start, 0)
         _row_indices(rows, self.batch_size)
         return BatchStream(lambda index: self.batch(index, rows), start, self.loading)
 
     def validation(self, rows: slice = slice(None)) -> list[np.ndarray]:
-        """The ``val_batches`` validation batches, rows ``rows`` of each: int32 ``[len(rows), seq_len + 1]``.
-        Batch ``v`` holds val.bin's windows ``v * batch_size`` to ``(v + 1) * batch_size - 1``, in order,
-        the same every call."""
+        """The ``val_batches`` validation batches, rows ``rows`` of each: int32
+        ``[len(rows), seq_len + 1]``. Batch ``v`` holds val.bin's windows ``v * batch_size`` to
+        ``(v + 1) * batch_size - 1``, in order, the same every call."""
         picked = _row_indices(rows, self.batch_size)
         return [
             self._val[v * self.batch_size : (v + 1) * self.batch_size][picked].astype(np.int32)
@@ -202,8 +207,9 @@ class WindowDataset:
         ]
 
     def process_rows(self, process_index: int, process_count: int) -> slice:
-        """The contiguous rows of each global batch that process ``process_index`` of ``process_count``
-        reads: ``slice(p * B / P, (p + 1) * B / P)``. ValueError unless ``process_count`` divides B."""
+        """The contiguous rows of each global batch that process ``process_index`` of
+        ``process_count`` reads: ``slice(p * B / P, (p + 1) * B / P)``. ValueError unless
+        ``process_count`` divides B."""
         process_count = _check_int("process_count", process_count, 1)
         process_index = _check_int("process_index", process_index, 0)
         if process_index >= process_count:
@@ -218,8 +224,9 @@ class WindowDataset:
         return slice(process_index * share, (process_index + 1) * share)
 
     def position(self, next_index: int) -> dict[str, int]:
-        """Where a run stands, as a JSON-serialisable dict: the next global batch it will read, and what
-        identifies this order of batches (batch size, seq_len, seed, records). ``epoch`` is informative."""
+        """Where a run stands, as a JSON-serialisable dict: the next global batch it will read, and
+        what identifies this order of batches (batch size, seq_len, seed, records). ``epoch`` is
+        informative."""
         next_index = _check_int("next_index", next_index, 0)
         return {
             "next_batch": next_index,
@@ -257,6 +264,6 @@ class WindowDataset:
     def __repr__(self) -> str:
         return (
             f"WindowDataset(path={str(self.path)!r}, records={self.records}, batch_size="
-            f"{self.batch_size}, seq_len={self.seq_len}, batches_per_epoch={self.batches_per_epoch}, "
-            f"seed={self.seed})"
+            f"{self.batch_size}, seq_len={self.seq_len}, "
+            f"batches_per_epoch={self.batches_per_epoch}, seed={self.seed})"
         )

@@ -1,7 +1,7 @@
 """A decoder-only language model in plain JAX, read top to bottom.
 
-tokens -> embedding -> num_layers x [RMSNorm -> causal self-attention (rotary, grouped queries) -> +,
-RMSNorm -> SwiGLU MLP -> +] -> RMSNorm -> logits through the (tied) embedding table.
+tokens -> embedding -> num_layers x [RMSNorm -> causal self-attention (rotary, grouped queries)
+-> +, RMSNorm -> SwiGLU MLP -> +] -> RMSNorm -> logits through the (tied) embedding table.
 
 The layers' weights are stacked on a leading ``layers`` dimension and run under ``lax.scan``, so
 compile time does not grow with depth. Each layer body runs under ``jax.checkpoint`` saving nothing:
@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dew.checks import positive_int
 from dew.nn import attention, embed, mlp, norm
 from dew.nn.param import Param, init_params, logical_axes, normal
 from dew.parallel import ONE_DEVICE, Shards
@@ -36,12 +37,13 @@ class CausalTransformer:
 
     Args:
       vocab_size, emb_features, num_layers, num_heads, max_seq_len: the usual sizes.
-      dtype: activations' dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); softmax, norms and the
-        loss run in float32 regardless.
+      dtype: activations' dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); softmax, norms and
+        the loss run in float32 regardless.
       attention_impl: ``"xla"`` (plain JAX) or ``"pallas"`` (``dew.kernels.flash_attention``).
       num_kv_heads: heads of K and V (grouped-query attention); default ``num_heads``.
       mlp_features: hidden width of the SwiGLU MLP; default ``4 * emb_features``.
-      tie_embeddings: the output head is the embedding table transposed (default) or a weight of its own.
+      tie_embeddings: the output head is the embedding table transposed (default) or a weight of
+        its own.
       param_dtype: the weights' dtype.
     """
 
@@ -60,8 +62,7 @@ class CausalTransformer:
     def __post_init__(self):
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(name, value)
         resolve_dtype(self.dtype)
         resolve_dtype(self.param_dtype)
         if self.attention_impl not in attention.IMPLEMENTATIONS:
@@ -75,7 +76,8 @@ class CausalTransformer:
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"head_dim {self.head_dim} (emb_features / num_heads) must be even for rotary positions"
+                f"head_dim {self.head_dim} (emb_features / num_heads) must be even for rotary "
+                "positions"
             )
         if self.kv_heads < 1 or self.num_heads % self.kv_heads:
             raise ValueError(
@@ -143,6 +145,7 @@ class CausalTransformer:
         x = embed.embed(table, tokens, dtype)
 
         def layer(x, layer_shards):
+            x = shards.pin(x)
             w = shards.gather(layer_shards, "params", "layers", stacked=True)
             x = x + attention.self_attention(
                 w["attn"], norm.rms_norm(w["attn_norm"], x), positions, self.attention_impl
@@ -154,6 +157,7 @@ class CausalTransformer:
             layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
         )
         x, _ = lax.scan(layer, x, p["layers"])
+        x = shards.pin(x)
         x = norm.rms_norm(shards.gather(p["final_norm"], "params", "final_norm"), x)
         if self.tie_embeddings:
             return embed.unembed(table, x)

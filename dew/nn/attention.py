@@ -16,10 +16,12 @@ from dew.nn.param import Param, normal
 
 
 def xla_attention(q, k, v, *, causal: bool = True):
-    """Plain-JAX attention. ``q``: ``[batch, q_len, heads, d]``; ``k``, ``v``: ``[batch, kv_len, kv_heads, d]``.
+    """Plain-JAX attention.
 
-    Softmax in float32; a query head ``h`` attends with kv head ``h // (heads // kv_heads)``, without
-    repeating K/V in memory. Returns ``[batch, q_len, heads, d]`` in ``q``'s dtype.
+    ``q``: ``[batch, q_len, heads, d]``; ``k``, ``v``: ``[batch, kv_len, kv_heads, d]``.
+
+    Softmax in float32; a query head ``h`` attends with kv head ``h // (heads // kv_heads)``,
+    without repeating K/V in memory. Returns ``[batch, q_len, heads, d]`` in ``q``'s dtype.
     """
     b, s, h, d = q.shape
     kv_heads = k.shape[2]

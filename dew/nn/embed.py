@@ -7,9 +7,9 @@ from dew.nn.param import Param, normal
 
 
 def embed_params(vocab: int, features: int) -> dict:
-    # Standard deviation 1/sqrt(features): as the (tied) output head it gives logits of unit scale on
-    # normalized inputs. On the example corpus it reached a loss of 2.06 by step 20 where GPT-2's 0.02
-    # reached 3.79.
+    # Standard deviation 1/sqrt(features): as the (tied) output head it gives logits of unit scale
+    # on normalized inputs (measured against GPT-2's 0.02: docs/benchmarks.md, "Choices in the
+    # model").
     return {"embedding": Param((vocab, features), ("vocab", "embed"), normal(features**-0.5))}
 
 

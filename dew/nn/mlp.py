@@ -18,7 +18,7 @@ def mlp_params(features: int, hidden: int, out_scale: float) -> dict:
 def swiglu(p: dict, x: jax.Array) -> jax.Array:
     """``x``: ``[batch, seq, embed]`` -> same shape."""
     # As [batch * seq, embed] matrices: XLA:CPU then compiles the weight-gradient matmuls to its
-    # fast fused kernels (both engines' steps were about 15% faster at width 256).
+    # fast fused kernels (measured: docs/benchmarks.md, "Choices in the model").
     rows = x.reshape(-1, x.shape[-1])
     gate = rows @ p["gate"].astype(x.dtype)
     up = rows @ p["up"].astype(x.dtype)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 def rotate(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
     """``x``: ``[batch, seq, heads, head_dim]`` (head_dim even); ``positions``: ``[seq]`` integers.
 
-    Positions are explicit so that a device holding a slice of the sequence rotates by its own offsets.
+    Positions are explicit so that a device holding a slice of the sequence rotates by its own
+    offsets.
     """
     half = x.shape[-1] // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dew.checks import positive_int
 from dew.parallel import ONE_DEVICE, Shards
 
 
@@ -27,8 +28,7 @@ class LMObjective:
     ema_decay: float | None = None
 
     def __post_init__(self):
-        if not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"seq_len must be a positive integer, got {self.seq_len!r}")
+        positive_int("seq_len", self.seq_len)
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"seq_len {self.seq_len} is above the model's max_seq_len {self.model.max_seq_len}"
@@ -52,5 +52,6 @@ class LMObjective:
         return jnp.sum(log_z - picked)
 
     def loss(self, params, batch: jax.Array) -> jax.Array:
-        """Mean cross-entropy of ``batch`` on one device: the reference every layout must reproduce."""
+        """Mean cross-entropy of ``batch`` on one device: the reference every layout must
+        reproduce."""
         return self.loss_sum(params, batch) / (batch.shape[0] * self.seq_len)

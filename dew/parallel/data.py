@@ -8,8 +8,9 @@ token count), so gradients need summing, not averaging, over the batch axes:
 - a weight that stays whole is ``psum``med over every batch axis at once.
 
 Each group is summed once per step, after the layer loop: at small sizes the number of collectives
-decides the step time (DESIGN.md), so one sum of all gradients beats one per layer. The jaxpr holds a
-``psum`` per array of a group; XLA combines them into one all-reduce when it compiles the step.
+decides the step time (docs/design.md), so one sum of all gradients beats one per layer. The jaxpr
+holds a ``psum`` per array of a group; XLA combines them into one all-reduce when it compiles the
+step.
 Bytes, per device, ring all-reduce of ``G`` bytes over ``n`` devices: ``2 (n - 1) / n * G``.
 """
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from dew.checks import positive_int
+
 
 def prepare_process(
     multi_host: bool = False,
@@ -13,17 +15,18 @@ def prepare_process(
     num_processes: int | None = None,
     process_id: int | None = None,
 ) -> None:
-    """Joins a multi-process run and/or sets up simulated CPU devices. Call it before any other JAX use.
+    """Joins a multi-process run and/or sets up simulated CPU devices.
+
+    Call it before any other JAX use.
 
     Args:
-      multi_host: call ``jax.distributed.initialize`` (on a TPU pod or a SLURM/Kubernetes cluster the
-        coordinator is found from the environment; elsewhere pass the three arguments below).
+      multi_host: call ``jax.distributed.initialize`` (on a TPU pod or a SLURM/Kubernetes cluster
+        the coordinator is found from the environment; elsewhere pass the three arguments below).
       cpu_devices: split the CPU into this many devices and use the CPU backend (tests, examples).
       coordinator_address, num_processes, process_id: passed to ``jax.distributed.initialize``.
     """
     if cpu_devices is not None:
-        if not isinstance(cpu_devices, int) or cpu_devices < 1:
-            raise ValueError(f"cpu_devices must be an integer >= 1, got {cpu_devices!r}")
+        positive_int("cpu_devices", cpu_devices)
         flags = [
             f
             for f in os.environ.get("XLA_FLAGS", "").split()

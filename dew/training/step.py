@@ -4,8 +4,8 @@
 whole mesh, on each device's local shards, and every byte between devices is a collective written in
 ``dew.parallel``:
 
-    fsdp.gather          one all_gather of a layer's split weights (per dtype) just before the
-                         layer runs, and again in its recomputed backward
+    fsdp.gather          all_gathers of a layer's split weights (small ones bucketed, per dtype)
+                         just before the layer runs, and again in its recomputed backward
     (its transpose)      one psum_scatter of those weights' gradients over fsdp
     data.sum_gradients   psum of gradients over data (and over fsdp for weights kept whole)
     data.sum_over_batch  psum of the loss over the batch axes
@@ -17,28 +17,37 @@ result: an elementwise update needs no communication, and a reduction over the w
 scalar per reduction).
 
 ``gspmd`` (the baseline): the same loss on the global arrays under ``jit`` with the same input and
-output shardings and no ``shard_map``; XLA's partitioner inserts the communication.
+output shardings and no ``shard_map``; XLA's partitioner inserts the communication. Every block's
+input is pinned to the batch split (``P(("data", "expert", "fsdp"))``), as MaxText-style GSPMD
+models pin theirs: the baseline a user would write instead of Dew.
+
+``gspmd_unpinned``: the same, with activations left to the partitioner. It is kept to show what
+pinning buys: at fsdp it splits the matmuls along the weights' split dimension and all-reduces
+whole-batch activations (docs/benchmarks.md has its bytes).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dew.mesh import BATCH_AXES
 from dew.parallel import Shards, data
 from dew.training.state import TrainState
 
-ENGINES = ("shard_map", "gspmd")
+ENGINES = ("shard_map", "gspmd", "gspmd_unpinned")
 BATCH_SPEC = P(BATCH_AXES)
 
 
 def accumulated_gradients(loss_share: Callable, params, microbatches: jax.Array):
-    """Sum over ``microbatches`` (leading axis) of ``value_and_grad(loss_share)``, under one ``scan``."""
+    """Sum over ``microbatches`` (leading axis) of ``value_and_grad(loss_share)``, under one
+    ``scan``."""
 
     def accumulate(total, micro):
         loss, grads = jax.value_and_grad(loss_share)(params, micro)
@@ -52,9 +61,9 @@ def accumulated_gradients(loss_share: Callable, params, microbatches: jax.Array)
 def local_gradients(objective, shards: Shards, accumulation: int, global_tokens: int) -> Callable:
     """``(params, batch) -> (grads, loss)`` on one device's shards; summed over the batch axes.
 
-    ``batch``: this device's ``[rows, seq_len + 1]`` tokens, taken as ``accumulation`` microbatches
-    of consecutive rows. Each microbatch's loss is its share of the global mean, so the gradients add
-    up to the whole batch's.
+    ``batch``: this device's ``[rows, seq_len + 1]`` tokens, taken as ``accumulation``
+    microbatches of consecutive rows. Each microbatch's loss is its share of the global mean, so the
+    gradients add up to the whole batch's.
     """
 
     def share(params, micro):
@@ -70,16 +79,17 @@ def local_gradients(objective, shards: Shards, accumulation: int, global_tokens:
 
 
 def global_gradients(
-    objective, batch_splits: int, accumulation: int, global_tokens: int
+    objective, shards: Shards, batch_splits: int, accumulation: int, global_tokens: int
 ) -> Callable:
     """The GSPMD baseline's ``(params, batch) -> (grads, loss)`` on the global arrays.
 
+    ``shards``: the global view (nothing split), with ``pinned_activations`` set or not.
     Microbatch i takes the i-th block of rows of each of the ``batch_splits`` batch shards, the rows
     the shard_map engine's microbatch i holds, so both engines add the same numbers.
     """
 
     def share(params, micro):
-        return objective.loss_sum(params, micro) / global_tokens
+        return objective.loss_sum(params, micro, shards) / global_tokens
 
     def fn(params, batch):
         rows, width = batch.shape
@@ -137,7 +147,8 @@ def build_gradients(
 
     Args:
       param_specs: ``PartitionSpec`` tree of the parameters (what each device holds).
-      global_rows: rows of the global batch (the loss is a mean over ``global_rows * seq_len`` tokens).
+      global_rows: rows of the global batch (the loss is a mean over ``global_rows * seq_len``
+        tokens).
     """
     global_tokens = global_rows * objective.seq_len
     if engine == "shard_map":
@@ -151,9 +162,12 @@ def build_gradients(
             out_specs=(param_specs, P()),
             check_vma=False,
         )
-    if engine == "gspmd":
-        splits = mesh.shape["data"] * mesh.shape["expert"] * mesh.shape["fsdp"]
-        return global_gradients(objective, splits, accumulation, global_tokens)
+    if engine in ("gspmd", "gspmd_unpinned"):
+        pinned = NamedSharding(mesh, BATCH_SPEC) if engine == "gspmd" else None
+        splits = math.prod(mesh.shape[a] for a in BATCH_AXES)
+        return global_gradients(
+            objective, Shards(pinned_activations=pinned), splits, accumulation, global_tokens
+        )
     raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
 
 

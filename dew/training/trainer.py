@@ -9,16 +9,22 @@ lives and so which collectives the step runs.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from dew.checks import nonnegative_int, positive_int
 from dew.layout import Layout
 from dew.mesh import AXES, BATCH_AXES, MeshSpec, build_mesh
 from dew.training.state import TrainState
@@ -28,6 +34,18 @@ from dew.training.step import BATCH_SPEC, ENGINES, build_gradients, build_loss, 
 @jax.jit
 def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+
+
+@contextlib.contextmanager
+def _metrics_file(path: Path | None):
+    """The open metrics file to append to (``None`` without a path, or on a process other than
+    0)."""
+    if path is None or jax.process_index() != 0:
+        yield None
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        yield f
 
 
 # Axes whose collectives the step engine writes today; the others must stay of size 1.
@@ -44,9 +62,11 @@ class Trainer:
       mesh: a ``MeshSpec``; ``data`` takes the devices the other axes leave.
       layout: a ``Layout`` placing each weight (and its optimizer state and EMA) on the mesh.
       checkpoints: a ``dew.Checkpoints``, or ``None`` to keep nothing on disk.
-      accumulation: microbatches per step; the gradients of all are added, equal to the whole batch's.
-      engine: ``"shard_map"`` (explicit collectives, the default) or ``"gspmd"`` (XLA's partitioner,
-        the baseline benchmarks compare with).
+      accumulation: microbatches per step; the gradients of all are added, equal to the whole
+        batch's.
+      engine: ``"shard_map"`` (explicit collectives, the default), ``"gspmd"`` (XLA's partitioner
+        with every block's input pinned to the batch split: the baseline benchmarks compare with) or
+        ``"gspmd_unpinned"`` (the partitioner left alone; see ``dew.training.step``).
       devices: the devices to use (default: all of them).
     """
 
@@ -66,8 +86,7 @@ class Trainer:
             raise TypeError(f"mesh must be a dew.MeshSpec, got {type(mesh).__name__}")
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a dew.Layout, got {type(layout).__name__}")
-        if not isinstance(accumulation, int) or isinstance(accumulation, bool) or accumulation < 1:
-            raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}")
+        positive_int("accumulation", accumulation)
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
         for axis in AXES:
@@ -116,8 +135,8 @@ class Trainer:
         return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(self.key)
 
     def place(self):
-        """``(state, shardings, data_position)``: the latest checkpoint laid out for this trainer's mesh
-        and layout, or a fresh state (and position ``None``) when there is none."""
+        """``(state, shardings, data_position)``: the latest checkpoint laid out for this trainer's
+        mesh and layout, or a fresh state (and position ``None``) when there is none."""
         if self.checkpoints is not None and self.checkpoints.latest is not None:
             state, metadata = self._restore()
             print(f"Resumed from step {int(state.step)} in {self.checkpoints.directory}")
@@ -142,7 +161,8 @@ class Trainer:
         return self.state_shardings.replace(key=NamedSharding(self.mesh, P()))
 
     def save(self, state: TrainState, data=None, next_batch: int | None = None) -> None:
-        """Writes ``state`` (and where ``data`` stands) to this trainer's checkpoints, in the background.
+        """Writes ``state`` (and where ``data`` stands) to this trainer's checkpoints, in the
+        background.
 
         Raises ``FloatingPointError`` instead when a weight holds NaN or inf: such a state would
         push a good checkpoint out of the ``keep`` newest.
@@ -175,8 +195,8 @@ class Trainer:
         return math.prod(self.mesh.shape[a] for a in BATCH_AXES)
 
     def check_batch(self, batch_size: int, seq_len: int | None = None) -> None:
-        """Raises ``ValueError`` if a global batch of ``batch_size`` rows cannot be split over the batch
-        axes into ``accumulation`` microbatches, or if ``seq_len`` is not the objective's."""
+        """Raises ``ValueError`` if a global batch of ``batch_size`` rows cannot be split over the
+        batch axes into ``accumulation`` microbatches, or if ``seq_len`` is not the objective's."""
         split = " x ".join(
             f"{a} {self.mesh.shape[a]}"
             for a in BATCH_AXES
@@ -184,7 +204,8 @@ class Trainer:
         )
         if batch_size % self.batch_devices:
             raise ValueError(
-                f"batch {batch_size} does not split evenly over {self.batch_devices} devices ({split})"
+                f"batch {batch_size} does not split evenly over {self.batch_devices} devices "
+                f"({split})"
             )
         if (batch_size // self.batch_devices) % self.accumulation:
             raise ValueError(
@@ -194,7 +215,8 @@ class Trainer:
             )
         if seq_len is not None and seq_len != self.objective.seq_len:
             raise ValueError(
-                f"the data's seq_len {seq_len} is not the objective's seq_len {self.objective.seq_len}"
+                f"the data's seq_len {seq_len} is not the objective's seq_len "
+                f"{self.objective.seq_len}"
             )
 
     # ----------------------------------------------------------------------------- the step
@@ -217,8 +239,8 @@ class Trainer:
         return self._steps[batch_size]
 
     def gradients(self, params, batch: jax.Array):
-        """``(grads, loss)`` of the mean loss of the global ``batch``, computed as the step computes them
-        (for tests and inspection; ``fit`` does not call it)."""
+        """``(grads, loss)`` of the mean loss of the global ``batch``, computed as the step computes
+        them (for tests and inspection; ``fit`` does not call it)."""
         rows = batch.shape[0]
         self.check_batch(rows)
         if rows not in self._gradients:
@@ -288,7 +310,12 @@ class Trainer:
     # ----------------------------------------------------------------------------- fit
 
     def fit(
-        self, data, steps: int, log_every: int = 100, checkpoint_every: int | None = None
+        self,
+        data,
+        steps: int,
+        log_every: int = 100,
+        checkpoint_every: int | None = None,
+        metrics: str | os.PathLike | None = None,
     ) -> TrainState:
         """Trains until ``state.step == steps`` (resuming from the latest checkpoint, if any).
 
@@ -296,25 +323,29 @@ class Trainer:
           data: a ``dew.data.WindowDataset`` (``TokenWindows(...).load(batch=B)``).
           steps: the step to stop at, counted from the run's start (not from the resumed step).
           log_every: prints ``step N: loss L`` every this many steps, and at the last step.
-          checkpoint_every: saves every this many steps (and always at the end, when checkpoints are on).
+          checkpoint_every: saves every this many steps (and always at the end, when checkpoints
+            are on).
+          metrics: a file to append one JSON line per step to (``{"step", "loss", "step_time_s",
+            "tokens_per_s"}``), written by process 0 and flushed as each step ends; its folder is
+            created. ``step_time_s`` is the wall time from the step's dispatch to its loss (the
+            first step of a run includes compiling). A resumed run appends, so steps trained again
+            after the checkpoint it resumed from appear twice: the later line is the run's.
 
         Returns:
           the final ``TrainState``, laid out on the mesh.
         """
         started = time.perf_counter()
-        if not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
-        if not isinstance(log_every, int) or log_every < 1:
-            raise ValueError(f"log_every must be an integer >= 1, got {log_every!r}")
+        nonnegative_int("steps", steps)
+        positive_int("log_every", log_every)
         if checkpoint_every is not None:
             if self.checkpoints is None:
                 raise ValueError(
                     "checkpoint_every needs a Trainer built with checkpoints=Checkpoints(...)"
                 )
-            if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-                raise ValueError(
-                    f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}"
-                )
+            positive_int("checkpoint_every", checkpoint_every)
+        metrics_path = None if metrics is None else Path(metrics)
+        if metrics_path is not None and metrics_path.is_dir():
+            raise ValueError(f"metrics={str(metrics)!r} is a folder; give a file name")
         self.check_batch(data.batch_size, data.seq_len)
         step_fn = self.train_step(data.batch_size)
 
@@ -327,16 +358,21 @@ class Trainer:
             )
             return state
         print(
-            f"Training from step {start} to {steps} on {mesh_shape} ({jax.process_count()} process(es))"
+            f"Training from step {start} to {steps} on {mesh_shape} "
+            f"({jax.process_count()} process(es))"
         )
 
         next_batch = data.resume(position) if position is not None else start
         width = data.seq_len + 1
+        tokens = data.batch_size * data.seq_len
         first_step_after = None
         in_steps = 0.0
-        with data.batches(
-            start=next_batch, rows=self._process_rows(data.batch_size, width)
-        ) as batches:
+        with (
+            data.batches(
+                start=next_batch, rows=self._process_rows(data.batch_size, width)
+            ) as batches,
+            _metrics_file(metrics_path) as metrics_file,
+        ):
             for step in range(start + 1, steps + 1):
                 index, rows = next(batches)
                 batch = self.device_batch(rows, data.batch_size)
@@ -348,12 +384,20 @@ class Trainer:
                     # Stop before this state can be saved over (and rotate out) good checkpoints.
                     raise FloatingPointError(
                         f"step {step}: the loss is {loss}; stopping without saving this state "
-                        f"(latest checkpoint: {self.checkpoints.latest if self.checkpoints else None})"
+                        "(latest checkpoint: "
+                        f"{self.checkpoints.latest if self.checkpoints else None})"
                     )
                 if first_step_after is None:
                     first_step_after = ended - started
                 else:
                     in_steps += ended - began
+                if metrics_file is not None:
+                    seconds = ended - began
+                    record = dict(
+                        step=step, loss=loss, step_time_s=seconds, tokens_per_s=tokens / seconds
+                    )
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
                 if step % log_every == 0 or step == steps:
                     print(f"step {step}: loss {loss:.4f}")
                 if checkpoint_every is not None and step % checkpoint_every == 0 and step != steps:
@@ -374,10 +418,10 @@ class Trainer:
         """The collectives of one training step on batches of ``data`` (anything with ``batch_size``
         and ``seq_len``), as a ``CollectiveReport``.
 
-        For the shard_map engine they are read from the step's jaxpr (what the code asks for); for the
-        GSPMD engine from the compiled HLO (what XLA inserted).
+        For the shard_map engine they are read from the step's jaxpr (what the code asks for); for
+        the GSPMD engine from the compiled HLO (what XLA inserted).
         """
-        from dew.collective_report import collectives, hlo_collectives
+        from dew.collectives import collectives, hlo_collectives
 
         step_fn = self.train_step(data.batch_size)
         batch = jax.ShapeDtypeStruct(
@@ -388,6 +432,6 @@ class Trainer:
             self._abstract_state,
             self.state_shardings,
         )
-        if self.engine == "gspmd":
+        if self.engine != "shard_map":
             return hlo_collectives(step_fn.lower(state, batch).compile(), self.mesh)
         return collectives(step_fn, state, batch)

@@ -1,0 +1,370 @@
+"""Tensor parallelism (Megatron): the tensor group splits each layer's width, not its tokens.
+
+Status: these are the tested building blocks; the decoder and the step engine do not call them yet,
+so ``Trainer`` still refuses ``MeshSpec(tensor=n)`` with n > 1 until the model is wired to them.
+
+What is split over ``tensor``: the heads of attention and the hidden width of the MLP (a first
+matmul split by columns, a second by rows), and the vocabulary of the embedding table, of the output
+head and of the loss. Every device of a tensor group sees the same tokens. A split layer is a
+*region*: its input arrives whole on every device, each device computes its slice of the width, and
+the partial results of the second matmul are summed on the way out.
+
+The step runs inside ``jax.shard_map(..., check_vma=False)``, where autodiff transposes a bare
+``psum`` into another ``psum`` (a row-parallel weight's gradient would come out ``n`` times too
+large). So every collective here is one half of a conjugate pair written as a ``jax.custom_vjp``,
+its backward explicit (picotron's copy-to / reduce-from / gather-from / scatter-to a region):
+
+==========================  ===============================  ===============================
+function                    forward                          backward
+==========================  ===============================  ===============================
+``copy_to_region``          identity                         ``psum`` over tensor
+``reduce_from_region``      ``psum`` over tensor             identity
+``gather_from_sequence``    ``all_gather`` along ``dim``     ``psum_scatter`` along ``dim``
+``scatter_to_sequence``     ``psum_scatter`` along ``dim``   ``all_gather`` along ``dim``
+==========================  ===============================  ===============================
+
+The first two are the plain pair: activations between blocks are whole on every device of the
+group. The last two are the sequence-parallel pair (Megatron's "sequence parallelism", which lives
+on the ``tensor`` axis and is unrelated to the ``sequence`` mesh axis): between blocks each device
+keeps only its slice of the positions, so norms and residual adds run on ``1/n`` of the tokens
+and the activations they save shrink by ``n``; the region's input is gathered over positions and
+its output reduce-scattered back to them, which moves the same bytes as the all-reduce it replaces.
+``enter`` / ``leave`` pick the pair from one switch, ``shards.sequence_parallel``.
+
+Gradients follow one convention: each device differentiates its own copy of the loss. Through these
+pairs a tensor-split weight's gradient comes out whole (nothing left to sum over ``tensor``); a
+weight replicated over ``tensor`` that sees sequence-split activations gets only its positions'
+part, which the step must still sum over ``tensor``.
+
+On a tensor axis of size 1 nothing here issues a collective: the pairs are the identity, and the
+embedding, head and loss are their unsplit selves, so the same model code runs on one device
+(``ONE_DEVICE``) without a mesh.
+
+Bytes, per device and per call, for a local operand of ``b`` bytes on a tensor group of ``n`` (ring
+algorithms, as ``dew.collectives`` counts them) are written beside each collective below.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+AXIS = "tensor"
+# Activations between blocks are [rows, seq, embed]: sequence parallelism splits dimension 1.
+SEQUENCE_DIM = 1
+
+
+def _size(shards) -> int:
+    return shards.size(AXIS)
+
+
+def sequence_parallel(shards) -> bool:
+    """Whether activations between blocks are split over positions across the tensor group.
+
+    Read from ``shards.sequence_parallel`` (``False`` when the field is absent).
+    """
+    return bool(getattr(shards, "sequence_parallel", False))
+
+
+# --- The plain pair -------------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def _copy(x):
+    return x
+
+
+def _copy_fwd(x):
+    return x, None
+
+
+def _copy_bwd(_, g):
+    # Each device's slice of the region sent back its part of the input's gradient: sum them.
+    # All-reduce of the input's gradient: 2 (n - 1) / n * b sent.
+    return (lax.psum(g, AXIS),)
+
+
+_copy.defvjp(_copy_fwd, _copy_bwd)
+
+
+@jax.custom_vjp
+def _reduce(x):
+    # All-reduce of the region's partial outputs: 2 (n - 1) / n * b sent.
+    return lax.psum(x, AXIS)
+
+
+def _reduce_fwd(x):
+    return _reduce(x), None
+
+
+def _reduce_bwd(_, g):
+    # The output is the same on every device, and so is its gradient: each partial gets it whole.
+    return (g,)
+
+
+_reduce.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+def copy_to_region(x: jax.Array, shards) -> jax.Array:
+    """Enter a tensor-parallel region with activations whole on every device of the group.
+
+    Forward: ``x`` unchanged. Backward: the gradient summed over ``tensor`` (each device's slice
+    of the region contributed a part of it). Put it on the input of a column-parallel matmul, and of
+    the vocabulary-split output head.
+
+    Args:
+      x: any array, the same on every device of the tensor group.
+      shards: the step's ``Shards``; on a tensor axis of size 1 this is the identity.
+    """
+    return x if _size(shards) == 1 else _copy(x)
+
+
+def reduce_from_region(x: jax.Array, shards) -> jax.Array:
+    """Leave a tensor-parallel region: sum the devices' partial results.
+
+    Forward: ``psum`` of ``x`` over ``tensor`` (the result is the same on every device). Backward:
+    the gradient passed to each device's partial unchanged. Put it on the output of a row-parallel
+    matmul.
+
+    Args:
+      x: this device's partial result, any shape.
+      shards: the step's ``Shards``; on a tensor axis of size 1 this is the identity.
+    """
+    return x if _size(shards) == 1 else _reduce(x)
+
+
+# --- The sequence-parallel pair -------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather(x, dim):
+    # All-gather of the positions: each device receives (and sends) (n - 1) * b, b its own slice.
+    return lax.all_gather(x, AXIS, axis=dim, tiled=True)
+
+
+def _gather_fwd(x, dim):
+    return _gather(x, dim), None
+
+
+def _gather_bwd(dim, _, g):
+    # Each device's gradient of the gathered input is a partial over its slice of the width: sum
+    # them and keep this device's positions. Reduce-scatter of g (b_g bytes, n b): (n - 1) / n * b_g
+    # sent.
+    return (lax.psum_scatter(g, AXIS, scatter_dimension=dim, tiled=True),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scatter(x, dim):
+    # Reduce-scatter of the partial outputs over positions: (n - 1) / n * b sent.
+    return lax.psum_scatter(x, AXIS, scatter_dimension=dim, tiled=True)
+
+
+def _scatter_fwd(x, dim):
+    return _scatter(x, dim), None
+
+
+def _scatter_bwd(dim, _, g):
+    # Every position's gradient reaches every device's partial. All-gather: (n - 1) * b_g sent.
+    return (lax.all_gather(g, AXIS, axis=dim, tiled=True),)
+
+
+_scatter.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+def _check_dim(name: str, x: jax.Array, dim: int) -> None:
+    if not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"{name}: dim {dim} is out of range for an array of shape {x.shape}")
+
+
+def gather_from_sequence(x: jax.Array, shards, dim: int = SEQUENCE_DIM) -> jax.Array:
+    """Enter a tensor-parallel region with activations split over positions.
+
+    Forward: ``all_gather`` of ``x`` along ``dim`` (device ``i``'s slice at block ``i``), so every
+    device holds all positions. Backward: ``psum_scatter`` of the gradient along ``dim``: summed
+    over the devices' slices of the region, each device keeping its own positions.
+
+    Args:
+      x: this device's positions, e.g. ``[rows, seq / n, embed]``.
+      shards: the step's ``Shards``; on a tensor axis of size 1 this is the identity.
+      dim: the split dimension (1, positions, by default).
+
+    Returns:
+      ``x`` with ``n`` times its size along ``dim``.
+    """
+    _check_dim("gather_from_sequence", x, dim)
+    return x if _size(shards) == 1 else _gather(x, dim % x.ndim)
+
+
+def scatter_to_sequence(x: jax.Array, shards, dim: int = SEQUENCE_DIM) -> jax.Array:
+    """Leave a tensor-parallel region, splitting the summed result over positions.
+
+    Forward: ``psum_scatter`` of the partial results along ``dim``: device ``i`` keeps block ``i``
+    of the sum. Backward: ``all_gather`` of the gradient along ``dim``, since every device's partial
+    touched every position.
+
+    Args:
+      x: this device's partial result, e.g. ``[rows, seq, embed]``; ``x.shape[dim]`` must divide by
+        the tensor size.
+      shards: the step's ``Shards``; on a tensor axis of size 1 this is the identity.
+      dim: the dimension to split (1, positions, by default).
+
+    Returns:
+      ``x`` with ``1 / n`` of its size along ``dim``.
+    """
+    _check_dim("scatter_to_sequence", x, dim)
+    n = _size(shards)
+    if n == 1:
+        return x
+    dim = dim % x.ndim
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"scatter_to_sequence: dimension {dim} of shape {x.shape} ({x.shape[dim]}) does not "
+            f"split over tensor {n}"
+        )
+    return _scatter(x, dim)
+
+
+# --- The switch -----------------------------------------------------------------------------------
+
+
+def enter(x: jax.Array, shards) -> jax.Array:
+    """Enter a tensor-parallel region (attention, MLP, the output head).
+
+    ``gather_from_sequence(x, shards, dim=1)`` when ``shards.sequence_parallel``, else
+    ``copy_to_region(x, shards)``. ``x``: ``[rows, seq, embed]``, or ``[rows, seq / n, embed]`` when
+    sequence parallel. Returns ``[rows, seq, embed]``, the same on every device of the group.
+    """
+    if sequence_parallel(shards):
+        return gather_from_sequence(x, shards, SEQUENCE_DIM)
+    return copy_to_region(x, shards)
+
+
+def leave(x: jax.Array, shards) -> jax.Array:
+    """Leave a tensor-parallel region: sum the devices' partial ``[rows, seq, embed]`` results.
+
+    ``scatter_to_sequence(x, shards, dim=1)`` when ``shards.sequence_parallel`` (returns
+    ``[rows, seq / n, embed]``, this device's positions), else ``reduce_from_region(x, shards)``
+    (returns ``[rows, seq, embed]``, the same on every device).
+    """
+    if sequence_parallel(shards):
+        return scatter_to_sequence(x, shards, SEQUENCE_DIM)
+    return reduce_from_region(x, shards)
+
+
+# --- Vocabulary-parallel embedding, head and loss -------------------------------------------------
+
+
+def _vocab_start(vocab_local: int, shards) -> jax.Array | int:
+    """The first vocabulary id of this device's slice: device ``i`` holds ``[i V/n, (i+1) V/n)``."""
+    return 0 if _size(shards) == 1 else lax.axis_index(AXIS) * vocab_local
+
+
+def embed_lookup(table_local: jax.Array, ids: jax.Array, shards, dtype=None) -> jax.Array:
+    """Token embeddings from a table whose rows (the vocabulary) are split over ``tensor``.
+
+    Each device looks up the ids in its slice of the vocabulary and writes zeros for the others; the
+    devices' results are summed by ``leave``, so each id's row comes from the one device that holds
+    it. The gradient reaches each device's rows whole (``leave``'s backward gives every device the
+    whole gradient of the output).
+
+    Args:
+      table_local: ``[vocab / n, embed]``, device ``i``'s rows ``[i vocab/n, (i+1) vocab/n)``.
+      ids: ``[rows, seq]`` integer token ids in ``[0, vocab)``, the same on every device of the
+        group (ids outside that range give zeros).
+      shards: the step's ``Shards``.
+      dtype: the output dtype; default the table's. The sum runs in it, exactly: each element has
+        one nonzero term.
+
+    Returns:
+      ``[rows, seq, embed]``, the same on every device of the group; ``[rows, seq / n, embed]``,
+      this device's positions, when ``shards.sequence_parallel``.
+    """
+    if table_local.ndim != 2:
+        raise ValueError(
+            f"embed_lookup: table_local must be [vocab / n, embed], got {table_local.shape}"
+        )
+    dtype = table_local.dtype if dtype is None else dtype
+    if _size(shards) == 1:
+        return jnp.take(table_local, ids, axis=0).astype(dtype)
+    vocab_local = table_local.shape[0]
+    local = ids - _vocab_start(vocab_local, shards)
+    mine = (local >= 0) & (local < vocab_local)
+    rows = jnp.take(table_local, jnp.where(mine, local, 0), axis=0)
+    # Other devices' ids read row 0 (a valid index) and are then zeroed, value and gradient.
+    return leave(jnp.where(mine[..., None], rows, 0).astype(dtype), shards)
+
+
+def vocab_logits(x: jax.Array, table_local: jax.Array, shards) -> jax.Array:
+    """This device's slice of the vocabulary's logits, through the (tied) embedding table.
+
+    The head's input is the same on every device of the group while its weight is split by
+    vocabulary, so it enters the region (``enter``): each device's slice of the vocabulary sends
+    back a part of the input's gradient, which the backward sums over ``tensor``. Without that sum
+    the blocks below would see only the gradient through this device's slice of the vocabulary.
+
+    Args:
+      x: ``[rows, seq, embed]`` (``[rows, seq / n, embed]`` when sequence parallel).
+      table_local: ``[vocab / n, embed]``; for an untied ``[embed, vocab / n]`` kernel, its ``.T``.
+      shards: the step's ``Shards``.
+
+    Returns:
+      float32 ``[rows, seq, vocab / n]``, for ``cross_entropy``.
+    """
+    x = enter(x, shards)
+    return jnp.einsum(
+        "bse,ve->bsv", x, table_local.astype(x.dtype), preferred_element_type=jnp.float32
+    )
+
+
+def cross_entropy(logits_local: jax.Array, targets: jax.Array, shards) -> jax.Array:
+    """Per-token cross-entropy from this device's slice of the vocabulary's logits.
+
+    The ``[rows, seq, vocab]`` logits are never gathered: the max over the vocabulary comes from a
+    ``pmax`` (a shift for stability only, under ``stop_gradient``), and the sum of exponentials and
+    the target's logit (picked on the one device whose slice holds it, zero on the others) from one
+    ``psum`` of both. That ``psum`` is ``reduce_from_region``: its backward gives each device the
+    gradient of the loss unchanged, so the gradient of ``logits_local`` is this device's slice of
+    ``softmax - onehot(targets)``, times the incoming gradient, with no collective.
+
+    The logits' input must have entered the region (``vocab_logits`` does): the head's input is the
+    same on every device while its weight is split by vocabulary, so its gradient is a sum over
+    ``tensor`` (``copy_to_region``'s backward).
+
+    Args:
+      logits_local: ``[rows, seq, vocab / n]``, device ``i``'s ids ``[i vocab/n, (i+1) vocab/n)``;
+        computed in float32 whatever their dtype.
+      targets: ``[rows, seq]`` integer ids in ``[0, vocab)``, the same on every device of the group.
+      shards: the step's ``Shards``.
+
+    Returns:
+      float32 ``[rows, seq]``: ``logsumexp(logits) - logits[target]``, the same on every device of
+      the group.
+    """
+    if logits_local.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"cross_entropy: logits_local {logits_local.shape} must be targets {targets.shape} "
+            "plus a vocabulary dimension"
+        )
+    logits = logits_local.astype(jnp.float32)
+    vocab_local = logits.shape[-1]
+    # The shift's gradient cancels over the whole vocabulary but not within one device's slice, so
+    # it is stopped before the pmax (which has no derivative of its own).
+    shift = jnp.max(lax.stop_gradient(logits), axis=-1)
+    if _size(shards) > 1:
+        # All-reduce (max) of [rows, seq] float32: 2 (n - 1) / n * 4 rows seq bytes sent.
+        shift = lax.pmax(shift, AXIS)
+    shifted = logits - shift[..., None]
+    local = targets.astype(jnp.int32) - _vocab_start(vocab_local, shards)
+    mine = (local >= 0) & (local < vocab_local)
+    picked = jnp.take_along_axis(shifted, jnp.where(mine, local, 0)[..., None], axis=-1)[..., 0]
+    partial = jnp.stack([jnp.sum(jnp.exp(shifted), axis=-1), jnp.where(mine, picked, 0.0)], -1)
+    # One all-reduce of [rows, seq, 2] float32 for both sums: 2 (n - 1) / n * 8 rows seq bytes sent,
+    # against (n - 1) / n * 4 rows seq vocab to gather the logits.
+    sum_exp, target_logit = jnp.moveaxis(reduce_from_region(partial, shards), -1, 0)
+    return jnp.log(sum_exp) - target_logit

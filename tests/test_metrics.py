@@ -1,0 +1,79 @@
+"""``fit(metrics=FILE)``: one JSON line per step, a user can plot (``dew train --metrics FILE``
+is run in tests/test_cli.py)."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import dew
+from dew.data import TokenWindows, write_token_folder
+from tests.helpers import SEQ, VOCAB, tiny_objective
+
+ROWS = 16
+
+
+def make_trainer(directory=None):
+    return dew.Trainer(
+        tiny_objective(),
+        optax.adamw(1e-2),
+        jax.random.key(3),
+        mesh=dew.MeshSpec(fsdp=4),
+        layout=dew.Layout(min_shard=1),
+        checkpoints=dew.Checkpoints(directory) if directory else None,
+    )
+
+
+@pytest.fixture
+def data(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    write_token_folder(
+        tmp_path / "tokens",
+        rng.integers(0, VOCAB, 3000),
+        rng.integers(0, VOCAB, 300),
+        vocab_size=VOCAB,
+    )
+    return TokenWindows(tmp_path / "tokens", seq_len=SEQ).load(batch=ROWS)
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_one_line_per_step_with_the_steps_loss(tmp_path, data, seed):
+    path = tmp_path / "run" / "metrics.jsonl"  # its folder does not exist yet
+    make_trainer().fit(data, steps=4, log_every=100, metrics=path)
+    lines = read_lines(path)
+    assert [line["step"] for line in lines] == [1, 2, 3, 4], f"seed {seed}"
+    assert all(set(line) == {"step", "loss", "step_time_s", "tokens_per_s"} for line in lines)
+    # The same steps, taken one by one: the file holds each step's loss, not a stale or averaged
+    # one.
+    trainer = make_trainer()
+    state, step_fn = trainer.init_state(), trainer.train_step(ROWS)
+    with data.batches(start=0) as batches:
+        for line in lines:
+            state, loss = step_fn(state, trainer.device_batch(next(batches)[1], ROWS))
+            np.testing.assert_allclose(line["loss"], float(loss), rtol=1e-6, err_msg=f"seed {seed}")
+    for line in lines:
+        assert line["step_time_s"] > 0
+        np.testing.assert_allclose(line["tokens_per_s"], ROWS * SEQ / line["step_time_s"])
+
+
+def test_a_resumed_run_appends(tmp_path, data):
+    path = tmp_path / "metrics.jsonl"
+    make_trainer(tmp_path / "ckpt").fit(data, steps=2, metrics=path)
+    make_trainer(tmp_path / "ckpt").fit(data, steps=5, metrics=path)
+    assert [line["step"] for line in read_lines(path)] == [1, 2, 3, 4, 5]
+
+
+def test_a_folder_is_refused_before_training(tmp_path, data):
+    trainer = make_trainer()
+
+    def no_step(*args):
+        raise AssertionError("compiled a step before checking metrics")
+
+    trainer.train_step = no_step
+    with pytest.raises(ValueError, match="is a folder; give a file name"):
+        trainer.fit(data, steps=2, metrics=tmp_path)
