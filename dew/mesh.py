@@ -10,6 +10,21 @@ Axes, in mesh order:
 - ``stage``: a contiguous run of layers.
 
 ``data`` takes whatever devices the other axes leave over.
+
+Named groups of axes (torchtitan's ``dp_shard_cp``-style names), defined here once; code says which
+group it means:
+
+- ``BATCH_AXES``: the axes a batch's rows are split over (``data``, ``expert``, ``fsdp``).
+- ``TOKEN_AXES``: the axes that split the tokens, rows and positions (the batch axes and
+  ``sequence``). The loss averages over them and gradients are summed over them
+  (``dew.parallel.gradients``).
+
+Device order is not axis order. ``dict(mesh.shape)`` lists the axes in ``AXES`` order, but the
+devices behind them nest as ``DEVICE_NESTING`` (outermost first): ``tensor`` (the chattiest axis,
+collectives inside every layer) innermost, on neighbouring device ids, then ``sequence``,
+``expert``, ``fsdp``; ``data`` (one all-reduce a step) outermost, then ``stage``.
+``jax.devices()`` lists each process's devices together, so a tensor group stays inside one
+process where the sizes allow, and only ``data`` (then ``stage``) crosses processes.
 """
 
 from __future__ import annotations
@@ -27,6 +42,10 @@ from dew.checks import positive_int
 AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
 # The axes a batch's rows are split over, in mesh order.
 BATCH_AXES = ("data", "expert", "fsdp")
+# The axes that split the tokens (rows, then positions), in mesh order.
+TOKEN_AXES = ("data", "expert", "fsdp", "sequence")
+# How the devices nest, outermost first: device ids run fastest along ``tensor``.
+DEVICE_NESTING = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +116,15 @@ def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[jax.Device] | None
     """A mesh with axes ``data, expert, fsdp, tensor, sequence, stage`` over ``devices``
     (default: all).
 
+    The devices, in the order given, fill ``DEVICE_NESTING`` (``tensor`` fastest, ``data``
+    slowest), so a tensor group is consecutive devices and a data group strides over everything
+    else. With only ``data`` and ``fsdp`` above 1 this is the plain reshape in ``AXES`` order.
+
     Axes are ``Auto``: inside a ``shard_map`` every axis is manual anyway, and outside it (the GSPMD
     baseline, ``device_put``) XLA may propagate shardings freely.
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = spec.shape(len(devices))
-    grid = np.asarray(devices, dtype=object).reshape(tuple(shape[a] for a in AXES))
+    nested = np.asarray(devices, dtype=object).reshape(tuple(shape[a] for a in DEVICE_NESTING))
+    grid = nested.transpose(tuple(DEVICE_NESTING.index(a) for a in AXES))
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -1,10 +1,13 @@
-"""Pallas kernels of Dew (installed as `dew.kernels`).
+"""Pallas kernels of Dew (installed as `dew.kernels`); see docs/kernels.md.
 
-`flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=None, block_k=None,
-interpret=None)`: blockwise softmax attention, forward and backward in Pallas; see
-docs/kernels.md.
+- `flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=None, block_k=None,
+  interpret=None) -> out`: blockwise softmax attention, forward and backward in Pallas.
+- `flash_attention_forward(q, k, v, *, <same>) -> (out, lse)`: the same, with each query row's
+  natural-log log-sum-exp of its logits (float32 [batch, heads, q_len]); differentiable.
+- `flash_attention_backward(q, k, v, out, lse, d_out, *, <same>) -> (dq, dk, dv)`: the backward
+  kernels alone.
 """
 
-from .attention import flash_attention
+from .attention import flash_attention, flash_attention_backward, flash_attention_forward
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_forward"]

@@ -1,5 +1,8 @@
-"""`flash_attention`: the public entry point. Checks inputs, picks the target and block sizes,
-pads lengths to whole blocks, and ties the forward and backward kernels with `jax.custom_vjp`.
+"""The public entry points: `flash_attention` (out), `flash_attention_forward` (out and the
+log-sum-exp) and `flash_attention_backward` (dq, dk, dv from out, lse and the output's cotangent).
+Each checks its inputs, picks the target and block sizes and pads lengths to whole blocks; the
+first two tie the forward and backward kernels with `jax.custom_vjp`, the third runs the backward
+kernels alone (for a ring attention that merges blocks and writes its own backward).
 
 Only the numbers of rows are padded (with zeros), never heads or head_dim; the kernels mask
 padded keys, padded query rows are sliced off the output, and their cotangent is zero. When the
@@ -173,6 +176,41 @@ class _Config:
         return pallas_triton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
+def _config(q, k, v, *, causal, sm_scale, block_q, block_k, interpret) -> _Config:
+    """Checks the inputs and arguments (ValueError before any kernel is traced) and fixes the
+    tiling and launch parameters of one call."""
+    target = choose_target(interpret)
+    check_inputs(q, k, v, target)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"flash_attention: causal must be a bool, got {causal!r}")
+    head_dim = q.shape[3]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    elif (
+        isinstance(sm_scale, bool)
+        or not isinstance(sm_scale, (int, float, np.floating, np.integer))
+        or not math.isfinite(sm_scale)
+    ):
+        raise ValueError(
+            f"flash_attention: sm_scale must be a finite Python number, got {sm_scale!r}"
+        )
+    defaults = default_blocks(target, head_dim, q.dtype)
+    tiling = Tiling(
+        q_len=int(q.shape[1]),
+        kv_len=int(k.shape[1]),
+        block_q=_choose_block("block_q", block_q, defaults.block_q, int(q.shape[1])),
+        block_k=_choose_block("block_k", block_k, defaults.block_k, int(k.shape[1])),
+        causal=bool(causal),
+    )
+    return _Config(
+        tiling=tiling,
+        sm_scale=float(sm_scale),
+        interpret=target == "interpret",
+        num_warps=defaults.num_warps,
+        num_stages=defaults.num_stages,
+    )
+
+
 def flash_attention(
     q,
     k,
@@ -201,39 +239,117 @@ def flash_attention(
 
     Returns:
       [batch, q_len, heads, head_dim] in the dtype of q. Softmax statistics and all matmul
-      accumulation are float32. Differentiable in q, k and v (Pallas backward kernels).
+      accumulation are float32. Differentiable in q, k and v: its forward and backward are the
+      kernels of `flash_attention_forward` and `flash_attention_backward`.
     """
-    target = choose_target(interpret)
-    check_inputs(q, k, v, target)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise ValueError(f"flash_attention: causal must be a bool, got {causal!r}")
-    head_dim = q.shape[3]
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(head_dim)
-    elif (
-        isinstance(sm_scale, bool)
-        or not isinstance(sm_scale, (int, float, np.floating, np.integer))
-        or not math.isfinite(sm_scale)
-    ):
-        raise ValueError(
-            f"flash_attention: sm_scale must be a finite Python number, got {sm_scale!r}"
-        )
-    defaults = default_blocks(target, head_dim, q.dtype)
-    tiling = Tiling(
-        q_len=int(q.shape[1]),
-        kv_len=int(k.shape[1]),
-        block_q=_choose_block("block_q", block_q, defaults.block_q, int(q.shape[1])),
-        block_k=_choose_block("block_k", block_k, defaults.block_k, int(k.shape[1])),
-        causal=bool(causal),
-    )
-    config = _Config(
-        tiling=tiling,
-        sm_scale=float(sm_scale),
-        interpret=target == "interpret",
-        num_warps=defaults.num_warps,
-        num_stages=defaults.num_stages,
+    config = _config(
+        q,
+        k,
+        v,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
     )
     return _padded_attention(q, k, v, config=config)
+
+
+def flash_attention_forward(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool | None = None,
+):
+    """`flash_attention` returning its softmax statistics too: ``(out, lse)``.
+
+    Arguments as `flash_attention`'s. ``lse`` is float32 ``[batch, heads, q_len]``: the natural
+    log of each query row's sum of ``exp(sm_scale * q . k)`` over the keys it sees, ``-inf`` for a
+    row that sees none (its ``out`` is zeros). Attention over two disjoint sets of keys merges
+    into attention over both: ``lse = logaddexp(lse1, lse2)``, ``out = exp(lse1 - lse) out1 +
+    exp(lse2 - lse) out2`` (a ring attention's per-block step).
+
+    Differentiable in q, k and v through both outputs (the cotangent of ``lse`` enters the
+    backward kernels as ``delta - d_lse``). A ring attention that writes its own backward calls
+    `flash_attention_backward` per block instead.
+    """
+    config = _config(
+        q,
+        k,
+        v,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+    )
+    return _padded_forward(q, k, v, config=config)
+
+
+def flash_attention_backward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    d_out,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool | None = None,
+):
+    """The backward kernels of `flash_attention`: ``(dq, dk, dv)`` for the cotangent ``d_out``.
+
+    Args:
+      q, k, v: the forward's inputs; causal, sm_scale, block_q, block_k, interpret: its arguments.
+      out: ``[batch, q_len, heads, head_dim]``, q's dtype: the attention output.
+      lse: float32 ``[batch, heads, q_len]``, natural log, ``-inf`` for rows that see no key.
+      d_out: like ``out``: the cotangent of ``out``.
+
+    ``out`` and ``lse`` need not come from this call's keys: the probabilities are recomputed as
+    ``exp(sm_scale * q . k - lse)`` and ``delta = rowsum(d_out * out)``, so given the merged
+    ``out`` and ``lse`` of attention over several blocks of keys, a call on one block returns
+    that block's share of ``dq`` and its ``dk``, ``dv`` (ring attention's backward).
+
+    Returns:
+      ``(dq, dk, dv)``, each with its input's shape and dtype.
+    """
+    config = _config(
+        q,
+        k,
+        v,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+    )
+    _check_residuals(q, out, lse, d_out)
+    return _padded_backward(q, k, v, out, lse, d_out, config=config)
+
+
+def _check_residuals(q, out, lse, d_out) -> None:
+    batch, q_len, heads, _ = q.shape
+    want = {
+        "out": (tuple(q.shape), np.dtype(q.dtype)),
+        "d_out": (tuple(q.shape), np.dtype(q.dtype)),
+        "lse": ((batch, heads, q_len), np.dtype(jnp.float32)),
+    }
+    for name, x in (("out", out), ("lse", lse), ("d_out", d_out)):
+        shape, dtype = want[name]
+        got = (tuple(x.shape), np.dtype(x.dtype))
+        if got != (shape, dtype):
+            raise ValueError(
+                f"flash_attention_backward: {name} must be {shape} {dtype.name} for q "
+                f"{tuple(q.shape)} {np.dtype(q.dtype).name}; got {got[0]} {got[1].name}"
+            )
 
 
 def _pad_rows(x, rows: int):
@@ -258,6 +374,20 @@ def _padded_attention(q, k, v, *, config: _Config):
     return o[:, : tiling.q_len]
 
 
+# Kernels' lse is base 2 of base-2 logits, +inf for rows that see no key (so the backward's
+# exp2(s - lse) is exactly 0 there); the public lse is natural, -inf for those rows (so that a
+# merge gives them weight 0).
+LN_2 = math.log(2.0)
+
+
+def _natural_lse(lse2):
+    return jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * LN_2)
+
+
+def _base2_lse(lse):
+    return jnp.where(lse == -jnp.inf, jnp.inf, lse * _forward.LOG2_E)
+
+
 def _run_forward(q, k, v, config: _Config):
     return _forward.forward(
         q,
@@ -267,6 +397,23 @@ def _run_forward(q, k, v, config: _Config):
         scale=config.scale,
         interpret=config.interpret,
         compiler_params=config.compiler_params(),
+    )
+
+
+def _run_backward(q, k, v, o, lse2, do, config: _Config, d_lse=None):
+    return _backward.backward(
+        q,
+        k,
+        v,
+        o,
+        lse2,
+        do,
+        tiling=config.tiling,
+        scale=config.scale,
+        sm_scale=config.sm_scale,
+        interpret=config.interpret,
+        compiler_params=config.compiler_params(),
+        d_lse=d_lse,
     )
 
 
@@ -281,20 +428,60 @@ def _attention_fwd(q, k, v, config: _Config):
 
 
 def _attention_bwd(config: _Config, residuals, do):
-    q, k, v, o, lse = residuals
-    return _backward.backward(
-        q,
-        k,
-        v,
-        o,
-        lse,
-        do,
-        tiling=config.tiling,
-        scale=config.scale,
-        sm_scale=config.sm_scale,
-        interpret=config.interpret,
-        compiler_params=config.compiler_params(),
-    )
+    return _run_backward(*residuals, do, config)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention_with_lse(q, k, v, config: _Config):
+    o, lse2 = _run_forward(q, k, v, config)
+    return o, _natural_lse(lse2)
+
+
+def _attention_with_lse_fwd(q, k, v, config: _Config):
+    o, lse2 = _run_forward(q, k, v, config)
+    return (o, _natural_lse(lse2)), (q, k, v, o, lse2)
+
+
+def _attention_with_lse_bwd(config: _Config, residuals, cotangents):
+    do, d_lse = cotangents
+    return _run_backward(*residuals, do, config, d_lse=d_lse)
+
+
+_attention_with_lse.defvjp(_attention_with_lse_fwd, _attention_with_lse_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _padded_forward(q, k, v, *, config: _Config):
+    tiling = config.tiling
+    q, k, v = match_varying(q, k, v)
+    o, lse = _attention_with_lse(
+        _pad_rows(q, tiling.q_padded),
+        _pad_rows(k, tiling.kv_padded),
+        _pad_rows(v, tiling.kv_padded),
+        config,
+    )
+    return o[:, : tiling.q_len], lse[:, :, : tiling.q_len]
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _padded_backward(q, k, v, o, lse, do, *, config: _Config):
+    tiling = config.tiling
+    q, k, v, o, lse, do = match_varying(q, k, v, o, lse, do)
+    lse2 = _base2_lse(lse)
+    if tiling.q_padded != tiling.q_len:
+        # Padded query rows get lse = +inf: p = exp2(s - inf) = 0, they add nothing to dk, dv.
+        pad = (0, tiling.q_padded - tiling.q_len, 0)
+        lse2 = lax.pad(lse2, jnp.array(jnp.inf, lse2.dtype), ((0, 0, 0), (0, 0, 0), pad))
+    dq, dk, dv = _run_backward(
+        _pad_rows(q, tiling.q_padded),
+        _pad_rows(k, tiling.kv_padded),
+        _pad_rows(v, tiling.kv_padded),
+        _pad_rows(o, tiling.q_padded),
+        lse2,
+        _pad_rows(do, tiling.q_padded),
+        config,
+    )
+    return dq[:, : tiling.q_len], dk[:, : tiling.kv_len], dv[:, : tiling.kv_len]

@@ -129,12 +129,15 @@ def backward(
     sm_scale: float,
     interpret: bool,
     compiler_params,
+    d_lse=None,
 ):
     """Padded residuals and cotangent -> (dq, dk, dv), each like its input.
 
     q, o, do: [batch, q_padded, heads, head_dim]; k, v: [batch, kv_padded, kv_heads, head_dim];
-    lse: float32 [batch, heads, q_padded]. Padded query rows must carry do = 0 (they do: the
-    cotangent of the slice that drops them is zero there).
+    lse: float32 [batch, heads, q_padded] (base 2, as the forward saves it). Padded query rows must
+    carry do = 0 (they do: the cotangent of the slice that drops them is zero there).
+    d_lse: None, or float32 [batch, heads, q_padded], the cotangent of the natural-log lse. Since
+    d lse / d s = p, it adds p * d_lse to ds, which is ``delta - d_lse`` in place of ``delta``.
     """
     batch, q_padded, heads, head_dim = q.shape
     kv_padded, kv_heads = k.shape[1], k.shape[2]
@@ -142,6 +145,8 @@ def backward(
     block_q, block_k = tiling.block_q, tiling.block_k
     # delta = rowsum(dO * O): one fused elementwise pass in XLA, float32.
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - d_lse
 
     # Grids put the block index first (fastest-launched), as in the forward.
     q_block_spec = pl.BlockSpec(

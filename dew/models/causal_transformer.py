@@ -7,6 +7,9 @@ The layers' weights are stacked on a leading ``layers`` dimension and run under 
 compile time does not grow with depth. Each layer body runs under ``jax.checkpoint`` saving nothing:
 the backward recomputes the layer, gathers of fsdp-split weights included, so only one layer's whole
 weights are ever alive (gather forward, gather again backward, scatter the gradients).
+
+The model is three parts a layout can run apart, ``embed``, ``blocks`` and ``head``; ``apply`` is
+their composition (tokens -> logits).
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from dew.checks import positive_int
 from dew.nn import attention, embed, mlp, norm
 from dew.nn.param import Param, init_params, logical_axes, normal
-from dew.parallel import ONE_DEVICE, Shards
+from dew.parallel import ONE_DEVICE, Shards, fsdp, tensor
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -132,17 +136,51 @@ class CausalTransformer:
         """Initial weights; they depend on ``key`` alone."""
         return init_params(self.declare(), key, resolve_dtype(self.param_dtype))
 
-    def apply(self, params: dict, tokens: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
-        """``tokens`` ``[batch, seq]`` -> float32 logits ``[batch, seq, vocab]``.
+    # --- The three parts: embed, blocks, head ------------------------------------------------
+    #
+    # Each takes the parameters this device holds and the step's ``Shards``, so that a layout can
+    # run them apart: a pipeline runs ``blocks`` per stage, a vocabulary split gives ``head`` and
+    # the loss this device's slice of the vocabulary, a sequence split passes its own positions.
+    # The embedding and the head are ``dew.parallel.tensor``'s, which are the plain lookup and
+    # matmul while the tensor axis has size 1.
 
-        ``params`` are the shards this device holds; ``shards`` says how they are split. With
-        ``ONE_DEVICE`` the weights are whole and no collective runs.
+    def share_embedding(self, params: dict, shards: Shards = ONE_DEVICE) -> tuple[dict, Shards]:
+        """Gather the tied embedding table once, for both ``embed`` and ``head``.
+
+        With tied embeddings both ends read the table. Given the returned pair, ``embed`` and
+        ``head`` find it whole (the returned ``shards`` say it is no longer split over fsdp) and
+        gather nothing more, so a step sends one all_gather of the table (and one reduce-scatter of
+        its gradient), as an unsplit model does. Untied, or with nothing split: ``(params,
+        shards)`` unchanged.
         """
-        dtype = resolve_dtype(self.dtype)
-        p = params["params"]
-        positions = jnp.arange(tokens.shape[1])
-        table = shards.gather(p["embed_tokens"], "params", "embed_tokens")
-        x = embed.embed(table, tokens, dtype)
+        specs = shards.spec_of("params", "embed_tokens")
+        if not self.tie_embeddings or specs is None or shards.size(fsdp.AXIS) == 1:
+            return params, shards
+        table = shards.gather(params["params"]["embed_tokens"], "params", "embed_tokens")
+        whole_specs = jax.tree_util.tree_map(_drop_fsdp, specs, is_leaf=lambda x: isinstance(x, P))
+        param_specs = {
+            **shards.param_specs,
+            "params": {**shards.param_specs["params"], "embed_tokens": whole_specs},
+        }
+        params = {**params, "params": {**params["params"], "embed_tokens": table}}
+        return params, dataclasses.replace(shards, param_specs=param_specs)
+
+    def embed(self, params: dict, tokens: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
+        """``tokens`` ``[rows, seq]`` integer ids -> ``x`` ``[rows, seq, embed]``, in the
+        activations' dtype."""
+        table = shards.gather(params["params"]["embed_tokens"], "params", "embed_tokens")
+        return tensor.embed_lookup(table["embedding"], tokens, shards, resolve_dtype(self.dtype))
+
+    def blocks(
+        self, params: dict, x: jax.Array, positions: jax.Array, shards: Shards = ONE_DEVICE
+    ) -> jax.Array:
+        """The ``num_layers`` decoder layers: ``x`` ``[rows, seq, embed]`` -> the same shape.
+
+        ``positions``: ``[seq]`` integers, the global positions of ``x``'s tokens (rotary
+        positions; ``jnp.arange(seq)`` for a whole sequence). The layers run under ``lax.scan``,
+        each under ``jax.checkpoint`` saving nothing; ``shards.pin`` constrains each layer's input
+        and the scan's output (the GSPMD baseline's activation pinning; a no-op otherwise).
+        """
 
         def layer(x, layer_shards):
             x = shards.pin(x)
@@ -156,10 +194,40 @@ class CausalTransformer:
         layer = jax.checkpoint(
             layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
         )
-        x, _ = lax.scan(layer, x, p["layers"])
-        x = shards.pin(x)
+        x, _ = lax.scan(layer, x, params["params"]["layers"])
+        return shards.pin(x)
+
+    def head(self, params: dict, x: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
+        """``x`` ``[rows, seq, embed]`` -> float32 logits ``[rows, seq, vocab]`` (this device's
+        slice of the vocabulary once it is split over ``tensor``): the final norm, then the
+        embedding table transposed (tied) or ``lm_head``."""
+        p = params["params"]
         x = norm.rms_norm(shards.gather(p["final_norm"], "params", "final_norm"), x)
         if self.tie_embeddings:
-            return embed.unembed(table, x)
-        head = shards.gather(p["lm_head"], "params", "lm_head")["kernel"]
-        return jnp.einsum("bse,ev->bsv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+            table = shards.gather(p["embed_tokens"], "params", "embed_tokens")["embedding"]
+        else:
+            table = shards.gather(p["lm_head"], "params", "lm_head")["kernel"].T
+        return tensor.vocab_logits(x, table.astype(resolve_dtype(self.dtype)), shards)
+
+    def apply(self, params: dict, tokens: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
+        """``tokens`` ``[batch, seq]`` -> float32 logits ``[batch, seq, vocab]``:
+        ``head(blocks(embed(tokens), arange(seq)))``.
+
+        ``params`` are the shards this device holds; ``shards`` says how they are split. With
+        ``ONE_DEVICE`` the weights are whole and no collective runs.
+        """
+        params, shards = self.share_embedding(params, shards)
+        x = self.embed(params, tokens, shards)
+        x = self.blocks(params, x, jnp.arange(tokens.shape[1]), shards)
+        return self.head(params, x, shards)
+
+
+def _drop_fsdp(spec: P) -> P:
+    """``spec`` with the fsdp axis removed from every dimension: the weight once gathered."""
+
+    def drop(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(name for name in names if name is not None and name != fsdp.AXIS)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return P(*(drop(entry) for entry in spec))

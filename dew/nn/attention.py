@@ -1,5 +1,8 @@
 """Causal multi-head self-attention with grouped queries, and the attention functions it can use.
 
+Attention functions take ``(q, k, v, *, causal)`` and return ``(out, lse)``: the output and the
+log-sum-exp of each query's logits, so that partial softmaxes over blocks of keys can be merged.
+
 Weights: ``q`` ``[embed, heads, head_dim]``, ``k`` and ``v`` ``[embed, kv_heads, head_dim]``,
 ``o`` ``[heads, head_dim, embed]``. Heads are a dimension of their own so a layout can split them.
 """
@@ -16,12 +19,20 @@ from dew.nn.param import Param, normal
 
 
 def xla_attention(q, k, v, *, causal: bool = True):
-    """Plain-JAX attention.
+    """Plain-JAX attention, with the log-sum-exp of each query's logits.
 
     ``q``: ``[batch, q_len, heads, d]``; ``k``, ``v``: ``[batch, kv_len, kv_heads, d]``.
 
-    Softmax in float32; a query head ``h`` attends with kv head ``h // (heads // kv_heads)``,
-    without repeating K/V in memory. Returns ``[batch, q_len, heads, d]`` in ``q``'s dtype.
+    Softmax in float32 over the logits ``q . k / sqrt(d)`` (masked to keys ``j <= i`` when
+    ``causal``); a query head ``h`` attends with kv head ``h // (heads // kv_heads)``, without
+    repeating K/V in memory.
+
+    Returns:
+      ``(out, lse)``: ``out`` ``[batch, q_len, heads, d]`` in ``q``'s dtype, and ``lse`` float32
+      ``[batch, heads, q_len]``, the natural log of each row's sum of exponentiated (masked) logits.
+      Two calls on disjoint sets of keys merge into the call on all of them:
+      ``lse = logaddexp(lse1, lse2)``, ``out = exp(lse1 - lse) out1 + exp(lse2 - lse) out2`` (with
+      ``lse`` broadcast over ``d``), which is what ring attention does block by block.
     """
     b, s, h, d = q.shape
     kv_heads = k.shape[2]
@@ -32,16 +43,20 @@ def xla_attention(q, k, v, *, causal: bool = True):
     if causal:
         mask = jnp.tril(jnp.ones((s, k.shape[1]), bool))
         logits = jnp.where(mask, logits, -jnp.inf)
+    # jax.nn.softmax rather than exp(logits - lse): the output keeps the bits it always had.
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, s, h, d).astype(q.dtype)
+    lse = jax.nn.logsumexp(logits, axis=-1).reshape(b, h, s)
+    return out.reshape(b, s, h, d).astype(q.dtype), lse
 
 
 def pallas_attention(q, k, v, *, causal: bool = True):
-    """Dew's Pallas flash attention kernel (``dew.kernels``), on this device's local shard."""
-    from dew.kernels import flash_attention
+    """Dew's Pallas flash attention kernel (``dew.kernels.flash_attention_forward``), on this
+    device's local shard: ``(out, lse)`` as ``xla_attention`` returns them, both
+    differentiable."""
+    from dew.kernels import flash_attention_forward
 
-    return flash_attention(q, k, v, causal=causal)
+    return flash_attention_forward(q, k, v, causal=causal)
 
 
 IMPLEMENTATIONS = {"xla": xla_attention, "pallas": pallas_attention}
@@ -68,5 +83,5 @@ def self_attention(p: dict, x: jax.Array, positions: jax.Array, impl: str = "xla
     q = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["q"].astype(x.dtype)), positions)
     k = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["k"].astype(x.dtype)), positions)
     v = jnp.einsum("bse,ehd->bshd", x, p["v"].astype(x.dtype))
-    out = IMPLEMENTATIONS[impl](q, k, v, causal=True)
+    out, _ = IMPLEMENTATIONS[impl](q, k, v, causal=True)
     return jnp.einsum("bshd,hde->bse", out, p["o"].astype(x.dtype))

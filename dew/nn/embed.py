@@ -1,7 +1,8 @@
-"""Token embedding table, also used (transposed) as the output head when tied."""
+"""Token embedding table, also used (transposed) as the output head when tied.
 
-import jax
-import jax.numpy as jnp
+The lookup and the head's matmul are ``dew.parallel.tensor.embed_lookup`` and ``vocab_logits``,
+which split the table's rows over ``tensor`` and are the plain ``take`` and matmul on one device.
+"""
 
 from dew.nn.param import Param, normal
 
@@ -11,15 +12,3 @@ def embed_params(vocab: int, features: int) -> dict:
     # on normalized inputs (measured against GPT-2's 0.02: docs/benchmarks.md, "Choices in the
     # model").
     return {"embedding": Param((vocab, features), ("vocab", "embed"), normal(features**-0.5))}
-
-
-def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
-    """``tokens``: ``[batch, seq]`` integers -> ``[batch, seq, embed]``."""
-    return jnp.take(p["embedding"], tokens, axis=0).astype(dtype)
-
-
-def unembed(p: dict, x: jax.Array) -> jax.Array:
-    """``x``: ``[batch, seq, embed]`` -> float32 logits ``[batch, seq, vocab]``."""
-    return jnp.einsum(
-        "bse,ve->bsv", x, p["embedding"].astype(x.dtype), preferred_element_type=jnp.float32
-    )

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.checks import positive_int
-from dew.parallel import ONE_DEVICE, Shards
+from dew.parallel import ONE_DEVICE, Shards, tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,8 +16,9 @@ class LMObjective:
     """The loss of a causal language model on windows of ``seq_len + 1`` tokens.
 
     Args:
-      model: a model with ``init(key)``, ``apply(params, tokens, shards)``, ``logical_axes()`` and
-        ``max_seq_len``.
+      model: a model with ``init(key)``, ``share_embedding(params, shards)``,
+        ``embed(params, tokens, shards)``, ``blocks(params, x, positions, shards)``,
+        ``head(params, x, shards)``, ``logical_axes()`` and ``max_seq_len`` (``CausalTransformer``).
       seq_len: positions predicted per row; a batch is ``[rows, seq_len + 1]`` token ids.
       ema_decay: ``None``, or a float in ``[0, 1)``: the train state then keeps
         ``ema = decay * ema + (1 - decay) * params`` after every step.
@@ -44,12 +45,18 @@ class LMObjective:
 
         ``batch``: ``[rows, seq_len + 1]`` integer tokens. Divide by the global number of predicted
         tokens for the mean; summing first lets devices add up their parts exactly.
+
+        The model runs as its parts (embed, blocks at positions ``0 .. seq_len - 1``, head) and the
+        cross-entropy is ``dew.parallel.tensor.cross_entropy``, which takes this device's slice of
+        the vocabulary's logits (all of it while the tensor axis has size 1).
         """
+        model = self.model
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = self.model.apply(params, inputs, shards)
-        log_z = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-        return jnp.sum(log_z - picked)
+        params, shards = model.share_embedding(params, shards)
+        x = model.embed(params, inputs, shards)
+        x = model.blocks(params, x, jnp.arange(inputs.shape[1]), shards)
+        logits = model.head(params, x, shards)
+        return jnp.sum(tensor.cross_entropy(logits, targets, shards))
 
     def loss(self, params, batch: jax.Array) -> jax.Array:
         """Mean cross-entropy of ``batch`` on one device: the reference every layout must

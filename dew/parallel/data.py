@@ -1,16 +1,17 @@
-"""Data parallelism: every device of the batch axes computes on its own rows of the batch.
+"""Data parallelism: every device of the token axes computes on its own tokens of the batch.
 
-The loss each device computes is its rows' share of the global mean (its sum divided by the global
-token count), so gradients need summing, not averaging, over the batch axes:
+The loss each device computes is its tokens' share of the global mean (their sum divided by the
+global token count), so gradients need summing, not averaging. Which axes each weight's gradient is
+summed over is one rule, ``dew.parallel.gradients.sum_axes``; for today's layouts:
 
 - a weight split over ``fsdp`` already arrives summed over ``fsdp`` (the reduce-scatter that
   transposes its gather), so it is ``psum``med over ``data`` only, at 1/n of its size;
 - a weight that stays whole is ``psum``med over every batch axis at once.
 
-Each group is summed once per step, after the layer loop: at small sizes the number of collectives
-decides the step time (docs/design.md), so one sum of all gradients beats one per layer. The jaxpr
-holds a ``psum`` per array of a group; XLA combines them into one all-reduce when it compiles the
-step.
+Weights with the same sum axes form a group, summed once per step, after the layer loop: at small
+sizes the number of collectives decides the step time (docs/design.md), so one sum of all gradients
+beats one per layer. The jaxpr holds a ``psum`` per array of a group; XLA combines them into one
+all-reduce when it compiles the step.
 Bytes, per device, ring all-reduce of ``G`` bytes over ``n`` devices: ``2 (n - 1) / n * G``.
 """
 
@@ -21,37 +22,45 @@ from typing import Any
 import jax
 from jax import lax
 
-from dew.mesh import BATCH_AXES
-from dew.parallel import fsdp
+from dew.parallel.gradients import sum_axes
+from dew.parallel.shards import Shards
 
 
-def batch_axes(shards) -> tuple[str, ...]:
-    """The batch axes this step actually splits over (sizes above 1), in mesh order."""
-    return tuple(a for a in BATCH_AXES if shards.size(a) > 1)
+def sum_gradients(grads: Any, specs: Any, shards: Shards, partial_over_tensor: Any = None) -> Any:
+    """Sums each device's gradient contribution over the axes ``sum_axes`` names for it.
 
+    Args:
+      grads: this device's gradients, shaped like the (local) parameters.
+      specs: ``PartitionSpec`` tree matching ``grads``; ``None`` when every weight is whole.
+      shards: the step's ``Shards``.
+      partial_over_tensor: a tree of bools matching ``grads`` (``sum_axes``'s flag per weight), or
+        ``None`` when no weight is partial over ``tensor``.
 
-def sum_gradients(grads: Any, specs: Any, shards) -> Any:
-    """Sums each device's gradient contribution over the batch axes (see the module docstring)."""
-    axes = batch_axes(shards)
-    if not axes or specs is None:
-        return grads
+    Returns:
+      ``grads`` with each leaf summed: one ``psum`` per group of leaves with the same sum axes.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(grads)
-    spec_leaves = treedef.flatten_up_to(specs)
+    spec_leaves = [None] * len(leaves) if specs is None else treedef.flatten_up_to(specs)
+    partial = (
+        [False] * len(leaves)
+        if partial_over_tensor is None
+        else treedef.flatten_up_to(partial_over_tensor)
+    )
     groups: dict[tuple[str, ...], list[int]] = {}
-    for i, spec in enumerate(spec_leaves):
-        remaining = tuple(a for a in axes if not (a == fsdp.AXIS and fsdp.is_split(spec)))
-        groups.setdefault(remaining, []).append(i)
+    for i, (spec, part) in enumerate(zip(spec_leaves, partial)):
+        groups.setdefault(sum_axes(spec, shards, partial_over_tensor=bool(part)), []).append(i)
     out = list(leaves)
-    for remaining, idx in groups.items():
-        if remaining:
+    for axes, idx in groups.items():
+        if axes:
             # One all-reduce once compiled: 2 (n-1)/n of the group's bytes per device.
-            summed = lax.psum([leaves[i] for i in idx], remaining)
+            summed = lax.psum([leaves[i] for i in idx], axes)
             for i, g in zip(idx, summed):
                 out[i] = g
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def sum_over_batch(x: jax.Array, shards) -> jax.Array:
-    """``psum`` of a small value (a loss, a token count) over the batch axes."""
-    axes = batch_axes(shards)
+def sum_over_tokens(x: jax.Array, shards: Shards) -> jax.Array:
+    """``psum`` of a small value (a loss, a token count) over the token axes, which the loss
+    averages over."""
+    axes = shards.token_axes()
     return lax.psum(x, axes) if axes else x

@@ -8,7 +8,7 @@ whole mesh, on each device's local shards, and every byte between devices is a c
                          just before the layer runs, and again in its recomputed backward
     (its transpose)      one psum_scatter of those weights' gradients over fsdp
     data.sum_gradients   psum of gradients over data (and over fsdp for weights kept whole)
-    data.sum_over_batch  psum of the loss over the batch axes
+    data.sum_over_tokens psum of the loss over the token axes
 
 The optax update then runs on the gradients as laid out (the same layout as the weights), outside
 the ``shard_map`` but in the same ``jit``. That makes any optax transformation give its one-device
@@ -73,7 +73,7 @@ def local_gradients(objective, shards: Shards, accumulation: int, global_tokens:
         micro = batch.reshape(accumulation, batch.shape[0] // accumulation, batch.shape[1])
         loss, grads = accumulated_gradients(share, params, micro)
         grads = data.sum_gradients(grads, shards.param_specs, shards)
-        return grads, data.sum_over_batch(loss, shards)
+        return grads, data.sum_over_tokens(loss, shards)
 
     return fn
 
@@ -124,7 +124,7 @@ def build_loss(objective, mesh: Mesh, param_specs, *, global_rows: int) -> Calla
 
     def local_loss(params, batch):
         return (
-            data.sum_over_batch(objective.loss_sum(params, batch, shards), shards) / global_tokens
+            data.sum_over_tokens(objective.loss_sum(params, batch, shards), shards) / global_tokens
         )
 
     loss = jax.shard_map(

@@ -1,0 +1,93 @@
+"""``Shards``: how the step is split, as code running on one device's shards sees it.
+
+Every function of ``dew.parallel`` and every model takes one. ``ONE_DEVICE`` (every axis of size 1,
+nothing split) makes the same code run on one device without a collective, which is the reference
+every layout is tested against.
+
+The named groups of axes live in ``dew.mesh`` (``BATCH_AXES``, ``TOKEN_AXES``); ``Shards`` says
+which of a group this step actually splits over (``batch_axes()``, ``token_axes()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from dew.mesh import AXES, BATCH_AXES, TOKEN_AXES
+from dew.parallel import fsdp
+
+__all__ = ["BATCH_AXES", "ONE_DEVICE", "Shards", "TOKEN_AXES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """How the step is split, as code running on one device's shards sees it.
+
+    Attributes:
+      axis_sizes: mesh axis name -> size; empty on one device.
+      param_specs: tree of ``PartitionSpec`` shaped like the parameters, or ``None`` when every
+        weight is whole.
+      pinned_activations: the GSPMD baseline only (code that runs on the global arrays): the
+        sharding ``pin`` constrains activations to; ``None`` leaves them alone.
+      sequence_parallel: activations between blocks are split over positions across the tensor
+        group (Megatron's sequence parallelism, on the ``tensor`` axis; unrelated to the
+        ``sequence`` mesh axis). Read by ``dew.parallel.tensor``; a weight replicated over
+        ``tensor`` that sees such activations has its gradient summed over ``tensor`` too
+        (``dew.parallel.gradients``).
+    """
+
+    axis_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    param_specs: Any = None
+    pinned_activations: Any = None
+    sequence_parallel: bool = False
+
+    def size(self, *axes: str) -> int:
+        """The number of devices spanned by ``axes`` (1 for axes this step does not have)."""
+        return math.prod(self.axis_sizes.get(a, 1) for a in axes)
+
+    def split_over(self, group: tuple[str, ...]) -> tuple[str, ...]:
+        """The axes of ``group`` this step splits over (sizes above 1), in mesh order."""
+        return tuple(a for a in AXES if a in group and self.size(a) > 1)
+
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes splitting the batch's rows here (``BATCH_AXES`` of size > 1), in mesh order."""
+        return self.split_over(BATCH_AXES)
+
+    def token_axes(self) -> tuple[str, ...]:
+        """The axes splitting the tokens here (``TOKEN_AXES`` of size > 1), in mesh order: the
+        loss averages over them and gradients are summed over them."""
+        return self.split_over(TOKEN_AXES)
+
+    def spec_of(self, *path: str, stacked: bool = False) -> Any:
+        """The spec subtree at ``path`` of the parameters; ``stacked`` drops the leading layers
+        dim."""
+        specs = self.param_specs
+        if specs is None:
+            return None
+        for key in path:
+            specs = specs[key]
+        if stacked:
+            specs = jax.tree_util.tree_map(
+                lambda s: P(*tuple(s)[1:]), specs, is_leaf=lambda x: isinstance(x, P)
+            )
+        return specs
+
+    def gather(self, tree: Any, *path: str, stacked: bool = False) -> Any:
+        """The weights ``tree`` (found at ``path`` in the parameters) with their fsdp split undone.
+
+        ``stacked=True`` for one layer's slice of the stacked ``layers`` weights.
+        """
+        return fsdp.gather(tree, self.spec_of(*path, stacked=stacked), self)
+
+    def pin(self, x: jax.Array) -> jax.Array:
+        """``x`` (activations ``[rows, ...]``) constrained to ``pinned_activations``; else ``x``."""
+        if self.pinned_activations is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.pinned_activations)
+
+
+ONE_DEVICE = Shards()
