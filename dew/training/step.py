@@ -1,4 +1,4 @@
-"""The training step, in two engines built from the same model, loss and optimizer.
+"""The training step, in three engines built from the same model, loss and optimizer.
 
 ``shard_map`` (the default): the forward and backward run inside one ``jax.shard_map`` over the
 whole mesh, on each device's local shards, and every byte between devices is a collective written in
