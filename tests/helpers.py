@@ -33,6 +33,18 @@ def seeded_key(seed, stream=0) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), stream)
 
 
+def random_token_folder(path, seed, train: int, val: int):
+    """Writes a token folder at ``path`` of ``train`` and ``val`` random tokens drawn from
+    ``seed``; returns ``path``."""
+    from dew.data import write_token_folder
+
+    rng = np.random.default_rng(seed)
+    write_token_folder(
+        path, rng.integers(0, VOCAB, train), rng.integers(0, VOCAB, val), vocab_size=VOCAB
+    )
+    return path
+
+
 def relative_error(actual, expected) -> float:
     """The largest, over the leaves, of ||actual - expected|| / ||expected||; ``inf`` when any
     leaf's error is not finite (a NaN must fail a ``< tolerance`` check, not pass it)."""

@@ -150,7 +150,8 @@ def test_read_meta_errors(tmp_path):
 
 
 def _notebook_corpus(data_dir: Path):
-    """The data cell of shared/spec/scale-across-devices.ipynb, as it is written there."""
+    """The data cell of the user's example notebook (kept outside the repository), copied here as
+    it is written there: this test needs no file beside the repository."""
     rng = np.random.default_rng(0)
     subjects = ["the cat", "a dog", "the bird", "my friend", "the child"]
     verbs = ["sees", "likes", "finds", "wants", "hears"]

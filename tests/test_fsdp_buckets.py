@@ -39,18 +39,19 @@ def test_a_weight_above_the_limit_is_gathered_alone(monkeypatch, seed):
     shards = Shards(axis_sizes=dict(mesh.shape), param_specs=specs)
     monkeypatch.setattr(fsdp, "BUCKET_BYTES", 1024)
 
-    def gathered(tree):
-        return fsdp.gather(tree, specs, shards)
-
-    step = jax.jit(
-        jax.shard_map(
-            gathered,
-            mesh=mesh,
-            in_specs=(specs,),
-            out_specs={k: P() for k in specs},
-            check_vma=False,
+    def gather_step():
+        """The gather on the mesh, traced anew so that it reads ``BUCKET_BYTES`` as now set."""
+        return jax.jit(
+            jax.shard_map(
+                lambda tree: fsdp.gather(tree, specs, shards),
+                mesh=mesh,
+                in_specs=(specs,),
+                out_specs={k: P() for k in specs},
+                check_vma=False,
+            )
         )
-    )
+
+    step = gather_step()
     for k, w in step(full).items():
         np.testing.assert_array_equal(
             np.asarray(w), np.asarray(full[k]), err_msg=f"{k}, seed {seed}"
@@ -63,16 +64,5 @@ def test_a_weight_above_the_limit_is_gathered_alone(monkeypatch, seed):
     assert row.operand_bytes == (2048 + 128 + 128 + 256) // 4, str(report)
 
     monkeypatch.setattr(fsdp, "BUCKET_BYTES", 4096)  # everything fits one bucket
-    report = dew.collectives(
-        jax.jit(
-            jax.shard_map(
-                gathered,
-                mesh=mesh,
-                in_specs=(specs,),
-                out_specs={k: P() for k in specs},
-                check_vma=False,
-            )
-        ),
-        full,
-    )
+    report = dew.collectives(gather_step(), full)
     assert report.count("all_gather", axis="fsdp") == 1, str(report)

@@ -9,8 +9,8 @@ import optax
 import pytest
 
 import dew
-from dew.data import TokenWindows, write_token_folder
-from tests.helpers import SEQ, VOCAB, tiny_objective
+from dew.data import TokenWindows
+from tests.helpers import SEQ, random_token_folder, tiny_objective
 
 ROWS = 16
 
@@ -28,14 +28,8 @@ def make_trainer(directory=None):
 
 @pytest.fixture
 def data(tmp_path, seed):
-    rng = np.random.default_rng(seed)
-    write_token_folder(
-        tmp_path / "tokens",
-        rng.integers(0, VOCAB, 3000),
-        rng.integers(0, VOCAB, 300),
-        vocab_size=VOCAB,
-    )
-    return TokenWindows(tmp_path / "tokens", seq_len=SEQ).load(batch=ROWS)
+    folder = random_token_folder(tmp_path / "tokens", seed, 3000, 300)
+    return TokenWindows(folder, seq_len=SEQ).load(batch=ROWS)
 
 
 def read_lines(path):

@@ -9,21 +9,16 @@ import pytest
 
 import dew
 from dew.checkpoints import CheckpointMismatchError
-from dew.data import TokenWindows, write_token_folder
-from tests.helpers import SEQ, VOCAB, tiny_objective
+from dew.data import TokenWindows
+from tests.helpers import SEQ, random_token_folder, tiny_objective
 
 ROWS = 16
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, module_seed):
-    rng = np.random.default_rng(module_seed)
-    path = tmp_path_factory.mktemp("tokens") / "tokens"
     # 3000 tokens: 187 windows, 11 batches an epoch, so 2 x 8 steps cross an epoch boundary.
-    write_token_folder(
-        path, rng.integers(0, VOCAB, 3000), rng.integers(0, VOCAB, 300), vocab_size=VOCAB
-    )
-    return path
+    return random_token_folder(tmp_path_factory.mktemp("tokens") / "tokens", module_seed, 3000, 300)
 
 
 def trainer(directory, mesh, objective=None, **kwargs):

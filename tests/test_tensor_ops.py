@@ -6,8 +6,6 @@ relative 1e-5). A value the same on every device of the group is returned by eve
 checked on each. Collectives are counted from the jaxpr with ``dew.collectives``.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,16 +23,8 @@ T = tensor.AXIS
 SIZES = (4, 8)
 
 
-@dataclasses.dataclass(frozen=True)
-class SequenceShards(Shards):
-    """A step's view with activations split over positions across the tensor group."""
-
-    sequence_parallel: bool = True
-
-
 def shards_of(mesh, sequence_parallel=False) -> Shards:
-    sizes = dict(mesh.shape)
-    return SequenceShards(axis_sizes=sizes) if sequence_parallel else Shards(axis_sizes=sizes)
+    return Shards(axis_sizes=dict(mesh.shape), sequence_parallel=sequence_parallel)
 
 
 def on_mesh(mesh, fn, in_specs, out_specs):

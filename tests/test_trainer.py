@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import dew
-from dew.data import TokenWindows, write_token_folder
-from tests.helpers import SEQ, VOCAB, seeded_key, smooth_optimizer, tiny_objective
+from dew.data import TokenWindows
+from tests.helpers import SEQ, random_token_folder, seeded_key, smooth_optimizer, tiny_objective
 
 ROWS = 8
 MESH = dew.MeshSpec(fsdp=4)
@@ -17,12 +17,9 @@ MESH = dew.MeshSpec(fsdp=4)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, module_seed):
-    rng = np.random.default_rng(module_seed)
-    path = tmp_path_factory.mktemp("trainer") / "tokens"
-    write_token_folder(
-        path, rng.integers(0, VOCAB, 2000), rng.integers(0, VOCAB, 400), vocab_size=VOCAB
+    return random_token_folder(
+        tmp_path_factory.mktemp("trainer") / "tokens", module_seed, 2000, 400
     )
-    return path
 
 
 def trainer(seed, ema_decay=None, checkpoints=None):
