@@ -4,8 +4,9 @@ Every parameter declares logical axis names for its dimensions (``("vocab", "emb
 table, ``("layers", "embed", "mlp")`` for a stacked MLP weight). A ``Layout`` holds ordered rules
 ``(logical name, mesh axis)`` and turns those names into a ``PartitionSpec`` for a given mesh:
 
-- a weight with fewer than ``min_shard`` elements stays whole (splitting it costs more in
-  communication than it saves in memory);
+- a weight with fewer than ``min_shard`` elements is not split over fsdp (splitting it costs more
+  in communication than it saves in memory); ``tensor`` rules apply whatever the size, because the
+  model's Megatron regions compute on the split (``dew.parallel.tensor``);
 - rules are tried in order; a rule places its mesh axis on the first dimension with that logical
   name that is still free and that the axis size divides; a mesh axis of size 1, an axis already
   used by this weight, or a size it does not divide: the rule is skipped and the next one is tried;
@@ -29,10 +30,15 @@ from jax.sharding import PartitionSpec as P
 from dew.checks import nonnegative_int
 from dew.mesh import AXES
 
-# A weight's dimensions are split over fsdp in this order of preference: the vocabulary first (the
-# embedding table is usually the largest weight), then the model width, then the MLP width and
-# heads.
+# Megatron's splits first (the vocabulary, the heads and the MLP width over tensor: the model
+# computes on them, dew.parallel.tensor.SPLIT_NAMES). Then fsdp, in this order of preference: the
+# vocabulary (the embedding table is usually the largest weight), the model width, the MLP width
+# and the heads, each on a dimension tensor left free.
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
     ("vocab", "fsdp"),
     ("embed", "fsdp"),
     ("mlp", "fsdp"),
@@ -66,7 +72,8 @@ class Layout:
     """Maps logical axis names to mesh axes.
 
     Args:
-      min_shard: weights with fewer elements than this stay whole on every device.
+      min_shard: weights with fewer elements than this are not split over any axis but
+        ``tensor`` (whose splits the model computes on, whatever the size).
       rules: ordered ``(logical name, mesh axis)`` pairs. No rule may name ``data``: a data-parallel
         replica holds whole weights by definition.
     """
@@ -102,9 +109,12 @@ class Layout:
         divides.
         """
         shape = tuple(shape)
-        if math.prod(shape) < max(self.min_shard, 1) or not shape:
+        if not shape:
             return P()
+        small = math.prod(shape) < max(self.min_shard, 1)
         if axes is None:
+            if small:
+                return P()
             fsdp = mesh_shape.get("fsdp", 1)
             candidates = [d for d in range(len(shape)) if fsdp > 1 and shape[d] % fsdp == 0]
             if not candidates:
@@ -116,7 +126,7 @@ class Layout:
         placed: list[str | None] = [None] * len(shape)
         for logical, mesh_axis in self.rules:
             size = mesh_shape.get(mesh_axis, 1)
-            if size == 1 or mesh_axis in placed:
+            if size == 1 or mesh_axis in placed or (small and mesh_axis != "tensor"):
                 continue
             for dim, name in enumerate(axes):
                 if name == logical and placed[dim] is None and shape[dim] % size == 0:

@@ -125,10 +125,10 @@ def test_meta_that_disagrees_with_train_bin(folder):
 def test_axes_the_engine_does_not_split_yet():
     with pytest.raises(
         ValueError,
-        match=r"MeshSpec\(tensor=2\): the training step does not split over "
-        "the tensor axis yet; it supports data and fsdp",
+        match=r"MeshSpec\(sequence=2\): the training step does not split over "
+        "the sequence axis yet; it supports data, fsdp, tensor",
     ):
-        trainer(mesh=dew.MeshSpec(tensor=2))
+        trainer(mesh=dew.MeshSpec(sequence=2))
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,12 @@ weights are ever alive (gather forward, gather again backward, scatter the gradi
 
 The model is three parts a layout can run apart, ``embed``, ``blocks`` and ``head``; ``apply`` is
 their composition (tokens -> logits).
+
+Tensor parallelism is written where it happens, and nowhere else: attention and the MLP are
+Megatron regions (``tensor.enter`` on the way in, ``tensor.leave`` on the way out), their first
+matmuls split by columns (``q``, ``k``, ``v`` over heads; ``gate``, ``up`` over the MLP width) and
+their second by rows (``o``, ``down``); the embedding, head and loss split the vocabulary. On one
+device every one of those is the identity or the plain operation.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dew.checks import positive_int
+from dew.layout import path_names
 from dew.nn import attention, embed, mlp, norm
 from dew.nn.param import Param, init_params, logical_axes, normal
 from dew.parallel import ONE_DEVICE, Shards, fsdp, tensor
@@ -132,6 +139,42 @@ class CausalTransformer:
     def logical_axes(self) -> dict:
         return logical_axes(self.declare())
 
+    def check_split(self, axis_sizes: dict) -> None:
+        """Raises ``ValueError``, naming the numbers, when this model cannot run on a mesh of
+        ``axis_sizes`` (heads, kv heads, MLP width or vocabulary that do not split over
+        ``tensor``)."""
+        sizes = {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.kv_heads,
+            "mlp_features": self.hidden,
+            "vocab_size": self.vocab_size,
+        }
+        tensor.check_sizes(axis_sizes.get(tensor.AXIS, 1), sizes)
+
+    def partial_over_tensor(self, shards: Shards) -> dict:
+        """A tree of bools shaped like the parameters: the weights replicated over ``tensor``
+        whose gradient each device of the tensor group holds only a part of, for
+        ``dew.parallel.gradients.sum_axes``.
+
+        - The norm scales, when activations between blocks are sequence-parallel (each device
+          normalizes its own positions).
+        - ``k`` and ``v``, when there are fewer kv heads than devices (each device uses one head,
+          for its own query heads: ``tensor.shared_kv_heads``).
+        """
+        t = shards.size(tensor.AXIS)
+        sequence_split = t > 1 and shards.sequence_parallel
+        shared_kv = t > 1 and self.kv_heads < t
+
+        def partial(path, _):
+            names = path_names(path)
+            if names[-1] == "scale":
+                return sequence_split
+            return shared_kv and names[-2:] in (("attn", "k"), ("attn", "v"))
+
+        return jax.tree_util.tree_map_with_path(
+            partial, self.declare(), is_leaf=lambda x: isinstance(x, Param)
+        )
+
     def init(self, key: jax.Array) -> dict:
         """Initial weights; they depend on ``key`` alone."""
         return init_params(self.declare(), key, resolve_dtype(self.param_dtype))
@@ -174,21 +217,36 @@ class CausalTransformer:
     def blocks(
         self, params: dict, x: jax.Array, positions: jax.Array, shards: Shards = ONE_DEVICE
     ) -> jax.Array:
-        """The ``num_layers`` decoder layers: ``x`` ``[rows, seq, embed]`` -> the same shape.
+        """The ``num_layers`` decoder layers: ``x`` ``[rows, seq, embed]`` -> the same shape
+        (``[rows, seq / n, embed]``, this device's positions, under sequence-parallel activations
+        on a tensor group of ``n``).
 
-        ``positions``: ``[seq]`` integers, the global positions of ``x``'s tokens (rotary
-        positions; ``jnp.arange(seq)`` for a whole sequence). The layers run under ``lax.scan``,
+        ``positions``: ``[seq]`` integers, the global positions of the tokens attention sees
+        (rotary positions; ``jnp.arange(seq)`` for a whole sequence). The layers run under ``lax.scan``,
         each under ``jax.checkpoint`` saving nothing; ``shards.pin`` constrains each layer's input
         and the scan's output (the GSPMD baseline's activation pinning; a no-op otherwise).
         """
 
+        shared_kv = self.kv_heads < shards.size(tensor.AXIS)
+
         def layer(x, layer_shards):
             x = shards.pin(x)
             w = shards.gather(layer_shards, "params", "layers", stacked=True)
-            x = x + attention.self_attention(
-                w["attn"], norm.rms_norm(w["attn_norm"], x), positions, self.attention_impl
-            )
-            x = x + mlp.swiglu(w["mlp"], norm.rms_norm(w["mlp_norm"], x))
+            attn = w["attn"]
+            if shared_kv:
+                attn = {
+                    **attn,
+                    "k": tensor.shared_kv_heads(attn["k"], shards),
+                    "v": tensor.shared_kv_heads(attn["v"], shards),
+                }
+            # Two Megatron regions per layer. Each enters with the normalized activations (whole on
+            # every device of the tensor group, or gathered from its positions under sequence
+            # parallelism) and leaves by summing the devices' partial outputs.
+            h = tensor.enter(norm.rms_norm(w["attn_norm"], x), shards)
+            h = attention.self_attention(attn, h, positions, self.attention_impl)
+            x = x + tensor.leave(h, shards)
+            h = tensor.enter(norm.rms_norm(w["mlp_norm"], x), shards)
+            x = x + tensor.leave(mlp.swiglu(w["mlp"], h), shards)
             return x, None
 
         layer = jax.checkpoint(

@@ -1,8 +1,5 @@
 """Tensor parallelism (Megatron): the tensor group splits each layer's width, not its tokens.
 
-Status: these are the tested building blocks; the decoder and the step engine do not call them yet,
-so ``Trainer`` still refuses ``MeshSpec(tensor=n)`` with n > 1 until the model is wired to them.
-
 What is split over ``tensor``: the heads of attention and the hidden width of the MLP (a first
 matmul split by columns, a second by rows), and the vocabulary of the embedding table, of the output
 head and of the loss. Every device of a tensor group sees the same tokens. A split layer is a
@@ -40,13 +37,24 @@ On a tensor axis of size 1 nothing here issues a collective: the pairs are the i
 embedding, head and loss are their unsplit selves, so the same model code runs on one device
 (``ONE_DEVICE``) without a mesh.
 
+Which weights are split, and how (``SPLIT_NAMES``, ``check_sizes``, ``check_layout``): every
+dimension the model names ``vocab``, ``heads``, ``kv_heads`` or ``mlp`` is split over ``tensor``,
+and no other. The sizes must divide by the tensor size; the vocabulary is not padded (pad it in
+the tokenizer, as GPT-2's 50257 becomes 50304). With fewer kv heads than devices the kv weights
+stay whole and each device keeps the kv head its query heads use (``shared_kv_heads``).
+
 Bytes, per device and per call, for a local operand of ``b`` bytes on a tensor group of ``n`` (ring
-algorithms, as ``dew.collectives`` counts them) are written beside each collective below.
+algorithms, as ``dew.collectives`` counts them) are written beside each collective below. Per
+decoder layer and microbatch, with activations ``[rows, seq, embed]`` of ``A`` bytes: the forward
+has two all-reduces of ``A`` (attention's and the MLP's ``leave``), the backward two more (their
+``enter``) and, under the layer's rematerialization, the forward's two again; with sequence
+parallelism each all-reduce becomes an all-gather and a reduce-scatter, the same bytes in all.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +63,9 @@ from jax import lax
 AXIS = "tensor"
 # Activations between blocks are [rows, seq, embed]: sequence parallelism splits dimension 1.
 SEQUENCE_DIM = 1
+# The logical dimensions Megatron's splits cut: every weight dimension of one of these names is split
+# over ``tensor`` (kv heads only when there are at least as many as devices), and no other.
+SPLIT_NAMES = ("vocab", "heads", "kv_heads", "mlp")
 
 
 def _size(shards) -> int:
@@ -368,3 +379,109 @@ def cross_entropy(logits_local: jax.Array, targets: jax.Array, shards) -> jax.Ar
     # against (n - 1) / n * 4 rows seq vocab to gather the logits.
     sum_exp, target_logit = jnp.moveaxis(reduce_from_region(partial, shards), -1, 0)
     return jnp.log(sum_exp) - target_logit
+
+
+# --- Grouped-query attention with fewer kv heads than devices -------------------------------------
+
+
+def shared_kv_heads(kernel: jax.Array, shards, dim: int = 1) -> jax.Array:
+    """The kv head this device's query heads use, out of a K or V kernel kept whole over ``tensor``.
+
+    With ``kv`` kv heads, ``h`` query heads and a tensor group of ``n > kv`` (``n`` a multiple of
+    ``kv``), device ``i`` holds query heads ``[i h/n, (i+1) h/n)``, all in kv head ``(i kv) // n``.
+    The kernel's gradient then has that head's part from this device only, zeros elsewhere; summed
+    over ``tensor`` (the weight is ``partial_over_tensor``, ``dew.parallel.gradients``), each kv
+    head's gradient is the sum over exactly the ``n / kv`` devices that share it.
+
+    Args:
+      kernel: ``[embed, kv, head_dim]`` (kv heads at ``dim``), the same on every device of the
+        group.
+      shards: the step's ``Shards``.
+
+    Returns:
+      ``kernel`` with one head at ``dim``; ``kernel`` itself on a tensor axis of size 1.
+    """
+    n = _size(shards)
+    if n == 1:
+        return kernel
+    kv = kernel.shape[dim]
+    if n % kv:
+        raise ValueError(f"shared_kv_heads: {kv} kv heads do not divide tensor {n}")
+    return lax.dynamic_slice_in_dim(kernel, (lax.axis_index(AXIS) * kv) // n, 1, dim)
+
+
+# --- What a layout must split ---------------------------------------------------------------------
+
+
+def check_sizes(tensor_size: int, sizes: Mapping[str, int]) -> None:
+    """Raises ``ValueError`` naming the numbers when a size cannot be split over ``tensor``.
+
+    Args:
+      tensor_size: the tensor axis's size.
+      sizes: ``{"num_heads": h, "num_kv_heads": kv, "mlp_features": m, "vocab_size": v}``; each
+        must divide by ``tensor_size``, except ``num_kv_heads``, which may instead divide it (the kv
+        heads are then shared, ``shared_kv_heads``).
+    """
+    if tensor_size == 1:
+        return
+    for name, size in sizes.items():
+        if name == "num_kv_heads" and size < tensor_size and tensor_size % size == 0:
+            continue
+        if size % tensor_size:
+            hint = ""
+            if name == "num_kv_heads":
+                hint = " (nor divide it: kv heads are shared only when they divide tensor)"
+            elif name == "vocab_size":
+                pad = -(-size // tensor_size) * tensor_size
+                hint = f"; the vocabulary is not padded: use a vocab_size such as {pad}"
+            raise ValueError(f"{name} {size} does not split over tensor {tensor_size}{hint}")
+
+
+def _names(entry) -> tuple:
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def check_layout(param_specs: Any, logical_axes: Any, shapes: Any, tensor_size: int) -> None:
+    """Raises ``ValueError`` unless each weight is split over ``tensor`` exactly on its
+    ``SPLIT_NAMES`` dimensions (a ``kv_heads`` dimension smaller than the tensor size stays whole).
+
+    The model's code assumes those splits; a layout whose rules leave one out, or split another
+    dimension over ``tensor``, would compute something else, so it is refused before compiling.
+
+    Args:
+      param_specs: ``PartitionSpec`` tree of the parameters.
+      logical_axes: the model's tree of logical-axis tuples (``model.logical_axes()``).
+      shapes: a tree of arrays or ``ShapeDtypeStruct`` matching ``param_specs``.
+      tensor_size: the tensor axis's size; nothing is checked at 1.
+    """
+    if tensor_size == 1:
+        return
+    from dew.layout import path_names
+
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    axes_leaves = jax.tree_util.tree_leaves(
+        logical_axes, is_leaf=lambda x: isinstance(x, tuple) and not is_spec(x)
+    )
+    spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
+    shape_leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    for (path, leaf), spec, names in zip(shape_leaves, spec_leaves, axes_leaves, strict=True):
+        entries = tuple(spec) + (None,) * (len(names) - len(tuple(spec)))
+        for dim, (name, entry) in enumerate(zip(names, entries)):
+            split = AXIS in _names(entry)
+            wanted = name in SPLIT_NAMES and leaf.shape[dim] >= tensor_size
+            if split == wanted:
+                continue
+            where = "/".join(path_names(path))
+            if wanted:
+                raise ValueError(
+                    f"tensor {tensor_size}: weight {where} (logical axes {names}) has spec {spec}, "
+                    f"which leaves its {name!r} dimension whole; the model needs every "
+                    f"{', '.join(SPLIT_NAMES)} dimension split over {AXIS!r}: give the Layout "
+                    f"a rule ({name!r}, {AXIS!r}) before its fsdp rules, as "
+                    "dew.layout.DEFAULT_RULES does"
+                )
+            raise ValueError(
+                f"tensor {tensor_size}: weight {where} (logical axes {names}) has spec {spec}, "
+                f"which splits its {name!r} dimension over {AXIS!r}; only the "
+                f"{', '.join(SPLIT_NAMES)} dimensions may be"
+            )

@@ -7,7 +7,12 @@ whole mesh, on each device's local shards, and every byte between devices is a c
     fsdp.gather          all_gathers of a layer's split weights (small ones bucketed, per dtype)
                          just before the layer runs, and again in its recomputed backward
     (its transpose)      one psum_scatter of those weights' gradients over fsdp
-    data.sum_gradients   psum of gradients over data (and over fsdp for weights kept whole)
+    tensor.enter/leave   Megatron's pairs around attention and the MLP (psum over tensor, or
+                         all_gather / psum_scatter with sequence-parallel activations), and the
+                         vocabulary-parallel embedding, head and loss (psum and pmax of
+                         [rows, seq]-sized values, never the logits)
+    data.sum_gradients   psum of gradients over the axes dew.parallel.gradients names for each
+                         weight: data, fsdp for weights kept whole, tensor for partial ones
     data.sum_over_tokens psum of the loss over the token axes
 
 The optax update then runs on the gradients as laid out (the same layout as the weights), outside
@@ -58,6 +63,15 @@ def accumulated_gradients(loss_share: Callable, params, microbatches: jax.Array)
     return loss, grads
 
 
+def step_shards(mesh: Mesh, param_specs, sequence_parallel: bool = False) -> Shards:
+    """The ``Shards`` the shard_map engine's code sees on ``mesh``."""
+    return Shards(
+        axis_sizes=dict(mesh.shape),
+        param_specs=param_specs,
+        sequence_parallel=sequence_parallel,
+    )
+
+
 def local_gradients(objective, shards: Shards, accumulation: int, global_tokens: int) -> Callable:
     """``(params, batch) -> (grads, loss)`` on one device's shards; summed over the batch axes.
 
@@ -72,7 +86,8 @@ def local_gradients(objective, shards: Shards, accumulation: int, global_tokens:
     def fn(params, batch):
         micro = batch.reshape(accumulation, batch.shape[0] // accumulation, batch.shape[1])
         loss, grads = accumulated_gradients(share, params, micro)
-        grads = data.sum_gradients(grads, shards.param_specs, shards)
+        partial = objective.model.partial_over_tensor(shards)
+        grads = data.sum_gradients(grads, shards.param_specs, shards, partial)
         return grads, data.sum_over_tokens(loss, shards)
 
     return fn
@@ -116,10 +131,12 @@ def apply_updates(
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema=ema)
 
 
-def build_loss(objective, mesh: Mesh, param_specs, *, global_rows: int) -> Callable:
+def build_loss(
+    objective, mesh: Mesh, param_specs, *, global_rows: int, sequence_parallel: bool = False
+) -> Callable:
     """The jitted ``(params, batch) -> loss``: the mean loss of a global batch, forward only, with
     the step's collectives (weights gathered per layer, the loss summed over the batch axes)."""
-    shards = Shards(axis_sizes=dict(mesh.shape), param_specs=param_specs)
+    shards = step_shards(mesh, param_specs, sequence_parallel)
     global_tokens = global_rows * objective.seq_len
 
     def local_loss(params, batch):
@@ -141,6 +158,7 @@ def build_gradients(
     accumulation: int,
     global_rows: int,
     engine: str = "shard_map",
+    sequence_parallel: bool = False,
 ) -> Callable:
     """``(params, batch) -> (grads, loss)`` on global arrays laid out on ``mesh``: the gradient of
     the mean loss of the whole batch, laid out like the parameters.
@@ -149,10 +167,12 @@ def build_gradients(
       param_specs: ``PartitionSpec`` tree of the parameters (what each device holds).
       global_rows: rows of the global batch (the loss is a mean over ``global_rows * seq_len``
         tokens).
+      sequence_parallel: the shard_map engine splits activations between blocks over positions
+        across the tensor group (``Shards.sequence_parallel``); the GSPMD engines ignore it.
     """
     global_tokens = global_rows * objective.seq_len
     if engine == "shard_map":
-        shards = Shards(axis_sizes=dict(mesh.shape), param_specs=param_specs)
+        shards = step_shards(mesh, param_specs, sequence_parallel)
         # check_vma=False: gradients are summed where dew.parallel says, not by the transposes of
         # implicit casts, so the collectives of a step are exactly those written in dew.parallel.
         return jax.shard_map(
@@ -181,6 +201,7 @@ def build_train_step(
     accumulation: int,
     global_rows: int,
     engine: str = "shard_map",
+    sequence_parallel: bool = False,
 ) -> Callable:
     """The jitted step ``(state, batch) -> (state, loss)``; ``state`` is donated.
 
@@ -194,6 +215,7 @@ def build_train_step(
         accumulation=accumulation,
         global_rows=global_rows,
         engine=engine,
+        sequence_parallel=sequence_parallel,
     )
 
     def step(state: TrainState, batch: jax.Array):

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from dew.checks import nonnegative_int, positive_int
 from dew.layout import Layout
 from dew.mesh import AXES, BATCH_AXES, MeshSpec, build_mesh
+from dew.parallel import tensor
 from dew.training.state import TrainState
 from dew.training.step import BATCH_SPEC, ENGINES, build_gradients, build_loss, build_train_step
 
@@ -49,7 +50,7 @@ def _metrics_file(path: Path | None):
 
 
 # Axes whose collectives the step engine writes today; the others must stay of size 1.
-SUPPORTED_AXES = ("data", "fsdp")
+SUPPORTED_AXES = ("data", "fsdp", "tensor")
 
 
 class Trainer:
@@ -68,6 +69,11 @@ class Trainer:
         with every block's input pinned to the batch split: the baseline benchmarks compare with) or
         ``"gspmd_unpinned"`` (the partitioner left alone; see ``dew.training.step``).
       devices: the devices to use (default: all of them).
+      sequence_parallel: with ``tensor > 1``, keep the activations between blocks split over
+        positions across the tensor group (Megatron's sequence parallelism: norms and residual
+        adds on ``1/tensor`` of the tokens, all-gather and reduce-scatter instead of all-reduce);
+        ``seq_len`` must divide by ``tensor``. No effect while ``tensor`` is 1, nor on the GSPMD
+        engines.
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class Trainer:
         accumulation: int = 1,
         engine: str = "shard_map",
         devices=None,
+        sequence_parallel: bool = False,
     ):
         if not isinstance(mesh, MeshSpec):
             raise TypeError(f"mesh must be a dew.MeshSpec, got {type(mesh).__name__}")
@@ -94,7 +101,7 @@ class Trainer:
             if axis not in SUPPORTED_AXES and size and size > 1:
                 raise ValueError(
                     f"MeshSpec({axis}={size}): the training step does not split over the "
-                    f"{axis} axis yet; it supports {' and '.join(SUPPORTED_AXES)}"
+                    f"{axis} axis yet; it supports {', '.join(SUPPORTED_AXES)}"
                 )
         self.objective = objective
         self.optimizer = optimizer
@@ -107,10 +114,21 @@ class Trainer:
         self.checkpoints = checkpoints
         self.accumulation = accumulation
         self.engine = engine
+        self.sequence_parallel = bool(sequence_parallel)
 
+        mesh_shape = dict(self.mesh.shape)
+        objective.model.check_split(mesh_shape)
+        tensor_size = mesh_shape["tensor"]
+        if self.sequence_parallel and objective.seq_len % tensor_size:
+            raise ValueError(
+                f"seq_len {objective.seq_len} does not split over tensor {tensor_size} "
+                "(sequence_parallel=True splits each row's positions across the tensor group)"
+            )
         axes = objective.model.logical_axes()
         abstract_state = jax.eval_shape(self._fresh_state, self.key)
         self.param_specs = layout.specs(self.mesh, abstract_state.params, axes)
+        if engine == "shard_map":
+            tensor.check_layout(self.param_specs, axes, abstract_state.params, tensor_size)
         self.state_shardings = layout.shardings(self.mesh, abstract_state, axes)
         self._abstract_state = abstract_state
         self._steps: dict[int, Any] = {}
@@ -235,6 +253,7 @@ class Trainer:
                 accumulation=self.accumulation,
                 global_rows=batch_size,
                 engine=self.engine,
+                sequence_parallel=self.sequence_parallel,
             )
         return self._steps[batch_size]
 
@@ -251,6 +270,7 @@ class Trainer:
                 accumulation=self.accumulation,
                 global_rows=rows,
                 engine=self.engine,
+                sequence_parallel=self.sequence_parallel,
             )
             self._gradients[rows] = jax.jit(
                 fn, out_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P()))
@@ -274,7 +294,11 @@ class Trainer:
         self.check_batch(data.batch_size)
         if data.batch_size not in self._losses:
             self._losses[data.batch_size] = build_loss(
-                self.objective, self.mesh, self.param_specs, global_rows=data.batch_size
+                self.objective,
+                self.mesh,
+                self.param_specs,
+                global_rows=data.batch_size,
+                sequence_parallel=self.sequence_parallel,
             )
         loss = self._losses[data.batch_size]
         losses = [loss(weights, self.device_batch(rows, data.batch_size)) for rows in batches]
