@@ -222,9 +222,10 @@ class CausalTransformer:
         on a tensor group of ``n``).
 
         ``positions``: ``[seq]`` integers, the global positions of the tokens attention sees
-        (rotary positions; ``jnp.arange(seq)`` for a whole sequence). The layers run under ``lax.scan``,
-        each under ``jax.checkpoint`` saving nothing; ``shards.pin`` constrains each layer's input
-        and the scan's output (the GSPMD baseline's activation pinning; a no-op otherwise).
+        (rotary positions; ``jnp.arange(seq)`` for a whole sequence). The layers run under
+        ``lax.scan``, each under ``jax.checkpoint`` saving nothing; ``shards.pin`` constrains each
+        layer's input and the scan's output (the GSPMD baseline's activation pinning; a no-op
+        otherwise).
         """
 
         shared_kv = self.kv_heads < shards.size(tensor.AXIS)

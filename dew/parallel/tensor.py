@@ -63,8 +63,8 @@ from jax import lax
 AXIS = "tensor"
 # Activations between blocks are [rows, seq, embed]: sequence parallelism splits dimension 1.
 SEQUENCE_DIM = 1
-# The logical dimensions Megatron's splits cut: every weight dimension of one of these names is split
-# over ``tensor`` (kv heads only when there are at least as many as devices), and no other.
+# The logical dimensions Megatron's splits cut: every weight dimension of one of these names is
+# split over ``tensor`` (kv heads only when there are at least as many as devices), and no other.
 SPLIT_NAMES = ("vocab", "heads", "kv_heads", "mlp")
 
 
