@@ -46,9 +46,11 @@ stay whole and each device keeps the kv head its query heads use (``shared_kv_he
 Bytes, per device and per call, for a local operand of ``b`` bytes on a tensor group of ``n`` (ring
 algorithms, as ``dew.collectives`` counts them) are written beside each collective below. Per
 decoder layer and microbatch, with activations ``[rows, seq, embed]`` of ``A`` bytes: the forward
-has two all-reduces of ``A`` (attention's and the MLP's ``leave``), the backward two more (their
-``enter``) and, under the layer's rematerialization, the forward's two again; with sequence
-parallelism each all-reduce becomes an all-gather and a reduce-scatter, the same bytes in all.
+has two all-reduces of ``A`` (attention's and the MLP's ``leave``); the backward has two more (their
+``enter``) and, as the layer is rematerialized, attention's ``leave`` again (the MLP's output is
+not needed to differentiate the layer, so its recomputation is dropped): five in all. With
+sequence parallelism each ``enter`` is an all-gather (recomputed too) and each ``leave`` a
+reduce-scatter, and their backwards the other one.
 """
 
 from __future__ import annotations
