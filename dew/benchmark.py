@@ -18,6 +18,10 @@ share the machine's cores, the compute limit). For each it measures:
   ``dew.collectives.hlo_collectives`` (the same reader for both engines, so they compare
   byte for byte); ``collectives``: the collective calls the compiled step runs.
 
+Each result also records ``sequence_parallel``: whether the step kept the activations between
+blocks split over positions (asked with ``sequence_parallel=True``, and in effect: the shard_map
+engine on a tensor axis above 1).
+
 The machines this runs on are shared and noisy, so times are only compared as ratios measured in
 one run. The contestants take turns, ``steps`` steps each per round; the engines of a layout run
 back to back (their order alternates), and the order of the layouts (the one-device row among
@@ -82,12 +86,14 @@ DEPTH_LIMIT = 1.5
 class ModelSize:
     """The benchmarked decoder (``causal_transformer``, byte vocabulary) and its batch.
 
-    The default is larger than the notebook's example: 4,262,144 weights, 4096 tokens a step.
+    The default is larger than the notebook's example: 4,262,144 weights, 4096 tokens a step;
+    8 heads of 32, so that the heads, the MLP width (1024) and the vocabulary split over up to 8
+    tensor devices.
     """
 
     layers: int = 4
     width: int = 256
-    heads: int = 4
+    heads: int = 8
     seq_len: int = 128
     batch: int = 32
     vocab: int = 256
@@ -126,6 +132,7 @@ class Result:
     collectives: int
     steps_timed: int
     round_ms: tuple[float, ...] = ()  # the median step of each timed round, in round order
+    sequence_parallel: bool = False  # sequence-parallel activations were in effect
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -183,7 +190,8 @@ class Contestant:
     """One layout and engine: its trainer, compiled step, live state, batch and step times.
 
     ``engine=ONE_DEVICE`` is the one-device row: the GSPMD step (a plain ``jit``) on a mesh of the
-    first device alone, whatever ``mesh`` says.
+    first device alone, whatever ``mesh`` says. ``sequence_parallel`` is the ``Trainer``'s (in
+    effect only for the shard_map engine on a tensor axis above 1).
 
     c = Contestant(size.objective(), size, MeshSpec(fsdp=8), "shard_map")
     c.prepare(); c.compile()
@@ -199,6 +207,7 @@ class Contestant:
         engine: str,
         min_shard: int = Layout().min_shard,
         seed: int = 0,
+        sequence_parallel: bool = False,
     ):
         one_device = engine == ONE_DEVICE
         self.trainer = Trainer(
@@ -209,12 +218,18 @@ class Contestant:
             layout=Layout(min_shard=min_shard),
             engine="gspmd" if one_device else engine,
             devices=jax.devices()[:1] if one_device else None,
+            sequence_parallel=sequence_parallel,
         )
         self.trainer.check_batch(size.batch)
         self.size = size
         self.seed = seed
         self.layout = layout_name(dict(self.trainer.mesh.shape))
         self.engine = engine
+        self.sequence_parallel = (
+            self.trainer.sequence_parallel
+            and self.trainer.engine == "shard_map"
+            and self.trainer.mesh.shape["tensor"] > 1
+        )
         self.times: list[float] = []
         self.rounds: list[float] = []
 
@@ -278,6 +293,7 @@ class Contestant:
             collectives=self.report.count(),
             steps_timed=len(self.times),
             round_ms=tuple(1e3 * t for t in self.rounds),
+            sequence_parallel=self.sequence_parallel,
         )
 
     def release(self) -> None:
@@ -308,6 +324,7 @@ def compare(
     warmup: int = 0,
     min_shard: int = Layout().min_shard,
     seed: int = 0,
+    sequence_parallel: bool = False,
     log: Callable[[str], None] | None = print,
 ) -> list[Result]:
     """Measures every layout with every engine; one ``Result`` each, layouts outer, engines inner,
@@ -323,6 +340,9 @@ def compare(
       warmup: rounds run first and not timed.
       min_shard: the ``Layout``'s: weights with fewer elements stay whole.
       seed: weights and the (fixed, random) batch.
+      sequence_parallel: ``Trainer(sequence_parallel=...)`` for every contestant (in effect for the
+        shard_map engine on layouts with ``tensor > 1``; ``seq_len`` must divide by their tensor
+        size).
       log: called with a line of progress; ``None`` for quiet.
 
     Every argument is checked (sizes, layouts against the device count, the batch against each
@@ -340,7 +360,7 @@ def compare(
     log = log or (lambda line: None)
     objective = size.objective()
     contestants = [
-        Contestant(objective, size, spec, engine, min_shard, seed)
+        Contestant(objective, size, spec, engine, min_shard, seed, sequence_parallel)
         for spec in specs
         for engine in engines
     ]
@@ -390,11 +410,12 @@ def compile_depth(
     repeats: int = 1,
     min_shard: int = Layout().min_shard,
     seed: int = 0,
+    sequence_parallel: bool = False,
 ) -> DepthCheck:
     """Compile time of the step at ``size.layers`` and at ``deep_layers`` layers, alternating.
 
     Each compile uses a fresh ``Trainer`` (nothing cached between them); medians of ``repeats``
-    each.
+    each. ``sequence_parallel``: as ``compare``'s.
     """
     positive_int("deep_layers", deep_layers)
     positive_int("repeats", repeats)
@@ -402,10 +423,14 @@ def compile_depth(
     deep_size = dataclasses.replace(size, layers=deep_layers)
     objectives = (size.objective(), deep_size.objective())
     shallow, deep = [], []
-    Contestant(objectives[0], size, spec, engine, min_shard, seed).prepare()  # warms JAX up
+    Contestant(
+        objectives[0], size, spec, engine, min_shard, seed, sequence_parallel
+    ).prepare()  # warms JAX up
     for _ in range(repeats):
         for objective, times in zip(objectives, (shallow, deep)):
-            contestant = Contestant(objective, size, spec, engine, min_shard, seed)
+            contestant = Contestant(
+                objective, size, spec, engine, min_shard, seed, sequence_parallel
+            )
             contestant.compile()
             times.append(contestant.compile_s)
             contestant.release()

@@ -94,6 +94,28 @@ def table_bytes(number: str, unit: str) -> float:
     return float(number) * UNITS[unit]
 
 
+def report_rows(stdout: str) -> dict:
+    """The rows of a printed collective report: ``{(op, axes): (count, operand_bytes,
+    wire_bytes)}``, ``axes`` a tuple of axis names."""
+    lines = stdout.splitlines()
+    # The rows sit between the rule under the header and the rule above the total.
+    rules = [i for i, line in enumerate(lines) if line.startswith("-----")]
+    assert len(rules) == 2, stdout
+    row = re.compile(
+        r"(\w+)\s+([\w,]+)\s+(\d+)\s+([\d.]+) (B|KiB|MiB|GiB)\s+([\d.]+) (B|KiB|MiB|GiB)"
+    )
+    rows = {}
+    for line in lines[rules[0] + 1 : rules[1]]:
+        m = row.fullmatch(line)
+        assert m, f"not a report row: {line!r}\n{stdout}"
+        op, axes, count = m.group(1), tuple(m.group(2).split(",")), int(m.group(3))
+        assert op in OPS and (op, axes) not in rows, stdout
+        rows[(op, axes)] = (count, table_bytes(*m.group(4, 5)), table_bytes(*m.group(6, 7)))
+    total = lines[rules[1] + 1].split()
+    assert total[0] == "total" and int(total[1]) == sum(c for c, _, _ in rows.values()), stdout
+    return rows
+
+
 def test_dew_collectives_gspmd_prints_the_compiled_steps_rows(tmp_path):
     out = dew("collectives", "--mesh", "data=2,fsdp=4", "--engine", "gspmd", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -101,26 +123,13 @@ def test_dew_collectives_gspmd_prints_the_compiled_steps_rows(tmp_path):
     assert lines[0].startswith(
         "Collectives of one gspmd step on {'data': 2, 'expert': 1, 'fsdp': 4,"
     ), out.stdout
-    # The rows sit between the rule under the header and the rule above the total.
-    rules = [i for i, line in enumerate(lines) if line.startswith("-----")]
-    assert len(rules) == 2, out.stdout
-    row = re.compile(
-        r"(\w+)\s+([\w,]+)\s+(\d+)\s+([\d.]+) (B|KiB|MiB|GiB)\s+([\d.]+) (B|KiB|MiB|GiB)"
-    )
-    rows = {}
-    for line in lines[rules[0] + 1 : rules[1]]:
-        m = row.fullmatch(line)
-        assert m, f"not a report row: {line!r}\n{out.stdout}"
-        op, axes, count = m.group(1), tuple(m.group(2).split(",")), int(m.group(3))
-        operand, wire = table_bytes(*m.group(4, 5)), table_bytes(*m.group(6, 7))
-        assert op in OPS and set(axes) <= {"data", "fsdp"}, out.stdout
+    rows = report_rows(out.stdout)
+    for (op, axes), (count, operand, wire) in rows.items():
+        assert set(axes) <= {"data", "fsdp"}, out.stdout
         assert count > 0 and operand > 0 and wire > 0, out.stdout
-        rows[(op, axes)] = count
     # XLA gathers the weights split over fsdp, and sums the gradients over the data replicas.
     assert ("all_gather", ("fsdp",)) in rows, out.stdout
     assert any(op == "psum" and "data" in axes for op, axes in rows), out.stdout
-    total = lines[rules[1] + 1].split()
-    assert total[0] == "total" and int(total[1]) == sum(rows.values()), out.stdout
     # Bytes per axis: the two axes the mesh splits move bytes, the axes of size 1 none.
     per_axis = {}
     for line in lines[
@@ -133,3 +142,81 @@ def test_dew_collectives_gspmd_prints_the_compiled_steps_rows(tmp_path):
     assert per_axis["data"][1] == 2 and per_axis["fsdp"][1] == 4, out.stdout
     assert per_axis["data"][0] > 0 and per_axis["fsdp"][0] > 0, out.stdout
     assert all(b == 0 for b, size in per_axis.values() if size == 1), out.stdout
+
+
+def test_dew_collectives_sequence_parallel_moves_activations_by_gather_and_scatter(tmp_path):
+    # The example model (2 layers, width 64, batch 16 x 32) on data 4 x tensor 2: each device's
+    # activations [4 rows, 32, 64] float32 are A = 32 KiB.
+    out = dew("collectives", "--mesh", "tensor=2", "--sequence-parallel", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[0].endswith(
+        "'tensor': 2, 'sequence': 1, 'stage': 1}, batch 16 x 32 tokens, sequence_parallel=True:"
+    ), out.stdout
+    rows = report_rows(out.stdout)
+    activations = 4 * 32 * 64 * 4
+    # Per layer, 6 all_gathers of [4, 16, 64] (2 entering forward, 2 recomputed, 2 in the leaves'
+    # backward) and 5 psum_scatters of [4, 32, 64]; plus the embedding's and the head's pair.
+    assert rows["all_gather", ("tensor",)] == (14, 14 * activations / 2, 14 * activations / 2)
+    assert rows["psum_scatter", ("tensor",)] == (12, 12 * activations, 12 * activations / 2)
+    # No activation is summed whole over tensor: the one psum left is the loss's two sums per
+    # token ([4, 32, 2] float32), and the norm scales' gradients are summed over data and tensor.
+    assert rows["psum", ("tensor",)] == (1, 4 * 32 * 2 * 4, 4 * 32 * 2 * 4), out.stdout
+    assert rows["psum", ("data", "tensor")][0] == 3, out.stdout
+
+
+def test_dew_collectives_refuses_heads_that_do_not_split_over_tensor(tmp_path):
+    bad = dew("collectives", "--mesh", "tensor=8", cwd=tmp_path)
+    assert bad.returncode == 2, bad.stdout
+    assert "dew collectives: num_heads 4 does not split over tensor 8" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_dew_train_passes_sequence_parallel_to_the_trainer(tmp_path):
+    # Refused by the Trainer before compiling: positions split over tensor need seq_len % 4 == 0,
+    # which only sequence_parallel=True asks for (without it, --steps 0 returns at once).
+    bad = dew("train", "--mesh", "tensor=4", "--seq-len", "30", "--sequence-parallel", cwd=tmp_path)
+    assert bad.returncode == 2, bad.stdout
+    assert "dew train: seq_len 30 does not split over tensor 4 (sequence_parallel=True" in (
+        bad.stderr
+    ), bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_dew_bench_runs_and_records_sequence_parallel(tmp_path):
+    # A one-step run of a tiny model: what is checked is what ran, not how fast.
+    out = dew(
+        "bench",
+        *("--layouts", "data=8", "tensor=2", "--engines", "shard_map", "--no-one-device"),
+        *("--depth-check", "0", "--repeats", "1", "--warmup", "0", "--sequence-parallel"),
+        *("--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "8"),
+        *("--json", "bench.json"),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith(
+        "dew bench: 1 layers, width 32, 2 heads, batch 8 x 8 tokens, min_shard 65536, "
+        "sequence_parallel True, on 8 cpu devices;"
+    ), out.stdout
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    # In effect only where there is a tensor group to split positions over.
+    assert {(r["layout"], r["sequence_parallel"]) for r in rows} == {
+        ("data=8", False),
+        ("data=4,tensor=2", True),
+    }, rows
+
+
+def test_dew_bench_defaults_split_over_eight_tensor_devices():
+    from dew.benchmark import ModelSize
+    from dew.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench"])
+    assert (args.width, args.heads, args.sequence_parallel) == (256, 8, False)
+    size = ModelSize(
+        layers=args.layers,
+        width=args.width,
+        heads=args.heads,
+        seq_len=args.seq_len,
+        batch=args.batch,
+    )
+    # What `dew bench --layouts tensor=8 data=2,tensor=4 fsdp=2,tensor=4` needs of the model.
+    size.objective().model.check_split({"tensor": 8})

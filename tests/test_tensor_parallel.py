@@ -37,6 +37,11 @@ LAYOUTS = {
         {"sequence_parallel": True},
     ),
     "untied_tensor4": ({"tie_embeddings": False}, dew.MeshSpec(tensor=4), {}),
+    "tensor4_kv2_pallas_sequence_parallel": (
+        {"num_kv_heads": 2, "attention_impl": "pallas", "num_layers": 1},
+        dew.MeshSpec(tensor=4),
+        {"sequence_parallel": True},
+    ),
     "tensor4_fsdp2_accumulation2": ({}, dew.MeshSpec(tensor=4, fsdp=2), {"accumulation": 2}),
     "data2_tensor4_sequence_parallel": ({}, dew.MeshSpec(tensor=4), {"sequence_parallel": True}),
     "tensor2_fsdp4_sequence_parallel_untied": (

@@ -3,6 +3,7 @@
     dew bench                                  # data=8, fsdp=8, data=2,fsdp=4; shard_map, gspmd
                                                # and the one-device row
     dew bench --layouts fsdp=8 --json out.json
+    dew bench --layouts tensor=8 data=2,tensor=4 fsdp=2,tensor=4 --sequence-parallel
 
 The measurements and the targets are ``dew.benchmark``'s; this module only reads flags and prints.
 """
@@ -20,6 +21,7 @@ from dew.cli.flags import (
     add_min_shard_flag,
     add_model_flags,
     add_seed_flag,
+    add_sequence_parallel_flag,
     engine_names,
 )
 
@@ -57,7 +59,17 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="skip the one-device row (the same model and global batch on one device)",
     )
     add_device_flag(parser)
-    add_model_flags(parser, batch=32, seq_len=128, layers=4, width=256, heads=4)
+    from dew.benchmark import ModelSize
+
+    size = ModelSize()
+    add_model_flags(
+        parser,
+        batch=size.batch,
+        seq_len=size.seq_len,
+        layers=size.layers,
+        width=size.width,
+        heads=size.heads,
+    )
     parser.add_argument(
         "--steps", type=int, default=1, help="steps each contestant runs per turn (default 1)"
     )
@@ -76,6 +88,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     from dew.layout import Layout
 
     add_min_shard_flag(parser, default=Layout().min_shard)
+    add_sequence_parallel_flag(parser)
     parser.add_argument(
         "--depth-check",
         type=int,
@@ -141,6 +154,7 @@ def run(args) -> int:
     print(
         f"dew bench: {size.layers} layers, width {size.width}, {size.heads} heads, "
         f"batch {size.batch} x {size.seq_len} tokens, min_shard {args.min_shard}, "
+        f"sequence_parallel {args.sequence_parallel}, "
         f"on {jax.device_count()} {jax.devices()[0].platform} devices; "
         f"{args.repeats} timed rounds of {args.steps} step(s)"
         + (f" after {args.warmup} warm-up round(s)" if args.warmup else ""),
@@ -156,6 +170,7 @@ def run(args) -> int:
         warmup=args.warmup,
         min_shard=args.min_shard,
         seed=args.seed,
+        sequence_parallel=args.sequence_parallel,
         log=lambda line: print("  " + line, flush=True),
     )
     depth = None
@@ -164,7 +179,12 @@ def run(args) -> int:
         # first.
         spec = next((s for s in specs if s.fsdp > 1 and s.model_devices == s.fsdp), specs[0])
         depth = benchmark.compile_depth(
-            size, spec, args.depth_check, min_shard=args.min_shard, seed=args.seed
+            size,
+            spec,
+            args.depth_check,
+            min_shard=args.min_shard,
+            seed=args.seed,
+            sequence_parallel=args.sequence_parallel,
         )
     print()
     print(benchmark.table(results))

@@ -57,7 +57,20 @@ def add_min_shard_flag(parser: argparse.ArgumentParser, default: int) -> None:
         "--min-shard",
         type=int,
         default=default,
-        help=f"weights with fewer elements stay whole (default {default})",
+        help=f"weights with fewer elements are not split over fsdp; tensor splits always apply "
+        f"(default {default})",
+    )
+
+
+def add_sequence_parallel_flag(parser: argparse.ArgumentParser) -> None:
+    """``--sequence-parallel``: ``Trainer(..., sequence_parallel=True)``."""
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with tensor > 1, keep the activations between blocks split over positions across "
+        "the tensor group (Megatron's sequence parallelism: activations move by all_gather and "
+        "psum_scatter instead of psum; --seq-len must divide by tensor); no effect on the GSPMD "
+        "engines",
     )
 
 
