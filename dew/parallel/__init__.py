@@ -5,8 +5,8 @@
 - ``fsdp``: gather a layer's weights over ``fsdp`` just before it runs (the gradients come back
   reduce-scattered as the transpose of that gather).
 - ``data``: sum gradients over the axes ``gradients`` names and the loss over the token axes.
-- ``tensor``: Megatron's conjugate pairs, the vocabulary-parallel embedding and cross-entropy
-  (building blocks, not yet wired into the decoder).
+- ``tensor``: Megatron's conjugate pairs around attention and the MLP, the vocabulary-parallel
+  embedding and cross-entropy, shared kv heads, and what a layout must split over ``tensor``.
 
 Code inside the step sees a ``Shards``: the sizes of the mesh axes and the ``PartitionSpec`` of
 every parameter. ``ONE_DEVICE`` (every axis of size 1, nothing split) makes the same code run on
