@@ -234,7 +234,7 @@ def sum_gradients_with(split_psums, whole_psums):
     fsdp psummed over each axis tuple in ``split_psums`` in turn, those kept whole over
     ``whole_psums``."""
 
-    def sum_gradients(grads, specs, shards):
+    def sum_gradients(grads, specs, shards, partial_over_tensor=None):
         leaves, treedef = jax.tree_util.tree_flatten(grads)
         out = []
         for g, spec in zip(leaves, treedef.flatten_up_to(specs)):

@@ -17,7 +17,6 @@ from dew.benchmark import state_bytes_per_device
 from dew.layout import path_names
 from dew.objectives.lm import LMObjective
 from dew.parallel.gradients import sum_axes
-from dew.training.step import step_shards
 from tests.helpers import fresh_batch, relative_error, seeded_key, smooth_optimizer, tiny_objective
 from tests.test_equivalence import ROWS, STEPS, assert_matches, reference_run, sharded_run
 
@@ -155,7 +154,7 @@ def summed_axes(overrides, mesh, sequence_parallel=False):
         layout=dew.Layout(min_shard=1),
         sequence_parallel=sequence_parallel,
     )
-    shards = step_shards(trainer.mesh, trainer.param_specs, sequence_parallel)
+    shards = trainer.shards
     partial = trainer.objective.model.partial_over_tensor(shards)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     specs = jax.tree_util.tree_flatten_with_path(trainer.param_specs, is_leaf=is_spec)[0]

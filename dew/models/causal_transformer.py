@@ -31,7 +31,7 @@ from dew.checks import positive_int
 from dew.layout import path_names
 from dew.nn import attention, embed, mlp, norm
 from dew.nn.param import Param, init_params, logical_axes, normal
-from dew.parallel import ONE_DEVICE, Shards, fsdp, tensor
+from dew.parallel import ONE_DEVICE, Shards, fsdp, sequence, tensor
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -139,17 +139,22 @@ class CausalTransformer:
     def logical_axes(self) -> dict:
         return logical_axes(self.declare())
 
-    def check_split(self, axis_sizes: dict) -> None:
+    def check_split(self, axis_sizes: dict, sequence_scheme: str = "ring") -> None:
         """Raises ``ValueError``, naming the numbers, when this model cannot run on a mesh of
-        ``axis_sizes`` (heads, kv heads, MLP width or vocabulary that do not split over
-        ``tensor``)."""
+        ``axis_sizes``: heads, kv heads, MLP width or vocabulary that do not split over
+        ``tensor``; heads that do not split over ``sequence x tensor`` for the all-to-all
+        scheme; an unknown ``sequence_scheme``."""
+        t = axis_sizes.get(tensor.AXIS, 1)
         sizes = {
             "num_heads": self.num_heads,
             "num_kv_heads": self.kv_heads,
             "mlp_features": self.hidden,
             "vocab_size": self.vocab_size,
         }
-        tensor.check_sizes(axis_sizes.get(tensor.AXIS, 1), sizes)
+        tensor.check_sizes(t, sizes)
+        sequence.check_heads(
+            sequence_scheme, axis_sizes.get(sequence.AXIS, 1), self.num_heads, self.kv_heads, t
+        )
 
     def partial_over_tensor(self, shards: Shards) -> dict:
         """A tree of bools shaped like the parameters: the weights replicated over ``tensor``
@@ -229,6 +234,9 @@ class CausalTransformer:
         """
 
         shared_kv = self.kv_heads < shards.size(tensor.AXIS)
+        # Over a sequence axis, attention spans every device's positions (ring or all-to-all);
+        # elsewhere it is the plain call.
+        attend = sequence.attention(shards, self.attention_impl)
 
         def layer(x, layer_shards):
             x = shards.pin(x)
@@ -244,7 +252,7 @@ class CausalTransformer:
             # every device of the tensor group, or gathered from its positions under sequence
             # parallelism) and leaves by summing the devices' partial outputs.
             h = tensor.enter(norm.rms_norm(w["attn_norm"], x), shards)
-            h = attention.self_attention(attn, h, positions, self.attention_impl)
+            h = attention.self_attention(attn, h, positions, attend)
             x = x + tensor.leave(h, shards)
             h = tensor.enter(norm.rms_norm(w["mlp_norm"], x), shards)
             x = x + tensor.leave(mlp.swiglu(w["mlp"], h), shards)

@@ -78,10 +78,15 @@ def attention_params(
     }
 
 
-def self_attention(p: dict, x: jax.Array, positions: jax.Array, impl: str = "xla") -> jax.Array:
-    """``x``: ``[batch, seq, embed]`` -> ``[batch, seq, embed]``, causal, rotary positions."""
+def self_attention(p: dict, x: jax.Array, positions: jax.Array, attend=xla_attention) -> jax.Array:
+    """``x``: ``[batch, seq, embed]`` -> ``[batch, seq, embed]``, causal, rotary positions.
+
+    ``positions``: ``[seq]``, the global positions of ``x``'s tokens. ``attend``: an attention
+    function ``(q, k, v, *, causal) -> (out, lse)`` (``IMPLEMENTATIONS``, or one spanning a
+    sequence axis, ``dew.parallel.sequence.attention``).
+    """
     q = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["q"].astype(x.dtype)), positions)
     k = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["k"].astype(x.dtype)), positions)
     v = jnp.einsum("bse,ehd->bshd", x, p["v"].astype(x.dtype))
-    out, _ = IMPLEMENTATIONS[impl](q, k, v, causal=True)
+    out, _ = attend(q, k, v, causal=True)
     return jnp.einsum("bshd,hde->bse", out, p["o"].astype(x.dtype))

@@ -43,18 +43,34 @@ class LMObjective:
     def loss_sum(self, params, batch: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
         """Sum over ``batch``'s rows and positions of the cross-entropy (float32 scalar).
 
-        ``batch``: ``[rows, seq_len + 1]`` integer tokens. Divide by the global number of predicted
-        tokens for the mean; summing first lets devices add up their parts exactly.
+        ``batch``: ``[rows, seq_len + 1]`` integer tokens, whole rows. Divide by the global number
+        of predicted tokens for the mean; summing first lets devices add up their parts exactly.
+        """
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        return self.token_loss_sum(params, inputs, targets, jnp.arange(inputs.shape[1]), shards)
 
-        The model runs as its parts (embed, blocks at positions ``0 .. seq_len - 1``, head) and the
-        cross-entropy is ``dew.parallel.tensor.cross_entropy``, which takes this device's slice of
-        the vocabulary's logits (all of it while the tensor axis has size 1).
+    def token_loss_sum(
+        self,
+        params,
+        inputs: jax.Array,
+        targets: jax.Array,
+        positions: jax.Array,
+        shards: Shards = ONE_DEVICE,
+    ) -> jax.Array:
+        """Sum of the cross-entropy of predicting ``targets`` from ``inputs`` (float32 scalar).
+
+        ``inputs`` and ``targets``: ``[rows, positions]`` integer tokens, already shifted (target
+        ``j`` follows input ``j``); ``positions``: their global positions in the row, ``[n]`` (all
+        of them in order for whole rows; this device's chunks under a ``sequence`` split).
+
+        The model runs as its parts (embed, blocks, head) and the cross-entropy is
+        ``dew.parallel.tensor.cross_entropy``, which takes this device's slice of the vocabulary's
+        logits (all of it while the tensor axis has size 1).
         """
         model = self.model
-        inputs, targets = batch[:, :-1], batch[:, 1:]
         params, shards = model.share_embedding(params, shards)
         x = model.embed(params, inputs, shards)
-        x = model.blocks(params, x, jnp.arange(inputs.shape[1]), shards)
+        x = model.blocks(params, x, positions, shards)
         logits = model.head(params, x, shards)
         return jnp.sum(tensor.cross_entropy(logits, targets, shards))
 

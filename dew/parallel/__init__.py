@@ -7,6 +7,8 @@
 - ``data``: sum gradients over the axes ``gradients`` names and the loss over the token axes.
 - ``tensor``: Megatron's conjugate pairs around attention and the MLP, the vocabulary-parallel
   embedding and cross-entropy, shared kv heads, and what a layout must split over ``tensor``.
+- ``sequence``: positions split in zigzag order; attention over every device's positions by a
+  ring of K/V blocks (``ppermute``) or by trading positions for heads (``all_to_all``).
 
 Code inside the step sees a ``Shards``: the sizes of the mesh axes and the ``PartitionSpec`` of
 every parameter. ``ONE_DEVICE`` (every axis of size 1, nothing split) makes the same code run on

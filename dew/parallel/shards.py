@@ -38,12 +38,16 @@ class Shards:
         ``sequence`` mesh axis). Read by ``dew.parallel.tensor``; a weight replicated over
         ``tensor`` that sees such activations has its gradient summed over ``tensor`` too
         (``dew.parallel.gradients``).
+      sequence_scheme: how attention spans a ``sequence`` axis of size > 1: ``"ring"`` (K/V blocks
+        travel round the axis) or ``"all_to_all"`` (positions traded for heads);
+        ``dew.parallel.sequence.SCHEMES``.
     """
 
     axis_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     param_specs: Any = None
     pinned_activations: Any = None
     sequence_parallel: bool = False
+    sequence_scheme: str = "ring"
 
     def size(self, *axes: str) -> int:
         """The number of devices spanned by ``axes`` (1 for axes this step does not have)."""

@@ -38,16 +38,22 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dew.mesh import BATCH_AXES
-from dew.parallel import Shards, data
+from dew.parallel import Shards, data, sequence
 from dew.training.state import TrainState
 
 ENGINES = ("shard_map", "gspmd", "gspmd_unpinned")
+# The global batch [rows, seq_len + 1] as it arrives: rows split over the batch axes.
 BATCH_SPEC = P(BATCH_AXES)
+# Shifted tokens [rows, seq_len] inside the shard_map step: rows over the batch axes, positions
+# over ``sequence``; and their global positions [seq_len].
+TOKEN_SPEC = P(BATCH_AXES, "sequence")
+POSITION_SPEC = P("sequence")
 
 
 def accumulated_gradients(loss_share: Callable, params, microbatches: jax.Array):
@@ -63,28 +69,63 @@ def accumulated_gradients(loss_share: Callable, params, microbatches: jax.Array)
     return loss, grads
 
 
-def step_shards(mesh: Mesh, param_specs, sequence_parallel: bool = False) -> Shards:
+def step_shards(
+    mesh: Mesh,
+    param_specs,
+    sequence_parallel: bool = False,
+    sequence_scheme: str = "ring",
+) -> Shards:
     """The ``Shards`` the shard_map engine's code sees on ``mesh``."""
     return Shards(
         axis_sizes=dict(mesh.shape),
         param_specs=param_specs,
         sequence_parallel=sequence_parallel,
+        sequence_scheme=sequence_scheme,
     )
 
 
-def local_gradients(objective, shards: Shards, accumulation: int, global_tokens: int) -> Callable:
-    """``(params, batch) -> (grads, loss)`` on one device's shards; summed over the batch axes.
+def split_tokens(mesh: Mesh, seq_len: int) -> Callable:
+    """``batch -> (inputs, targets, positions)`` on the global arrays, for the shard_map engine.
 
-    ``batch``: this device's ``[rows, seq_len + 1]`` tokens, taken as ``accumulation``
-    microbatches of consecutive rows. Each microbatch's loss is its share of the global mean, so the
-    gradients add up to the whole batch's.
+    ``batch`` ``[rows, seq_len + 1]`` is shifted into inputs and targets ``[rows, seq_len]`` and,
+    over a ``sequence`` axis of ``n``, its positions are put in zigzag order
+    (``dew.parallel.sequence.zigzag_positions``), so that splitting them into ``n`` contiguous
+    blocks (``TOKEN_SPEC``) gives device ``i`` chunks ``i`` and ``2n - 1 - i``; ``positions`` are
+    the global positions, split alike. Every device of a sequence group holds the whole rows of
+    its batch slice, so the reorder is a local slice, not a collective.
+    """
+    n = mesh.shape["sequence"]
+    order = np.arange(seq_len) if n == 1 else sequence.zigzag_positions(seq_len, n)
+
+    def split(batch):
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if n > 1:
+            inputs, targets = inputs[:, order], targets[:, order]
+        return inputs, targets, jnp.asarray(order, jnp.int32)
+
+    return split
+
+
+def local_gradients(objective, shards: Shards, accumulation: int, global_tokens: int) -> Callable:
+    """``(params, inputs, targets, positions) -> (grads, loss)`` on one device's shards; summed
+    over the axes ``dew.parallel.gradients`` names.
+
+    ``inputs``, ``targets``: this device's ``[rows, positions]`` tokens (``TOKEN_SPEC``), taken as
+    ``accumulation`` microbatches of consecutive rows; ``positions``: their global positions. Each
+    microbatch's loss is its share of the global mean, so the gradients add up to the whole
+    batch's.
     """
 
     def share(params, micro):
-        return objective.loss_sum(params, micro, shards) / global_tokens
+        inputs, targets, positions = micro
+        return objective.token_loss_sum(params, inputs, targets, positions, shards) / global_tokens
 
-    def fn(params, batch):
-        micro = batch.reshape(accumulation, batch.shape[0] // accumulation, batch.shape[1])
+    def fn(params, inputs, targets, positions):
+        def cut(x):
+            return x.reshape(accumulation, x.shape[0] // accumulation, *x.shape[1:])
+
+        every = jnp.broadcast_to(positions, (accumulation, *positions.shape))
+        micro = (cut(inputs), cut(targets), every)
         loss, grads = accumulated_gradients(share, params, micro)
         partial = objective.model.partial_over_tensor(shards)
         grads = data.sum_gradients(grads, shards.param_specs, shards, partial)
@@ -131,59 +172,66 @@ def apply_updates(
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema=ema)
 
 
-def build_loss(
-    objective, mesh: Mesh, param_specs, *, global_rows: int, sequence_parallel: bool = False
+def _shard_map_step(
+    local: Callable, mesh: Mesh, shards: Shards, seq_len: int, out_specs
 ) -> Callable:
+    """``(params, batch) -> local(params, inputs, targets, positions)`` over ``mesh``, the batch
+    split into tokens by ``split_tokens`` first.
+
+    ``check_vma=False``: gradients are summed where dew.parallel says, not by the transposes of
+    implicit casts, so the collectives of a step are exactly those written in dew.parallel.
+    """
+    split = split_tokens(mesh, seq_len)
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(shards.param_specs, TOKEN_SPEC, TOKEN_SPEC, POSITION_SPEC),
+        out_specs=out_specs,
+        check_vma=False,
+    )
+    return lambda params, batch: mapped(params, *split(batch))
+
+
+def build_loss(objective, mesh: Mesh, shards: Shards, *, global_rows: int) -> Callable:
     """The jitted ``(params, batch) -> loss``: the mean loss of a global batch, forward only, with
-    the step's collectives (weights gathered per layer, the loss summed over the batch axes)."""
-    shards = step_shards(mesh, param_specs, sequence_parallel)
+    the step's collectives (weights gathered per layer, the loss summed over the token axes)."""
     global_tokens = global_rows * objective.seq_len
 
-    def local_loss(params, batch):
-        return (
-            data.sum_over_tokens(objective.loss_sum(params, batch, shards), shards) / global_tokens
-        )
+    def local_loss(params, inputs, targets, positions):
+        loss = objective.token_loss_sum(params, inputs, targets, positions, shards)
+        return data.sum_over_tokens(loss, shards) / global_tokens
 
-    loss = jax.shard_map(
-        local_loss, mesh=mesh, in_specs=(param_specs, BATCH_SPEC), out_specs=P(), check_vma=False
-    )
+    loss = _shard_map_step(local_loss, mesh, shards, objective.seq_len, P())
     return jax.jit(loss, out_shardings=NamedSharding(mesh, P()))
 
 
 def build_gradients(
     objective,
     mesh: Mesh,
-    param_specs,
+    shards: Shards,
     *,
     accumulation: int,
     global_rows: int,
     engine: str = "shard_map",
-    sequence_parallel: bool = False,
 ) -> Callable:
     """``(params, batch) -> (grads, loss)`` on global arrays laid out on ``mesh``: the gradient of
     the mean loss of the whole batch, laid out like the parameters.
 
     Args:
-      param_specs: ``PartitionSpec`` tree of the parameters (what each device holds).
+      shards: what the shard_map engine's code sees (``step_shards``): the mesh's sizes, the
+        parameters' ``PartitionSpec`` s, the activation options. The GSPMD engines read only the
+        specs' absence: they run the model on the global arrays.
       global_rows: rows of the global batch (the loss is a mean over ``global_rows * seq_len``
         tokens).
-      sequence_parallel: the shard_map engine splits activations between blocks over positions
-        across the tensor group (``Shards.sequence_parallel``); the GSPMD engines ignore it.
     """
     global_tokens = global_rows * objective.seq_len
     if engine == "shard_map":
-        shards = step_shards(mesh, param_specs, sequence_parallel)
-        # check_vma=False: gradients are summed where dew.parallel says, not by the transposes of
-        # implicit casts, so the collectives of a step are exactly those written in dew.parallel.
-        return jax.shard_map(
-            local_gradients(objective, shards, accumulation, global_tokens),
-            mesh=mesh,
-            in_specs=(param_specs, BATCH_SPEC),
-            out_specs=(param_specs, P()),
-            check_vma=False,
-        )
+        local = local_gradients(objective, shards, accumulation, global_tokens)
+        return _shard_map_step(local, mesh, shards, objective.seq_len, (shards.param_specs, P()))
     if engine in ("gspmd", "gspmd_unpinned"):
-        pinned = NamedSharding(mesh, BATCH_SPEC) if engine == "gspmd" else None
+        # Activations [rows, seq, embed] pinned to the rows' split (and the positions' one over a
+        # sequence axis), as the shard_map step holds them.
+        pinned = NamedSharding(mesh, TOKEN_SPEC) if engine == "gspmd" else None
         splits = math.prod(mesh.shape[a] for a in BATCH_AXES)
         return global_gradients(
             objective, Shards(pinned_activations=pinned), splits, accumulation, global_tokens
@@ -195,13 +243,12 @@ def build_train_step(
     objective,
     optimizer,
     mesh: Mesh,
-    param_specs,
+    shards: Shards,
     state_shardings,
     *,
     accumulation: int,
     global_rows: int,
     engine: str = "shard_map",
-    sequence_parallel: bool = False,
 ) -> Callable:
     """The jitted step ``(state, batch) -> (state, loss)``; ``state`` is donated.
 
@@ -211,11 +258,10 @@ def build_train_step(
     gradients = build_gradients(
         objective,
         mesh,
-        param_specs,
+        shards,
         accumulation=accumulation,
         global_rows=global_rows,
         engine=engine,
-        sequence_parallel=sequence_parallel,
     )
 
     def step(state: TrainState, batch: jax.Array):

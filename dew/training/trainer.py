@@ -27,9 +27,16 @@ from jax.sharding import PartitionSpec as P
 from dew.checks import nonnegative_int, positive_int
 from dew.layout import Layout
 from dew.mesh import AXES, BATCH_AXES, MeshSpec, build_mesh
-from dew.parallel import tensor
+from dew.parallel import sequence, tensor
 from dew.training.state import TrainState
-from dew.training.step import BATCH_SPEC, ENGINES, build_gradients, build_loss, build_train_step
+from dew.training.step import (
+    BATCH_SPEC,
+    ENGINES,
+    build_gradients,
+    build_loss,
+    build_train_step,
+    step_shards,
+)
 
 
 @jax.jit
@@ -50,7 +57,7 @@ def _metrics_file(path: Path | None):
 
 
 # Axes whose collectives the step engine writes today; the others must stay of size 1.
-SUPPORTED_AXES = ("data", "fsdp", "tensor")
+SUPPORTED_AXES = ("data", "fsdp", "tensor", "sequence")
 
 
 class Trainer:
@@ -74,6 +81,9 @@ class Trainer:
         adds on ``1/tensor`` of the tokens, all-gather and reduce-scatter instead of all-reduce);
         ``seq_len`` must divide by ``tensor``. No effect while ``tensor`` is 1, nor on the GSPMD
         engines.
+      sequence_scheme: how attention spans a ``sequence`` axis: ``"ring"`` (the default; K/V
+        blocks travel round the axis) or ``"all_to_all"`` (DeepSpeed-Ulysses: positions traded
+        for heads, which must divide by ``sequence x tensor``). See ``dew.parallel.sequence``.
     """
 
     def __init__(
@@ -88,6 +98,7 @@ class Trainer:
         engine: str = "shard_map",
         devices=None,
         sequence_parallel: bool = False,
+        sequence_scheme: str = "ring",
     ):
         if not isinstance(mesh, MeshSpec):
             raise TypeError(f"mesh must be a dew.MeshSpec, got {type(mesh).__name__}")
@@ -117,16 +128,26 @@ class Trainer:
         self.sequence_parallel = bool(sequence_parallel)
 
         mesh_shape = dict(self.mesh.shape)
-        objective.model.check_split(mesh_shape)
-        tensor_size = mesh_shape["tensor"]
-        if self.sequence_parallel and objective.seq_len % tensor_size:
+        objective.model.check_split(mesh_shape, sequence_scheme)
+        tensor_size, sequence_size = mesh_shape["tensor"], mesh_shape["sequence"]
+        sequence.check_seq_len(objective.seq_len, sequence_size)
+        positions = objective.seq_len // sequence_size
+        if self.sequence_parallel and positions % tensor_size:
+            held = f"seq_len {objective.seq_len}" + (
+                f" over sequence {sequence_size} leaves {positions} positions per device, which"
+                if sequence_size > 1
+                else ""
+            )
             raise ValueError(
-                f"seq_len {objective.seq_len} does not split over tensor {tensor_size} "
-                "(sequence_parallel=True splits each row's positions across the tensor group)"
+                f"{held} does not split over tensor {tensor_size} (sequence_parallel=True splits "
+                "each row's positions across the tensor group)"
             )
         axes = objective.model.logical_axes()
         abstract_state = jax.eval_shape(self._fresh_state, self.key)
         self.param_specs = layout.specs(self.mesh, abstract_state.params, axes)
+        self.shards = step_shards(
+            self.mesh, self.param_specs, self.sequence_parallel, sequence_scheme
+        )
         if engine == "shard_map":
             tensor.check_layout(self.param_specs, axes, abstract_state.params, tensor_size)
         self.state_shardings = layout.shardings(self.mesh, abstract_state, axes)
@@ -248,12 +269,11 @@ class Trainer:
                 self.objective,
                 self.optimizer,
                 self.mesh,
-                self.param_specs,
+                self.shards,
                 self.state_shardings,
                 accumulation=self.accumulation,
                 global_rows=batch_size,
                 engine=self.engine,
-                sequence_parallel=self.sequence_parallel,
             )
         return self._steps[batch_size]
 
@@ -266,11 +286,10 @@ class Trainer:
             fn = build_gradients(
                 self.objective,
                 self.mesh,
-                self.param_specs,
+                self.shards,
                 accumulation=self.accumulation,
                 global_rows=rows,
                 engine=self.engine,
-                sequence_parallel=self.sequence_parallel,
             )
             self._gradients[rows] = jax.jit(
                 fn, out_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P()))
@@ -296,9 +315,8 @@ class Trainer:
             self._losses[data.batch_size] = build_loss(
                 self.objective,
                 self.mesh,
-                self.param_specs,
+                self.shards,
                 global_rows=data.batch_size,
-                sequence_parallel=self.sequence_parallel,
             )
         loss = self._losses[data.batch_size]
         losses = [loss(weights, self.device_batch(rows, data.batch_size)) for rows in batches]

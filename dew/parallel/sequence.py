@@ -1,0 +1,545 @@
+"""Sequence parallelism (context parallelism): the ``sequence`` group splits each row's positions.
+
+Zigzag order. Causal attention gives the last positions the most work, so the ``S`` positions of a
+row are cut into ``2n`` chunks of ``c = S / (2n)`` (``n`` the sequence size) and device ``i`` holds
+chunk ``i`` followed by chunk ``2n-1-i``: its local arrays are ``[batch, 2c, ...]``, and every
+device has the same share of the causal triangle. ``zigzag_positions(S, n)`` lists the global
+positions in device-major order (``x[:, zigzag_positions(S, n)]`` split over ``sequence`` on
+dimension 1 gives each device its chunks). The caller applies rotary embeddings, masks and the
+loss with those global positions; the functions here take q, k, v already rotated.
+
+Two schemes compute this device's rows of causal attention over the whole sequence, with the same
+signature as ``dew.nn.attention``'s functions plus the ``Shards`` (``SCHEMES`` picks one by name;
+``"ring"`` is the default the model uses):
+
+- ``ring_attention``: K/V blocks travel round the ring with ``ppermute``; each device merges the
+  blocks' ``(out, lse)`` pairs by online softmax. Memory holds the device's own block, the
+  visiting one and the next one in flight; only kv heads travel, and each hop can hide behind a
+  block's ``O(c^2)`` attention, which grows with the context.
+- ``all_to_all_attention`` (DeepSpeed-Ulysses): ``all_to_all`` trades positions for heads, each
+  device attends over the whole sequence with ``heads / n`` heads, and ``all_to_all`` trades back.
+  It needs ``heads`` and ``kv_heads`` to divide by ``n`` and holds the whole sequence's q, k, v
+  for its heads. Its forward sends ``(n - 1) / n`` of the local q, k, v and out per device:
+  ``(heads + kv_heads) / (n kv_heads)`` times the ring's forward bytes, fewer once
+  ``n > 1 + heads / kv_heads``; but its exchanges come before and after attention, with nothing to
+  hide behind. So it wins on short contexts, the ring on long ones (and wherever heads don't
+  split).
+
+Ring attention, by cases. Device ``i``'s local index runs over chunk ``i`` (first half) then chunk
+``2n-1-i`` (second half), both increasing in global position, and ``i < n <= 2n-1-i``. At ring
+step ``t`` it holds the K/V block of device ``src = (i - t) mod n``:
+
+- ``t = 0`` (its own block): a key is visible to a query exactly when its local index is not
+  greater (chunk ``i`` precedes chunk ``2n-1-i``), so this is plain causal attention on the local
+  ``2c x 2c`` concatenation.
+- ``src < i`` (``1 <= t <= i``): the block's first chunk ``src`` precedes both of ours; its second
+  chunk ``2n-1-src`` follows both. All ``2c`` queries see the first ``c`` keys, unmasked.
+- ``src > i`` (``t > i``): chunks ``src`` and ``2n-1-src`` both lie after chunk ``i`` and before
+  chunk ``2n-1-i`` (``i < src < n <= 2n-1-src < 2n-1-i``). The second ``c`` queries see all ``2c``
+  keys, unmasked; the first see none.
+
+Each case after the first is ``2c x c`` unmasked logits, so every device does the same work at every
+step. Both are computed as two ``c x c`` unmasked blocks: (second query chunk, first key chunk),
+which either case contains, and (query chunk ``o``, key chunk ``o``) with ``o = 0`` when
+``src < i`` and ``o = 1`` otherwise. ``o`` depends on the device, so it is a dynamic slice offset,
+not a branch: the program is the same on every device.
+
+Transfers, per device, with K and V blocks of ``[batch, 2c, kv_heads, d]`` (only the kv heads
+travel) stacked into one array of ``B = 2 batch 2c kv_heads d`` elements:
+
+- forward: ``n - 1`` ``ppermute`` over ``sequence``, each of the K/V block (``B`` elements of the
+  input dtype), to the next device of the ring;
+- backward: ``n - 1`` ``ppermute`` of the K/V block again (the residuals are the device's own
+  q, k, v and the final out, lse), and ``n - 1`` of the dK/dV accumulator travelling with it
+  (``B`` float32 elements): the accumulator is born at the block's first visit, picks up each
+  visit's contribution, and its last hop, in the same direction, lands it back on the block's
+  owner, which adds its own step-0 contribution.
+
+So ``(n - 1) B (2 s_in + 4)`` bytes sent per device for forward and backward together (``s_in``
+the input's item size). Nothing is gathered over ``sequence``.
+
+The steps after the first run as a ``lax.scan`` (the backward's first visiting step, where no
+accumulator arrives yet, by itself), so a step holds one visiting block and the next in flight
+whatever XLA's scheduler does: with an unrolled loop, XLA:CPU hoisted every hop ahead of the
+compute and kept every block.
+
+Overlap: the transfer for step ``t + 1`` (and in the backward the previous accumulator's hop) is
+issued before step ``t``'s block computation and nothing in that computation depends on it, so a
+scheduler may run them together. What the compiled HLO shows on XLA:CPU (``jax.jit(f).lower(...)
+.compile().as_text()``): every hop is a synchronous ``collective-permute``, no
+``collective-permute-start`` / ``-done`` pair, scheduled at the top of the scan's while body
+before the block's fusions (and in the entry computation before step 0's attention): XLA:CPU runs
+collectives synchronously, so nothing overlaps there. On GPU XLA makes collective-permutes async
+start/done pairs that its latency-hiding scheduler can place around the block's compute; that has
+not been looked at on a GPU.
+
+The step runs under ``jax.shard_map(..., check_vma=False)``, so the ring's backward is written as a
+``jax.custom_vjp`` (autodiff of ``ppermute`` is not relied on). Its block backward recomputes the
+probabilities from the final ``lse`` (``p = exp(s - lse)``, ``D = rowsum(dout * out)``,
+``ds = p (dp - D)``), which gives each block's share of dq and its dk, dv; ``impl="pallas"`` calls
+``dew.kernels.flash_attention_backward`` with the final out and lse for exactly that. The cotangent
+of ``lse``, when there is one, enters as ``D - d_lse``.
+
+On a sequence axis of size 1 both schemes are the plain attention call, without a collective, so
+the same model code runs on one device (``ONE_DEVICE``) without a mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from dew.checks import positive_int
+from dew.nn.attention import IMPLEMENTATIONS
+
+AXIS = "sequence"
+# Local activations are [batch, positions, ...]: the positions are dimension 1.
+SEQUENCE_DIM = 1
+
+
+def _size(shards) -> int:
+    return shards.size(AXIS)
+
+
+# --- The zigzag order -----------------------------------------------------------------------------
+
+
+def check_seq_len(seq_len: int, n: int) -> int:
+    """The chunk length ``seq_len / (2 n)``; ``ValueError`` naming the numbers when it is not whole.
+
+    Args:
+      seq_len: the global sequence length ``S``.
+      n: the size of the ``sequence`` axis.
+    """
+    seq_len = positive_int("seq_len", seq_len)
+    n = positive_int("sequence", n)
+    if seq_len % (2 * n):
+        raise ValueError(f"seq_len {seq_len} does not split into 2 x sequence {n} = {2 * n} chunks")
+    return seq_len // (2 * n)
+
+
+def zigzag_positions(seq_len: int, n: int) -> np.ndarray:
+    """The global positions in device-major zigzag order: int32 ``[seq_len]``.
+
+    Device ``i`` holds chunk ``i`` and chunk ``2n-1-i`` of ``2n`` chunks of ``c = seq_len / (2n)``
+    positions; entries ``[2c i, 2c (i+1))`` are its positions, in its local order. So
+    ``x[:, zigzag_positions(S, n)]``, split over ``sequence`` on dimension 1, gives each device
+    its chunks, and the same slice of the result is the ``positions`` its rotary embedding takes.
+    ``zigzag_positions(S, 1)`` is ``arange(S)``.
+    """
+    c = check_seq_len(seq_len, n)
+    chunks = np.arange(seq_len, dtype=np.int32).reshape(2 * n, c)
+    first, second = chunks[:n], chunks[n:][::-1]
+    return np.stack([first, second], axis=1).reshape(seq_len)
+
+
+def _zigzag_to_natural(x: jax.Array, n: int, axis: int) -> jax.Array:
+    """``x`` whose ``axis`` runs over the whole sequence in zigzag (device-major) order -> natural
+    order. Static slices and a reversal, no gather."""
+    shape = x.shape
+    c = shape[axis] // (2 * n)
+    y = x.reshape(shape[:axis] + (n, 2, c) + shape[axis + 1 :])
+    first = lax.index_in_dim(y, 0, axis + 1, keepdims=False)  # chunks 0 .. n-1
+    second = jnp.flip(lax.index_in_dim(y, 1, axis + 1, keepdims=False), axis)  # n .. 2n-1
+    return jnp.concatenate([first, second], axis=axis).reshape(shape)
+
+
+def _natural_to_zigzag(x: jax.Array, n: int, axis: int) -> jax.Array:
+    """The inverse of ``_zigzag_to_natural``."""
+    shape = x.shape
+    c = shape[axis] // (2 * n)
+    y = x.reshape(shape[:axis] + (2 * n, c) + shape[axis + 1 :])
+    first = lax.slice_in_dim(y, 0, n, axis=axis)
+    second = jnp.flip(lax.slice_in_dim(y, n, 2 * n, axis=axis), axis)
+    return jnp.stack([first, second], axis=axis + 1).reshape(shape)
+
+
+# --- Argument checks ------------------------------------------------------------------------------
+
+
+def _check_impl(name: str, impl: str) -> None:
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"{name}: impl must be one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
+
+
+def _check_shapes(name: str, q, k, v, n: int) -> None:
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"{name}: q must be [batch, 2c, heads, d] and k, v [batch, 2c, kv_heads, d], got "
+            f"q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"{name}: q {q.shape} and k, v {k.shape} must agree on batch, positions and head_dim"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{name}: heads {q.shape[2]} must be a multiple of kv_heads {k.shape[2]}")
+    local = q.shape[1]
+    if local % 2:
+        raise ValueError(
+            f"{name}: this device's {local} positions are not two zigzag chunks: seq_len "
+            f"{local * n} does not split into 2 x sequence {n} = {2 * n} chunks"
+        )
+
+
+# --- Blocks ---------------------------------------------------------------------------------------
+
+
+def _xla_block_forward(q, k, v, causal):
+    return IMPLEMENTATIONS["xla"](q, k, v, causal=causal)
+
+
+def _pallas_block_forward(q, k, v, causal):
+    from dew.kernels import flash_attention_forward
+
+    return flash_attention_forward(q, k, v, causal=causal)
+
+
+def _xla_block_backward(q, k, v, out, lse, d_out, d_lse, causal):
+    """``(dq, dk, dv)`` float32 of one block, from the final ``out`` and ``lse`` of these rows.
+
+    q, out, d_out: ``[b, m, h, d]``; k, v: ``[b, s, kv, d]``; lse, d_lse: ``[b, h, m]`` (d_lse may
+    be ``None``). ``p = exp(s - lse)`` is this block's share of the final softmax, so the results
+    are its share of dq and its whole dk, dv.
+    """
+    b, m, h, d = q.shape
+    s_len, kv = k.shape[1], k.shape[2]
+    groups = h // kv
+    scale = 1.0 / math.sqrt(d)
+    f32 = jnp.float32
+    qg = q.reshape(b, m, kv, groups, d)
+    dog = d_out.reshape(b, m, kv, groups, d)
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(f32), out.astype(f32))
+    if d_lse is not None:
+        delta = delta - d_lse  # d lse / d logits = p: it adds p d_lse to ds
+    rows = lambda x: x.reshape(b, kv, groups, m)[..., None]  # noqa: E731
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=f32) * scale
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones((m, s_len), bool)), logits, np.float32(-np.inf))
+    p = jnp.exp(logits - rows(lse))
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", dog, v, preferred_element_type=f32)
+    ds = p * (dp - rows(delta))
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k, preferred_element_type=f32) * scale
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg, preferred_element_type=f32) * scale
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", p, dog, preferred_element_type=f32)
+    return dq.reshape(b, m, h, d), dk, dv
+
+
+def _pallas_block_backward(q, k, v, out, lse, d_out, d_lse, causal):
+    """``_xla_block_backward`` with Dew's Pallas backward kernels.
+
+    The kernels compute ``D = rowsum(d_out * out)`` themselves and take no ``d_lse``; when there
+    is one, a second call adds its part: with ``v = 0``, ``out = 1/d`` and ``d_out = -d_lse`` it
+    returns ``ds = p d_lse`` through dq and dk (its dv is discarded). ``d_lse`` is then rounded to
+    q's dtype. The model never differentiates ``lse``, so it never pays for that call.
+    """
+    from dew.kernels import flash_attention_backward
+
+    f32 = jnp.float32
+    dq, dk, dv = flash_attention_backward(q, k, v, out, lse, d_out, causal=causal)
+    dq, dk, dv = dq.astype(f32), dk.astype(f32), dv.astype(f32)
+    if d_lse is not None:
+        d = q.shape[-1]
+        ones = jnp.full(q.shape, 1.0 / d, q.dtype)
+        minus = jnp.broadcast_to(-jnp.moveaxis(d_lse, 1, 2)[..., None], q.shape).astype(q.dtype)
+        dq_l, dk_l, _ = flash_attention_backward(
+            q, k, jnp.zeros_like(v), ones, lse, minus, causal=causal
+        )
+        dq, dk = dq + dq_l.astype(f32), dk + dk_l.astype(f32)
+    return dq, dk, dv
+
+
+_BLOCK_FORWARD = {"xla": _xla_block_forward, "pallas": _pallas_block_forward}
+_BLOCK_BACKWARD = {"xla": _xla_block_backward, "pallas": _pallas_block_backward}
+
+
+# --- Ring attention -------------------------------------------------------------------------------
+
+
+def _pass(x, n: int):
+    """Send ``x`` to the next device of the ring (device ``i`` receives device ``i - 1``'s).
+    One ``ppermute`` over ``sequence``: ``x``'s bytes sent and received per device."""
+    return lax.ppermute(x, AXIS, [(j, (j + 1) % n) for j in range(n)])
+
+
+def _index(start):
+    # int32 whatever the mode: under jax_enable_x64 a Python int would become an int64 index.
+    return jnp.asarray(start, jnp.int32)
+
+
+def _rows(x, start, size: int, axis: int):
+    return lax.dynamic_slice_in_dim(x, _index(start), size, axis)
+
+
+def _add_rows(acc, start, value, axis: int):
+    """``acc`` with ``value`` added to its rows ``[start, start + len)`` along ``axis``."""
+    size = value.shape[axis]
+    updated = _rows(acc, start, size, axis) + value
+    return lax.dynamic_update_slice_in_dim(acc, updated, _index(start), axis)
+
+
+def _merge_rows(out, lse, start, block_out, block_lse):
+    """Online softmax: merge one block's ``(out, lse)`` for rows ``[start, start + m)`` into the
+    float32 accumulators ``out`` ``[b, 2c, h, d]`` and ``lse`` ``[b, h, 2c]``."""
+    m = block_out.shape[1]
+    old_out, old_lse = _rows(out, start, m, 1), _rows(lse, start, m, 2)
+    new_lse = jnp.logaddexp(old_lse, block_lse)
+    weight = lambda part: jnp.exp(part - new_lse).transpose(0, 2, 1)[..., None]  # noqa: E731
+    new_out = weight(old_lse) * old_out + weight(block_lse) * block_out.astype(jnp.float32)
+    out = lax.dynamic_update_slice_in_dim(out, new_out, _index(start), 1)
+    return out, lax.dynamic_update_slice_in_dim(lse, new_lse, _index(start), 2)
+
+
+def _pairs(c: int, t, i):
+    """The two ``c x c`` unmasked (query chunk start, key chunk start) pairs of the block visiting
+    device ``i`` at step ``t >= 1`` (its owner is ``i - t``, before ``i`` exactly when ``t <= i``):
+    (second query chunk, first key chunk), seen in both cases, and chunk ``o`` of each, ``o = 0``
+    when the owner precedes this device, else ``1``."""
+    own = jnp.where(t <= i, _index(0), _index(c))
+    return ((c, 0), (own, own))
+
+
+def _ring_steps(n: int, first: int, state, incoming, visit):
+    """``state = visit(t, block, state)`` for ring steps ``t = first .. n - 1``, block ``t`` being
+    the K/V block of device ``i - t``; ``incoming`` is block ``first``, already in flight.
+
+    Each step but the last sends its block on (it is the next device's next block) before its own
+    computation, so the transfer may overlap it. A ``scan``, not a Python loop: whatever XLA's
+    scheduler does, a step holds only its block and the next one, where an unrolled loop let it
+    hoist every transfer (and keep every block) ahead of the compute.
+    """
+
+    def step(carry, t):
+        state, block = carry
+        following = _pass(block, n)
+        return (visit(t, block, state), following), None
+
+    if n - 1 > first:
+        (state, incoming), _ = lax.scan(
+            step, (state, incoming), jnp.arange(first, n - 1, dtype=jnp.int32)
+        )
+    return visit(n - 1, incoming, state)
+
+
+def _ring_forward(q, k, v, n: int, impl: str):
+    attend = _BLOCK_FORWARD[impl]
+    c = q.shape[1] // 2
+    i = lax.axis_index(AXIS)
+
+    def visit(t, block, state):
+        out, lse = state
+        block_k, block_v = block[0], block[1]
+        for q_at, k_at in _pairs(c, t, i):
+            block_out, block_lse = attend(
+                _rows(q, q_at, c, 1),
+                _rows(block_k, k_at, c, 1),
+                _rows(block_v, k_at, c, 1),
+                causal=False,
+            )
+            out, lse = _merge_rows(out, lse, q_at, block_out, block_lse)
+        return out, lse
+
+    incoming = _pass(jnp.stack([k, v]), n)  # issued before step 0's compute
+    out, lse = attend(q, k, v, causal=True)
+    out, lse = _ring_steps(n, 1, (out.astype(jnp.float32), lse), incoming, visit)
+    return out.astype(q.dtype), lse
+
+
+def _ring_backward(n: int, impl: str, q, k, v, out, lse, d_out, d_lse):
+    grads = _BLOCK_BACKWARD[impl]
+    c = q.shape[1] // 2
+    i = lax.axis_index(AXIS)
+
+    def contributions(t, block, dq):
+        """This step's share of dq (added to ``dq``) and the visiting block's [dV, dK] float32."""
+        block_v, block_k = block[0], block[1]
+        contribution = jnp.zeros(block.shape, jnp.float32)
+        for q_at, k_at in _pairs(c, t, i):
+            rows_of = lambda x, axis=1: _rows(x, q_at, c, axis)  # noqa: E731
+            dq_p, dk_p, dv_p = grads(
+                rows_of(q),
+                _rows(block_k, k_at, c, 1),
+                _rows(block_v, k_at, c, 1),
+                rows_of(out),
+                rows_of(lse, 2),
+                rows_of(d_out),
+                None if d_lse is None else rows_of(d_lse, 2),
+                causal=False,
+            )
+            dq = _add_rows(dq, q_at, dq_p, 1)
+            contribution = _add_rows(contribution, k_at, jnp.stack([dv_p, dk_p]), 2)
+        return dq, contribution
+
+    def visit(t, block, state):
+        dq, travelling = state
+        # The accumulator of this block from the previous device: in flight during the compute.
+        arrived = _pass(travelling, n)
+        dq, contribution = contributions(t, block, dq)
+        return dq, arrived + contribution
+
+    # V first: not the forward's K-first stack, so XLA cannot merge this hop with the forward's
+    # (a common subexpression) and keep that block alive from forward to backward.
+    incoming = _pass(jnp.stack([v, k]), n)
+    dq, dk, dv = grads(q, k, v, out, lse, d_out, d_lse, causal=True)
+    own = jnp.stack([dv, dk])  # this device's block's gradient from its own queries
+    # Step 1 by itself: the block's accumulator is born here, nothing arrives with it.
+    block = incoming
+    if n > 2:
+        incoming = _pass(block, n)
+    dq, travelling = contributions(1, block, dq)
+    if n > 2:
+        dq, travelling = _ring_steps(n, 2, (dq, travelling), incoming, visit)
+    own = own + _pass(travelling, n)  # the last hop brings each accumulator home to its owner
+    return dq.astype(q.dtype), own[1].astype(k.dtype), own[0].astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ring(q, k, v, n, impl):
+    return _ring_forward(q, k, v, n, impl)
+
+
+def _ring_fwd(q, k, v, n, impl):
+    # symbolic_zeros: the primals come wrapped, and a cotangent nobody asked for (the model's
+    # lse) arrives as a SymbolicZero, which spares the Pallas path its d_lse call.
+    q, k, v = q.value, k.value, v.value
+    out, lse = _ring_forward(q, k, v, n, impl)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _ring_bwd(n, impl, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    d_out, d_lse = cotangents
+    if isinstance(d_out, SymbolicZero):
+        d_out = jnp.zeros(out.shape, out.dtype)
+    if isinstance(d_lse, SymbolicZero):
+        d_lse = None
+    return _ring_backward(n, impl, q, k, v, out, lse, d_out.astype(out.dtype), d_lse)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
+
+
+def ring_attention(q, k, v, shards, impl: str = "xla"):
+    """Causal attention over the whole sequence, for this device's zigzag rows, as a ring.
+
+    Args:
+      q: ``[batch, 2c, heads, d]``, this device's chunks ``i`` and ``2n-1-i`` (rotary applied with
+        their global positions).
+      k, v: ``[batch, 2c, kv_heads, d]``, the same positions; query head ``h`` uses kv head
+        ``h // (heads // kv_heads)``.
+      shards: the step's ``Shards``; ``n = shards.size("sequence")``. At ``n = 1`` this is the
+        plain causal attention call, without a collective.
+      impl: the block computation, ``"xla"`` (plain JAX) or ``"pallas"`` (``dew.kernels``).
+
+    Returns:
+      ``(out, lse)``: ``out`` ``[batch, 2c, heads, d]`` in q's dtype, ``lse`` float32
+      ``[batch, heads, 2c]``, what causal attention on the natural-order sequence gives at these
+      positions; both differentiable (a ``custom_vjp`` ring, see the module docstring).
+    """
+    _check_impl("ring_attention", impl)
+    n = _size(shards)
+    _check_shapes("ring_attention", q, k, v, n)
+    if n == 1:
+        return IMPLEMENTATIONS[impl](q, k, v, causal=True)
+    return _ring(q, k, v, n, impl)
+
+
+# --- All-to-all (DeepSpeed-Ulysses) ---------------------------------------------------------------
+
+
+def _positions_to_heads(x, n: int):
+    """``[b, 2c, heads, d]`` (this device's zigzag positions, all heads) -> ``[b, S, heads / n, d]``
+    (every position in natural order, head group ``i``). All-to-all: ``(n - 1) / n`` of ``x``'s
+    bytes sent per device; its transpose (autodiff's backward) is the reverse all-to-all."""
+    x = lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True)
+    return _zigzag_to_natural(x, n, axis=1)
+
+
+def _heads_to_positions(x, n: int, positions_axis: int, heads_axis: int):
+    """The inverse of ``_positions_to_heads``, for ``out`` (positions at 1, heads at 2) and for
+    ``lse`` (heads at 1, positions at 2). All-to-all: ``(n - 1) / n`` of ``x``'s bytes sent."""
+    x = _natural_to_zigzag(x, n, axis=positions_axis)
+    return lax.all_to_all(x, AXIS, split_axis=positions_axis, concat_axis=heads_axis, tiled=True)
+
+
+def all_to_all_attention(q, k, v, shards, impl: str = "xla"):
+    """Causal attention over the whole sequence, for this device's zigzag rows, by trading
+    positions for heads (DeepSpeed-Ulysses).
+
+    Arguments and results as ``ring_attention``'s. ``heads`` and ``kv_heads`` must divide by
+    ``n``: device ``i`` attends with query heads ``[i h/n, (i+1) h/n)`` and kv heads
+    ``[i kv/n, (i+1) kv/n)``, which are the kv heads those query heads use.
+
+    Collectives over ``sequence`` per call: five ``all_to_all`` forward (q, k, v in; out and lse
+    back; XLA drops lse's when the caller discards it) and, in the backward, the transposes of
+    those whose outputs have a cotangent (out's, then q's, k's and v's: four when lse is
+    discarded). Each sends ``(n - 1) / n`` of its operand per device. Autodiff writes that
+    backward: an ``all_to_all``'s transpose is the reverse ``all_to_all``, exact under
+    ``check_vma=False`` (no ``psum`` is involved).
+    """
+    _check_impl("all_to_all_attention", impl)
+    n = _size(shards)
+    _check_shapes("all_to_all_attention", q, k, v, n)
+    attend = IMPLEMENTATIONS[impl]
+    if n == 1:
+        return attend(q, k, v, causal=True)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % n or kv_heads % n:
+        raise ValueError(
+            f"all_to_all_attention: heads {heads} and kv_heads {kv_heads} must both divide by "
+            f"sequence {n} (use the ring scheme otherwise)"
+        )
+    q, k, v = (_positions_to_heads(x, n) for x in (q, k, v))
+    out, lse = attend(q, k, v, causal=True)
+    out = _heads_to_positions(out, n, positions_axis=1, heads_axis=2)
+    return out, _heads_to_positions(lse, n, positions_axis=2, heads_axis=1)
+
+
+SCHEMES = {"ring": ring_attention, "all_to_all": all_to_all_attention}
+"""Sequence-parallel attention by scheme name: ``SCHEMES[name](q, k, v, shards, impl)``."""
+
+
+# --- What the model and the Trainer ask of this module -------------------------------------------
+
+
+def check_heads(
+    scheme: str, n: int, num_heads: int, num_kv_heads: int, tensor_size: int = 1
+) -> None:
+    """Raises ``ValueError`` for an unknown ``scheme``, or, for ``"all_to_all"`` on a sequence axis
+    of ``n > 1``, when a device's heads or kv heads (after the tensor split; a shared kv head
+    counts one) do not split over ``n``."""
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"unknown sequence_scheme {scheme!r}; expected one of {', '.join(SCHEMES)}"
+        )
+    if scheme != "all_to_all" or n == 1:
+        return
+    for name, total in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        local = max(total // tensor_size, 1)
+        if local % n:
+            raise ValueError(
+                f"sequence_scheme 'all_to_all' trades positions for heads: {name} {total} "
+                f"({local} per device over tensor {tensor_size}) does not split over sequence {n}"
+            )
+
+
+def attention(shards, impl: str = "xla"):
+    """The attention function ``(q, k, v, *, causal) -> (out, lse)`` the decoder calls: the plain
+    one (``dew.nn.attention.IMPLEMENTATIONS[impl]``) on a sequence axis of size 1, else
+    ``shards.sequence_scheme``'s, which spans every device's positions (always causal)."""
+    if shards.size(AXIS) == 1:
+        return IMPLEMENTATIONS[impl]
+    scheme = SCHEMES[shards.sequence_scheme]
+
+    def attend(q, k, v, *, causal=True):
+        if not causal:
+            raise ValueError("attention over a sequence axis is causal only")
+        return scheme(q, k, v, shards, impl)
+
+    return attend
