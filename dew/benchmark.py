@@ -20,7 +20,11 @@ share the machine's cores, the compute limit). For each it measures:
 
 Each result also records ``sequence_parallel``: whether the step kept the activations between
 blocks split over positions (asked with ``sequence_parallel=True``, and in effect: the shard_map
-engine on a tensor axis above 1).
+engine on a tensor axis above 1); and ``sequence_scheme``: how the shard_map step's attention
+spanned a ``sequence`` axis above 1 (``"ring"`` or ``"all_to_all"``, ``dew.parallel.sequence``;
+``None`` elsewhere). On such a layout ``compare`` runs one shard_map contestant per scheme asked,
+and the GSPMD baseline once; a row's ``name`` (``"sequence=8 (all_to_all)"``) tells them apart, and
+each scheme's ratios are against its layout's GSPMD row and the one-device row.
 
 The machines this runs on are shared and noisy, so times are only compared as ratios measured in
 one run. The contestants take turns, ``steps`` steps each per round; the engines of a layout run
@@ -48,6 +52,7 @@ from dew.checks import nonnegative_int, positive_int
 from dew.collectives import hlo_collectives
 from dew.layout import Layout
 from dew.mesh import MeshSpec
+from dew.parallel.sequence import SCHEMES
 from dew.training.step import ENGINES
 from dew.training.trainer import Trainer
 
@@ -61,6 +66,7 @@ __all__ = [
     "compare",
     "compile_depth",
     "layout_name",
+    "row_name",
     "state_bytes_per_device",
     "table",
     "targets",
@@ -133,6 +139,13 @@ class Result:
     steps_timed: int
     round_ms: tuple[float, ...] = ()  # the median step of each timed round, in round order
     sequence_parallel: bool = False  # sequence-parallel activations were in effect
+    # The shard_map step's attention scheme over a sequence axis above 1; None elsewhere.
+    sequence_scheme: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The layout, and the sequence scheme where there is one: ``row_name``."""
+        return row_name(self.layout, self.sequence_scheme)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -175,6 +188,13 @@ def layout_name(mesh_shape: dict) -> str:
     return ",".join(parts) or "data=1"
 
 
+def row_name(layout: str, sequence_scheme: str | None) -> str:
+    """``("sequence=8", "all_to_all")`` -> ``"sequence=8 (all_to_all)"``; the layout alone when
+    ``sequence_scheme`` is ``None``. Tells a layout's shard_map contestants apart in the table and
+    the targets."""
+    return layout if sequence_scheme is None else f"{layout} ({sequence_scheme})"
+
+
 def state_bytes_per_device(state) -> int:
     """The bytes of ``state``'s arrays that one device holds: the most any device holds."""
     per_device: dict = {}
@@ -191,7 +211,9 @@ class Contestant:
 
     ``engine=ONE_DEVICE`` is the one-device row: the GSPMD step (a plain ``jit``) on a mesh of the
     first device alone, whatever ``mesh`` says. ``sequence_parallel`` is the ``Trainer``'s (in
-    effect only for the shard_map engine on a tensor axis above 1).
+    effect only for the shard_map engine on a tensor axis above 1); so is ``sequence_scheme`` (in
+    effect only for the shard_map engine on a sequence axis above 1; the other engines are built
+    with the default, which every model accepts).
 
     c = Contestant(size.objective(), size, MeshSpec(fsdp=8), "shard_map")
     c.prepare(); c.compile()
@@ -208,8 +230,10 @@ class Contestant:
         min_shard: int = Layout().min_shard,
         seed: int = 0,
         sequence_parallel: bool = False,
+        sequence_scheme: str = "ring",
     ):
         one_device = engine == ONE_DEVICE
+        scheme_applies = engine == "shard_map" and mesh.sequence > 1
         self.trainer = Trainer(
             objective,
             optax.adamw(1e-3),
@@ -219,6 +243,7 @@ class Contestant:
             engine="gspmd" if one_device else engine,
             devices=jax.devices()[:1] if one_device else None,
             sequence_parallel=sequence_parallel,
+            sequence_scheme=sequence_scheme if scheme_applies else "ring",
         )
         self.trainer.check_batch(size.batch)
         self.size = size
@@ -230,6 +255,8 @@ class Contestant:
             and self.trainer.engine == "shard_map"
             and self.trainer.mesh.shape["tensor"] > 1
         )
+        self.sequence_scheme = sequence_scheme if scheme_applies else None
+        self.name = row_name(self.layout, self.sequence_scheme)
         self.times: list[float] = []
         self.rounds: list[float] = []
 
@@ -273,7 +300,7 @@ class Contestant:
             jax.block_until_ready((self.state, loss))
             times.append(time.perf_counter() - began)
         if not np.isfinite(float(loss)):
-            raise FloatingPointError(f"{self.layout} {self.engine}: the loss is {float(loss)}")
+            raise FloatingPointError(f"{self.name} {self.engine}: the loss is {float(loss)}")
         if record:
             self.times.extend(times)
             self.rounds.append(statistics.median(times))
@@ -281,7 +308,7 @@ class Contestant:
 
     def result(self) -> Result:
         if not self.times:
-            raise ValueError(f"{self.layout} {self.engine}: no timed steps yet; call run() first")
+            raise ValueError(f"{self.name} {self.engine}: no timed steps yet; call run() first")
         return Result(
             layout=self.layout,
             engine=self.engine,
@@ -294,6 +321,7 @@ class Contestant:
             steps_timed=len(self.times),
             round_ms=tuple(1e3 * t for t in self.rounds),
             sequence_parallel=self.sequence_parallel,
+            sequence_scheme=self.sequence_scheme,
         )
 
     def release(self) -> None:
@@ -313,6 +341,18 @@ def _mesh_specs(layouts: Sequence[MeshSpec | str]) -> list[MeshSpec]:
     return specs
 
 
+def _check_schemes(sequence_schemes: Sequence[str]) -> list[str]:
+    schemes = list(sequence_schemes)
+    if not schemes:
+        raise ValueError(f"no sequence schemes; expected some of {', '.join(SCHEMES)}")
+    for scheme in schemes:
+        if scheme not in SCHEMES:
+            raise ValueError(
+                f"unknown sequence scheme {scheme!r}; expected one of {', '.join(SCHEMES)}"
+            )
+    return schemes
+
+
 def compare(
     size: ModelSize,
     layouts: Sequence[MeshSpec | str],
@@ -325,10 +365,12 @@ def compare(
     min_shard: int = Layout().min_shard,
     seed: int = 0,
     sequence_parallel: bool = False,
+    sequence_schemes: Sequence[str] = ("ring",),
     log: Callable[[str], None] | None = print,
 ) -> list[Result]:
-    """Measures every layout with every engine; one ``Result`` each, layouts outer, engines inner,
-    then the one-device row.
+    """Measures every layout with every engine; one ``Result`` each (one per sequence scheme for
+    the shard_map engine on a sequence axis above 1), layouts outer, engines inner (schemes
+    innermost), then the one-device row.
 
     Args:
       size: the model and batch.
@@ -343,6 +385,9 @@ def compare(
       sequence_parallel: ``Trainer(sequence_parallel=...)`` for every contestant (in effect for the
         shard_map engine on layouts with ``tensor > 1``; ``seq_len`` must divide by their tensor
         size).
+      sequence_schemes: some of ``dew.parallel.sequence.SCHEMES`` (default: ``ring``): on a
+        layout with ``sequence > 1``, one shard_map contestant per scheme, each recording it in
+        ``Result.sequence_scheme``; layouts without a sequence axis run the shard_map step once.
       log: called with a line of progress; ``None`` for quiet.
 
     Every argument is checked (sizes, layouts against the device count, the batch against each
@@ -356,26 +401,29 @@ def compare(
             raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
     if not engines:
         raise ValueError(f"no engines to compare; expected some of {', '.join(ENGINES)}")
+    schemes = _check_schemes(sequence_schemes)
     specs = _mesh_specs(layouts)
     log = log or (lambda line: None)
     objective = size.objective()
     contestants = [
-        Contestant(objective, size, spec, engine, min_shard, seed, sequence_parallel)
+        Contestant(objective, size, spec, engine, min_shard, seed, sequence_parallel, scheme)
         for spec in specs
         for engine in engines
+        for scheme in (schemes if engine == "shard_map" and spec.sequence > 1 else ["ring"])
     ]
     if one_device:
         contestants.append(Contestant(objective, size, MeshSpec(), ONE_DEVICE, min_shard, seed))
-    names = [(c.layout, c.engine) for c in contestants]
+    names = [(c.name, c.engine) for c in contestants]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        named = ", ".join(f"{layout} ({engine})" for layout, engine in duplicates)
-        raise ValueError(f"layouts (and engines) given twice: {named}")
+        named = ", ".join(f"{name} ({engine})" for name, engine in duplicates)
+        raise ValueError(f"layouts (and engines, sequence schemes) given twice: {named}")
 
+    width = max(16, *(len(c.name) for c in contestants))
     for c in contestants:
         c.prepare()
         c.compile()
-        log(f"compiled {c.layout:<16} {c.engine:<14} in {c.compile_s:6.2f} s")
+        log(f"compiled {c.name:<{width}} {c.engine:<14} in {c.compile_s:6.2f} s")
     layouts_in_order = list(dict.fromkeys((c.layout, c.engine == ONE_DEVICE) for c in contestants))
     groups = [
         [c for c in contestants if (c.layout, c.engine == ONE_DEVICE) == key]
@@ -392,7 +440,7 @@ def compare(
         line = []
         for c in order:
             times = c.run(steps, record=round_ >= warmup)
-            line.append(f"{c.layout} {c.engine} {1e3 * statistics.median(times):.0f}")
+            line.append(f"{c.name} {c.engine} {1e3 * statistics.median(times):.0f}")
         kind = "warm-up" if round_ < warmup else f"{round_ - warmup + 1}/{repeats}"
         log(f"round {kind} (ms): " + ", ".join(line))
     results = [c.result() for c in contestants]
@@ -411,11 +459,13 @@ def compile_depth(
     min_shard: int = Layout().min_shard,
     seed: int = 0,
     sequence_parallel: bool = False,
+    sequence_scheme: str = "ring",
 ) -> DepthCheck:
     """Compile time of the step at ``size.layers`` and at ``deep_layers`` layers, alternating.
 
     Each compile uses a fresh ``Trainer`` (nothing cached between them); medians of ``repeats``
-    each. ``sequence_parallel``: as ``compare``'s.
+    each. ``sequence_parallel``: as ``compare``'s; ``sequence_scheme``: the scheme of a shard_map
+    step on a sequence axis above 1 (``DepthCheck.layout`` then names it, as ``row_name``).
     """
     positive_int("deep_layers", deep_layers)
     positive_int("repeats", repeats)
@@ -423,19 +473,17 @@ def compile_depth(
     deep_size = dataclasses.replace(size, layers=deep_layers)
     objectives = (size.objective(), deep_size.objective())
     shallow, deep = [], []
-    Contestant(
-        objectives[0], size, spec, engine, min_shard, seed, sequence_parallel
-    ).prepare()  # warms JAX up
+    _check_schemes([sequence_scheme])
+    options = (min_shard, seed, sequence_parallel, sequence_scheme)
+    Contestant(objectives[0], size, spec, engine, *options).prepare()  # warms JAX up
     for _ in range(repeats):
         for objective, times in zip(objectives, (shallow, deep)):
-            contestant = Contestant(
-                objective, size, spec, engine, min_shard, seed, sequence_parallel
-            )
+            contestant = Contestant(objective, size, spec, engine, *options)
             contestant.compile()
             times.append(contestant.compile_s)
             contestant.release()
     return DepthCheck(
-        layout=contestant.layout,
+        layout=contestant.name,
         engine=engine,
         shallow_layers=size.layers,
         deep_layers=deep_layers,
@@ -449,7 +497,8 @@ def _mib(n: int) -> str:
 
 
 def table(results: Sequence[Result]) -> str:
-    """The results as a text table, then each layout's ratios against GSPMD and one device."""
+    """The results as a text table, then each layout's ratios against GSPMD and one device (a row
+    per shard_map contestant: per sequence scheme on a sequence axis)."""
     header = (
         "layout",
         "engine",
@@ -462,7 +511,7 @@ def table(results: Sequence[Result]) -> str:
     )
     body = [
         (
-            r.layout,
+            r.name,
             r.engine,
             f"{r.step_ms:.0f}",
             f"{r.compile_s:.2f}",
@@ -535,19 +584,21 @@ def _time_ratio(a: Result, b: Result) -> float:
 
 
 def layout_ratios(results: Sequence[Result]) -> dict[str, dict[str, float]]:
-    """layout -> its shard_map step's ratios, where the other side ran:
+    """``Result.name`` (the layout, with its sequence scheme where it has one) -> that shard_map
+    step's ratios, where the other side ran:
 
     ``time_vs_gspmd``, ``wire``, ``temp`` (shard_map / gspmd), ``time_vs_one_device`` (shard_map /
-    the one-device row), ``gspmd_vs_one_device``.
+    the one-device row), ``gspmd_vs_one_device``. Every scheme of a layout is compared with the
+    layout's one GSPMD row.
     """
-    by_key = {(r.layout, r.engine): r for r in results}
+    gspmd_rows = {r.layout: r for r in results if r.engine == "gspmd"}
     one = next((r for r in results if r.engine == ONE_DEVICE), None)
     ratios: dict[str, dict[str, float]] = {}
     for r in results:
         if r.engine != "shard_map":
             continue
-        found = ratios.setdefault(r.layout, {})
-        gspmd = by_key.get((r.layout, "gspmd"))
+        found = ratios.setdefault(r.name, {})
+        gspmd = gspmd_rows.get(r.layout)
         if gspmd is not None:
             found["time_vs_gspmd"] = _time_ratio(r, gspmd)
             found["wire"] = _ratio(r.wire_bytes, gspmd.wire_bytes)
@@ -562,7 +613,7 @@ def layout_ratios(results: Sequence[Result]) -> dict[str, dict[str, float]]:
 def targets(results: Sequence[Result], depth: DepthCheck | None = None) -> list[Target]:
     """The targets of docs/benchmarks.md that ``results`` (and ``depth``) measure.
 
-    Per layout, of its shard_map step:
+    Per layout (per layout and sequence scheme, named as ``row_name``), of its shard_map step:
 
     - step time / the pinned GSPMD baseline's <= 1.05, and / the one-device row's <= 1.10;
     - wire bytes / GSPMD's <= 1;
@@ -575,40 +626,40 @@ def targets(results: Sequence[Result], depth: DepthCheck | None = None) -> list[
     ``depth.deep_layers`` / at ``depth.shallow_layers`` <= 1.5.
     """
     found = []
-    by_key = {(r.layout, r.engine): r for r in results}
-    for layout, r in layout_ratios(results).items():
+    ours_by_name = {r.name: r for r in results if r.engine == "shard_map"}
+    gspmd_rows = {r.layout: r for r in results if r.engine == "gspmd"}
+    for name, r in layout_ratios(results).items():
         if "time_vs_gspmd" in r:
             found.append(
-                Target(f"{layout}: step time shard_map / gspmd", r["time_vs_gspmd"], VS_GSPMD_TIME)
+                Target(f"{name}: step time shard_map / gspmd", r["time_vs_gspmd"], VS_GSPMD_TIME)
             )
         if "time_vs_one_device" in r:
             found.append(
                 Target(
-                    f"{layout}: step time shard_map / one device",
+                    f"{name}: step time shard_map / one device",
                     r["time_vs_one_device"],
                     VS_ONE_DEVICE_TIME,
                 )
             )
         if "wire" in r:
-            ours, theirs = by_key[layout, "shard_map"], by_key[layout, "gspmd"]
-            found.append(
-                Target(f"{layout}: wire bytes shard_map / gspmd", r["wire"], VS_GSPMD_WIRE)
-            )
+            ours = ours_by_name[name]
+            theirs = gspmd_rows[ours.layout]
+            found.append(Target(f"{name}: wire bytes shard_map / gspmd", r["wire"], VS_GSPMD_WIRE))
             found.append(
                 Target(
-                    f"{layout}: wire bytes gspmd / shard_map",
+                    f"{name}: wire bytes gspmd / shard_map",
                     _ratio(theirs.wire_bytes, ours.wire_bytes),
                     BASELINE_WIRE,
                 )
             )
             found.append(
-                Target(f"{layout}: step time shard_map / gspmd", r["time_vs_gspmd"], 1.0, True)
+                Target(f"{name}: step time shard_map / gspmd", r["time_vs_gspmd"], 1.0, True)
             )
-            found.append(Target(f"{layout}: temp memory shard_map / gspmd", r["temp"], 1.0, True))
+            found.append(Target(f"{name}: temp memory shard_map / gspmd", r["temp"], 1.0, True))
         if "time_vs_one_device" in r:
             found.append(
                 Target(
-                    f"{layout}: step time shard_map / one device",
+                    f"{name}: step time shard_map / one device",
                     r["time_vs_one_device"],
                     1.05,
                     True,

@@ -220,3 +220,129 @@ def test_dew_bench_defaults_split_over_eight_tensor_devices():
     )
     # What `dew bench --layouts tensor=8 data=2,tensor=4 fsdp=2,tensor=4` needs of the model.
     size.objective().model.check_split({"tensor": 8})
+
+
+def test_dew_collectives_sequence_scheme_picks_the_ring_or_the_all_to_all(tmp_path):
+    # The example model (2 layers, width 64, 4 heads of 16) on data 2 x sequence 4: each device
+    # holds 8 rows x 2c = 8 positions. Per layer the layer runs forward, forward again (remat) and
+    # backward.
+    rows, local, heads, head_dim = 8, 32 // 4, 4, 16
+    ring = dew("collectives", "--mesh", "sequence=4", "--seq-len", "32", cwd=tmp_path)
+    assert ring.returncode == 0, ring.stderr[-3000:]
+    assert ring.stdout.splitlines()[0].endswith(
+        "'sequence': 4, 'stage': 1}, batch 16 x 32 tokens, sequence_scheme=ring:"
+    ), ring.stdout
+    rows_ring = report_rows(ring.stdout)
+    # Ring: the stacked K/V block [2, 8, 8, 4, 16] float32 (32 KiB) takes n - 1 = 3 hops in each
+    # forward and in the backward, and the float32 dK/dV accumulator 3 more: 12 per layer.
+    block = 2 * rows * local * heads * head_dim * 4
+    assert rows_ring["ppermute", ("sequence",)] == (24, 24 * block, 24 * block), ring.stdout
+    assert not any(op == "all_to_all" for op, _ in rows_ring), ring.stdout
+    # Gradients summed over the token axes, sequence among them.
+    assert rows_ring["psum", ("data", "sequence")][0] == 12, ring.stdout
+
+    ulysses = dew(
+        "collectives",
+        *("--mesh", "sequence=4", "--seq-len", "32", "--sequence-scheme", "all_to_all"),
+        cwd=tmp_path,
+    )
+    assert ulysses.returncode == 0, ulysses.stderr[-3000:]
+    assert ulysses.stdout.splitlines()[0].endswith("sequence_scheme=all_to_all:"), ulysses.stdout
+    rows_ulysses = report_rows(ulysses.stdout)
+    # All-to-all: q, k, v and out [8, 8, 4, 16] float32 (16 KiB) each, 3/4 of it sent: 4 in the
+    # forward, 4 recomputed, 4 transposed in the backward (lse's is dropped: nothing uses it).
+    operand = rows * local * heads * head_dim * 4
+    assert rows_ulysses["all_to_all", ("sequence",)] == (24, 24 * operand, 24 * operand * 3 / 4)
+    assert not any(op == "ppermute" for op, _ in rows_ulysses), ulysses.stdout
+
+
+def test_dew_train_passes_the_sequence_scheme_to_the_trainer(tmp_path):
+    # 4 heads do not split over sequence 8, which only the all-to-all scheme asks for; refused
+    # before compiling.
+    bad = dew(
+        "train",
+        *("--mesh", "sequence=8", "--sequence-scheme", "all_to_all", "--steps", "1"),
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 2, bad.stdout
+    assert (
+        "dew train: sequence_scheme 'all_to_all' trades positions for heads: num_heads 4 "
+        "(4 per device over tensor 1) does not split over sequence 8" in bad.stderr
+    ), bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_dew_bench_runs_each_sequence_scheme_against_one_gspmd_row(tmp_path):
+    # A one-step run of a tiny model: what is checked is what ran, not how fast.
+    out = dew(
+        "bench",
+        *("--layouts", "sequence=2", "--sequence-schemes", "ring", "all_to_all"),
+        *("--layers", "1", "--width", "32", "--heads", "4", "--seq-len", "16", "--batch", "8"),
+        *("--steps", "1", "--repeats", "1", "--warmup", "0", "--depth-check", "0"),
+        *("--json", "bench.json"),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sequence_parallel False, sequence schemes ring all_to_all, on 8 cpu devices" in (
+        out.stdout
+    ), out.stdout
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["layout"], r["engine"], r["sequence_scheme"]) for r in rows] == [
+        ("data=4,sequence=2", "shard_map", "ring"),
+        ("data=4,sequence=2", "shard_map", "all_to_all"),
+        ("data=4,sequence=2", "gspmd", None),
+        ("data=1", "one_device", None),
+    ], rows
+    # Each contestant ran its own scheme: their steps send different bytes.
+    assert rows[0]["wire_bytes"] != rows[1]["wire_bytes"], rows
+    # Each scheme has its row in the table and its own targets against the one GSPMD row.
+    table = out.stdout.splitlines()
+    for scheme in ("ring", "all_to_all"):
+        name = f"data=4,sequence=2 ({scheme})"
+        assert any(line.startswith(f"{name}  ") and "shard_map" in line for line in table)
+        assert any(line.startswith(f"{name}: wire bytes gspmd / shard_map") for line in table), (
+            out.stdout
+        )
+
+
+def test_bench_ratios_compare_each_sequence_scheme_with_the_layouts_gspmd_row():
+    from dew import benchmark
+
+    def result(engine, round_ms, wire, scheme=None, layout="sequence=8"):
+        return benchmark.Result(
+            layout=layout,
+            engine=engine,
+            step_ms=float(sorted(round_ms)[1]),
+            compile_s=1.0,
+            state_bytes_per_device=100,
+            temp_bytes_per_device=wire,
+            wire_bytes=wire,
+            collectives=1,
+            steps_timed=3,
+            round_ms=round_ms,
+            sequence_scheme=scheme,
+        )
+
+    results = [
+        result("shard_map", (100, 200, 300), 50, "ring"),
+        result("shard_map", (300, 300, 300), 200, "all_to_all"),
+        result("gspmd", (100, 100, 100), 100),
+        result("one_device", (50, 50, 50), 0, layout="data=1"),
+    ]
+    ratios = benchmark.layout_ratios(results)
+    assert set(ratios) == {"sequence=8 (ring)", "sequence=8 (all_to_all)"}, ratios
+    assert ratios["sequence=8 (ring)"]["time_vs_gspmd"] == 2.0  # 1, 2, 3
+    assert ratios["sequence=8 (ring)"]["wire"] == 0.5
+    assert ratios["sequence=8 (all_to_all)"]["time_vs_gspmd"] == 3.0
+    assert ratios["sequence=8 (all_to_all)"]["time_vs_one_device"] == 6.0
+    assert ratios["sequence=8 (all_to_all)"]["wire"] == 2.0
+    found = {t.name: t.measured for t in benchmark.targets(results) if not t.stretch}
+    assert found["sequence=8 (ring): wire bytes gspmd / shard_map"] == 2.0
+    assert found["sequence=8 (all_to_all): wire bytes gspmd / shard_map"] == 0.5
+    table = benchmark.table(results).splitlines()
+    assert [line.split("  ")[0] for line in table[2:6]] == [
+        "sequence=8 (ring)",
+        "sequence=8 (all_to_all)",
+        "sequence=8",
+        "data=1",
+    ], table

@@ -4,6 +4,7 @@
                                                # and the one-device row
     dew bench --layouts fsdp=8 --json out.json
     dew bench --layouts tensor=8 data=2,tensor=4 fsdp=2,tensor=4 --sequence-parallel
+    dew bench --layouts sequence=8 data=2,sequence=4 --sequence-schemes ring all_to_all
 
 The measurements and the targets are ``dew.benchmark``'s; this module only reads flags and prints.
 """
@@ -17,12 +18,14 @@ import tempfile
 from pathlib import Path
 
 from dew.cli.flags import (
+    SEQUENCE_SCHEME_HELP,
     add_device_flag,
     add_min_shard_flag,
     add_model_flags,
     add_seed_flag,
     add_sequence_parallel_flag,
     engine_names,
+    sequence_scheme_names,
 )
 
 DEFAULT_LAYOUTS = ("data=8", "fsdp=8", "data=2,fsdp=4")
@@ -35,8 +38,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="compare layouts and the GSPMD baseline side by side",
         description="Trains the same model in every layout asked, with the shard_map engine and "
         "the GSPMD baseline, taking turns, and prints step time, compile time, memory and wire "
-        "bytes per device, the ratio shard_map / GSPMD of each layout, and the targets of "
-        "docs/benchmarks.md.",
+        "bytes per device, the ratio shard_map / GSPMD of each layout (of each sequence scheme, "
+        "on a sequence axis), and the targets of docs/benchmarks.md.",
     )
     parser.add_argument(
         "--layouts",
@@ -90,6 +93,15 @@ def add_parser(commands) -> argparse.ArgumentParser:
     add_min_shard_flag(parser, default=Layout().min_shard)
     add_sequence_parallel_flag(parser)
     parser.add_argument(
+        "--sequence-schemes",
+        nargs="+",
+        default=["ring"],
+        choices=sequence_scheme_names(),
+        metavar="SCHEME",
+        help="on each layout with sequence > 1, one shard_map contestant per scheme, side by side "
+        "(default: ring; the GSPMD baseline runs once per layout); " + SEQUENCE_SCHEME_HELP,
+    )
+    parser.add_argument(
         "--depth-check",
         type=int,
         default=16,
@@ -102,7 +114,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--json",
         default=None,
         metavar="FILE",
-        help="write one object per layout and engine (and the one-device row) to FILE",
+        help="write one object per layout and engine (per sequence scheme too, for shard_map on a "
+        "sequence axis; and the one-device row) to FILE",
     )
     parser.set_defaults(run=run)
     return parser
@@ -151,10 +164,15 @@ def run(args) -> int:
         batch=args.batch,
     )
     specs = [MeshSpec.parse(text) for text in args.layouts]
+    schemes = (
+        f"sequence schemes {' '.join(args.sequence_schemes)}, "
+        if any(spec.sequence > 1 for spec in specs)
+        else ""
+    )
     print(
         f"dew bench: {size.layers} layers, width {size.width}, {size.heads} heads, "
         f"batch {size.batch} x {size.seq_len} tokens, min_shard {args.min_shard}, "
-        f"sequence_parallel {args.sequence_parallel}, "
+        f"sequence_parallel {args.sequence_parallel}, {schemes}"
         f"on {jax.device_count()} {jax.devices()[0].platform} devices; "
         f"{args.repeats} timed rounds of {args.steps} step(s)"
         + (f" after {args.warmup} warm-up round(s)" if args.warmup else ""),
@@ -171,6 +189,7 @@ def run(args) -> int:
         min_shard=args.min_shard,
         seed=args.seed,
         sequence_parallel=args.sequence_parallel,
+        sequence_schemes=args.sequence_schemes,
         log=lambda line: print("  " + line, flush=True),
     )
     depth = None
@@ -185,6 +204,7 @@ def run(args) -> int:
             min_shard=args.min_shard,
             seed=args.seed,
             sequence_parallel=args.sequence_parallel,
+            sequence_scheme=args.sequence_schemes[0],
         )
     print()
     print(benchmark.table(results))

@@ -15,6 +15,14 @@ def engine_names() -> tuple[str, ...]:
     return ENGINES
 
 
+def sequence_scheme_names() -> tuple[str, ...]:
+    """The sequence-parallel attention schemes, from their one definition
+    (``dew.parallel.sequence.SCHEMES``)."""
+    from dew.parallel.sequence import SCHEMES
+
+    return tuple(SCHEMES)
+
+
 def add_device_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cpu-devices",
@@ -71,6 +79,22 @@ def add_sequence_parallel_flag(parser: argparse.ArgumentParser) -> None:
         "the tensor group (Megatron's sequence parallelism: activations move by all_gather and "
         "psum_scatter instead of psum; --seq-len must divide by tensor); no effect on the GSPMD "
         "engines",
+    )
+
+
+SEQUENCE_SCHEME_HELP = (
+    "ring: K/V blocks travel round the sequence group by ppermute; all_to_all (DeepSpeed-Ulysses): "
+    "positions traded for heads, which must divide by sequence x tensor"
+)
+
+
+def add_sequence_scheme_flag(parser: argparse.ArgumentParser) -> None:
+    """``--sequence-scheme``: ``Trainer(..., sequence_scheme=...)``."""
+    parser.add_argument(
+        "--sequence-scheme",
+        default="ring",
+        choices=sequence_scheme_names(),
+        help="how attention spans a sequence axis above 1 (default ring); " + SEQUENCE_SCHEME_HELP,
     )
 
 

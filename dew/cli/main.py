@@ -20,6 +20,7 @@ from dew.cli.flags import (
     add_model_flags,
     add_seed_flag,
     add_sequence_parallel_flag,
+    add_sequence_scheme_flag,
     engine_names,
 )
 
@@ -28,13 +29,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh",
         default="",
-        help="axis sizes, e.g. fsdp=8, data=2,fsdp=4 or fsdp=2,tensor=4 "
+        help="axis sizes, e.g. fsdp=8, data=2,fsdp=4, fsdp=2,tensor=4 or sequence=4 "
         "(data takes the devices left over; default: all data parallel)",
     )
     add_device_flag(parser)
     add_model_flags(parser, batch=16, seq_len=32, layers=2, width=64, heads=4)
     add_min_shard_flag(parser, default=1)
     add_sequence_parallel_flag(parser)
+    add_sequence_scheme_flag(parser)
     parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
     parser.add_argument("--accumulation", type=int, default=1, help="microbatches per step")
 
@@ -141,6 +143,7 @@ def _trainer(args, objective, checkpoints=None, engine="shard_map", lr=1e-3, see
         accumulation=args.accumulation,
         engine=engine,
         sequence_parallel=args.sequence_parallel,
+        sequence_scheme=args.sequence_scheme,
     )
 
 
@@ -182,6 +185,11 @@ def collectives_command(args) -> int:
             f"Collectives of one {args.engine} step on {dict(trainer.mesh.shape)}, "
             f"batch {args.batch} x {args.seq_len} tokens"
             + (", sequence_parallel=True" if args.sequence_parallel else "")
+            + (
+                f", sequence_scheme={args.sequence_scheme}"
+                if args.engine == "shard_map" and trainer.mesh.shape["sequence"] > 1
+                else ""
+            )
             + ":"
         )
         print(trainer.collectives(data))
