@@ -11,8 +11,11 @@ whole mesh, on each device's local shards, and every byte between devices is a c
                          all_gather / psum_scatter with sequence-parallel activations), and the
                          vocabulary-parallel embedding, head and loss (psum and pmax of
                          [rows, seq]-sized values, never the logits)
+    sequence.attention   over a sequence axis, ring attention (ppermute of K/V blocks, and of
+                         their gradients in the backward) or the all-to-all scheme
     data.sum_gradients   psum of gradients over the axes dew.parallel.gradients names for each
-                         weight: data, fsdp for weights kept whole, tensor for partial ones
+                         weight: the token axes (data, fsdp for weights kept whole, sequence),
+                         tensor for partial ones
     data.sum_over_tokens psum of the loss over the token axes
 
 The optax update then runs on the gradients as laid out (the same layout as the weights), outside
@@ -23,8 +26,9 @@ scalar per reduction).
 
 ``gspmd`` (the baseline): the same loss on the global arrays under ``jit`` with the same input and
 output shardings and no ``shard_map``; XLA's partitioner inserts the communication. Every block's
-input is pinned to the batch split (``P(("data", "expert", "fsdp"))``), as MaxText-style GSPMD
-models pin theirs: the baseline a user would write instead of Dew.
+input is pinned to the token split (``TOKEN_SPEC``: rows over ``("data", "expert", "fsdp")``,
+positions over ``sequence``), as MaxText-style GSPMD models pin theirs: the baseline a user would
+write instead of Dew.
 
 ``gspmd_unpinned``: the same, with activations left to the partitioner. It is kept to show what
 pinning buys: at fsdp it splits the matmuls along the weights' split dimension and all-reduces
