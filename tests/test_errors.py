@@ -125,10 +125,10 @@ def test_meta_that_disagrees_with_train_bin(folder):
 def test_axes_the_engine_does_not_split_yet():
     with pytest.raises(
         ValueError,
-        match=r"MeshSpec\(sequence=2\): the training step does not split over "
-        "the sequence axis yet; it supports data, fsdp, tensor",
+        match=r"MeshSpec\(expert=2\): the training step does not split over "
+        "the expert axis yet; it supports data, fsdp, tensor, sequence",
     ):
-        trainer(mesh=dew.MeshSpec(sequence=2))
+        trainer(mesh=dew.MeshSpec(expert=2))
 
 
 @pytest.mark.parametrize(
