@@ -274,18 +274,8 @@ class Contestant:
     def compile(self) -> None:
         """Traces, lowers and compiles the step (timed), and reads its memory and collectives."""
         trainer, size = self.trainer, self.size
-        abstract_state = jax.tree_util.tree_map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            jax.eval_shape(trainer.init_state),
-            trainer.state_shardings,
-        )
-        abstract_batch = jax.ShapeDtypeStruct(
-            (size.batch, size.seq_len + 1), jnp.int32, sharding=trainer.batch_sharding
-        )
         began = time.perf_counter()
-        self.compiled = (
-            trainer.train_step(size.batch).lower(abstract_state, abstract_batch).compile()
-        )
+        self.compiled = trainer.compiled_step(size.batch)
         self.compile_s = time.perf_counter() - began
         self.temp_bytes = int(self.compiled.memory_analysis().temp_size_in_bytes)
         self.report = hlo_collectives(self.compiled, trainer.mesh)

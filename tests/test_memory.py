@@ -3,7 +3,6 @@ keeping what the forward gathered (docs/design.md), checked on the compiled step
 memory_analysis()."""
 
 import jax
-import jax.numpy as jnp
 import optax
 
 import dew
@@ -28,13 +27,7 @@ def temp_bytes(layers):
         mesh=dew.MeshSpec(fsdp=8),
         layout=dew.Layout(min_shard=1),
     )
-    state = jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(trainer.init_state),
-        trainer.state_shardings,
-    )
-    batch = jax.ShapeDtypeStruct((ROWS, SEQ + 1), jnp.int32, sharding=trainer.batch_sharding)
-    compiled = trainer.train_step(ROWS).lower(state, batch).compile()
+    compiled = trainer.compiled_step(ROWS)
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -8,13 +8,13 @@ all-to-all functions themselves are tested against plain attention in tests/test
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import dew
 from dew.objectives.lm import LMObjective
+from dew.training.step import build_loss
 from tests.helpers import SEQ, fresh_batch, seeded_key, smooth_optimizer, tiny_objective
 from tests.test_equivalence import ROWS, STEPS, assert_matches, reference_run, sharded_run
 
@@ -77,8 +77,6 @@ def test_validation_loss_matches_one_device(case, seed):
     trainer = dew.Trainer(objective, optax.sgd(0.1), key, mesh=dew.MeshSpec(sequence=4))
     state = trainer.init_state()
     params = jax.tree_util.tree_map(np.asarray, state.params)
-    from dew.training.step import build_loss
-
     loss = build_loss(objective, trainer.mesh, trainer.shards, global_rows=ROWS)
     got = float(loss(state.params, trainer.device_batch(batches[0], ROWS)))
     want = float(objective.loss(params, batches[0]))
@@ -105,13 +103,7 @@ def temp_bytes(mesh, devices, seq_len=4096, rows=8):
         mesh=mesh,
         devices=devices,
     )
-    state = jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(trainer.init_state),
-        trainer.state_shardings,
-    )
-    batch = jax.ShapeDtypeStruct((rows, seq_len + 1), jnp.int32, sharding=trainer.batch_sharding)
-    compiled = trainer.train_step(rows).lower(state, batch).compile()
+    compiled = trainer.compiled_step(rows)
     return compiled.memory_analysis().temp_size_in_bytes
 
 

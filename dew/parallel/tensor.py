@@ -62,6 +62,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dew.layout import path_names
+
 AXIS = "tensor"
 # Activations between blocks are [rows, seq, embed]: sequence parallelism splits dimension 1.
 SEQUENCE_DIM = 1
@@ -458,8 +460,6 @@ def check_layout(param_specs: Any, logical_axes: Any, shapes: Any, tensor_size: 
     """
     if tensor_size == 1:
         return
-    from dew.layout import path_names
-
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     axes_leaves = jax.tree_util.tree_leaves(
         logical_axes, is_leaf=lambda x: isinstance(x, tuple) and not is_spec(x)

@@ -456,6 +456,24 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- inspection
 
+    def step_arguments(self, batch_size: int):
+        """``(state, batch)`` of the step on global batches of ``batch_size`` rows, as
+        ``jax.ShapeDtypeStruct`` s laid out as the step takes them: lowering the step on them
+        allocates nothing."""
+        state = jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self._abstract_state,
+            self.state_shardings,
+        )
+        width = self.objective.seq_len + 1
+        batch = jax.ShapeDtypeStruct((batch_size, width), jnp.int32, sharding=self.batch_sharding)
+        return state, batch
+
+    def compiled_step(self, batch_size: int):
+        """The step on global batches of ``batch_size`` rows, lowered from ``step_arguments`` and
+        compiled, for its ``memory_analysis()`` and its HLO (nothing is allocated or run)."""
+        return self.train_step(batch_size).lower(*self.step_arguments(batch_size)).compile()
+
     def collectives(self, data):
         """The collectives of one training step on batches of ``data`` (anything with ``batch_size``
         and ``seq_len``), as a ``CollectiveReport``.
@@ -465,15 +483,7 @@ class Trainer:
         """
         from dew.collectives import collectives, hlo_collectives
 
-        step_fn = self.train_step(data.batch_size)
-        batch = jax.ShapeDtypeStruct(
-            (data.batch_size, data.seq_len + 1), jnp.int32, sharding=self.batch_sharding
-        )
-        state = jax.tree_util.tree_map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            self._abstract_state,
-            self.state_shardings,
-        )
+        self.check_batch(data.batch_size, data.seq_len)
         if self.engine != "shard_map":
-            return hlo_collectives(step_fn.lower(state, batch).compile(), self.mesh)
-        return collectives(step_fn, state, batch)
+            return hlo_collectives(self.compiled_step(data.batch_size), self.mesh)
+        return collectives(self.train_step(data.batch_size), *self.step_arguments(data.batch_size))
