@@ -26,6 +26,20 @@ spanned a ``sequence`` axis above 1 (``"ring"`` or ``"all_to_all"``, ``dew.paral
 and the GSPMD baseline once; a row's ``name`` (``"sequence=8 (all_to_all)"``) tells them apart, and
 each scheme's ratios are against its layout's GSPMD row and the one-device row.
 
+Pipelines. A layout with ``stage > 1`` is written ``stage=4,microbatches=8`` (its row's
+``layout``), and ``compare`` runs one shard_map contestant per pipeline schedule asked
+(``pipeline_schedules``; ``Result.pipeline_schedule``, the row named ``"stage=4,microbatches=8
+(1f1b)"``). Each also records ``bubble_formula``, ``(S - 1) / (M + S - 1)``, and
+``bubble_measured``, the idle share of its step measured from two step times: its own, ``T(M)``,
+and ``T(2M)`` of a twin contestant run in the same rounds with twice the microbatches and twice the
+batch (so the same rows per microbatch; ``double_step_ms``). A step of ``M`` microbatches takes
+``T(M) = M c + b`` with ``c`` the time one more microbatch adds and ``b`` what does not grow with
+``M`` (the bubble, and the optimizer update and gradient sums around it), so ``c = T(2M) - T(M)``
+over ``M`` and ``bubble_measured = 1 - M c / T(M) = 2 - T(2M) / T(M)``, the median of that over
+the rounds. On devices that compute in parallel it is the share of the step a stage idles (plus
+the step's fixed work); simulated CPU devices share the machine's cores, so an idle stage lends
+them to the busy ones and hides most of its bubble there.
+
 The machines this runs on are shared and noisy, so times are only compared as ratios measured in
 one run. The contestants take turns, ``steps`` steps each per round; the engines of a layout run
 back to back (their order alternates), and the order of the layouts (the one-device row among
@@ -52,6 +66,7 @@ from dew.checks import nonnegative_int, positive_int
 from dew.collectives import hlo_collectives
 from dew.layout import Layout
 from dew.mesh import MeshSpec
+from dew.parallel import pipeline
 from dew.parallel.sequence import SCHEMES
 from dew.training.step import ENGINES
 from dew.training.trainer import Trainer
@@ -66,6 +81,7 @@ __all__ = [
     "compare",
     "compile_depth",
     "layout_name",
+    "measured_bubble",
     "row_name",
     "state_bytes_per_device",
     "table",
@@ -103,10 +119,14 @@ class ModelSize:
     seq_len: int = 128
     batch: int = 32
     vocab: int = 256
+    # A mixture of experts: ``moe`` holds ``build``'s MoE arguments (``num_experts``,
+    # ``experts_per_token``, ``moe_every``, ``capacity_factor``); empty for a dense model.
+    moe: tuple = ()
 
     def __post_init__(self):
         for name in ("layers", "width", "heads", "seq_len", "batch", "vocab"):
             positive_int(f"ModelSize.{name}", getattr(self, name))
+        object.__setattr__(self, "moe", tuple(sorted(dict(self.moe).items())))
 
     def objective(self):
         """The ``LMObjective`` of this model (raises ``ValueError`` on sizes the model refuses)."""
@@ -120,6 +140,7 @@ class ModelSize:
             num_layers=self.layers,
             num_heads=self.heads,
             max_seq_len=self.seq_len,
+            **dict(self.moe),
         )
         return LMObjective(model, self.seq_len)
 
@@ -141,11 +162,20 @@ class Result:
     sequence_parallel: bool = False  # sequence-parallel activations were in effect
     # The shard_map step's attention scheme over a sequence axis above 1; None elsewhere.
     sequence_scheme: str | None = None
+    # Over a stage axis above 1: the microbatches (every engine's row), and for the shard_map
+    # step its schedule, the formula's bubble, the measured one and the 2M twin's step time (see
+    # the module docstring); None elsewhere.
+    microbatches: int | None = None
+    pipeline_schedule: str | None = None
+    bubble_formula: float | None = None
+    bubble_measured: float | None = None
+    double_step_ms: float | None = None
 
     @property
     def name(self) -> str:
-        """The layout, and the sequence scheme where there is one: ``row_name``."""
-        return row_name(self.layout, self.sequence_scheme)
+        """The layout, and the sequence scheme and pipeline schedule where there are:
+        ``row_name``."""
+        return row_name(self.layout, self.sequence_scheme, self.pipeline_schedule)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -182,17 +212,22 @@ class Target:
         return self.measured <= self.limit
 
 
-def layout_name(mesh_shape: dict) -> str:
-    """``{"data": 2, "fsdp": 4, ...}`` -> ``"data=2,fsdp=4"`` (axes of size 1 left out)."""
+def layout_name(mesh_shape: dict, microbatches: int | None = None) -> str:
+    """``{"data": 2, "fsdp": 4, ...}`` -> ``"data=2,fsdp=4"`` (axes of size 1 left out), and
+    ``",microbatches=M"`` after them when ``microbatches`` is given."""
     parts = [f"{axis}={size}" for axis, size in mesh_shape.items() if size > 1]
+    if microbatches is not None:
+        parts.append(f"microbatches={microbatches}")
     return ",".join(parts) or "data=1"
 
 
-def row_name(layout: str, sequence_scheme: str | None) -> str:
-    """``("sequence=8", "all_to_all")`` -> ``"sequence=8 (all_to_all)"``; the layout alone when
-    ``sequence_scheme`` is ``None``. Tells a layout's shard_map contestants apart in the table and
-    the targets."""
-    return layout if sequence_scheme is None else f"{layout} ({sequence_scheme})"
+def row_name(layout: str, sequence_scheme: str | None, pipeline_schedule: str | None = None) -> str:
+    """``("sequence=8", "all_to_all")`` -> ``"sequence=8 (all_to_all)"``, ``("stage=4,
+    microbatches=8", None, "1f1b")`` -> ``"stage=4,microbatches=8 (1f1b)"``; the layout alone when
+    both are ``None``. Tells a layout's shard_map contestants apart in the table and the
+    targets."""
+    variants = [v for v in (sequence_scheme, pipeline_schedule) if v is not None]
+    return f"{layout} ({', '.join(variants)})" if variants else layout
 
 
 def state_bytes_per_device(state) -> int:
@@ -213,7 +248,8 @@ class Contestant:
     first device alone, whatever ``mesh`` says. ``sequence_parallel`` is the ``Trainer``'s (in
     effect only for the shard_map engine on a tensor axis above 1); so is ``sequence_scheme`` (in
     effect only for the shard_map engine on a sequence axis above 1; the other engines are built
-    with the default, which every model accepts).
+    with the default, which every model accepts), and ``pipeline_schedule`` (in effect only for
+    the shard_map engine on a stage axis above 1).
 
     c = Contestant(size.objective(), size, MeshSpec(fsdp=8), "shard_map")
     c.prepare(); c.compile()
@@ -231,9 +267,11 @@ class Contestant:
         seed: int = 0,
         sequence_parallel: bool = False,
         sequence_scheme: str = "ring",
+        pipeline_schedule: str = "1f1b",
     ):
         one_device = engine == ONE_DEVICE
         scheme_applies = engine == "shard_map" and mesh.sequence > 1
+        schedule_applies = engine == "shard_map" and mesh.stage > 1
         self.trainer = Trainer(
             objective,
             optax.adamw(1e-3),
@@ -244,11 +282,16 @@ class Contestant:
             devices=jax.devices()[:1] if one_device else None,
             sequence_parallel=sequence_parallel,
             sequence_scheme=sequence_scheme if scheme_applies else "ring",
+            pipeline_schedule=pipeline_schedule if schedule_applies else "1f1b",
         )
         self.trainer.check_batch(size.batch)
         self.size = size
         self.seed = seed
-        self.layout = layout_name(dict(self.trainer.mesh.shape))
+        mesh_shape = dict(self.trainer.mesh.shape)
+        self.microbatches = self.trainer.microbatches if mesh_shape["stage"] > 1 else None
+        self.layout = layout_name(mesh_shape, self.microbatches)
+        # Contestants of one group (a mesh, whatever its microbatches) run back to back.
+        self.group = (layout_name(mesh_shape), one_device)
         self.engine = engine
         self.sequence_parallel = (
             self.trainer.sequence_parallel
@@ -256,7 +299,11 @@ class Contestant:
             and self.trainer.mesh.shape["tensor"] > 1
         )
         self.sequence_scheme = sequence_scheme if scheme_applies else None
-        self.name = row_name(self.layout, self.sequence_scheme)
+        self.pipeline_schedule = pipeline_schedule if schedule_applies else None
+        self.name = row_name(self.layout, self.sequence_scheme, self.pipeline_schedule)
+        # The shard_map pipeline's twin at twice the microbatches and batch (``compare`` sets
+        # it), whose step time gives ``bubble_measured``.
+        self.twin: Contestant | None = None
         self.times: list[float] = []
         self.rounds: list[float] = []
 
@@ -286,9 +333,10 @@ class Contestant:
         times = []
         for _ in range(steps):
             began = time.perf_counter()
-            self.state, loss = self.compiled(self.state, self.batch)
-            jax.block_until_ready((self.state, loss))
+            self.state, metrics = self.compiled(self.state, self.batch)
+            jax.block_until_ready((self.state, metrics))
             times.append(time.perf_counter() - began)
+        loss = metrics["loss"]
         if not np.isfinite(float(loss)):
             raise FloatingPointError(f"{self.name} {self.engine}: the loss is {float(loss)}")
         if record:
@@ -299,6 +347,16 @@ class Contestant:
     def result(self) -> Result:
         if not self.times:
             raise ValueError(f"{self.name} {self.engine}: no timed steps yet; call run() first")
+        bubble = {}
+        if self.pipeline_schedule is not None:
+            stages = self.trainer.mesh.shape["stage"]
+            count = self.microbatches * self.trainer.accumulation
+            bubble["bubble_formula"] = pipeline.bubble_formula(stages, count)
+        if self.twin is not None and self.twin.times:
+            bubble["bubble_measured"] = statistics.median(
+                measured_bubble(one, two) for one, two in zip(self.rounds, self.twin.rounds)
+            )
+            bubble["double_step_ms"] = 1e3 * statistics.median(self.twin.times)
         return Result(
             layout=self.layout,
             engine=self.engine,
@@ -312,10 +370,22 @@ class Contestant:
             round_ms=tuple(1e3 * t for t in self.rounds),
             sequence_parallel=self.sequence_parallel,
             sequence_scheme=self.sequence_scheme,
+            microbatches=self.microbatches,
+            pipeline_schedule=self.pipeline_schedule,
+            **bubble,
         )
 
     def release(self) -> None:
         self.state = self.batch = self.compiled = None
+
+
+def measured_bubble(step_m: float, step_2m: float) -> float:
+    """The idle share of a pipeline step of ``M`` microbatches that took ``step_m``, when the same
+    pipeline with ``2M`` microbatches of the same size took ``step_2m``: ``2 - step_2m /
+    step_m`` (``T(M) = M c + b``: the ``M`` more microbatches cost ``M c = step_2m - step_m``,
+    the rest of ``step_m`` is the bubble and the step's fixed work). ``(S - 1) / (M + S - 1)``
+    for ``T(M) = (M + S - 1) c``."""
+    return 2.0 - step_2m / step_m
 
 
 def _mesh_specs(layouts: Sequence[MeshSpec | str]) -> list[MeshSpec]:
@@ -343,6 +413,47 @@ def _check_schemes(sequence_schemes: Sequence[str]) -> list[str]:
     return schemes
 
 
+def _check_pipeline_schedules(pipeline_schedules: Sequence[str]) -> list[str]:
+    schedules = list(pipeline_schedules)
+    names = ", ".join(pipeline.SCHEDULES)
+    if not schedules:
+        raise ValueError(f"no pipeline schedules; expected some of {names}")
+    for schedule in schedules:
+        if schedule not in pipeline.SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {names}")
+    return schedules
+
+
+def _variants(spec: MeshSpec, engine: str, schemes: list[str], schedules: list[str]):
+    """``(sequence scheme, pipeline schedule)`` of each contestant of ``engine`` on ``spec``: one
+    per scheme over a sequence axis and per schedule over a stage axis, for the shard_map engine;
+    one otherwise."""
+    if engine != "shard_map":
+        return [("ring", "1f1b")]
+    return [
+        (scheme, schedule)
+        for scheme in (schemes if spec.sequence > 1 else ["ring"])
+        for schedule in (schedules if spec.stage > 1 else ["1f1b"])
+    ]
+
+
+def _twin(c: Contestant, objective, size: ModelSize, spec: MeshSpec, options) -> Contestant:
+    """``c``'s pipeline at twice the microbatches and twice the batch (the same rows per
+    microbatch): ``T(2M)`` for ``bubble_measured``."""
+    twin = Contestant(
+        objective,
+        dataclasses.replace(size, batch=2 * size.batch),
+        dataclasses.replace(spec, microbatches=2 * c.microbatches),
+        "shard_map",
+        *options,
+        sequence_scheme=c.sequence_scheme or "ring",
+        pipeline_schedule=c.pipeline_schedule,
+    )
+    twin.group = c.group
+    c.twin = twin
+    return twin
+
+
 def compare(
     size: ModelSize,
     layouts: Sequence[MeshSpec | str],
@@ -356,6 +467,7 @@ def compare(
     seed: int = 0,
     sequence_parallel: bool = False,
     sequence_schemes: Sequence[str] = ("ring",),
+    pipeline_schedules: Sequence[str] = ("1f1b",),
     log: Callable[[str], None] | None = print,
 ) -> list[Result]:
     """Measures every layout with every engine; one ``Result`` each (one per sequence scheme for
@@ -378,6 +490,10 @@ def compare(
       sequence_schemes: some of ``dew.parallel.sequence.SCHEMES`` (default: ``ring``): on a
         layout with ``sequence > 1``, one shard_map contestant per scheme, each recording it in
         ``Result.sequence_scheme``; layouts without a sequence axis run the shard_map step once.
+      pipeline_schedules: some of ``dew.parallel.pipeline.SCHEDULES`` (default: ``1f1b``): on a
+        layout with ``stage > 1`` (which must give ``microbatches``), one shard_map contestant
+        per schedule, each with its twin at twice the microbatches and batch, run in the same
+        rounds, for ``Result.bubble_measured`` (the twins are not rows of their own).
       log: called with a line of progress; ``None`` for quiet.
 
     Every argument is checked (sizes, layouts against the device count, the batch against each
@@ -392,15 +508,31 @@ def compare(
     if not engines:
         raise ValueError(f"no engines to compare; expected some of {', '.join(ENGINES)}")
     schemes = _check_schemes(sequence_schemes)
+    schedules = _check_pipeline_schedules(pipeline_schedules)
     specs = _mesh_specs(layouts)
     log = log or (lambda line: None)
     objective = size.objective()
-    contestants = [
-        Contestant(objective, size, spec, engine, min_shard, seed, sequence_parallel, scheme)
+    options = (min_shard, seed, sequence_parallel)
+    planned = [
+        (spec, engine, scheme, schedule)
         for spec in specs
         for engine in engines
-        for scheme in (schemes if engine == "shard_map" and spec.sequence > 1 else ["ring"])
+        for scheme, schedule in _variants(spec, engine, schemes, schedules)
     ]
+    contestants, twins = [], []
+    for spec, engine, scheme, schedule in planned:
+        c = Contestant(
+            objective,
+            size,
+            spec,
+            engine,
+            *options,
+            sequence_scheme=scheme,
+            pipeline_schedule=schedule,
+        )
+        contestants.append(c)
+        if c.pipeline_schedule is not None:
+            twins.append(_twin(c, objective, size, spec, options))
     if one_device:
         contestants.append(Contestant(objective, size, MeshSpec(), ONE_DEVICE, min_shard, seed))
     names = [(c.name, c.engine) for c in contestants]
@@ -409,16 +541,16 @@ def compare(
         named = ", ".join(f"{name} ({engine})" for name, engine in duplicates)
         raise ValueError(f"layouts (and engines, sequence schemes) given twice: {named}")
 
-    width = max(16, *(len(c.name) for c in contestants))
-    for c in contestants:
+    everyone = contestants + twins
+    width = max(16, *(len(c.name) for c in everyone))
+    for c in everyone:
         c.prepare()
         c.compile()
-        log(f"compiled {c.name:<{width}} {c.engine:<14} in {c.compile_s:6.2f} s")
-    layouts_in_order = list(dict.fromkeys((c.layout, c.engine == ONE_DEVICE) for c in contestants))
-    groups = [
-        [c for c in contestants if (c.layout, c.engine == ONE_DEVICE) == key]
-        for key in layouts_in_order
-    ]
+        label = c.name + (" (2x batch)" if c in twins else "")
+        log(f"compiled {label:<{width}} {c.engine:<14} in {c.compile_s:6.2f} s")
+    # A mesh's contestants (its engines, schemes, schedules and their twins) run back to back.
+    layouts_in_order = list(dict.fromkeys(c.group for c in everyone))
+    groups = [[c for c in everyone if c.group == key] for key in layouts_in_order]
     for round_ in range(warmup + repeats):
         # A layout's engines back to back, the first one alternating; the layouts' order rotating.
         shift = round_ % len(groups)
@@ -434,7 +566,7 @@ def compare(
         kind = "warm-up" if round_ < warmup else f"{round_ - warmup + 1}/{repeats}"
         log(f"round {kind} (ms): " + ", ".join(line))
     results = [c.result() for c in contestants]
-    for c in contestants:
+    for c in everyone:
         c.release()
     return results
 
@@ -488,7 +620,8 @@ def _mib(n: int) -> str:
 
 def table(results: Sequence[Result]) -> str:
     """The results as a text table, then each layout's ratios against GSPMD and one device (a row
-    per shard_map contestant: per sequence scheme on a sequence axis)."""
+    per shard_map contestant: per sequence scheme on a sequence axis, per pipeline schedule on a
+    stage axis), then each pipeline's bubble, measured and by the formula."""
     header = (
         "layout",
         "engine",
@@ -532,6 +665,29 @@ def table(results: Sequence[Result]) -> str:
             [
                 (layout, *(_ratio_text(r.get(k)) for k in _RATIO_KEYS))
                 for layout, r in ratios.items()
+            ],
+            right_from=1,
+        )
+    piped = [r for r in results if r.bubble_formula is not None]
+    if piped:
+        lines += [
+            "",
+            "pipeline bubble: the idle share of a step, measured as 2 - T(2M) / T(M) with T(2M) "
+            "the step time at twice the microbatches and batch (same rows per microbatch), "
+            "against (S - 1) / (M + S - 1)",
+        ]
+        lines += _render(
+            ("layout", "microbatches", "step ms", "step ms at 2M", "measured", "formula"),
+            [
+                (
+                    r.name,
+                    str(r.microbatches),
+                    f"{r.step_ms:.0f}",
+                    "-" if r.double_step_ms is None else f"{r.double_step_ms:.0f}",
+                    "-" if r.bubble_measured is None else f"{r.bubble_measured:.3f}",
+                    f"{r.bubble_formula:.3f}",
+                )
+                for r in piped
             ],
             right_from=1,
         )

@@ -5,8 +5,9 @@ table, ``("layers", "embed", "mlp")`` for a stacked MLP weight). A ``Layout`` ho
 ``(logical name, mesh axis)`` and turns those names into a ``PartitionSpec`` for a given mesh:
 
 - a weight with fewer than ``min_shard`` elements is not split over fsdp (splitting it costs more
-  in communication than it saves in memory); ``tensor`` rules apply whatever the size, because the
-  model's Megatron regions compute on the split (``dew.parallel.tensor``);
+  in communication than it saves in memory); ``stage``, ``tensor`` and ``expert`` rules apply
+  whatever the size, because the model computes on those splits (``dew.parallel.pipeline``,
+  ``dew.parallel.tensor``, ``dew.parallel.expert``);
 - rules are tried in order; a rule places its mesh axis on the first dimension with that logical
   name that is still free and that the axis size divides; a mesh axis of size 1, an axis already
   used by this weight, or a size it does not divide: the rule is skipped and the next one is tried;
@@ -30,11 +31,17 @@ from jax.sharding import PartitionSpec as P
 from dew.checks import nonnegative_int
 from dew.mesh import AXES
 
-# Megatron's splits first (the vocabulary, the heads and the MLP width over tensor: the model
-# computes on them, dew.parallel.tensor.SPLIT_NAMES). Then fsdp, in this order of preference: the
-# vocabulary (the embedding table is usually the largest weight), the model width, the MLP width
-# and the heads, each on a dimension tensor left free.
+# Axes the model computes on the split of, so a rule for them applies whatever the weight's size.
+COMPUTED_SPLITS = ("expert", "tensor", "stage")
+# The stacked layers over stage first (each pipeline stage holds a contiguous run of the layers:
+# stage s the s-th block of num_layers / S), then the experts over expert and Megatron's splits
+# (the vocabulary, the heads and the MLP width over tensor: dew.parallel.tensor.SPLIT_NAMES). Then
+# fsdp, in this order of preference: the vocabulary (the embedding table is usually the largest
+# weight), the model width, the MLP width and the heads, each on a dimension tensor left free.
+# Nothing else names stage: the embedding, final norm and head are whole on every stage.
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
+    ("layers", "stage"),
+    ("experts", "expert"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -73,7 +80,8 @@ class Layout:
 
     Args:
       min_shard: weights with fewer elements than this are not split over any axis but
-        ``tensor`` (whose splits the model computes on, whatever the size).
+        ``stage``, ``tensor`` and ``expert`` (whose splits the model computes on, whatever the
+        size).
       rules: ordered ``(logical name, mesh axis)`` pairs. No rule may name ``data``: a data-parallel
         replica holds whole weights by definition.
     """
@@ -126,7 +134,7 @@ class Layout:
         placed: list[str | None] = [None] * len(shape)
         for logical, mesh_axis in self.rules:
             size = mesh_shape.get(mesh_axis, 1)
-            if size == 1 or mesh_axis in placed or (small and mesh_axis != "tensor"):
+            if size == 1 or mesh_axis in placed or (small and mesh_axis not in COMPUTED_SPLITS):
                 continue
             for dim, name in enumerate(axes):
                 if name == logical and placed[dim] is None and shape[dim] % size == 0:

@@ -7,9 +7,10 @@ Axes, in mesh order:
 - ``fsdp``: a slice of the batch and 1/n of each large weight.
 - ``tensor``: a Megatron split of heads, MLP width and vocabulary.
 - ``sequence``: a slice of the positions.
-- ``stage``: a contiguous run of layers.
+- ``stage``: a contiguous run of layers (a pipeline: ``dew.parallel.pipeline``).
 
-``data`` takes whatever devices the other axes leave over.
+``data`` takes whatever devices the other axes leave over. ``microbatches`` is not an axis: it is
+how many pipeline microbatches a step's batch is cut into when ``stage > 1``.
 
 Named groups of axes (torchtitan's ``dp_shard_cp``-style names), defined here once; code says which
 group it means:
@@ -54,6 +55,13 @@ class MeshSpec:
 
     ``MeshSpec(fsdp=8)`` on eight devices is fully sharded; ``MeshSpec(fsdp=4)`` on eight devices is
     ``data 2 x fsdp 4``.
+
+    ``microbatches``: with ``stage = S > 1``, the ``M >= S`` pipeline microbatches each device's
+    rows are cut into (consecutive rows; with ``accumulation = A`` the pipeline runs ``A x M`` of
+    them, see ``dew.training.step``). The pipeline's idle share is ``(S - 1) / (M + S - 1)``, so a
+    larger ``M`` idles less but runs smaller matmuls; the rows a device holds per step must divide
+    by ``A x M``. A mesh can be built without it (``build_mesh`` does not read it); the ``Trainer``
+    asks for it when ``stage > 1``, because no default suits every batch.
     """
 
     fsdp: int = 1
@@ -63,12 +71,28 @@ class MeshSpec:
     stage: int = 1
     # Optional: the data-parallel size you expect; checked against the devices left over.
     data: int | None = None
+    # Pipeline microbatches per step (per accumulation microbatch), with stage > 1 only.
+    microbatches: int | None = None
 
     def __post_init__(self):
         if self.data is not None:
             positive_int("MeshSpec.data", self.data)
         for name in AXES[1:]:
             positive_int(f"MeshSpec.{name}", getattr(self, name))
+        if self.microbatches is not None:
+            positive_int("MeshSpec.microbatches", self.microbatches)
+            if self.stage == 1:
+                raise ValueError(
+                    f"MeshSpec(microbatches={self.microbatches}) needs stage > 1: microbatches "
+                    "are what a pipeline over the stage axis runs (use accumulation to cut a "
+                    "batch without one)"
+                )
+            if self.microbatches < self.stage:
+                raise ValueError(
+                    f"MeshSpec(stage={self.stage}, microbatches={self.microbatches}): microbatches "
+                    f"must be at least stage {self.stage}, or some stage never has work while "
+                    "the others run"
+                )
 
     @property
     def model_devices(self) -> int:
@@ -94,14 +118,17 @@ class MeshSpec:
 
     @classmethod
     def parse(cls, text: str) -> "MeshSpec":
-        """Reads ``"fsdp=4,tensor=2"``; ``data=N`` is kept and checked against the device count."""
+        """Reads ``"fsdp=4,tensor=2"``; ``data=N`` is kept and checked against the device count;
+        ``"stage=4,microbatches=8"`` sets the pipeline's microbatches."""
         sizes = {}
+        names = (*AXES, "microbatches")
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, sep, value = part.partition("=")
             name = name.strip()
-            if not sep or name not in AXES:
+            if not sep or name not in names:
                 raise ValueError(
-                    f"mesh entry {part!r} is not AXIS=SIZE with AXIS one of {', '.join(AXES)}"
+                    f"mesh entry {part!r} is not AXIS=SIZE with AXIS one of {', '.join(AXES)} "
+                    "(or microbatches=M)"
                 )
             try:
                 sizes[name] = int(value)

@@ -25,8 +25,8 @@ def run(objective, mesh, key, batches):
     grads, _ = trainer.gradients(state.params, first)
     losses = []
     for batch in batches:
-        state, loss = step(state, trainer.device_batch(batch, ROWS))
-        losses.append(float(loss))
+        state, metrics = step(state, trainer.device_batch(batch, ROWS))
+        losses.append(float(metrics["loss"]))
     return losses, grads
 
 

@@ -164,6 +164,24 @@ def test_dew_collectives_sequence_parallel_moves_activations_by_gather_and_scatt
     assert rows["psum", ("data", "tensor")][0] == 3, out.stdout
 
 
+def test_dew_collectives_shows_the_expert_all_to_alls(tmp_path):
+    # The example model (2 layers, width 64, batch 16 x 32) with 8 experts, k = 2, on expert 8: a
+    # device routes 2 rows x 32 tokens x 2 = 128 copies, dropless, so each all_to_all carries
+    # [8, 128, 64] float32 (any device may receive them all) and [8, 128] int32 expert ids.
+    out = dew("collectives", "--mesh", "expert=8", "--experts", "8", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    activations, ids = 8 * 128 * 64 * 4, 8 * 128 * 4
+    # Per layer: dispatch and combine, again in the recompute, and their two transposes; the ids
+    # forward and recomputed.
+    operand = 2 * (6 * activations + 2 * ids)
+    count, operand_printed, wire_printed = report_rows(out.stdout)["all_to_all", ("expert",)]
+    # The table prints MiB with one decimal: within half of its last digit.
+    assert count == 16, out.stdout
+    assert abs(operand_printed - operand) <= 0.05 * 2**20, (operand_printed, operand)
+    assert abs(wire_printed - operand * 7 / 8) <= 0.05 * 2**20, (wire_printed, operand)
+    assert not any(op == "all_gather" for op, _ in report_rows(out.stdout)), out.stdout
+
+
 def test_dew_collectives_refuses_heads_that_do_not_split_over_tensor(tmp_path):
     bad = dew("collectives", "--mesh", "tensor=8", cwd=tmp_path)
     assert bad.returncode == 2, bad.stdout
@@ -203,6 +221,64 @@ def test_dew_bench_runs_and_records_sequence_parallel(tmp_path):
         ("data=8", False),
         ("data=4,tensor=2", True),
     }, rows
+
+
+def test_dew_bench_runs_an_moe_model_on_expert_and_fsdp_layouts(tmp_path):
+    # A one-step run of a tiny MoE model: what is checked is what ran, not how fast.
+    out = dew(
+        "bench",
+        *("--layouts", "expert=4", "fsdp=4", "--no-one-device", "--experts", "4"),
+        *("--depth-check", "0", "--repeats", "1", "--warmup", "0", "--capacity-factor", "1.5"),
+        *("--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "8"),
+        *("--json", "bench.json"),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith(
+        "dew bench: 1 layers, width 32, 2 heads, capacity_factor 1.5, experts_per_token 2, "
+        "moe_every 1, num_experts 4, batch 8 x 8 tokens,"
+    ), out.stdout
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert {(r["layout"], r["engine"]) for r in rows} == {
+        (layout, engine)
+        for layout in ("data=2,expert=4", "data=2,fsdp=4")
+        for engine in ("shard_map", "gspmd")
+    }, rows
+
+
+def test_dew_bench_runs_each_pipeline_schedule_and_measures_its_bubble(tmp_path):
+    # A one-step run of a tiny model on stage 2 (data 4): what is checked is what ran and what
+    # was recorded, not how fast.
+    out = dew(
+        "bench",
+        *("--layouts", "stage=2,microbatches=2", "--no-one-device", "--depth-check", "0"),
+        *("--pipeline-schedules", "1f1b", "1f1b_phased", "--repeats", "1", "--warmup", "0"),
+        *("--layers", "2", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "8"),
+        *("--json", "bench.json"),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sequence_parallel False, pipeline schedules 1f1b 1f1b_phased, on 8" in out.stdout
+    assert "pipeline bubble: the idle share of a step, measured as 2 - T(2M) / T(M)" in out.stdout
+    # Each schedule's twin: twice the microbatches, twice the batch.
+    for schedule in ("1f1b", "1f1b_phased"):
+        assert f"compiled data=4,stage=2,microbatches=4 ({schedule}) (2x batch)" in out.stdout
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    layout = "data=4,stage=2,microbatches=2"
+    assert {(r["layout"], r["engine"], r["pipeline_schedule"]) for r in rows} == {
+        (layout, "shard_map", "1f1b"),
+        (layout, "shard_map", "1f1b_phased"),
+        (layout, "gspmd", None),
+    }, rows
+    for r in rows:
+        assert r["microbatches"] == 2, r
+        if r["engine"] == "shard_map":
+            # Measured against the same pipeline at 4 microbatches and batch 16 (2 rows each).
+            assert r["bubble_formula"] == 1 / 3, r
+            measured = 2 - r["double_step_ms"] / r["step_ms"]  # one round of one step each
+            assert abs(r["bubble_measured"] - measured) < 1e-9, r
+        else:
+            assert r["bubble_formula"] is None and r["bubble_measured"] is None, r
 
 
 def test_dew_bench_defaults_split_over_eight_tensor_devices():

@@ -404,8 +404,8 @@ def test_gspmd_losses_equal_shard_map_and_its_collectives_come_from_hlo(objectiv
             step = trainer.train_step(BATCH)
             losses[engine] = []
             for rows in batches:
-                state, loss = step(state, trainer.device_batch(rows, BATCH))
-                losses[engine].append(float(loss))
+                state, metrics = step(state, trainer.device_batch(rows, BATCH))
+                losses[engine].append(float(metrics["loss"]))
             reports[engine] = trainer.collectives(DATA)
         np.testing.assert_allclose(
             losses["gspmd"],

@@ -57,10 +57,26 @@ def sharded_run(objective, optimizer, key, batches, mesh, **trainer_args):
     for batch in batches:
         placed = trainer.device_batch(batch, ROWS)
         run["grads"].append(trainer.gradients(state.params, placed)[0])
-        state, loss = step(state, placed)
-        run["losses"].append(float(loss))
+        state, metrics = step(state, placed)
+        run["losses"].append(float(metrics["loss"]))
     run.update(params=state.params, opt_state=state.opt_state, step=int(state.step))
     return run
+
+
+def layout_case(seed):
+    """``(key, batches, cache)`` of a layout test module: its key and ``STEPS`` batches drawn from
+    ``seed``, and an empty cache of one-device runs for ``cached_reference``."""
+    key = seeded_key(seed)
+    return key, [fresh_batch(ROWS, (seed, i)) for i in range(STEPS)], {}
+
+
+def cached_reference(case, objective, name):
+    """The one-device run of ``objective`` on ``case``'s key and batches, run once per ``name``
+    (a hashable description of the model)."""
+    key, batches, cache = case
+    if name not in cache:
+        cache[name] = reference_run(objective, smooth_optimizer(), key, batches)
+    return cache[name]
 
 
 @pytest.fixture(scope="module")

@@ -122,13 +122,15 @@ def test_meta_that_disagrees_with_train_bin(folder):
         TokenWindows(folder, seq_len=SEQ).load(batch=8)
 
 
-def test_axes_the_engine_does_not_split_yet():
+def test_a_stage_axis_without_microbatches(monkeypatch):
+    # Every axis is split by the step now; a pipeline must say how many microbatches it runs.
+    refuse_compiling(monkeypatch)
     with pytest.raises(
         ValueError,
-        match=r"MeshSpec\(expert=2\): the training step does not split over "
-        "the expert axis yet; it supports data, fsdp, tensor, sequence",
+        match=r"MeshSpec\(stage=4\) needs microbatches=M \(M >= 4\): .* 3/7 at M = 4, "
+        r"3/11 at M = 8, 3/19 at M = 16",
     ):
-        trainer(mesh=dew.MeshSpec(expert=2))
+        trainer(mesh=dew.MeshSpec(stage=4))
 
 
 @pytest.mark.parametrize(

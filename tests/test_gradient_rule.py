@@ -1,7 +1,8 @@
 """The one rule that decides every gradient sum (``dew.parallel.gradients.sum_axes``), as a table
 over weights and layouts, each expected tuple written out by hand from the rule in words: the axes
 that split the tokens, minus fsdp for a weight split over fsdp, minus the axes a weight is split on
-as its own, plus tensor for a weight partial over tensor."""
+as its own, plus tensor for a weight partial over tensor, plus stage (above size 1) for a weight
+not split over stage (every stage holds it whole, and only some stages use it)."""
 
 import jax
 import jax.numpy as jnp
@@ -82,11 +83,11 @@ EXPECTED = {
         "stage": (("fsdp", "sequence"), ("fsdp", "tensor", "sequence")),
     },
     "data=2,tensor=2,stage=2": {
-        "fsdp": (("data",), ("data", "tensor")),
-        "fsdp,tensor": (("data",), "error"),
-        "whole": (("data",), ("data", "tensor")),
-        "expert,fsdp": (("data",), ("data", "tensor")),
-        "(expert,fsdp)": (("data",), ("data", "tensor")),
+        "fsdp": (("data", "stage"), ("data", "tensor", "stage")),
+        "fsdp,tensor": (("data", "stage"), "error"),
+        "whole": (("data", "stage"), ("data", "tensor", "stage")),
+        "expert,fsdp": (("data", "stage"), ("data", "tensor", "stage")),
+        "(expert,fsdp)": (("data", "stage"), ("data", "tensor", "stage")),
         "stage": (("data",), ("data", "tensor")),
     },
     "expert=2,tensor=2,sequence=2": {

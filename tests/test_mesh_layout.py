@@ -122,6 +122,25 @@ def test_placement_data_parallel_and_min_shard():
     assert specs["['params']['layers']['attn_norm']['scale']"] == P()
 
 
+def test_placement_under_stage_splits_the_layers_whatever_their_size():
+    # Stage 2 x fsdp 4: each stacked layer weight's layers dimension over stage (its first
+    # rule), then fsdp where it fell without a stage axis; the embedding and final norm whole over
+    # stage.
+    def with_stage(spec):
+        return P("stage", *tuple(spec)[1:])
+
+    expected = {
+        path: with_stage(spec) if "['layers']" in path else spec
+        for path, spec in FSDP_PLACEMENT.items()
+    }
+    assert specs_of(dew.MeshSpec(stage=2, fsdp=4, microbatches=2)) == expected
+    # The default min_shard keeps every weight of the tiny model whole over fsdp, but not over
+    # stage: the pipeline computes on that split.
+    specs = specs_of(dew.MeshSpec(stage=2, fsdp=4, microbatches=2), min_shard=65536)
+    assert {s for path, s in specs.items() if "['layers']" in path} == {P("stage")}
+    assert {s for path, s in specs.items() if "['layers']" not in path} == {P()}
+
+
 def test_dimension_fsdp_does_not_divide_falls_to_the_next_rule():
     # vocab 60 is not divisible by 8: the table is split on embed (32) instead.
     specs = specs_of(dew.MeshSpec(fsdp=8), vocab_size=60)

@@ -48,8 +48,10 @@ def test_one_line_per_step_with_the_steps_loss(tmp_path, data, seed):
     state, step_fn = trainer.init_state(), trainer.train_step(ROWS)
     with data.batches(start=0) as batches:
         for line in lines:
-            state, loss = step_fn(state, trainer.device_batch(next(batches)[1], ROWS))
-            np.testing.assert_allclose(line["loss"], float(loss), rtol=1e-6, err_msg=f"seed {seed}")
+            state, metrics = step_fn(state, trainer.device_batch(next(batches)[1], ROWS))
+            np.testing.assert_allclose(
+                line["loss"], float(metrics["loss"]), rtol=1e-6, err_msg=f"seed {seed}"
+            )
     for line in lines:
         assert line["step_time_s"] > 0
         np.testing.assert_allclose(line["tokens_per_s"], ROWS * SEQ / line["step_time_s"])

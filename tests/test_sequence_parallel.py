@@ -15,8 +15,14 @@ import pytest
 import dew
 from dew.objectives.lm import LMObjective
 from dew.training.step import build_loss
-from tests.helpers import SEQ, fresh_batch, seeded_key, smooth_optimizer, tiny_objective
-from tests.test_equivalence import ROWS, STEPS, assert_matches, reference_run, sharded_run
+from tests.helpers import SEQ, smooth_optimizer, tiny_objective
+from tests.test_equivalence import (
+    ROWS,
+    assert_matches,
+    cached_reference,
+    layout_case,
+    sharded_run,
+)
 
 # name -> (model overrides, mesh, Trainer arguments)
 LAYOUTS = {
@@ -46,18 +52,11 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def case(module_seed):
-    """The module's key and batches, and a cache of one-device runs per model."""
-    key = seeded_key(module_seed)
-    batches = [fresh_batch(ROWS, (module_seed, i)) for i in range(STEPS)]
-    return key, batches, {}
+    return layout_case(module_seed)
 
 
 def reference_for(case, overrides):
-    key, batches, cache = case
-    name = tuple(sorted(overrides.items()))
-    if name not in cache:
-        cache[name] = reference_run(tiny_objective(**overrides), smooth_optimizer(), key, batches)
-    return cache[name]
+    return cached_reference(case, tiny_objective(**overrides), tuple(sorted(overrides.items())))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

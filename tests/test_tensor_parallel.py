@@ -18,7 +18,15 @@ from dew.layout import path_names
 from dew.objectives.lm import LMObjective
 from dew.parallel.gradients import sum_axes
 from tests.helpers import fresh_batch, relative_error, seeded_key, smooth_optimizer, tiny_objective
-from tests.test_equivalence import ROWS, STEPS, assert_matches, reference_run, sharded_run
+from tests.test_equivalence import (
+    ROWS,
+    STEPS,
+    assert_matches,
+    cached_reference,
+    layout_case,
+    reference_run,
+    sharded_run,
+)
 
 # Eight query heads of width 4, so that tensor=8 splits them; the MLP (128) and vocabulary (64)
 # split over 8 too.
@@ -57,20 +65,12 @@ def objective_for(overrides, dtype="float32"):
 
 @pytest.fixture(scope="module")
 def case(module_seed):
-    """The module's key and batches, and a cache of one-device runs per model."""
-    key = seeded_key(module_seed)
-    batches = [fresh_batch(ROWS, (module_seed, i)) for i in range(STEPS)]
-    return key, batches, {}
+    return layout_case(module_seed)
 
 
 def reference_for(case, overrides, dtype="float32"):
-    key, batches, cache = case
     name = (tuple(sorted(overrides.items())), dtype)
-    if name not in cache:
-        cache[name] = reference_run(
-            objective_for(overrides, dtype), smooth_optimizer(), key, batches
-        )
-    return cache[name]
+    return cached_reference(case, objective_for(overrides, dtype), name)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -409,5 +409,5 @@ def test_gspmd_engine_takes_any_layout_on_a_tensor_mesh(seed):
     rules = [r for r in dew.layout.DEFAULT_RULES if r[1] != "tensor"]
     t = trainer({"num_heads": 8}, layout=dew.Layout(rules=rules, min_shard=1), engine="gspmd")
     state = t.init_state()
-    _, loss = t.train_step(16)(state, t.device_batch(fresh_batch(16, seed), 16))
-    assert np.isfinite(float(loss)), seed
+    _, metrics = t.train_step(16)(state, t.device_batch(fresh_batch(16, seed), 16))
+    assert np.isfinite(float(metrics["loss"])), seed

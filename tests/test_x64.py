@@ -158,7 +158,8 @@ def _trainer_results(seed: int) -> dict:
     state_dtypes = _dtypes(state)
     grads, loss = trainer.gradients(state.params, batch)
     grads = {p: np.asarray(g) for p, g in _leaves(grads)}
-    new_state, step_loss = trainer.train_step(rows)(state, batch)
+    new_state, step_metrics = trainer.train_step(rows)(state, batch)
+    step_loss = step_metrics["loss"]
     return {
         "state_dtypes": state_dtypes,
         "new_state_dtypes": _dtypes(new_state),

@@ -2,7 +2,8 @@
 
     from dew.checkpoints import Checkpoints, CheckpointError
 
-The format is specified in docs/checkpoint-format.md.
+A directory is a local path or any fsspec URL (`Checkpoints("gs://bucket/run")`, with
+`pip install 'dew-ml[gcs]'`). The format is specified in docs/checkpoint-format.md.
 """
 
 from dew.checkpoints.errors import (

@@ -1,7 +1,7 @@
 """`Checkpoints`: a directory of training checkpoints, saved in the background, restored into any
 layout.
 
-    ckpt = Checkpoints("runs/lm", keep=2)
+    ckpt = Checkpoints("runs/lm", keep=2)  # or Checkpoints("gs://bucket/lm"): any fsspec URL
     ckpt.save(20, state, metadata={"data_position": 320})  # returns once the state is on the host
     ckpt.wait()  # the files are on disk (or it raises)
     state, metadata = ckpt.restore(target)  # target: ShapeDtypeStructs with shardings
@@ -11,7 +11,6 @@ The format is specified in docs/checkpoint-format.md.
 
 import atexit
 import json
-import os
 import sys
 import threading
 import warnings
@@ -20,15 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from dew.checkpoints import folders, reader, writer
+from dew.checkpoints import writer
 from dew.checkpoints.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from dew.checkpoints.index import DEFAULT_CHUNK_BYTES, INDEX_NAME, step_folder_name
+from dew.checkpoints.index import DEFAULT_CHUNK_BYTES
+from dew.checkpoints.local import LocalDirectory
 from dew.checkpoints.processes import Processes
+from dew.checkpoints.remote import RemoteDirectory, url_protocol
 from dew.checks import positive_int
 
 
 class _PendingSave:
-    def __init__(self, step: int, directory: Path):
+    def __init__(self, step: int, directory: Path | str):
         self.step, self.directory = step, directory
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -78,17 +79,36 @@ def _encode_metadata(metadata) -> dict:
         ) from None
 
 
+def _open(directory, storage_options: dict | None) -> LocalDirectory | RemoteDirectory:
+    protocol = url_protocol(directory)
+    if protocol is None or (protocol == "file" and directory.startswith("file://")):
+        if storage_options:
+            raise ValueError(
+                f"storage_options are for object storage URLs, not the local directory "
+                f"{directory!r}"
+            )
+        path = directory[len("file://") :] if protocol else directory
+        return LocalDirectory(path)
+    return RemoteDirectory(directory, storage_options)
+
+
 class Checkpoints:
     """A directory of checkpoints of one run: `step_NNNNNNNN/` folders, the newest `keep` kept.
 
     Args:
-      directory: where the step folders live; created at the first save. Stored absolute.
+      directory: where the step folders live: a local path (created at the first save, stored
+        absolute; `file://` URLs too), or any other fsspec URL (`gs://bucket/run`, `s3://...`,
+        `memory://...`), written through fsspec with the same format. A URL whose filesystem is
+        not installed raises ImportError naming what to install (`pip install 'dew-ml[gcs]'` for
+        `gs://`); an unknown protocol raises ValueError.
       keep: how many complete steps to keep (the newest, and always the one just written);
         None keeps every step.
       chunk_bytes: size of the chunks each piece's CRC-32s cover (a reader reads whole chunks).
       read_workers: threads that read and verify pieces at once; host memory while restoring is
         about this many device slices (or pieces) beyond the restored arrays.
       barrier_timeout_s: how long a multi-process save waits for the other processes.
+      storage_options: keyword arguments of the fsspec filesystem of a URL (credentials,
+        project, ...); fsspec's own configuration applies too.
     """
 
     def __init__(
@@ -99,15 +119,8 @@ class Checkpoints:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         read_workers: int = 2,
         barrier_timeout_s: float = 600.0,
+        storage_options: dict | None = None,
     ):
-        directory = Path(os.path.abspath(os.fspath(directory)))
-        if directory.exists() and not directory.is_dir():
-            raise NotADirectoryError(f"checkpoint directory {directory} is a file")
-        if (directory / INDEX_NAME).is_file():
-            raise NotACheckpointError(
-                f"{directory} holds an {INDEX_NAME}: it is one step's folder, not a checkpoint "
-                f"directory; pass its parent, {directory.parent}"
-            )
         if keep is not None:
             positive_int("keep (or None)", keep)
         if (
@@ -117,7 +130,8 @@ class Checkpoints:
             or chunk_bytes % 16
         ):
             raise ValueError(f"chunk_bytes must be a positive multiple of 16, not {chunk_bytes!r}")
-        self._directory = directory
+        self._location = _open(directory, storage_options)
+        self._directory = self._location.directory
         self._keep = keep
         self._chunk_bytes = chunk_bytes
         self._read_workers = read_workers
@@ -131,8 +145,9 @@ class Checkpoints:
         return f"Checkpoints({str(self._directory)!r}, keep={self._keep})"
 
     @property
-    def directory(self) -> Path:
-        """The absolute path of the checkpoint directory."""
+    def directory(self) -> Path | str:
+        """The checkpoint directory: its absolute path, or the URL it was given (without a
+        trailing slash)."""
         return self._directory
 
     @property
@@ -143,7 +158,7 @@ class Checkpoints:
     def steps(self) -> list[int]:
         """Every complete (committed) step, ascending. A save still in the background is not listed
         until it commits; call wait() first to include it."""
-        return folders.complete_steps(self._directory)
+        return self._location.complete_steps()
 
     @property
     def latest(self) -> int | None:
@@ -151,9 +166,9 @@ class Checkpoints:
         steps = self.steps
         return steps[-1] if steps else None
 
-    def step_path(self, step: int) -> Path:
-        """The folder of step `step` (whether or not it exists)."""
-        return self._directory / step_folder_name(_check_step(step))
+    def step_path(self, step: int) -> Path | str:
+        """The folder of step `step` (whether or not it exists): a path, or a URL."""
+        return self._location.step_path(_check_step(step))
 
     def save(self, step: int, tree: Any, *, metadata: dict | None = None) -> None:
         """Save `tree` as step `step`: copy it to host memory now, write the files in the
@@ -171,13 +186,12 @@ class Checkpoints:
         processes = Processes.current(self._barrier_timeout_s)
         shot = writer.snapshot(tree, processes.index)
         self._saves += 1
-        prefix = writer.barrier_prefix(self._directory, self._saves, step)
+        prefix = writer.barrier_prefix(self._location.name, self._saves, step)
         pending = _PendingSave(step, self._directory)
 
         def run():
             try:
-                writer.write_step(
-                    self._directory,
+                self._location.write_step(
                     step,
                     shot,
                     metadata,
@@ -221,7 +235,7 @@ class Checkpoints:
             if step is None:
                 raise NotACheckpointError(self._why_empty())
         step = self._complete(step)
-        return reader.read_index(self.step_path(step), step).metadata
+        return self._location.read_index(step).metadata
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
         """Read step `step` laid out as `target` asks; returns (tree, metadata).
@@ -243,9 +257,10 @@ class Checkpoints:
             tree, metadata = self._restore_agreed(step, target)
             self.restored_step = step
             return tree, metadata
-        # Every step folder, complete or not: a committed folder never lacks its index, so one
-        # that does is damaged, and skipping it deserves a warning too.
-        steps = folders.step_folders(self._directory)
+        # Locally, every step folder, complete or not: a committed folder never lacks its index,
+        # so one that does is damaged, and skipping it deserves a warning too. (On object
+        # storage, an index-less folder is an unfinished save: only complete steps are listed.)
+        steps = self._location.step_folders()
         if not steps:
             raise NotACheckpointError(self._why_empty())
         problems = []
@@ -276,9 +291,8 @@ class Checkpoints:
         self._restores += 1
         problem, result = None, None
         try:
-            step_dir = self.step_path(step)
-            index = reader.read_index(step_dir, step)
-            result = reader.restore(step_dir, index, target, self._read_workers), index.metadata
+            index = self._location.read_index(step)
+            result = self._location.restore(step, index, target, self._read_workers), index.metadata
         except CorruptCheckpointError as error:
             if processes.count == 1:
                 raise
@@ -293,7 +307,7 @@ class Checkpoints:
     def _complete(self, step) -> int:
         """`step`, if it has a step folder (a damaged one fails when read, naming what is wrong)."""
         step = _check_step(step)
-        if step not in folders.step_folders(self._directory):
+        if step not in self._location.step_folders():
             if not self.steps:
                 raise NotACheckpointError(self._why_empty())
             raise CheckpointError(
@@ -302,13 +316,4 @@ class Checkpoints:
         return step
 
     def _why_empty(self) -> str:
-        if not self._directory.exists():
-            return f"no checkpoint in {self._directory}: the directory does not exist"
-        entries = sorted(os.listdir(self._directory))
-        shown = ", ".join(entries[:8]) + (
-            f" and {len(entries) - 8} more" if len(entries) > 8 else ""
-        )
-        return (
-            f"{self._directory} is not a Dew checkpoint directory: it holds no step_NNNNNNNN "
-            f"folder with an {INDEX_NAME} (it holds: {shown or 'nothing'})"
-        )
+        return self._location.why_empty()

@@ -14,6 +14,8 @@ After the last member: the central directory and the end records (ZIP64 ones whe
 
 The CRC-32 of each `chunk_bytes` chunk of a member's data is computed in a helper thread while the
 data is being written (both release the GIL); the ZIP's whole-member CRC is derived from those.
+`write_stream` writes the same bytes front to back to a file object (an upload to object storage,
+which cannot seek back): there each member's CRCs are computed before its header is written.
 The disk works meanwhile: every `WRITEBACK_BYTES` written, another helper thread starts an
 `fdatasync` of what is in the page cache so far, and once the data is in, a last one runs while the
 CRCs finish; the final `fsync`, after the headers, then has little left to wait for.
@@ -214,6 +216,23 @@ def _end_records(
     return out + _END.pack(0x06054B50, 0, 0, count16, count16, size32, offset32, 0)
 
 
+def _zip_crc(entry: _Planned, chunk_crcs: list[int], chunk_bytes: int) -> int:
+    """The ZIP CRC-32 of a whole member (.npy header and data), from its data's chunk CRCs."""
+    return crc.whole_crc(chunk_crcs, chunk_bytes, entry.nbytes, zlib.crc32(entry.npy_header))
+
+
+def _tail(planned: list[_Planned], zip_crcs: list[int], zip64_limit: int) -> tuple[int, bytes]:
+    """(offset, bytes) of what follows the last member: the central directory and end records."""
+    directory_offset = planned[-1].data_offset + planned[-1].nbytes if planned else 0
+    directory_bytes = b"".join(
+        _central_record(entry, zip_crc, zip64_limit) for entry, zip_crc in zip(planned, zip_crcs)
+    )
+    tail = directory_bytes + _end_records(
+        len(planned), directory_offset, len(directory_bytes), zip64_limit
+    )
+    return directory_offset, tail
+
+
 def write(
     path,
     members: list[tuple[str, np.ndarray]],
@@ -260,18 +279,12 @@ def write(
             finally:
                 for future in futures:
                     future.cancel()
-            directory = []
-            for entry, crcs in zip(planned, chunk_crcs):
-                zip_crc = crc.whole_crc(
-                    crcs, chunk_bytes, entry.nbytes, zlib.crc32(entry.npy_header)
-                )
+            zip_crcs = [
+                _zip_crc(entry, crcs, chunk_bytes) for entry, crcs in zip(planned, chunk_crcs)
+            ]
+            for entry, zip_crc in zip(planned, zip_crcs):
                 _pwrite_all(fd, _local_header(entry, zip_crc), entry.header_offset)
-                directory.append(_central_record(entry, zip_crc, zip64_limit))
-            directory_offset = planned[-1].data_offset + planned[-1].nbytes if planned else 0
-            directory_bytes = b"".join(directory)
-            tail = directory_bytes + _end_records(
-                len(planned), directory_offset, len(directory_bytes), zip64_limit
-            )
+            directory_offset, tail = _tail(planned, zip_crcs, zip64_limit)
             _pwrite_all(fd, tail, directory_offset)
             # A failed writeback is reported to one fsync call only: check every one of them.
             for sync in syncs:
@@ -285,3 +298,49 @@ def write(
         for entry, crcs in zip(planned, chunk_crcs)
     ]
     return written, size
+
+
+def write_stream(
+    file,
+    members: list[tuple[str, np.ndarray]],
+    chunk_bytes: int,
+    *,
+    after_member: Callable[[str], None] | None = None,
+    zip64_limit: int = _ZIP64_LIMIT,
+) -> tuple[list[WrittenMember], int]:
+    """Write the bytes `write` would, front to back, to the binary file object `file` (an upload
+    to object storage, which cannot seek back to fill in the local headers).
+
+    Each member's local header carries its CRC, so its chunk CRCs are computed before it is
+    written; a helper thread computes the next members' while this one uploads. Returns what
+    `write` returns; does not close `file`.
+    """
+    members = [(name, _c_order(array)) for name, array in members]
+    planned = _plan(members, zip64_limit)
+    arrays = [array.reshape(-1).view(np.uint8) for _, array in members]
+    with ThreadPoolExecutor(1, thread_name_prefix="dew-checkpoint-crc") as crc_thread:
+        futures = [
+            crc_thread.submit(crc.chunk_crcs, memoryview(array), chunk_bytes) for array in arrays
+        ]
+        try:
+            chunk_crcs, zip_crcs = [], []
+            # The plan leaves no gaps: each member's local header starts where the previous
+            # member's data ends, so writing in order lays every byte where `write` puts it.
+            for entry, array, future in zip(planned, arrays, futures):
+                chunk_crcs.append(future.result())
+                zip_crcs.append(_zip_crc(entry, chunk_crcs[-1], chunk_bytes))
+                file.write(_local_header(entry, zip_crcs[-1]))
+                file.write(entry.npy_header)
+                file.write(memoryview(array))
+                if after_member is not None:
+                    after_member(entry.name.decode())
+        finally:
+            for future in futures:
+                future.cancel()
+    directory_offset, tail = _tail(planned, zip_crcs, zip64_limit)
+    file.write(tail)
+    written = [
+        WrittenMember(entry.name.decode(), entry.data_offset, entry.nbytes, tuple(crcs))
+        for entry, crcs in zip(planned, chunk_crcs)
+    ]
+    return written, directory_offset + len(tail)

@@ -4,9 +4,10 @@ For each array, this process works out the distinct slices its devices need (dev
 same slice share one host buffer) and reads every saved piece that overlaps them once: only the byte
 range of the piece that the slices need, widened to whole checksum chunks. When a slice's region is
 contiguous both in the piece and in the slice (splits along the leading axis, the usual case), one
-positioned read (`os.preadv`) puts the bytes straight into the slice's buffer; otherwise they go to
-a scratch buffer and are copied into place. Every chunk read is checked against its CRC-32 before
-any of its bytes are used: a mismatch raises instead of placing damaged data.
+positioned read (`os.preadv`; a ranged read on object storage) puts the bytes straight into the
+slice's buffer; otherwise they go to a scratch buffer and are copied into place. Every chunk read
+is checked against its CRC-32 before any of its bytes are used: a mismatch raises instead of
+placing damaged data.
 
 Host memory: the slices are split into groups joined by the pieces they share; a group's slices are
 sent to their devices as soon as their last piece is in, `workers` groups at a time (on threads:
@@ -71,6 +72,7 @@ class _Files:
 
     def __init__(self, step_dir: Path, index: Index):
         self.step_dir, self.index, self.fds = step_dir, index, {}
+        self.location = step_dir.parent  # the checkpoint directory, for messages
 
     def check_all(self) -> None:
         """Open and check every file; done before reading, so that later calls from the reading
@@ -132,7 +134,12 @@ def _overlap(a: Box, b: Box) -> Box | None:
     return (start, stop) if all(x < y for x, y in zip(start, stop)) else None
 
 
-def _read_exactly(fd: int, buffers: list[memoryview], offset: int, where: str) -> None:
+def _read_exactly(fd, buffers: list[memoryview], offset: int, where: str) -> None:
+    """Fill `buffers` with consecutive bytes of the file from `offset`. `fd` is a descriptor, or
+    an object with `read_into(buffers, offset, where)` (a file on object storage)."""
+    if not isinstance(fd, int):
+        fd.read_into(buffers, offset, where)
+        return
     remaining = [b for b in buffers if len(b)]
     while remaining:
         try:
@@ -182,7 +189,7 @@ def _read_piece(
     piece: Piece,
     destinations: list[tuple[Box, Box, np.ndarray]],
     storage: np.dtype,
-    fd: int,
+    fd,  # a descriptor, or a remote.RemoteFile
     chunk_bytes: int,
     where: str,
 ) -> None:
@@ -464,18 +471,19 @@ def _few(paths: list[str]) -> str:
     return shown + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
 
 
-def restore(step_dir: Path, index: Index, target: Any, workers: int = 2) -> Any:
+def restore(step_dir, index: Index, target: Any, workers: int = 2, files=None) -> Any:
     """The arrays of `index` laid out as `target` asks, in `target`'s tree structure.
 
     Target leaves: jax.ShapeDtypeStruct with a sharding, or jax.Array (its sharding is used): the
     result is a jax.Array with that sharding. numpy arrays / Python numbers: a numpy array (a Python
     number for a Python number). Shapes and dtypes must equal the saved ones. `workers` groups of
     device slices (or pieces of one group) are read at once: host memory beyond the result is about
-    `workers` groups' buffers.
+    `workers` groups' buffers. `files` reads the step's files (default: the local files in
+    `step_dir`; `remote.RemoteFiles` for object storage).
     """
-    where = f"step {index.step} in {step_dir.parent}"
+    files = _Files(step_dir, index) if files is None else files
+    where = f"step {index.step} in {files.location}"
     pairs, treedef = _match(index, target, where)
-    files = _Files(step_dir, index)
     try:
         files.check_all()  # every file present and whole before any array is read
         results = []

@@ -9,9 +9,11 @@ donated or overwritten; the snapshot owns its bytes.
 `write_step(...)` runs in a background thread. Every process writes its own `process_NNNNN.npz`
 into the step's temporary folder; with several processes, each also writes a small manifest of its
 pieces, then all meet at a barrier; process 0 reads the manifests, writes `index.json` last, renames
-the folder into place and applies retention; a second barrier ends the save on every process. The
-barriers use the JAX distributed runtime's coordination service, not a device collective, so they
-are safe to call from a background thread while the main thread runs training steps.
+the folder into place and applies retention; a second barrier ends the save on every process.
+`write_remote_step(...)` does the same on object storage, which has no rename: the files go
+straight into `step_N/` and the index is uploaded last. The barriers use the JAX distributed
+runtime's coordination service, not a device collective, so they are safe to call from a
+background thread while the main thread runs training steps.
 """
 
 import dataclasses
@@ -20,7 +22,7 @@ import json
 import os
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
@@ -38,6 +40,9 @@ from dew.checkpoints.index import (
 )
 from dew.checkpoints.memory import copy_of
 from dew.checkpoints.processes import Processes
+
+if TYPE_CHECKING:
+    from dew.checkpoints.remote import RemoteDirectory
 
 # Test hook: called with each member's name after its data is written (lets a test kill a save
 # deterministically in the middle of writing a file).
@@ -178,33 +183,10 @@ def write_step(
     processes.barrier(f"{barrier_prefix}/ready")
     try:
         file_name = process_file_name(processes.index)
-        per_array: dict[int, int] = {}
-        members = []
-        for piece in shot.pieces:
-            k = per_array[piece.array] = per_array.get(piece.array, -1) + 1
-            members.append((f"a{piece.array:06d}.p{k:05d}.npy", piece.data))
         written, size = npz.write(
-            temp / file_name, members, chunk_bytes, after_member=after_member_hook
+            temp / file_name, _members(shot), chunk_bytes, after_member=after_member_hook
         )
-        manifest = {
-            "file": file_name,
-            "bytes": size,
-            "pieces": [
-                [
-                    piece.array,
-                    Piece(
-                        file_name,
-                        member.name,
-                        piece.start,
-                        piece.stop,
-                        member.offset,
-                        member.nbytes,
-                        member.chunk_crcs,
-                    ).to_json(),
-                ]
-                for piece, member in zip(shot.pieces, written)
-            ],
-        }
+        manifest = _manifest(shot, file_name, written, size)
         if processes.count > 1 and processes.index != 0:
             folders.write_durably(
                 temp / _manifest_name(processes.index), json.dumps(manifest).encode()
@@ -230,7 +212,100 @@ def write_step(
     processes.barrier(f"{barrier_prefix}/committed")
 
 
+def write_remote_step(
+    directory: "RemoteDirectory",
+    step: int,
+    shot: Snapshot,
+    metadata: dict,
+    processes: Processes,
+    keep: int | None,
+    chunk_bytes: int,
+    barrier_prefix: str,
+) -> None:
+    """Write `shot` as step `step` of a directory on object storage, which has no rename: every
+    process uploads its file straight into `step_N/`, and process 0 uploads `index.json` last, once
+    all the files are in. The index's existence is what makes the step complete, so a writer killed
+    at any point leaves an index-less folder that readers skip and the next save removes."""
+    if processes.index == 0:
+        directory.clear_for_save(step)
+    processes.barrier(f"{barrier_prefix}/ready")
+    try:
+        file_name = process_file_name(processes.index)
+        with directory.upload(step, file_name) as file:
+            written, size = npz.write_stream(
+                file, _members(shot), chunk_bytes, after_member=after_member_hook
+            )
+        manifest = _manifest(shot, file_name, written, size)
+        if processes.count > 1 and processes.index != 0:
+            directory.put(step, _manifest_name(processes.index), json.dumps(manifest).encode())
+        processes.barrier(f"{barrier_prefix}/written")
+        if processes.index == 0:
+            others = [_manifest_name(p) for p in range(1, processes.count)]
+            manifests = [manifest] + [json.loads(directory.get(step, name)) for name in others]
+            text = _index_text(
+                directory.url_of(step, INDEX_NAME),
+                step,
+                shot,
+                metadata,
+                manifests,
+                processes.count,
+                chunk_bytes,
+            )
+            directory.delete(step, others)  # before the commit: a complete step holds no manifest
+            directory.put(step, INDEX_NAME, text)  # the commit
+            directory.retain(keep, step)
+    except BaseException:
+        if processes.count == 1:
+            try:
+                directory.remove_step(step)
+            except Exception:
+                pass  # the next save removes it
+        raise
+    processes.barrier(f"{barrier_prefix}/committed")
+
+
+def _members(shot: Snapshot) -> list[tuple[str, np.ndarray]]:
+    """(member name, data) of each piece of this process's file."""
+    per_array: dict[int, int] = {}
+    members = []
+    for piece in shot.pieces:
+        k = per_array[piece.array] = per_array.get(piece.array, -1) + 1
+        members.append((f"a{piece.array:06d}.p{k:05d}.npy", piece.data))
+    return members
+
+
+def _manifest(shot: Snapshot, file_name: str, written: list, size: int) -> dict:
+    """What process 0 needs to index this process's file: its name, size and piece records."""
+    return {
+        "file": file_name,
+        "bytes": size,
+        "pieces": [
+            [
+                piece.array,
+                Piece(
+                    file_name,
+                    member.name,
+                    piece.start,
+                    piece.stop,
+                    member.offset,
+                    member.nbytes,
+                    member.chunk_crcs,
+                ).to_json(),
+            ]
+            for piece, member in zip(shot.pieces, written)
+        ],
+    }
+
+
 def _write_index(temp, step, shot, metadata, manifests, process_count, chunk_bytes) -> None:
+    text = _index_text(
+        f"{temp / INDEX_NAME}", step, shot, metadata, manifests, process_count, chunk_bytes
+    )
+    folders.write_durably(temp / INDEX_NAME, text)
+
+
+def _index_text(where, step, shot, metadata, manifests, process_count, chunk_bytes) -> bytes:
+    """The index of a step from every process's manifest, checked as a reader checks it."""
     pieces: dict[int, list[Piece]] = {number: [] for number in range(len(shot.paths))}
     for manifest in manifests:
         for number, raw in manifest["pieces"]:
@@ -267,8 +342,8 @@ def _write_index(temp, step, shot, metadata, manifests, process_count, chunk_byt
     text = index.to_json().encode()
     # Read our own index back with the untrusting parser: a bug that would write an index the
     # loader refuses (a missing piece, an overlap) fails this save instead of a later restore.
-    parse(text, f"step {step}: the index being written to {temp / INDEX_NAME}", step)
-    folders.write_durably(temp / INDEX_NAME, text)
+    parse(text, f"step {step}: the index being written to {where}", step)
+    return text
 
 
 def barrier_prefix(directory: Path, save_number: int, step: int) -> str:

@@ -5,6 +5,8 @@
     dew bench --layouts fsdp=8 --json out.json
     dew bench --layouts tensor=8 data=2,tensor=4 fsdp=2,tensor=4 --sequence-parallel
     dew bench --layouts sequence=8 data=2,sequence=4 --sequence-schemes ring all_to_all
+    dew bench --layouts expert=8 fsdp=8 --experts 8 --experts-per-token 2
+    dew bench --layouts stage=4,microbatches=8 --pipeline-schedules 1f1b 1f1b_phased
 
 The measurements and the targets are ``dew.benchmark``'s; this module only reads flags and prints.
 """
@@ -22,9 +24,11 @@ from dew.cli.flags import (
     add_device_flag,
     add_min_shard_flag,
     add_model_flags,
+    add_moe_flags,
     add_seed_flag,
     add_sequence_parallel_flag,
     engine_names,
+    moe_config,
     sequence_scheme_names,
 )
 
@@ -73,6 +77,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         width=size.width,
         heads=size.heads,
     )
+    add_moe_flags(parser)
     parser.add_argument(
         "--steps", type=int, default=1, help="steps each contestant runs per turn (default 1)"
     )
@@ -101,6 +106,19 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="on each layout with sequence > 1, one shard_map contestant per scheme, side by side "
         "(default: ring; the GSPMD baseline runs once per layout); " + SEQUENCE_SCHEME_HELP,
     )
+    from dew.parallel.pipeline import SCHEDULES
+
+    parser.add_argument(
+        "--pipeline-schedules",
+        nargs="+",
+        default=["1f1b"],
+        choices=list(SCHEDULES),
+        metavar="SCHEDULE",
+        help="on each layout with stage > 1 (e.g. stage=4,microbatches=8), one shard_map "
+        "contestant per schedule, side by side, each timed against the same pipeline at twice "
+        "the microbatches and batch for its measured bubble (default: 1f1b; choices: "
+        f"{', '.join(SCHEDULES)})",
+    )
     parser.add_argument(
         "--depth-check",
         type=int,
@@ -114,8 +132,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--json",
         default=None,
         metavar="FILE",
-        help="write one object per layout and engine (per sequence scheme too, for shard_map on a "
-        "sequence axis; and the one-device row) to FILE",
+        help="write one object per layout and engine (per sequence scheme and pipeline schedule "
+        "too, for shard_map on a sequence or stage axis; and the one-device row) to FILE",
     )
     parser.set_defaults(run=run)
     return parser
@@ -162,6 +180,7 @@ def run(args) -> int:
         heads=args.heads,
         seq_len=args.seq_len,
         batch=args.batch,
+        moe=moe_config(args),
     )
     specs = [MeshSpec.parse(text) for text in args.layouts]
     schemes = (
@@ -169,9 +188,12 @@ def run(args) -> int:
         if any(spec.sequence > 1 for spec in specs)
         else ""
     )
+    if any(spec.stage > 1 for spec in specs):
+        schemes += f"pipeline schedules {' '.join(args.pipeline_schedules)}, "
     print(
         f"dew bench: {size.layers} layers, width {size.width}, {size.heads} heads, "
-        f"batch {size.batch} x {size.seq_len} tokens, min_shard {args.min_shard}, "
+        + "".join(f"{name} {value}, " for name, value in size.moe)
+        + f"batch {size.batch} x {size.seq_len} tokens, min_shard {args.min_shard}, "
         f"sequence_parallel {args.sequence_parallel}, {schemes}"
         f"on {jax.device_count()} {jax.devices()[0].platform} devices; "
         f"{args.repeats} timed rounds of {args.steps} step(s)"
@@ -190,6 +212,7 @@ def run(args) -> int:
         seed=args.seed,
         sequence_parallel=args.sequence_parallel,
         sequence_schemes=args.sequence_schemes,
+        pipeline_schedules=args.pipeline_schedules,
         log=lambda line: print("  " + line, flush=True),
     )
     depth = None

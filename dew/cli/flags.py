@@ -60,6 +60,52 @@ def add_model_flags(
     )
 
 
+def add_moe_flags(parser: argparse.ArgumentParser) -> None:
+    """A mixture-of-experts decoder: ``--experts E`` (0: dense), ``--experts-per-token``,
+    ``--moe-every``, ``--capacity-factor``."""
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        metavar="E",
+        help="experts per MoE layer (default 0: a dense model); split over the expert axis",
+    )
+    parser.add_argument(
+        "--experts-per-token",
+        type=int,
+        default=2,
+        metavar="K",
+        help="experts each token is routed to (default 2)",
+    )
+    parser.add_argument(
+        "--moe-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="every N-th layer is an MoE layer (default 1: all of them)",
+    )
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        metavar="C",
+        help="an expert takes at most ceil(C x seq x K / E) copies from each row "
+        "(default: dropless)",
+    )
+
+
+def moe_config(args) -> dict:
+    """The model arguments of ``add_moe_flags``' flags (empty for a dense model)."""
+    if not args.experts:
+        return {}
+    return dict(
+        num_experts=args.experts,
+        experts_per_token=args.experts_per_token,
+        moe_every=args.moe_every,
+        capacity_factor=args.capacity_factor,
+    )
+
+
 def add_min_shard_flag(parser: argparse.ArgumentParser, default: int) -> None:
     parser.add_argument(
         "--min-shard",

@@ -3,6 +3,7 @@
     dew train        train the example model (simulated CPU devices by default)
     dew collectives  print the collectives of the example model's step on a mesh
     dew bench        compare layouts and the GSPMD baseline side by side
+    dew launch       start the processes of one multi-process run, here or over ssh
 
 JAX is configured (device count, platform) before anything asks it for a device, so this module
 imports nothing of Dew at the top.
@@ -13,15 +14,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dew.cli import bench
+from dew.cli import bench, launch
 from dew.cli.flags import (
     add_device_flag,
     add_min_shard_flag,
     add_model_flags,
+    add_moe_flags,
     add_seed_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     engine_names,
+    moe_config,
 )
 
 
@@ -34,6 +37,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     add_device_flag(parser)
     add_model_flags(parser, batch=16, seq_len=32, layers=2, width=64, heads=4)
+    add_moe_flags(parser)
     add_min_shard_flag(parser, default=1)
     add_sequence_parallel_flag(parser)
     add_sequence_scheme_flag(parser)
@@ -92,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     coll.set_defaults(run=collectives_command)
 
     bench.add_parser(commands)
+    launch.add_parser(commands)
     return parser
 
 
@@ -117,6 +122,7 @@ def _example(args, data_dir):
         num_heads=args.heads,
         max_seq_len=args.seq_len,
         attention_impl=args.attention,
+        **moe_config(args),
     )
     data = TokenWindows(
         path=data_dir,
@@ -198,7 +204,8 @@ def collectives_command(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    _setup_devices(args.cpu_devices)
+    if args.command != "launch":  # launch only starts processes; each sets up its own devices
+        _setup_devices(args.cpu_devices)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as error:

@@ -3,7 +3,11 @@
 tokens -> embedding -> num_layers x [RMSNorm -> causal self-attention (rotary, grouped queries)
 -> +, RMSNorm -> SwiGLU MLP -> +] -> RMSNorm -> logits through the (tied) embedding table.
 
-The layers' weights are stacked on a leading ``layers`` dimension and run under ``lax.scan``, so
+With ``num_experts`` set, the MLP of every ``moe_every``-th layer is a mixture of experts
+(``dew.nn.moe``): layer ``i`` (from 0) is an MoE layer when ``(i + 1) % moe_every == 0``.
+
+The layers' weights are stacked on a leading ``layers`` dimension, one stack per kind
+(``layers`` for dense layers, ``moe_layers`` for MoE ones), and run under ``lax.scan``, so
 compile time does not grow with depth. Each layer body runs under ``jax.checkpoint`` saving nothing:
 the backward recomputes the layer, gathers of fsdp-split weights included, so only one layer's whole
 weights are ever alive (gather forward, gather again backward, scatter the gradients).
@@ -21,6 +25,7 @@ device every one of those is the identity or the plain operation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 from dew.checks import positive_int
 from dew.layout import path_names
-from dew.nn import attention, embed, mlp, norm
+from dew.nn import attention, embed, mlp, moe, norm
 from dew.nn.param import Param, init_params, logical_axes, normal
-from dew.parallel import ONE_DEVICE, Shards, fsdp, sequence, tensor
+from dew.parallel import ONE_DEVICE, Shards, expert, fsdp, sequence, tensor
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -56,6 +61,14 @@ class CausalTransformer:
       tie_embeddings: the output head is the embedding table transposed (default) or a weight of
         its own.
       param_dtype: the weights' dtype.
+      num_experts: ``0`` for a dense model; else ``E``, the experts of each MoE layer (each a SwiGLU
+        of width ``mlp_features``).
+      experts_per_token: ``k``, the experts each token is sent to (``1 <= k <= E``).
+      moe_every: every ``moe_every``-th layer is an MoE layer (``num_layers`` must divide by it).
+      capacity_factor: ``None`` for dropless routing; else ``c > 0``: an expert takes at most
+        ``ceil(c * seq * k / E)`` copies from each row (see ``dew.nn.moe``).
+      router_aux_weight, router_z_weight: the weights of the load-balancing loss and the router
+        z-loss (each averaged over the MoE layers) in the objective's loss.
     """
 
     vocab_size: int
@@ -69,6 +82,12 @@ class CausalTransformer:
     mlp_features: int | None = None
     tie_embeddings: bool = True
     param_dtype: str = "float32"
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_every: int = 1
+    capacity_factor: float | None = None
+    router_aux_weight: float = 0.01
+    router_z_weight: float = 0.001
 
     def __post_init__(self):
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "max_seq_len"):
@@ -94,6 +113,33 @@ class CausalTransformer:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}"
             )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(
+                f"num_experts must be 0 (dense) or a positive integer, got {self.num_experts!r}"
+            )
+        if not self.num_experts:
+            return
+        k, experts = self.experts_per_token, self.num_experts
+        if not isinstance(k, int) or not 1 <= k <= experts:
+            raise ValueError(
+                f"experts_per_token {k!r} must be an integer from 1 to num_experts {experts}"
+            )
+        positive_int("moe_every", self.moe_every)
+        if self.num_layers % self.moe_every:
+            raise ValueError(
+                f"num_layers {self.num_layers} is not a multiple of moe_every {self.moe_every} "
+                "(each group of moe_every layers ends with one MoE layer)"
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"capacity_factor must be None (dropless) or above 0, got {self.capacity_factor!r}"
+            )
+        for name in ("router_aux_weight", "router_z_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -107,25 +153,42 @@ class CausalTransformer:
     def hidden(self) -> int:
         return 4 * self.emb_features if self.mlp_features is None else self.mlp_features
 
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers // self.moe_every if self.num_experts else 0
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
     def declare(self) -> dict:
         """The tree of ``Param`` declarations, under ``{"params": ...}``."""
         # GPT-2's scaling of the residual branches' output projections by 1/sqrt(2 * layers).
         out_scale = (2 * self.num_layers) ** -0.5
-        layer = {
-            "attn_norm": norm.rms_norm_params(self.emb_features),
-            "attn": attention.attention_params(
-                self.emb_features, self.num_heads, self.kv_heads, self.head_dim, out_scale
-            ),
-            "mlp_norm": norm.rms_norm_params(self.emb_features),
-            "mlp": mlp.mlp_params(self.emb_features, self.hidden, out_scale),
-        }
-        params = {
-            "embed_tokens": embed.embed_params(self.vocab_size, self.emb_features),
-            "layers": jax.tree_util.tree_map(
-                lambda p: p.stacked(self.num_layers), layer, is_leaf=lambda x: isinstance(x, Param)
-            ),
-            "final_norm": norm.rms_norm_params(self.emb_features),
-        }
+
+        def layer(ffn: dict) -> dict:
+            return {
+                "attn_norm": norm.rms_norm_params(self.emb_features),
+                "attn": attention.attention_params(
+                    self.emb_features, self.num_heads, self.kv_heads, self.head_dim, out_scale
+                ),
+                "mlp_norm": norm.rms_norm_params(self.emb_features),
+                **ffn,
+            }
+
+        def stacked(tree: dict, n: int) -> dict:
+            return jax.tree_util.tree_map(
+                lambda p: p.stacked(n), tree, is_leaf=lambda x: isinstance(x, Param)
+            )
+
+        params = {"embed_tokens": embed.embed_params(self.vocab_size, self.emb_features)}
+        if self.num_dense_layers:
+            dense = {"mlp": mlp.mlp_params(self.emb_features, self.hidden, out_scale)}
+            params["layers"] = stacked(layer(dense), self.num_dense_layers)
+        if self.num_moe_layers:
+            experts = moe.moe_params(self.emb_features, self.hidden, self.num_experts, out_scale)
+            params["moe_layers"] = stacked(layer({"moe": experts}), self.num_moe_layers)
+        params["final_norm"] = norm.rms_norm_params(self.emb_features)
         if not self.tie_embeddings:
             params["lm_head"] = {
                 "kernel": Param(
@@ -143,7 +206,10 @@ class CausalTransformer:
         """Raises ``ValueError``, naming the numbers, when this model cannot run on a mesh of
         ``axis_sizes``: heads, kv heads, MLP width or vocabulary that do not split over
         ``tensor``; heads that do not split over ``sequence x tensor`` for the all-to-all
-        scheme; an unknown ``sequence_scheme``."""
+        scheme; an unknown ``sequence_scheme``; experts that do not split over ``expert``; a
+        capacity factor over a ``sequence`` axis; layers that do not split over ``stage`` (for
+        an MoE model, its groups of ``moe_every`` layers, each stage running whole groups)."""
+        self._check_stages(axis_sizes.get("stage", 1))
         t = axis_sizes.get(tensor.AXIS, 1)
         sizes = {
             "num_heads": self.num_heads,
@@ -155,14 +221,38 @@ class CausalTransformer:
         sequence.check_heads(
             sequence_scheme, axis_sizes.get(sequence.AXIS, 1), self.num_heads, self.kv_heads, t
         )
+        if self.num_experts:
+            expert.check_experts(
+                axis_sizes.get(expert.AXIS, 1), self.num_experts, self.experts_per_token
+            )
+            if self.capacity_factor is not None and axis_sizes.get(sequence.AXIS, 1) > 1:
+                raise ValueError(
+                    f"capacity_factor {self.capacity_factor} with sequence "
+                    f"{axis_sizes[sequence.AXIS]}: capacity is counted over whole rows, which a "
+                    "sequence axis splits; use dropless routing (capacity_factor=None) there"
+                )
+
+    def _check_stages(self, stages: int) -> None:
+        if self.num_layers % stages:
+            raise ValueError(
+                f"num_layers {self.num_layers} does not split over stage {stages}: each pipeline "
+                "stage holds the same number of layers"
+            )
+        groups = self.num_moe_layers
+        if groups % stages:
+            raise ValueError(
+                f"num_layers {self.num_layers} makes {groups} groups of moe_every "
+                f"{self.moe_every} layers (each ending with its MoE layer), which do not split "
+                f"over stage {stages}: each pipeline stage runs whole groups"
+            )
 
     def partial_over_tensor(self, shards: Shards) -> dict:
         """A tree of bools shaped like the parameters: the weights replicated over ``tensor``
         whose gradient each device of the tensor group holds only a part of, for
         ``dew.parallel.gradients.sum_axes``.
 
-        - The norm scales, when activations between blocks are sequence-parallel (each device
-          normalizes its own positions).
+        - The norm scales and the MoE routers, when activations between blocks are
+          sequence-parallel (each device normalizes, and routes, its own positions).
         - ``k`` and ``v``, when there are fewer kv heads than devices (each device uses one head,
           for its own query heads: ``tensor.shared_kv_heads``).
         """
@@ -172,7 +262,7 @@ class CausalTransformer:
 
         def partial(path, _):
             names = path_names(path)
-            if names[-1] == "scale":
+            if names[-1] == "scale" or names[-2:] == ("router", "kernel"):
                 return sequence_split
             return shared_kv and names[-2:] in (("attn", "k"), ("attn", "v"))
 
@@ -221,16 +311,18 @@ class CausalTransformer:
 
     def blocks(
         self, params: dict, x: jax.Array, positions: jax.Array, shards: Shards = ONE_DEVICE
-    ) -> jax.Array:
-        """The ``num_layers`` decoder layers: ``x`` ``[rows, seq, embed]`` -> the same shape
-        (``[rows, seq / n, embed]``, this device's positions, under sequence-parallel activations
-        on a tensor group of ``n``).
+    ) -> tuple[jax.Array, moe.RouterStats]:
+        """The ``num_layers`` decoder layers: ``x`` ``[rows, seq, embed]`` -> ``(x, stats)``, ``x``
+        of the same shape (``[rows, seq / n, embed]``, this device's positions, under
+        sequence-parallel activations on a tensor group of ``n``) and the MoE layers'
+        ``RouterStats``, their losses averaged over the MoE layers (zeros for a dense model).
 
         ``positions``: ``[seq]`` integers, the global positions of the tokens attention sees
         (rotary positions; ``jnp.arange(seq)`` for a whole sequence). The layers run under
-        ``lax.scan``, each under ``jax.checkpoint`` saving nothing; ``shards.pin`` constrains each
-        layer's input and the scan's output (the GSPMD baseline's activation pinning; a no-op
-        otherwise).
+        ``lax.scan`` (dense and MoE layers interleaved: a scan over groups of ``moe_every``
+        layers, each ``moe_every - 1`` dense layers then one MoE layer), each under
+        ``jax.checkpoint`` saving nothing; ``shards.pin`` constrains each layer's input and the
+        output (the GSPMD baseline's activation pinning; a no-op otherwise).
         """
 
         shared_kv = self.kv_heads < shards.size(tensor.AXIS)
@@ -238,9 +330,7 @@ class CausalTransformer:
         # elsewhere it is the plain call.
         attend = sequence.attention(shards, self.attention_impl)
 
-        def layer(x, layer_shards):
-            x = shards.pin(x)
-            w = shards.gather(layer_shards, "params", "layers", stacked=True)
+        def attention_half(x, w):
             attn = w["attn"]
             if shared_kv:
                 attn = {
@@ -253,16 +343,61 @@ class CausalTransformer:
             # parallelism) and leaves by summing the devices' partial outputs.
             h = tensor.enter(norm.rms_norm(w["attn_norm"], x), shards)
             h = attention.self_attention(attn, h, positions, attend)
-            x = x + tensor.leave(h, shards)
-            h = tensor.enter(norm.rms_norm(w["mlp_norm"], x), shards)
-            x = x + tensor.leave(mlp.swiglu(w["mlp"], h), shards)
-            return x, None
+            return x + tensor.leave(h, shards)
 
-        layer = jax.checkpoint(
-            layer, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+        def dense_layer(x, layer_shards):
+            x = shards.pin(x)
+            w = shards.gather(layer_shards, "params", "layers", stacked=True)
+            x = attention_half(x, w)
+            h = tensor.enter(norm.rms_norm(w["mlp_norm"], x), shards)
+            return x + tensor.leave(mlp.swiglu(w["mlp"], h), shards), None
+
+        def moe_layer(x, layer_shards):
+            x = shards.pin(x)
+            w = shards.gather(layer_shards, "params", "moe_layers", stacked=True)
+            x = attention_half(x, w)
+            # The MoE region enters and leaves inside expert.moe_mlp, around its router.
+            out, stats = expert.moe_mlp(
+                w["moe"],
+                norm.rms_norm(w["mlp_norm"], x),
+                shards,
+                num_experts=self.num_experts,
+                k=self.experts_per_token,
+                capacity_factor=self.capacity_factor,
+            )
+            return x + out, stats
+
+        remat = functools.partial(
+            jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
         )
-        x, _ = lax.scan(layer, x, params["params"]["layers"])
-        return shards.pin(x)
+        dense_layer, moe_layer = remat(dense_layer), remat(moe_layer)
+        p = params["params"]
+        if not self.num_moe_layers:
+            x, _ = lax.scan(dense_layer, x, p["layers"])
+            return shards.pin(x), moe.RouterStats.zeros()
+
+        # The MoE layers this call runs (all of them, or one pipeline stage's share).
+        groups = jax.tree_util.tree_leaves(p["moe_layers"])[0].shape[0]
+        dense_per_group = self.moe_every - 1
+
+        def group(carry, group_weights):
+            x, stats = carry
+            dense_weights, moe_weights = group_weights
+            if dense_per_group:
+                x, _ = lax.scan(dense_layer, x, dense_weights)
+            x, layer_stats = moe_layer(x, moe_weights)
+            return (x, stats + layer_stats), None
+
+        dense = None
+        if dense_per_group:
+            # [groups * (moe_every - 1), ...] -> [groups, moe_every - 1, ...]: layer order kept.
+            dense = jax.tree_util.tree_map(
+                lambda w: w.reshape(groups, dense_per_group, *w.shape[1:]), p["layers"]
+            )
+        (x, stats), _ = lax.scan(group, (x, moe.RouterStats.zeros()), (dense, p["moe_layers"]))
+        mean = 1.0 / self.num_moe_layers
+        stats = stats._replace(load_balance=stats.load_balance * mean, z_loss=stats.z_loss * mean)
+        return shards.pin(x), stats
 
     def head(self, params: dict, x: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
         """``x`` ``[rows, seq, embed]`` -> float32 logits ``[rows, seq, vocab]`` (this device's
@@ -285,7 +420,7 @@ class CausalTransformer:
         """
         params, shards = self.share_embedding(params, shards)
         x = self.embed(params, tokens, shards)
-        x = self.blocks(params, x, jnp.arange(tokens.shape[1]), shards)
+        x, _ = self.blocks(params, x, jnp.arange(tokens.shape[1]), shards)
         return self.head(params, x, shards)
 
 

@@ -6,8 +6,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from dew.checks import positive_int
+from dew.nn.moe import RouterStats
 from dew.parallel import ONE_DEVICE, Shards, tensor
 
 
@@ -40,8 +42,9 @@ class LMObjective:
     def tokens_per_row(self) -> int:
         return self.seq_len
 
-    def loss_sum(self, params, batch: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
-        """Sum over ``batch``'s rows and positions of the cross-entropy (float32 scalar).
+    def loss_sum(self, params, batch: jax.Array, shards: Shards = ONE_DEVICE):
+        """``(loss_sum, stats)`` of ``batch``'s rows and positions: ``token_loss_sum`` on the
+        shifted batch.
 
         ``batch``: ``[rows, seq_len + 1]`` integer tokens, whole rows. Divide by the global number
         of predicted tokens for the mean; summing first lets devices add up their parts exactly.
@@ -56,8 +59,14 @@ class LMObjective:
         targets: jax.Array,
         positions: jax.Array,
         shards: Shards = ONE_DEVICE,
-    ) -> jax.Array:
-        """Sum of the cross-entropy of predicting ``targets`` from ``inputs`` (float32 scalar).
+    ) -> tuple[jax.Array, RouterStats]:
+        """``(loss_sum, stats)``: the loss of predicting ``targets`` from ``inputs``, summed over
+        tokens (float32 scalar), and the MoE layers' ``RouterStats`` (zeros for a dense model).
+
+        The loss is the cross-entropy's sum plus, for an MoE model, ``tokens x (router_aux_weight
+        x load balance + router_z_weight x z-loss)`` with ``tokens`` the microbatch's token count
+        (this device's share of it: see ``dew.nn.moe``), so that dividing by the token count gives
+        the mean cross-entropy plus the weighted router losses.
 
         ``inputs`` and ``targets``: ``[rows, positions]`` integer tokens, already shifted (target
         ``j`` follows input ``j``); ``positions``: their global positions in the row, ``[n]`` (all
@@ -70,11 +79,56 @@ class LMObjective:
         model = self.model
         params, shards = model.share_embedding(params, shards)
         x = model.embed(params, inputs, shards)
-        x = model.blocks(params, x, positions, shards)
+        x, stats = model.blocks(params, x, positions, shards)
         logits = model.head(params, x, shards)
-        return jnp.sum(tensor.cross_entropy(logits, targets, shards))
+        loss = jnp.sum(tensor.cross_entropy(logits, targets, shards))
+        return loss + self.router_loss(stats), stats
+
+    def router_loss(self, stats: RouterStats) -> jax.Array:
+        """The weighted router losses ``token_loss_sum`` adds for an MoE model (0 when dense):
+        ``router_aux_weight x load balance + router_z_weight x z-loss``, as sums over tokens."""
+        model = self.model
+        if not getattr(model, "num_experts", 0):
+            return jnp.zeros((), jnp.float32)
+        return model.router_aux_weight * stats.load_balance + model.router_z_weight * stats.z_loss
+
+    def stage_loss_sum(
+        self,
+        params,
+        x_in: jax.Array,
+        inputs: jax.Array,
+        targets: jax.Array,
+        positions: jax.Array,
+        shards: Shards,
+        stage_axis: str = "stage",
+    ) -> tuple[jax.Array, jax.Array, RouterStats]:
+        """One pipeline stage's part of ``token_loss_sum``: ``(y, loss_sum, stats)``.
+
+        Stage ``s`` of ``S`` (``lax.axis_index(stage_axis)``) runs ``blocks`` on the layers it
+        holds, after ``embed(inputs)`` on stage 0 (``x_in`` elsewhere, the activation from stage
+        ``s - 1``, ``[rows, positions, embed]`` in the activations' dtype) and before the head and
+        the cross-entropy on stage ``S - 1``. ``y``: the blocks' output, for stage ``s + 1``;
+        ``loss_sum``: the cross-entropy's sum (last stage; 0 elsewhere) plus the router losses of
+        this stage's MoE layers; ``stats``: their ``RouterStats``. Summed over the stages, the
+        losses and stats are ``token_loss_sum``'s.
+
+        The embedding table is gathered where it is read (stage 0 for the lookup, stage ``S - 1``
+        for a tied head), not shared as ``token_loss_sum`` shares it: no stage reads it twice.
+        """
+        model = self.model
+        stage = lax.axis_index(stage_axis)
+        last = lax.axis_size(stage_axis) - 1
+        x = lax.cond(stage == 0, lambda: model.embed(params, inputs, shards), lambda: x_in)
+        y, stats = model.blocks(params, x, positions, shards)
+
+        def cross_entropy():
+            logits = model.head(params, y, shards)
+            return jnp.sum(tensor.cross_entropy(logits, targets, shards))
+
+        loss = lax.cond(stage == last, cross_entropy, lambda: jnp.zeros((), jnp.float32))
+        return y, loss + self.router_loss(stats), stats
 
     def loss(self, params, batch: jax.Array) -> jax.Array:
-        """Mean cross-entropy of ``batch`` on one device: the reference every layout must
-        reproduce."""
-        return self.loss_sum(params, batch) / (batch.shape[0] * self.seq_len)
+        """The mean loss of ``batch`` on one device (cross-entropy, plus the weighted router
+        losses of an MoE model): the reference every layout must reproduce."""
+        return self.loss_sum(params, batch)[0] / (batch.shape[0] * self.seq_len)

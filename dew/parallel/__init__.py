@@ -9,6 +9,10 @@
   embedding and cross-entropy, shared kv heads, and what a layout must split over ``tensor``.
 - ``sequence``: positions split in zigzag order; attention over every device's positions by a
   ring of K/V blocks (``ppermute``) or by trading positions for heads (``all_to_all``).
+- ``expert``: mixture-of-experts layers with experts split over ``expert``; token copies travel
+  to their experts and back by ``all_to_all``.
+- ``pipeline``: the ``stage`` axis: each stage runs its contiguous run of layers on a 1F1B schedule
+  of microbatches, activations forward and their gradients back by ``ppermute``.
 
 Code inside the step sees a ``Shards``: the sizes of the mesh axes and the ``PartitionSpec`` of
 every parameter. ``ONE_DEVICE`` (every axis of size 1, nothing split) makes the same code run on

@@ -9,14 +9,19 @@ then ``psum``med over:
   (the transpose of its ``all_gather`` is a ``psum_scatter`` over fsdp),
 - minus the axes the weight is split on as its own: experts over ``expert``, layers over
   ``stage``; every device of such an axis holds a different part, whose gradient is already whole
-  (the expert all-to-all brought it every token routed to it),
+  (the expert all-to-all brought it every token routed to it; a pipeline stage ran every
+  microbatch through its own layers),
 - plus ``tensor`` for a weight replicated over tensor that saw different activations on each device
   of the tensor group (``partial_over_tensor``): norm scales under sequence-parallel activations,
   kv heads shared by fewer devices than the tensor axis. A weight split over tensor, or replicated
   over it with the same activations everywhere, comes out of the conjugate pairs of
-  ``dew.parallel.tensor`` whole, with nothing to add.
+  ``dew.parallel.tensor`` whole, with nothing to add,
+- plus ``stage`` (when its size is above 1) for a weight not split over ``stage``: the embedding,
+  the final norm and the head are whole on every stage, but only the first stage (the embedding
+  lookup) and the last (final norm, head, loss) use them, so each stage holds its part of their
+  gradient (zeros on the stages between) and the sum over ``stage`` is the whole of it.
 
-``stage`` does not split tokens (every stage sees every microbatch), so it never enters the sum.
+``stage`` does not split tokens (every stage sees every microbatch), so it is not a token axis.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from dew.mesh import AXES
 from dew.parallel import tensor
+from dew.parallel.pipeline import AXIS as STAGE
 from dew.parallel.shards import Shards
 
 
@@ -67,4 +73,8 @@ def sum_axes(
     summed -= named
     if partial_over_tensor and shards.size(tensor.AXIS) > 1:
         summed.add(tensor.AXIS)
+    # A weight every stage holds whole is used by some stages only (the embedding by the first,
+    # the head by the last): the stages' parts add up to its gradient.
+    if shards.size(STAGE) > 1 and STAGE not in named:
+        summed.add(STAGE)
     return tuple(a for a in AXES if a in summed)

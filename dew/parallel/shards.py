@@ -41,6 +41,10 @@ class Shards:
       sequence_scheme: how attention spans a ``sequence`` axis of size > 1: ``"ring"`` (K/V blocks
         travel round the axis) or ``"all_to_all"`` (positions traded for heads);
         ``dew.parallel.sequence.SCHEMES``.
+      microbatches: over a ``stage`` axis of size > 1, the pipeline microbatches each
+        accumulation microbatch's rows are cut into (``MeshSpec.microbatches``); 1 elsewhere.
+      pipeline_schedule: over a ``stage`` axis of size > 1, the schedule's name, one of
+        ``dew.parallel.pipeline.SCHEDULES``.
     """
 
     axis_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -48,6 +52,8 @@ class Shards:
     pinned_activations: Any = None
     sequence_parallel: bool = False
     sequence_scheme: str = "ring"
+    microbatches: int = 1
+    pipeline_schedule: str = "1f1b"
 
     def size(self, *axes: str) -> int:
         """The number of devices spanned by ``axes`` (1 for axes this step does not have)."""

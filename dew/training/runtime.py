@@ -3,8 +3,97 @@
 from __future__ import annotations
 
 import os
+import sys
 
-from dew.checks import positive_int
+from dew.checks import nonnegative_int, positive_int
+
+# What `dew launch` puts in each process's environment (dew/cli/launch.py), read here.
+COORDINATOR_VARIABLE = "DEW_COORDINATOR_ADDRESS"
+NUM_PROCESSES_VARIABLE = "DEW_NUM_PROCESSES"
+PROCESS_ID_VARIABLE = "DEW_PROCESS_ID"
+CPU_DEVICES_VARIABLE = "DEW_CPU_DEVICES"
+LAUNCH_VARIABLES = (COORDINATOR_VARIABLE, NUM_PROCESSES_VARIABLE, PROCESS_ID_VARIABLE)
+
+# The clusters `jax.distributed.initialize()` detects by itself, and what it looks for in each
+# (jax/_src/clusters/*.py, JAX 0.10), for the error when none is there.
+CLUSTERS_LOOKED_FOR = (
+    f"dew launch ({', '.join(LAUNCH_VARIABLES)})",
+    "a Cloud TPU pod (the TPU VM's metadata server, or TPU_WORKER_HOSTNAMES / "
+    "TPU_PROCESS_ADDRESSES with TPU_WORKER_ID on GKE)",
+    "Slurm (SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID)",
+    "Open MPI (OMPI_MCA_orte_hnp_uri, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_RANK)",
+    "Kubernetes (KUBERNETES_SERVICE_HOST, with the `kubernetes` package installed)",
+)
+
+
+class NoClusterError(RuntimeError):
+    """``prepare_process(multi_host=True)`` found no coordinator: neither ``dew launch``'s
+    variables nor a cluster ``jax.distributed.initialize()`` detects."""
+
+
+def no_cluster_message() -> str:
+    return (
+        "prepare_process(multi_host=True) found no multi-process run to join. It looked for: "
+        + "; ".join(CLUSTERS_LOOKED_FOR)
+        + ". Start the processes with `dew launch --processes N -- COMMAND`, run them under one of "
+        "these clusters, or pass coordinator_address, num_processes and process_id."
+    )
+
+
+def _variable_int(name: str) -> int:
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer") from None
+
+
+def launch_settings() -> tuple[dict, int | None] | None:
+    """``dew launch``'s variables: ``jax.distributed.initialize``'s three arguments and the
+    simulated CPU device count (``None`` when ``DEW_CPU_DEVICES`` is unset); ``None`` when none of
+    the variables is set. Some set and not others, or a value out of range, is a ``ValueError``."""
+    present = [name for name in LAUNCH_VARIABLES if name in os.environ]
+    if not present:
+        return None
+    if len(present) < len(LAUNCH_VARIABLES):
+        missing = [name for name in LAUNCH_VARIABLES if name not in present]
+        raise ValueError(
+            f"{', '.join(present)} set but not {', '.join(missing)}; dew launch sets all of "
+            + ", ".join(LAUNCH_VARIABLES)
+        )
+    num_processes = positive_int(NUM_PROCESSES_VARIABLE, _variable_int(NUM_PROCESSES_VARIABLE))
+    process_id = nonnegative_int(PROCESS_ID_VARIABLE, _variable_int(PROCESS_ID_VARIABLE))
+    if process_id >= num_processes:
+        raise ValueError(
+            f"{PROCESS_ID_VARIABLE}={process_id} is not below "
+            f"{NUM_PROCESSES_VARIABLE}={num_processes}"
+        )
+    cpu_devices = None
+    if CPU_DEVICES_VARIABLE in os.environ:
+        cpu_devices = positive_int(CPU_DEVICES_VARIABLE, _variable_int(CPU_DEVICES_VARIABLE))
+    arguments = dict(
+        coordinator_address=os.environ[COORDINATOR_VARIABLE],
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+    return arguments, cpu_devices
+
+
+def detected_cluster() -> str | None:
+    """The name of the cluster ``jax.distributed.initialize()`` would join (``"SlurmCluster"``,
+    ``"GceTpuCluster"``, ...), or ``None`` when it finds none. ``"unknown"`` when this JAX's
+    detectors cannot be asked (they are not public API): then ``initialize`` decides."""
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:
+        return "unknown"
+    try:
+        for cluster in ClusterEnv._cluster_types:
+            if not cluster.opt_in_only_method and cluster.is_env_present():
+                return cluster.__name__
+    except Exception:  # a detector that fails to ask is for initialize() to report
+        return "unknown"
+    return None
 
 
 def prepare_process(
@@ -20,11 +109,30 @@ def prepare_process(
     Call it before any other JAX use.
 
     Args:
-      multi_host: call ``jax.distributed.initialize`` (on a TPU pod or a SLURM/Kubernetes cluster
-        the coordinator is found from the environment; elsewhere pass the three arguments below).
-      cpu_devices: split the CPU into this many devices and use the CPU backend (tests, examples).
+      multi_host: join a multi-process run with ``jax.distributed.initialize``. Without the three
+        arguments below, the run is found from the environment: first ``dew launch``'s variables
+        (``DEW_COORDINATOR_ADDRESS``, ``DEW_NUM_PROCESSES``, ``DEW_PROCESS_ID``, and
+        ``DEW_CPU_DEVICES`` for ``cpu_devices`` when that is not given), else the clusters JAX
+        detects (a Cloud TPU pod, Slurm, Open MPI, Kubernetes). Finding none raises
+        ``NoClusterError`` naming what was looked for. Prints ``process i of n`` to stderr once
+        joined.
+      cpu_devices: split the CPU into this many devices and use the CPU backend (tests, examples);
+        a multi-process run on the CPU then uses gloo collectives.
       coordinator_address, num_processes, process_id: passed to ``jax.distributed.initialize``.
     """
+    explicit = {
+        k: v
+        for k, v in dict(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+        ).items()
+        if v is not None
+    }
+    if multi_host and not explicit and (launched := launch_settings()) is not None:
+        explicit, launched_cpu_devices = launched
+        if cpu_devices is None:
+            cpu_devices = launched_cpu_devices
     if cpu_devices is not None:
         positive_int("cpu_devices", cpu_devices)
         flags = [
@@ -40,16 +148,13 @@ def prepare_process(
 
     if cpu_devices is not None:
         jax.config.update("jax_platforms", "cpu")
-    if multi_host:
-        if os.environ.get("JAX_PLATFORMS", "") == "cpu" or cpu_devices is not None:
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        kwargs = {
-            k: v
-            for k, v in dict(
-                coordinator_address=coordinator_address,
-                num_processes=num_processes,
-                process_id=process_id,
-            ).items()
-            if v is not None
-        }
-        jax.distributed.initialize(**kwargs)
+    if not multi_host:
+        return
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu" or cpu_devices is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Checked before initialize(), which would otherwise stop at "coordinator_address should be
+    # defined" without saying where it looked.
+    if not explicit and detected_cluster() is None:
+        raise NoClusterError(no_cluster_message())
+    jax.distributed.initialize(**explicit)
+    print(f"process {jax.process_index()} of {jax.process_count()}", file=sys.stderr, flush=True)

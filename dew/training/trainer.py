@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 from dew.checks import nonnegative_int, positive_int
 from dew.layout import Layout
-from dew.mesh import AXES, BATCH_AXES, MeshSpec, build_mesh
-from dew.parallel import sequence, tensor
+from dew.mesh import BATCH_AXES, MeshSpec, build_mesh
+from dew.parallel import expert, pipeline, sequence, tensor
 from dew.training.state import TrainState
 from dew.training.step import (
     BATCH_SPEC,
@@ -56,8 +56,29 @@ def _metrics_file(path: Path | None):
         yield f
 
 
-# Axes whose collectives the step engine writes today; the others must stay of size 1.
-SUPPORTED_AXES = ("data", "fsdp", "tensor", "sequence")
+def _router_line(metrics: dict) -> str:
+    """The MoE part of a step's log line (empty for a dense model)."""
+    if "load_balance_loss" not in metrics:
+        return ""
+    return (
+        f" (load balance {metrics['load_balance_loss']:.4f}, router z "
+        f"{metrics['router_z_loss']:.4f}, dropped {100 * metrics['dropped_fraction']:.1f}%)"
+    )
+
+
+def _check_pipeline_attention(mesh_shape: dict, sequence_scheme: str) -> None:
+    """Ring attention cannot run inside a pipeline stage: its ``ppermute``s would sit in the
+    branch a stage takes at a tick, and XLA:CPU joins every device of the step in each
+    collective-permute, so stages running different branches deadlock or trade the wrong
+    blocks. The all-to-all scheme (and every other collective) only joins its group."""
+    stages, n = mesh_shape.get("stage", 1), mesh_shape.get("sequence", 1)
+    if stages > 1 and n > 1 and sequence_scheme == "ring":
+        raise ValueError(
+            f"sequence {n} with stage {stages}: ring attention's ppermutes cannot run inside a "
+            "pipeline stage (each stage runs its own branch of the schedule, and a "
+            "collective-permute there must be joined by every device); use "
+            "sequence_scheme='all_to_all' with a stage axis"
+        )
 
 
 class Trainer:
@@ -84,6 +105,14 @@ class Trainer:
       sequence_scheme: how attention spans a ``sequence`` axis: ``"ring"`` (the default; K/V
         blocks travel round the axis) or ``"all_to_all"`` (DeepSpeed-Ulysses: positions traded
         for heads, which must divide by ``sequence x tensor``). See ``dew.parallel.sequence``.
+      pipeline_schedule: over a ``stage`` axis above 1, the pipeline's schedule
+        (``dew.parallel.pipeline.SCHEDULES``): ``"1f1b"`` (the default: at most ``stage``
+        microbatches' inputs held on a stage, lock-step ticks), ``"1f1b_phased"`` (forward and
+        backward ticks alternate, so a step takes ``(M + S - 1) (forward + backward)`` whatever
+        a backward costs, for up to ``2 stage - 1`` inputs held) or ``"gpipe"`` (all forwards,
+        then all backwards: every stage holds all ``M`` inputs; there to compare memory with).
+        The mesh must then say ``MeshSpec(stage=S, microbatches=M)``. No effect on the GSPMD
+        engines, which run the layers split over ``stage`` as XLA sees fit.
     """
 
     def __init__(
@@ -99,6 +128,7 @@ class Trainer:
         devices=None,
         sequence_parallel: bool = False,
         sequence_scheme: str = "ring",
+        pipeline_schedule: str = "1f1b",
     ):
         if not isinstance(mesh, MeshSpec):
             raise TypeError(f"mesh must be a dew.MeshSpec, got {type(mesh).__name__}")
@@ -107,13 +137,20 @@ class Trainer:
         positive_int("accumulation", accumulation)
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
-        for axis in AXES:
-            size = getattr(mesh, axis, None)
-            if axis not in SUPPORTED_AXES and size and size > 1:
-                raise ValueError(
-                    f"MeshSpec({axis}={size}): the training step does not split over the "
-                    f"{axis} axis yet; it supports {', '.join(SUPPORTED_AXES)}"
-                )
+        if pipeline_schedule not in pipeline.SCHEDULES:
+            raise ValueError(
+                f"unknown pipeline_schedule {pipeline_schedule!r}; expected one of "
+                f"{', '.join(pipeline.SCHEDULES)}"
+            )
+        if mesh.stage > 1 and mesh.microbatches is None:
+            s = mesh.stage
+            raise ValueError(
+                f"MeshSpec(stage={s}) needs microbatches=M (M >= {s}): the pipeline cuts each "
+                f"device's rows into M microbatches and idles (S - 1) / (M + S - 1) of a step, "
+                f"{s - 1}/{2 * s - 1} at M = {s}, {s - 1}/{3 * s - 1} at M = {2 * s}, "
+                f"{s - 1}/{5 * s - 1} at M = {4 * s}; the rows a device gets per step must "
+                "divide by M (times accumulation)"
+            )
         self.objective = objective
         self.optimizer = optimizer
         self.key = (
@@ -126,6 +163,9 @@ class Trainer:
         self.accumulation = accumulation
         self.engine = engine
         self.sequence_parallel = bool(sequence_parallel)
+        self.pipeline_schedule = pipeline_schedule
+        # Pipeline microbatches per accumulation microbatch (1 without a stage axis).
+        self.microbatches = mesh.microbatches or 1
 
         mesh_shape = dict(self.mesh.shape)
         objective.model.check_split(mesh_shape, sequence_scheme)
@@ -142,14 +182,24 @@ class Trainer:
                 f"{held} does not split over tensor {tensor_size} (sequence_parallel=True splits "
                 "each row's positions across the tensor group)"
             )
+        if engine == "shard_map":
+            _check_pipeline_attention(mesh_shape, sequence_scheme)
+        self.sequence_scheme = sequence_scheme
         axes = objective.model.logical_axes()
         abstract_state = jax.eval_shape(self._fresh_state, self.key)
         self.param_specs = layout.specs(self.mesh, abstract_state.params, axes)
         self.shards = step_shards(
-            self.mesh, self.param_specs, self.sequence_parallel, sequence_scheme
+            self.mesh,
+            self.param_specs,
+            self.sequence_parallel,
+            sequence_scheme,
+            self.microbatches,
+            pipeline_schedule,
         )
         if engine == "shard_map":
             tensor.check_layout(self.param_specs, axes, abstract_state.params, tensor_size)
+            expert.check_layout(self.param_specs, axes, mesh_shape["expert"])
+            pipeline.check_layout(self.param_specs, axes, mesh_shape["stage"])
         self.state_shardings = layout.shardings(self.mesh, abstract_state, axes)
         self._abstract_state = abstract_state
         self._steps: dict[int, Any] = {}
@@ -221,6 +271,11 @@ class Trainer:
             "layout": self.layout.describe(),
             "engine": self.engine,
         }
+        if self.mesh.shape["stage"] > 1:
+            metadata["pipeline"] = {
+                "microbatches": self.microbatches,
+                "schedule": self.pipeline_schedule,
+            }
         if data is not None:
             metadata["data_position"] = data.position(
                 int(state.step) if next_batch is None else next_batch
@@ -235,11 +290,12 @@ class Trainer:
 
     def check_batch(self, batch_size: int, seq_len: int | None = None) -> None:
         """Raises ``ValueError`` if a global batch of ``batch_size`` rows cannot be split over the
-        batch axes into ``accumulation`` microbatches, or if ``seq_len`` is not the objective's."""
+        batch axes into ``accumulation`` microbatches (each cut into ``microbatches`` pipeline
+        microbatches over a stage axis), or if ``seq_len`` is not the objective's."""
         split = " x ".join(
             f"{a} {self.mesh.shape[a]}"
             for a in BATCH_AXES
-            if a in SUPPORTED_AXES or self.mesh.shape[a] > 1
+            if a in ("data", "fsdp") or self.mesh.shape[a] > 1
         )
         if batch_size % self.batch_devices:
             raise ValueError(
@@ -252,6 +308,19 @@ class Trainer:
                 f"{batch_size // self.batch_devices} rows per device, which do not split into "
                 f"accumulation {self.accumulation} microbatches"
             )
+        rows = batch_size // self.batch_devices // self.accumulation
+        if rows % self.microbatches:
+            per = (
+                f"{rows} rows per device,"
+                if self.accumulation == 1
+                else f"{batch_size // self.batch_devices} rows per device, {rows} per accumulation "
+                f"microbatch (accumulation {self.accumulation}),"
+            )
+            raise ValueError(
+                f"batch {batch_size} over {self.batch_devices} devices ({split}) leaves {per} "
+                f"which do not split into {self.microbatches} pipeline microbatches "
+                f"(MeshSpec(stage={self.mesh.shape['stage']}, microbatches={self.microbatches}))"
+            )
         if seq_len is not None and seq_len != self.objective.seq_len:
             raise ValueError(
                 f"the data's seq_len {seq_len} is not the objective's seq_len "
@@ -261,8 +330,9 @@ class Trainer:
     # ----------------------------------------------------------------------------- the step
 
     def train_step(self, batch_size: int):
-        """The compiled-on-first-call step ``(state, batch) -> (state, loss)`` for global batches of
-        ``batch_size`` rows."""
+        """The compiled-on-first-call step ``(state, batch) -> (state, metrics)`` for global
+        batches of ``batch_size`` rows; ``metrics["loss"]`` is the batch's mean loss (see
+        ``dew.training.step.build_train_step`` for the MoE entries)."""
         self.check_batch(batch_size)
         if batch_size not in self._steps:
             self._steps[batch_size] = build_train_step(
@@ -292,7 +362,8 @@ class Trainer:
                 engine=self.engine,
             )
             self._gradients[rows] = jax.jit(
-                fn, out_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P()))
+                lambda params, batch: fn(params, batch)[:2],
+                out_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P())),
             )
         return self._gradients[rows](params, batch)
 
@@ -311,6 +382,7 @@ class Trainer:
                 f"params must be 'params' or 'ema' (with ema_decay set), got {params!r}"
             )
         self.check_batch(data.batch_size)
+        _check_pipeline_attention(dict(self.mesh.shape), self.sequence_scheme)
         if data.batch_size not in self._losses:
             self._losses[data.batch_size] = build_loss(
                 self.objective,
@@ -368,10 +440,12 @@ class Trainer:
           checkpoint_every: saves every this many steps (and always at the end, when checkpoints
             are on).
           metrics: a file to append one JSON line per step to (``{"step", "loss", "step_time_s",
-            "tokens_per_s"}``), written by process 0 and flushed as each step ends; its folder is
-            created. ``step_time_s`` is the wall time from the step's dispatch to its loss (the
-            first step of a run includes compiling). A resumed run appends, so steps trained again
-            after the checkpoint it resumed from appear twice: the later line is the run's.
+            "tokens_per_s"}``, and for an MoE model ``"load_balance_loss"``, ``"router_z_loss"``
+            and ``"dropped_fraction"``), written by process 0 and flushed as each step ends; its
+            folder is created. ``step_time_s`` is the wall time from the step's dispatch to its
+            loss (the first step of a run includes compiling). A resumed run appends, so steps
+            trained again after the checkpoint it resumed from appear twice: the later line is the
+            run's.
 
         Returns:
           the final ``TrainState``, laid out on the mesh.
@@ -419,8 +493,9 @@ class Trainer:
                 index, rows = next(batches)
                 batch = self.device_batch(rows, data.batch_size)
                 began = time.perf_counter()
-                state, loss = step_fn(state, batch)
-                loss = float(loss)  # waits for the step
+                state, step_metrics = step_fn(state, batch)
+                step_metrics = {name: float(v) for name, v in step_metrics.items()}  # waits
+                loss = step_metrics["loss"]
                 ended = time.perf_counter()
                 if not math.isfinite(loss):
                     # Stop before this state can be saved over (and rotate out) good checkpoints.
@@ -438,10 +513,11 @@ class Trainer:
                     record = dict(
                         step=step, loss=loss, step_time_s=seconds, tokens_per_s=tokens / seconds
                     )
+                    record.update((k, v) for k, v in step_metrics.items() if k != "loss")
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
                 if step % log_every == 0 or step == steps:
-                    print(f"step {step}: loss {loss:.4f}")
+                    print(f"step {step}: loss {loss:.4f}{_router_line(step_metrics)}")
                 if checkpoint_every is not None and step % checkpoint_every == 0 and step != steps:
                     self.save(state, data, index + 1)
         if self.checkpoints is not None:

@@ -1,0 +1,279 @@
+"""Mixture of experts: every layout, expert axis or not, computes what one device computes (the
+loss with its router losses, every gradient, three steps), dropless and with a capacity; a skewed
+router trains dropless and drops exactly the documented copies with a capacity; expert weights are
+split over the expert axis; bad sizes are refused before compiling.
+
+The reference is the plain one-device run of tests/test_equivalence.py on the module's fresh seed
+(tests/conftest.py; replay with ``DEW_SEED``).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dew
+from dew.benchmark import state_bytes_per_device
+from dew.data import TokenWindows
+from dew.layout import path_names
+from dew.nn import moe
+from dew.parallel import ONE_DEVICE, expert
+from tests.helpers import (
+    SEQ,
+    random_token_folder,
+    seeded_key,
+    smooth_optimizer,
+    tiny_objective,
+)
+from tests.test_equivalence import (
+    ROWS,
+    STEPS,
+    assert_matches,
+    cached_reference,
+    layout_case,
+    sharded_run,
+)
+
+EXPERTS = 8
+MOE = {"num_experts": EXPERTS, "experts_per_token": 2}
+
+# name -> (model overrides, mesh, Trainer arguments)
+LAYOUTS = {
+    "expert8": ({}, dew.MeshSpec(expert=8), {}),
+    "expert4_fsdp2": ({}, dew.MeshSpec(expert=4, fsdp=2), {}),
+    "data2_expert2_tensor2": ({}, dew.MeshSpec(expert=2, tensor=2), {}),
+    "data2_expert4": ({}, dew.MeshSpec(expert=4), {}),
+    "fsdp8_no_expert_axis": ({}, dew.MeshSpec(fsdp=8), {}),
+    # One dense layer then one MoE layer, positions split over sequence too.
+    "moe_every2_data2_expert2_sequence2": (
+        {"moe_every": 2},
+        dew.MeshSpec(expert=2, sequence=2),
+        {},
+    ),
+    "capacity_expert8": ({"capacity_factor": 1.0}, dew.MeshSpec(expert=8), {}),
+    "capacity_expert2_tensor2_fsdp2_sequence_parallel": (
+        {"capacity_factor": 1.0},
+        dew.MeshSpec(expert=2, tensor=2, fsdp=2),
+        {"sequence_parallel": True},
+    ),
+}
+
+
+def objective_for(overrides):
+    return tiny_objective(**{**MOE, **overrides})
+
+
+@pytest.fixture(scope="module")
+def case(module_seed):
+    return layout_case(module_seed)
+
+
+def reference_for(case, overrides):
+    return cached_reference(case, objective_for(overrides), tuple(sorted(overrides.items())))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_layout_matches_one_device(case, seed, name):
+    overrides, mesh, trainer_args = LAYOUTS[name]
+    key, batches, _ = case
+    reference = reference_for(case, overrides)
+    run = sharded_run(
+        objective_for(overrides), smooth_optimizer(), key, batches, mesh, **trainer_args
+    )
+    for got, want in zip(
+        jax.tree_util.tree_leaves(run["initial"]), jax.tree_util.tree_leaves(reference["initial"])
+    ):
+        np.testing.assert_array_equal(got, want, err_msg=f"initial weights, {name}, seed {seed}")
+    assert_matches(run, reference, seed)
+
+
+def test_router_losses_are_in_the_loss(case, seed):
+    # The one-device reference's loss is the cross-entropy plus the weighted router losses: with
+    # both weights at 0 it is the cross-entropy alone, and the difference is what the weights add.
+    key, batches, _ = case
+    model = objective_for({}).model
+    params = model.init(key)
+    batch = jnp.asarray(batches[0])
+    logits = model.apply(params, batch[:, :-1])
+    picked = jnp.take_along_axis(logits, batch[:, 1:, None], axis=-1)[..., 0]
+    cross_entropy = float(jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked))
+    loss, stats = objective_for({}).loss_sum(params, batch)
+    tokens = batch.shape[0] * SEQ
+    balance, z = float(stats.load_balance) / tokens, float(stats.z_loss) / tokens
+    # A router near uniform: the load-balancing loss is near 1, never below it by much.
+    assert 0.9 < balance < 2.0, (balance, seed)
+    assert z > 0, (z, seed)
+    want = cross_entropy + model.router_aux_weight * balance + model.router_z_weight * z
+    np.testing.assert_allclose(float(loss) / tokens, want, rtol=1e-5, err_msg=f"seed {seed}")
+    no_aux = objective_for({"router_aux_weight": 0.0, "router_z_weight": 0.0})
+    np.testing.assert_allclose(
+        float(no_aux.loss(params, batch)), cross_entropy, rtol=1e-5, err_msg=f"seed {seed}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# A skewed router: all router weights zero, so every token's probabilities tie and top_k picks
+# experts 0 and 1 for every token.
+
+
+def skewed(params):
+    def zero_routers(path, leaf):
+        return jnp.zeros_like(leaf) if path_names(path)[-2:] == ("router", "kernel") else leaf
+
+    return jax.tree_util.tree_map_with_path(zero_routers, params)
+
+
+def test_capacity_drops_the_later_positions_of_a_skewed_router(seed):
+    experts, k, factor = 4, 2, 1.0
+    model = tiny_objective(num_experts=experts, experts_per_token=k, capacity_factor=factor).model
+    layer = jax.tree_util.tree_map(lambda w: w[0], skewed(model.init(seeded_key(seed))))
+    h = jax.random.normal(seeded_key(seed, 1), (3, SEQ, model.emb_features))
+    limit = moe.capacity(SEQ, k, experts, factor)
+    assert limit == 8  # ceil(1.0 * 16 * 2 / 4)
+
+    def run(capacity_factor):
+        return expert.moe_mlp(
+            layer["params"]["moe_layers"]["moe"],
+            h,
+            ONE_DEVICE,
+            num_experts=experts,
+            k=k,
+            capacity_factor=capacity_factor,
+        )
+
+    kept, stats = run(factor)
+    whole, dropless_stats = run(None)
+    # Expert 0 takes every token's first copy, expert 1 every second one: each keeps the row's
+    # first `limit` positions. Those pass through unchanged; the later ones get nothing at all.
+    np.testing.assert_allclose(kept[:, :limit], whole[:, :limit], rtol=1e-6, err_msg=f"{seed}")
+    np.testing.assert_array_equal(kept[:, limit:], 0.0, err_msg=f"seed {seed}")
+    assert np.all(np.abs(np.asarray(whole[:, limit:])).sum(-1) > 0), seed
+    assert float(stats.dropped) == 3 * (SEQ - limit) * k, (stats, seed)
+    assert float(stats.routed) == 3 * SEQ * k and float(dropless_stats.dropped) == 0, seed
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "capacity1"])
+def test_a_skewed_router_trains_like_one_device(case, seed, capacity_factor):
+    key, batches, _ = case
+    objective = tiny_objective(num_experts=4, experts_per_token=2, capacity_factor=capacity_factor)
+    optimizer = smooth_optimizer()
+    params = skewed(objective.model.init(key))
+
+    # One device, from the skewed weights.
+    loss_and_grads = jax.jit(jax.value_and_grad(objective.loss))
+    opt_state, want = optimizer.init(params), []
+    reference = params
+    for batch in batches:
+        loss, grads = loss_and_grads(reference, jnp.asarray(batch))
+        updates, opt_state = optimizer.update(grads, opt_state, reference)
+        reference = optax.apply_updates(reference, updates)
+        want.append(float(loss))
+
+    trainer = dew.Trainer(
+        objective, optimizer, key, mesh=dew.MeshSpec(expert=4), layout=dew.Layout(min_shard=1)
+    )
+    state = trainer.init_state()
+    state = state.replace(params=jax.device_put(params, trainer.state_shardings.params))
+    step, got, dropped = trainer.train_step(ROWS), [], []
+    for batch in batches:
+        state, metrics = step(state, trainer.device_batch(batch, ROWS))
+        got.append(float(metrics["loss"]))
+        dropped.append(float(metrics["dropped_fraction"]))
+    np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"losses, seed {seed}")
+    error = max(
+        float(
+            np.max(np.abs(np.asarray(a) - np.asarray(b))) / (np.max(np.abs(np.asarray(b))) + 1e-30)
+        )
+        for a, b in zip(
+            jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(reference)
+        )
+    )
+    assert error < 1e-5, f"params differ by {error:.3g}, seed {seed}"
+    if capacity_factor is None:
+        assert dropped == [0.0] * STEPS, (dropped, seed)
+    else:
+        # Step 1: each expert of a row's 16 copies keeps 8 (capacity ceil(16 * 2 / 4)): half drop.
+        assert dropped[0] == 0.5, (dropped, seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory, metrics, errors
+
+
+def test_expert_weights_split_over_the_expert_axis(seed):
+    def placed(mesh):
+        trainer = dew.Trainer(
+            objective_for({}), optax.adam(1e-3), seeded_key(seed), mesh=mesh, layout=dew.Layout()
+        )
+        return trainer, trainer.init_state()
+
+    trainer, state = placed(dew.MeshSpec(expert=8))
+    whole = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+        if "experts" in path_names(path):
+            assert leaf.sharding.spec[1] == "expert", (path_names(path), leaf.sharding.spec)
+            assert leaf.addressable_shards[0].data.shape[1] == EXPERTS // 8
+            whole += leaf.nbytes
+    # The state (weights and Adam's two moments) per device: the experts' 1/8, the rest whole.
+    _, replicated = placed(dew.MeshSpec())
+    full = state_bytes_per_device(replicated)
+    saved = state_bytes_per_device(state)
+    assert full - saved == 3 * whole * 7 // 8, (full, saved, whole)
+
+
+def test_metrics_carry_the_router_losses(tmp_path, seed, capsys):
+    folder = random_token_folder(tmp_path / "tokens", seed, train=4000, val=0)
+    data = TokenWindows(folder, seq_len=SEQ, seed=seed).load(batch=16)
+    trainer = dew.Trainer(
+        tiny_objective(num_experts=4, capacity_factor=0.5),
+        optax.adamw(1e-3),
+        seeded_key(seed),
+        mesh=dew.MeshSpec(expert=4),
+        layout=dew.Layout(min_shard=1),
+    )
+    trainer.fit(data, steps=2, log_every=1, metrics=tmp_path / "metrics.jsonl")
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        assert line["load_balance_loss"] >= 0.9 and line["router_z_loss"] > 0, (line, seed)
+        # A capacity of half the even share must drop copies, never more than all.
+        assert 0 < line["dropped_fraction"] < 1, (line, seed)
+    printed = capsys.readouterr().out
+    assert f"load balance {lines[0]['load_balance_loss']:.4f}" in printed, printed
+
+
+@pytest.mark.parametrize(
+    "overrides, mesh, match",
+    [
+        ({"num_experts": 6}, dew.MeshSpec(expert=4), "num_experts 6 does not split over expert 4"),
+        ({"num_experts": 4, "experts_per_token": 5}, None, "experts_per_token 5 .* num_experts 4"),
+        ({"num_experts": 4, "experts_per_token": 0}, None, "experts_per_token 0"),
+        ({"num_experts": 4, "capacity_factor": 0.0}, None, "capacity_factor must be .* got 0.0"),
+        ({"num_experts": 4, "capacity_factor": -1}, None, "capacity_factor must be .* got -1"),
+        ({"num_experts": 4, "moe_every": 3}, None, "num_layers 2 is not a multiple of moe_every 3"),
+        (
+            {"num_experts": 4, "capacity_factor": 1.0},
+            dew.MeshSpec(sequence=2),
+            "capacity_factor 1.0 with sequence 2",
+        ),
+    ],
+)
+def test_bad_moe_sizes_are_refused_before_compiling(overrides, mesh, match):
+    with pytest.raises(ValueError, match=match):
+        objective = tiny_objective(**overrides)
+        dew.Trainer(objective, optax.sgd(0.1), jax.random.key(0), mesh=mesh or dew.MeshSpec())
+
+
+def test_a_layout_that_leaves_experts_whole_is_refused():
+    rules = [rule for rule in dew.layout.DEFAULT_RULES if rule[1] != "expert"]
+    with pytest.raises(ValueError, match="experts' dimension, and only it, split over 'expert'"):
+        dew.Trainer(
+            objective_for({}),
+            optax.sgd(0.1),
+            jax.random.key(0),
+            mesh=dew.MeshSpec(expert=2),
+            layout=dew.Layout(rules=rules),
+        )
