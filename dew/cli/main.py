@@ -32,8 +32,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh",
         default="",
-        help="axis sizes, e.g. fsdp=8, data=2,fsdp=4, fsdp=2,tensor=4 or sequence=4 "
-        "(data takes the devices left over; default: all data parallel)",
+        help="axis sizes, e.g. fsdp=8, data=2,fsdp=4, fsdp=2,tensor=4, sequence=4, expert=8 "
+        "(with --experts) or stage=2,microbatches=4 (data takes the devices left over; default: "
+        "all data parallel)",
     )
     add_device_flag(parser)
     add_model_flags(parser, batch=16, seq_len=32, layers=2, width=64, heads=4)
