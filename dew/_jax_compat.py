@@ -24,6 +24,28 @@ def distributed_client():
     return distributed.global_state.client
 
 
+# ---- cluster detection (dew/training/runtime.py) ------------------------------------------
+
+
+def detected_cluster() -> str | None:
+    """The name of the cluster ``jax.distributed.initialize()`` would join (``"SlurmCluster"``,
+    ``"GceTpuCluster"``, ...), or ``None`` when it finds none; ``"unknown"`` when this JAX's
+    detectors cannot be asked (then ``initialize`` decides)."""
+    # Public replacement: none. `initialize()` runs these detectors itself but does not say which
+    # matched, or that none did, before it fails.
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:
+        return "unknown"
+    try:
+        for cluster in ClusterEnv._cluster_types:
+            if not cluster.opt_in_only_method and cluster.is_env_present():
+                return cluster.__name__
+    except Exception:  # a detector that fails to ask is for initialize() to report
+        return "unknown"
+    return None
+
+
 # ---- the runtime's deferred releases (dew/checkpoints/reader.py) ---------------------------
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import dew
+from dew import _jax_compat
 from dew.cli.launch import process_hosts, read_hostfile
 from dew.data import TokenWindows
 from dew.training import runtime
@@ -381,7 +382,7 @@ def test_a_slurm_job_is_left_to_jax(monkeypatch):
     for name in list(os.environ):
         if name.startswith(CLUSTER_PREFIXES):
             monkeypatch.delenv(name)
-    assert runtime.detected_cluster() is None
+    assert _jax_compat.detected_cluster() is None
     slurm = dict(
         SLURM_JOB_ID="7",
         SLURM_STEP_NODELIST="node[1-2]",
@@ -391,4 +392,4 @@ def test_a_slurm_job_is_left_to_jax(monkeypatch):
     )
     for name, value in slurm.items():
         monkeypatch.setenv(name, value)
-    assert runtime.detected_cluster() == "SlurmCluster"
+    assert _jax_compat.detected_cluster() == "SlurmCluster"

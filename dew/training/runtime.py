@@ -79,23 +79,6 @@ def launch_settings() -> tuple[dict, int | None] | None:
     return arguments, cpu_devices
 
 
-def detected_cluster() -> str | None:
-    """The name of the cluster ``jax.distributed.initialize()`` would join (``"SlurmCluster"``,
-    ``"GceTpuCluster"``, ...), or ``None`` when it finds none. ``"unknown"`` when this JAX's
-    detectors cannot be asked (they are not public API): then ``initialize`` decides."""
-    try:
-        from jax._src.clusters import ClusterEnv
-    except ImportError:
-        return "unknown"
-    try:
-        for cluster in ClusterEnv._cluster_types:
-            if not cluster.opt_in_only_method and cluster.is_env_present():
-                return cluster.__name__
-    except Exception:  # a detector that fails to ask is for initialize() to report
-        return "unknown"
-    return None
-
-
 def prepare_process(
     multi_host: bool = False,
     *,
@@ -154,6 +137,8 @@ def prepare_process(
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Checked before initialize(), which would otherwise stop at "coordinator_address should be
     # defined" without saying where it looked.
+    from dew._jax_compat import detected_cluster  # imports jax: only once the flags are set
+
     if not explicit and detected_cluster() is None:
         raise NoClusterError(no_cluster_message())
     jax.distributed.initialize(**explicit)
