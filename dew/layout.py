@@ -70,6 +70,24 @@ def path_names(path) -> tuple[str, ...]:
     return tuple(names)
 
 
+def weight_dimensions(param_specs: Any, logical_axes: Any):
+    """Every dimension of every weight: ``(where, names, spec, name, mesh_axes)``, ``where`` the
+    weight's path (``"params/layers/attn/q"``), ``names`` its logical axes, ``spec`` its
+    ``PartitionSpec``, ``name`` the dimension's logical name and ``mesh_axes`` the tuple of mesh
+    axes it is split over (``(None,)`` when whole). For the layout checks of
+    ``dew.parallel.expert`` and ``dew.parallel.pipeline``."""
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    axes_leaves = jax.tree_util.tree_flatten_with_path(
+        logical_axes, is_leaf=lambda x: isinstance(x, tuple) and not is_spec(x)
+    )[0]
+    spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
+    for (path, names), spec in zip(axes_leaves, spec_leaves, strict=True):
+        entries = tuple(spec) + (None,) * (len(names) - len(tuple(spec)))
+        for name, entry in zip(names, entries):
+            mesh_axes = entry if isinstance(entry, tuple) else (entry,)
+            yield "/".join(path_names(path)), names, spec, name, mesh_axes
+
+
 def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dew.layout import path_names
+from dew.layout import weight_dimensions
 from dew.mesh import TOKEN_AXES
 from dew.nn import moe
 from dew.parallel import tensor
@@ -198,20 +198,11 @@ def check_layout(param_specs: Any, logical_axes: Any, expert_size: int) -> None:
     nothing else is): the exchange sends each device the copies for the experts it holds."""
     if expert_size == 1:
         return
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    axes_leaves = jax.tree_util.tree_flatten_with_path(
-        logical_axes, is_leaf=lambda x: isinstance(x, tuple) and not is_spec(x)
-    )[0]
-    spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
-    for (path, names), spec in zip(axes_leaves, spec_leaves, strict=True):
-        entries = tuple(spec) + (None,) * (len(names) - len(tuple(spec)))
-        for name, entry in zip(names, entries):
-            split = AXIS in (entry if isinstance(entry, tuple) else (entry,))
-            if split != (name == "experts"):
-                where = "/".join(path_names(path))
-                raise ValueError(
-                    f"expert {expert_size}: weight {where} (logical axes {names}) has spec {spec}; "
-                    f"the model needs each 'experts' dimension, and only it, split over {AXIS!r}: "
-                    "give the Layout the rule ('experts', 'expert') first, as "
-                    "dew.layout.DEFAULT_RULES does"
-                )
+    for where, names, spec, name, mesh_axes in weight_dimensions(param_specs, logical_axes):
+        if (AXIS in mesh_axes) != (name == "experts"):
+            raise ValueError(
+                f"expert {expert_size}: weight {where} (logical axes {names}) has spec {spec}; "
+                f"the model needs each 'experts' dimension, and only it, split over {AXIS!r}: "
+                "give the Layout the rule ('experts', 'expert') first, as "
+                "dew.layout.DEFAULT_RULES does"
+            )

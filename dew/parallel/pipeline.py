@@ -78,6 +78,7 @@ import numpy as np
 from jax import lax
 
 from dew.checks import positive_int
+from dew.layout import weight_dimensions
 
 __all__ = [
     "AXIS",
@@ -243,24 +244,15 @@ def check_layout(param_specs, logical_axes, stage_size: int) -> None:
     holds, and the embedding, norms and head it reads whole."""
     if stage_size == 1:
         return
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    axes_leaves = jax.tree_util.tree_flatten_with_path(
-        logical_axes, is_leaf=lambda x: isinstance(x, tuple) and not is_spec(x)
-    )[0]
-    spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
-    for (path, names), spec in zip(axes_leaves, spec_leaves, strict=True):
-        entries = tuple(spec) + (None,) * (len(names) - len(tuple(spec)))
-        for name, entry in zip(names, entries):
-            named = entry if isinstance(entry, tuple) else (entry,)
-            right = entry == AXIS if name == "layers" else AXIS not in named
-            if not right:
-                where = "/".join(str(getattr(k, "key", k)) for k in path)
-                raise ValueError(
-                    f"stage {stage_size}: weight {where} (logical axes {names}) has spec {spec}; "
-                    f"the pipeline needs each 'layers' dimension split over {AXIS!r} alone, and "
-                    f"nothing else split over it: give the Layout the rule ('layers', {AXIS!r}) "
-                    "first, as dew.layout.DEFAULT_RULES does"
-                )
+    for where, names, spec, name, mesh_axes in weight_dimensions(param_specs, logical_axes):
+        right = mesh_axes == (AXIS,) if name == "layers" else AXIS not in mesh_axes
+        if not right:
+            raise ValueError(
+                f"stage {stage_size}: weight {where} (logical axes {names}) has spec {spec}; "
+                f"the pipeline needs each 'layers' dimension split over {AXIS!r} alone, and "
+                f"nothing else split over it: give the Layout the rule ('layers', {AXIS!r}) "
+                "first, as dew.layout.DEFAULT_RULES does"
+            )
 
 
 def _one_forward_one_backward(warm: int, microbatches: int) -> list:
