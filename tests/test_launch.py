@@ -249,6 +249,45 @@ def test_a_killed_rank_stops_a_rank_that_ignores_sigterm(tmp_path):
     assert pid_is_gone(printed_pids(run.stdout)[0])
 
 
+def test_sigterm_to_dew_launch_kills_jax_processes_that_ignore_it_after_grace(tmp_path):
+    """SIGTERM to dew launch is passed on; JAX processes (joined to the run) that ignore it get
+    SIGKILL --grace seconds later, none is left, and dew launch exits 128 + SIGTERM."""
+    grace = 1.0
+    child = """
+        import os, signal, time
+        from dew.training.runtime import prepare_process
+        prepare_process(multi_host=True)
+        import jax
+        assert jax.process_count() == 2
+        # After JAX has joined the run, which installs its own SIGTERM handler.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("pid", os.getpid(), flush=True)
+        print("ready", flush=True)
+        while True:
+            time.sleep(3600)
+    """
+    run = Launched(
+        *("--processes", 2, "--devices-per-process", 1, "--grace", grace, "--"),
+        *python_command(child),
+    )
+    run.wait_for_lines({"[0] ready", "[1] ready"})
+    pids = printed_pids(run.stdout)
+    sent = time.monotonic()
+    run.process.send_signal(signal.SIGTERM)
+    # The SIGKILL is due `grace` s on; the rest (the launcher's 0.2 s tick, the kills, its exit)
+    # took 1.3 s on 2 cores at a load of 11. Without the escalation it never ends.
+    code = run.finish(grace + 6)
+    took = time.monotonic() - sent
+    assert code == 128 + signal.SIGTERM, run.stderr[-20:]
+    assert took >= grace, f"killed after {took:.2f} s, before the {grace} s of grace"
+    for rank in (0, 1):
+        message = f"dew launch: process {rank} still runs {grace:g} s after SIGTERM; killing"
+        assert message in run.stderr, run.stderr[-20:]
+    assert sorted(pids) == [0, 1]
+    left = [pid for pid in pids.values() if not pid_is_gone(pid)]
+    assert not left, f"processes {left} still run"
+
+
 STAND_IN_SSH = """\
 #!{python}
 # Stands in for ssh: records the host and the remote command, then runs the command here with

@@ -1,6 +1,8 @@
 """Two processes of four CPU devices each train one model on one mesh (data 2 x fsdp 4 over both),
-checkpoint it together and resume; the result equals a one-process run of the same steps."""
+checkpoint it together and resume; the result equals a one-process run of the same steps. And a
+two-process save that one process fails to write fails on both at once."""
 
+import json
 import os
 import re
 import socket
@@ -11,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import dew
+from dew.checkpoints import Checkpoints
 from dew.data import TokenWindows, write_token_folder
 from tests.helpers import SEQ, VOCAB, relative_error, two_process_trainer
 
@@ -24,20 +27,18 @@ def free_port() -> int:
 
 
 def launch(folder, checkpoints, steps):
+    return run_two("multiprocess_worker.py", folder, checkpoints, steps)
+
+
+def run_two(worker: str, *args) -> list[str]:
+    """The stdout of each of two processes of tests/`worker` (argv: port, process id, `args`);
+    fails unless both exit 0."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "multiprocess_worker.py"),
-                str(port),
-                str(i),
-                str(folder),
-                str(checkpoints),
-                str(steps),
-            ],
+            [sys.executable, str(ROOT / "tests" / worker), str(port), str(i), *map(str, args)],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -96,3 +97,27 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, capsys, se
     assert int(restored.step) == 4 and position["next_batch"] == 4
     assert relative_error(restored.params, state.params) < 1e-5, f"seed {seed}"
     assert relative_error(restored.opt_state, state.opt_state) < 1e-5, f"seed {seed}"
+
+
+# How long each process of the failing save may take to raise. The save is tiny and the failure
+# is reported as it happens, so this is seconds; the barrier timeout, which a process waiting for
+# a failed peer would sit out, is four times as long.
+FAILURE_BOUND_S = 15
+BARRIER_TIMEOUT_S = 60
+
+
+def test_a_process_whose_write_fails_makes_every_process_raise_at_once(tmp_path):
+    """Process 1 cannot write its file of step 2 (disk full): both processes' wait() raise, well
+    before the barrier timeout, naming process 1 and its error; step 2 is not committed, step 1
+    still restores on both, and the next save succeeds."""
+    outputs = run_two("save_failure_worker.py", tmp_path, BARRIER_TIMEOUT_S)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, f"process {rank}: saving step 2 did not fail"
+        assert "process 1 failed writing its file of step 2" in result["error"], result
+        assert "No space left on device" in result["error"], result
+        assert result["failed_after_s"] < FAILURE_BOUND_S, (rank, result)
+        assert result["restored_step"] == 1 and result["restored_ones"], result
+    # Step 2 was never committed (its unfinished folder was removed by the save of step 3).
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001", "step_00000003"]
+    assert Checkpoints(tmp_path).steps == [1, 3]

@@ -106,7 +106,8 @@ class Checkpoints:
       chunk_bytes: size of the chunks each piece's CRC-32s cover (a reader reads whole chunks).
       read_workers: threads that read and verify pieces at once; host memory while restoring is
         about this many device slices (or pieces) beyond the restored arrays.
-      barrier_timeout_s: how long a multi-process save waits for the other processes.
+      barrier_timeout_s: how long a multi-process save waits for the other processes. A process
+        whose part of a save fails makes the others raise at once, without this wait.
       storage_options: keyword arguments of the fsspec filesystem of a URL (credentials,
         project, ...); fsspec's own configuration applies too.
     """
@@ -137,7 +138,7 @@ class Checkpoints:
         self._read_workers = read_workers
         self._barrier_timeout_s = barrier_timeout_s
         self._pending: _PendingSave | None = None
-        self._saves = 0  # numbers barrier names, alike on every process
+        self._saves = 0  # numbers meeting names, alike on every process
         self._restores = 0
         self.restored_step: int | None = None  # the step the last restore() read
 

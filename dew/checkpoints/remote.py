@@ -8,11 +8,11 @@
                                           removed by the next save)
 
 Object stores have no rename, so nothing is written aside and moved into place: every process
-uploads its file into `step_N/`, and process 0 uploads `index.json` once all of them are in. An
-object appears only when its upload completes, so a writer killed at any point leaves either the
-complete step or a folder without an index. Readers list only folders that hold an index; the
-next save removes index-less ones. Deleting a step (retention, or a step saved again) removes its
-index first, so a step is never seen half deleted.
+uploads its file into `step_N/`, and process 0 uploads `index.json` once all of them are in (and
+none failed). An object appears only when its upload completes, so a writer killed or failing at
+any point leaves either the complete step or a folder without an index. Readers list only folders
+that hold an index; the next save removes index-less ones. Deleting a step (retention, or a step
+saved again) removes its index first, so a step is never seen half deleted.
 
 The loader reads byte ranges (`cat_file(path, start, end)`), never whole files: each process reads
 only the parts of the pieces its devices need, widened to whole checksum chunks.
@@ -22,12 +22,20 @@ only when a URL is opened, so local checkpoints need neither.
 """
 
 import contextlib
+import json
 import re
 from typing import Any
 
-from dew.checkpoints import reader, writer
+from dew.checkpoints import npz, reader, writer
 from dew.checkpoints.errors import CheckpointError, CorruptCheckpointError
-from dew.checkpoints.index import INDEX_NAME, STEP_FOLDER, Index, parse, step_folder_name
+from dew.checkpoints.index import (
+    INDEX_NAME,
+    STEP_FOLDER,
+    Index,
+    parse,
+    process_file_name,
+    step_folder_name,
+)
 
 # A protocol followed by "://" (or "::", fsspec's chaining, as in "simplecache::gs://...").
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)(://|::)")
@@ -290,7 +298,48 @@ class RemoteDirectory:
             self.fs.rm([self.path_of(step, name) for name in names])
 
     def write_step(self, step, shot, metadata, processes, keep, chunk_bytes, prefix) -> None:
-        writer.write_remote_step(self, step, shot, metadata, processes, keep, chunk_bytes, prefix)
+        """Write `shot` (writer.Snapshot) as step `step`, without renames: every process uploads
+        its file straight into `step_N/`, and process 0 uploads `index.json` last, once all the
+        files are in and no process has failed (writer.write_together). The index's existence is
+        what makes the step complete, so a writer killed or failing at any point leaves an
+        index-less folder that readers skip and the next save removes."""
+        own: list[dict] = []  # this process's manifest, once its file is uploaded
+        others = [writer.manifest_name(p) for p in range(1, processes.count)]
+
+        def write_own():
+            file_name = process_file_name(processes.index)
+            with self.upload(step, file_name) as file:
+                written, size = npz.write_stream(
+                    file, writer.members(shot), chunk_bytes, after_member=writer.after_member_hook
+                )
+            own.append(writer.manifest(shot, file_name, written, size))
+            if processes.index != 0:
+                self.put(step, writer.manifest_name(processes.index), json.dumps(own[0]).encode())
+
+        def commit():
+            manifests = own + [json.loads(self.get(step, name)) for name in others]
+            text = writer.index_text(
+                self.url_of(step, INDEX_NAME),
+                step,
+                shot,
+                metadata,
+                manifests,
+                processes.count,
+                chunk_bytes,
+            )
+            self.delete(step, others)  # before the commit: a complete step holds no manifest
+            self.put(step, INDEX_NAME, text)  # the commit
+
+        writer.write_together(
+            processes,
+            prefix,
+            step,
+            prepare=lambda: self.clear_for_save(step),
+            write_own=write_own,
+            commit=commit,
+            retain=lambda: self.retain(keep, step),
+            discard=lambda: self.remove_step(step),
+        )
 
     # --- reading ----------------------------------------------------------------------------
 

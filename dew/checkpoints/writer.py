@@ -6,14 +6,16 @@ process owns (the addressable shard with `replica_id == 0`, so each distinct pie
 written once however many devices hold it), then waits for them. After it returns, the tree may be
 donated or overwritten; the snapshot owns its bytes.
 
-`write_step(...)` runs in a background thread. Every process writes its own `process_NNNNN.npz`
-into the step's temporary folder; with several processes, each also writes a small manifest of its
-pieces, then all meet at a barrier; process 0 reads the manifests, writes `index.json` last, renames
-the folder into place and applies retention; a second barrier ends the save on every process.
-`write_remote_step(...)` does the same on object storage, which has no rename: the files go
-straight into `step_N/` and the index is uploaded last. The barriers use the JAX distributed
-runtime's coordination service, not a device collective, so they are safe to call from a
-background thread while the main thread runs training steps.
+`write_step(...)` runs in a background thread, through `write_together`, the order of a save on any
+kind of directory: process 0 prepares the step's folder; every process writes its own
+`process_NNNNN.npz` into it (with several processes, each other one also writes a small manifest of
+its pieces); process 0 reads the manifests, writes `index.json` last and commits the step (here: one
+rename of the temporary folder into place), then applies retention. Each stage ends at a meeting of
+all processes (`Processes.meet`, through the JAX distributed runtime's coordination service, not a
+device collective, so safe from a background thread while the main thread runs training steps): a
+stage that fails on one process makes every process raise at that meeting at once, so no index is
+written. Object storage, which has no rename, supplies its own stages (`remote.RemoteDirectory`).
+The pieces both share (the members of a file, its manifest, the index) are built here.
 """
 
 import dataclasses
@@ -22,7 +24,7 @@ import json
 import os
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -40,9 +42,6 @@ from dew.checkpoints.index import (
 )
 from dew.checkpoints.memory import copy_of
 from dew.checkpoints.processes import Processes
-
-if TYPE_CHECKING:
-    from dew.checkpoints.remote import RemoteDirectory
 
 # Test hook: called with each member's name after its data is written (lets a test kill a save
 # deterministically in the middle of writing a file).
@@ -159,8 +158,67 @@ def _owned_storage(host: np.ndarray, path: str) -> np.ndarray:
         raise ValueError(f"cannot save {path}: {error}") from None
 
 
-def _manifest_name(process_index: int) -> str:
+def manifest_name(process_index: int) -> str:
+    """The manifest a process other than 0 writes next to its file, for process 0 to index."""
     return f"manifest_{process_index:05d}.json"
+
+
+def write_together(
+    processes: Processes,
+    barrier_prefix: str,
+    step: int,
+    *,
+    prepare: Callable[[], None],
+    write_own: Callable[[], None],
+    commit: Callable[[], None],
+    retain: Callable[[], None],
+    discard: Callable[[], None],
+) -> None:
+    """One save of step `step` by every process, on any kind of directory.
+
+    Process 0 `prepare()`s the step's folder; every process `write_own()`s its file (and, but
+    process 0, its manifest); process 0 `commit()`s (the index, written last, makes the step
+    complete) and then `retain()`s. Each stage ends at a meeting (`Processes.meet`): when a stage
+    fails on any process, every process raises CheckpointError at that meeting at once, naming the
+    process and its error, and no later stage runs anywhere, so a step some process failed to
+    write is never committed. With one process, a failure before the commit `discard()`s what the
+    save wrote (with several, the next save removes it: the others may still be writing).
+    """
+    first = processes.index == 0
+
+    def discard_alone():
+        if processes.count == 1:
+            try:
+                discard()
+            except Exception:
+                pass  # the next save removes it
+
+    try:
+        processes.meet(
+            f"{barrier_prefix}/ready",
+            f"preparing the folder of step {step}",
+            prepare if first else None,
+            first_only=True,
+        )
+        processes.meet(f"{barrier_prefix}/written", f"writing its file of step {step}", write_own)
+    except BaseException:
+        discard_alone()
+        raise
+
+    def commit_and_retain():
+        try:
+            commit()
+        except BaseException:
+            discard_alone()
+            raise
+        retain()  # the step is complete: a failure here must not discard it
+
+    processes.meet(
+        f"{barrier_prefix}/committed",
+        f"committing step {step}",
+        commit_and_retain if first else None,
+        first_only=True,
+    )
 
 
 def write_step(
@@ -173,98 +231,53 @@ def write_step(
     chunk_bytes: int,
     barrier_prefix: str,
 ) -> None:
-    """Write `shot` as step `step` of `directory`; on process 0 commit it and apply retention."""
+    """Write `shot` as step `step` of the local `directory`: the files go into `step_N.tmp/`,
+    which process 0 renames to `step_N/` once its index is written (folders.py)."""
     final = directory / step_folder_name(step)
     temp = final.with_name(final.name + folders.TEMP_SUFFIX)
-    if processes.index == 0:
+    own: list[dict] = []  # this process's manifest, once its file is written
+
+    def prepare():
         directory.mkdir(parents=True, exist_ok=True)
         folders.clean_leftovers(directory)
         temp.mkdir()
-    processes.barrier(f"{barrier_prefix}/ready")
-    try:
+
+    def write_own():
         file_name = process_file_name(processes.index)
         written, size = npz.write(
-            temp / file_name, _members(shot), chunk_bytes, after_member=after_member_hook
+            temp / file_name, members(shot), chunk_bytes, after_member=after_member_hook
         )
-        manifest = _manifest(shot, file_name, written, size)
-        if processes.count > 1 and processes.index != 0:
+        own.append(manifest(shot, file_name, written, size))
+        if processes.index != 0:
             folders.write_durably(
-                temp / _manifest_name(processes.index), json.dumps(manifest).encode()
+                temp / manifest_name(processes.index), json.dumps(own[0]).encode()
             )
-        processes.barrier(f"{barrier_prefix}/written")
-        if processes.index == 0:
-            manifests = [manifest] + [
-                json.loads((temp / _manifest_name(p)).read_bytes())
-                for p in range(1, processes.count)
-            ]
-            _write_index(temp, step, shot, metadata, manifests, processes.count, chunk_bytes)
-            for p in range(1, processes.count):
-                os.unlink(temp / _manifest_name(p))
-            folders.commit(temp, final)
-            folders.retain(directory, keep, step)
-    except BaseException:
-        if processes.count == 1:
-            try:
-                folders.remove(temp)
-            except OSError:
-                pass  # the next save cleans it
-        raise
-    processes.barrier(f"{barrier_prefix}/committed")
+
+    def commit():
+        manifests = own + [
+            json.loads((temp / manifest_name(p)).read_bytes()) for p in range(1, processes.count)
+        ]
+        text = index_text(
+            f"{temp / INDEX_NAME}", step, shot, metadata, manifests, processes.count, chunk_bytes
+        )
+        folders.write_durably(temp / INDEX_NAME, text)
+        for p in range(1, processes.count):
+            os.unlink(temp / manifest_name(p))
+        folders.commit(temp, final)
+
+    write_together(
+        processes,
+        barrier_prefix,
+        step,
+        prepare=prepare,
+        write_own=write_own,
+        commit=commit,
+        retain=lambda: folders.retain(directory, keep, step),
+        discard=lambda: folders.remove(temp),
+    )
 
 
-def write_remote_step(
-    directory: "RemoteDirectory",
-    step: int,
-    shot: Snapshot,
-    metadata: dict,
-    processes: Processes,
-    keep: int | None,
-    chunk_bytes: int,
-    barrier_prefix: str,
-) -> None:
-    """Write `shot` as step `step` of a directory on object storage, which has no rename: every
-    process uploads its file straight into `step_N/`, and process 0 uploads `index.json` last, once
-    all the files are in. The index's existence is what makes the step complete, so a writer killed
-    at any point leaves an index-less folder that readers skip and the next save removes."""
-    if processes.index == 0:
-        directory.clear_for_save(step)
-    processes.barrier(f"{barrier_prefix}/ready")
-    try:
-        file_name = process_file_name(processes.index)
-        with directory.upload(step, file_name) as file:
-            written, size = npz.write_stream(
-                file, _members(shot), chunk_bytes, after_member=after_member_hook
-            )
-        manifest = _manifest(shot, file_name, written, size)
-        if processes.count > 1 and processes.index != 0:
-            directory.put(step, _manifest_name(processes.index), json.dumps(manifest).encode())
-        processes.barrier(f"{barrier_prefix}/written")
-        if processes.index == 0:
-            others = [_manifest_name(p) for p in range(1, processes.count)]
-            manifests = [manifest] + [json.loads(directory.get(step, name)) for name in others]
-            text = _index_text(
-                directory.url_of(step, INDEX_NAME),
-                step,
-                shot,
-                metadata,
-                manifests,
-                processes.count,
-                chunk_bytes,
-            )
-            directory.delete(step, others)  # before the commit: a complete step holds no manifest
-            directory.put(step, INDEX_NAME, text)  # the commit
-            directory.retain(keep, step)
-    except BaseException:
-        if processes.count == 1:
-            try:
-                directory.remove_step(step)
-            except Exception:
-                pass  # the next save removes it
-        raise
-    processes.barrier(f"{barrier_prefix}/committed")
-
-
-def _members(shot: Snapshot) -> list[tuple[str, np.ndarray]]:
+def members(shot: Snapshot) -> list[tuple[str, np.ndarray]]:
     """(member name, data) of each piece of this process's file."""
     per_array: dict[int, int] = {}
     members = []
@@ -274,7 +287,7 @@ def _members(shot: Snapshot) -> list[tuple[str, np.ndarray]]:
     return members
 
 
-def _manifest(shot: Snapshot, file_name: str, written: list, size: int) -> dict:
+def manifest(shot: Snapshot, file_name: str, written: list, size: int) -> dict:
     """What process 0 needs to index this process's file: its name, size and piece records."""
     return {
         "file": file_name,
@@ -297,14 +310,7 @@ def _manifest(shot: Snapshot, file_name: str, written: list, size: int) -> dict:
     }
 
 
-def _write_index(temp, step, shot, metadata, manifests, process_count, chunk_bytes) -> None:
-    text = _index_text(
-        f"{temp / INDEX_NAME}", step, shot, metadata, manifests, process_count, chunk_bytes
-    )
-    folders.write_durably(temp / INDEX_NAME, text)
-
-
-def _index_text(where, step, shot, metadata, manifests, process_count, chunk_bytes) -> bytes:
+def index_text(where, step, shot, metadata, manifests, process_count, chunk_bytes) -> bytes:
     """The index of a step from every process's manifest, checked as a reader checks it."""
     pieces: dict[int, list[Piece]] = {number: [] for number in range(len(shot.paths))}
     for manifest in manifests:
@@ -347,5 +353,6 @@ def _index_text(where, step, shot, metadata, manifests, process_count, chunk_byt
 
 
 def barrier_prefix(directory: Path, save_number: int, step: int) -> str:
-    """A barrier name every process computes alike for the same save of the same directory."""
+    """The prefix of a save's meeting names, which every process computes alike for the same save
+    of the same directory."""
     return f"dew-checkpoint/{zlib.crc32(str(directory).encode()):08x}/{save_number}/step-{step}"

@@ -8,7 +8,10 @@ Process ``i`` gets ``DEW_COORDINATOR_ADDRESS``, ``DEW_NUM_PROCESSES``, ``DEW_PRO
 ``prepare_process(multi_host=True)`` reads. Every line a process prints comes out prefixed with its
 rank, ``[i] ``: its stdout on stdout, its stderr on stderr. When a process exits non-zero or is
 killed, the others are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and ``dew launch``
-exits non-zero. Ctrl-C (SIGINT) and SIGTERM are passed on to every process.
+exits non-zero. Ctrl-C (SIGINT) and SIGTERM are passed on to every process. After SIGTERM (what a
+scheduler sends before it kills), the processes still running ``--grace`` seconds later get SIGKILL,
+so ``dew launch`` exits ``128 + SIGTERM`` (143) within about ``--grace`` seconds and leaves none
+behind. After Ctrl-C it waits for them; a second signal kills them at once.
 
 Nothing here imports JAX: the launcher only starts and watches processes.
 """
@@ -87,7 +90,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_GRACE_S,
         metavar="S",
-        help=f"seconds between SIGTERM and SIGKILL when stopping (default {DEFAULT_GRACE_S:g})",
+        help="seconds between SIGTERM and SIGKILL when stopping the processes, after a failure "
+        f"or a SIGTERM to dew launch (default {DEFAULT_GRACE_S:g})",
     )
     parser.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND...")
     parser.set_defaults(run=launch_command)
@@ -173,7 +177,11 @@ def _leave_signals_to_the_main_thread() -> None:
 
 
 class Launch:
-    """The processes of one run: started together, their output prefixed, stopped together."""
+    """The processes of one run: started together, their output prefixed, stopped together.
+
+    A stop has a deadline: once a process has failed (the others get SIGTERM) or dew launch got
+    SIGTERM (passed on), every process still running ``grace`` seconds later gets SIGKILL. After
+    SIGINT there is no deadline until a process fails; a second signal kills at once."""
 
     def __init__(self, commands: list[list[str]], environments: list[dict], grace: float):
         self.commands = commands
@@ -184,6 +192,11 @@ class Launch:
         self.write_lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self.interrupted: int | None = None
+        # When the processes still running get SIGKILL (time.monotonic()), and what started the
+        # clock, for the message; None: no stop under way.
+        self.kill_at: float | None = None
+        self.stopped_by = ""
+        self.killed = False
 
     def _pump(self, rank: int, stream, out) -> None:
         _leave_signals_to_the_main_thread()
@@ -208,12 +221,36 @@ class Launch:
                 except (ProcessLookupError, PermissionError):
                     pass
 
+    def _start_clock(self, stopped_by: str) -> None:
+        """Starts the ``grace`` seconds after which the processes still running get SIGKILL
+        (unless a stop already started them: the earliest deadline stands)."""
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + self.grace
+            self.stopped_by = stopped_by
+
+    def _kill_when_due(self) -> None:
+        """SIGKILL to every process still running, once the stop's deadline has passed."""
+        if self.killed or self.kill_at is None or time.monotonic() < self.kill_at:
+            return
+        self.killed = True
+        for rank, process in enumerate(self.processes):
+            if process.returncode is None:  # set by its watcher thread once it has ended
+                self._message(
+                    f"process {rank} still runs {self.grace:g} s after {self.stopped_by}; killing"
+                )
+        self._signal_running(signal.SIGKILL)
+
     def _on_signal(self, signum, frame) -> None:
         if self.interrupted is not None:  # a second Ctrl-C: no more waiting
+            self.killed = True
             self._signal_running(signal.SIGKILL)
             return
         self.interrupted = signum
         self._signal_running(signum)
+        if signum == signal.SIGTERM:
+            # A scheduler's SIGTERM is followed by its SIGKILL, which would reach dew launch alone
+            # (each process has its own session) and orphan them: they must be gone before.
+            self._start_clock(signal.Signals(signum).name)
 
     def start(self) -> None:
         for rank, (command, env) in enumerate(zip(self.commands, self.environments)):
@@ -234,33 +271,27 @@ class Launch:
                 self.threads.append(thread)
             threading.Thread(target=self._watch, args=(rank, process), daemon=True).start()
 
-    def _wait_for(self, process: subprocess.Popen, seconds: float | None) -> bool:
-        """Waits up to ``seconds`` (``None``: for ever) for ``process`` to end; ``True`` when it
-        has. Wakes every 0.2 s: a signal may be delivered to another thread, and its Python
-        handler runs only when the main thread next runs."""
-        deadline = None if seconds is None else time.monotonic() + seconds
-        while True:
-            step = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
-            if step <= 0:
-                return process.poll() is not None
-            try:
-                process.wait(timeout=step)
-                return True
-            except subprocess.TimeoutExpired:
-                pass
+    def _tick(self) -> float:
+        """How long the main thread may block before it must look again: at most 0.2 s (a signal
+        delivered while another thread runs has its Python handler run only when the main thread
+        next does), and no later than the stop's deadline."""
+        if self.kill_at is None or self.killed:
+            return 0.2
+        return min(0.2, max(0.0, self.kill_at - time.monotonic()))
 
-    def stop(self, signum: int | None = signal.SIGTERM) -> None:
-        """Sends ``signum`` to every running process (``None``: they have a signal already), then
-        SIGKILL to those still running ``grace`` seconds later."""
-        if signum is not None:
-            self._signal_running(signum)
-        deadline = time.monotonic() + self.grace
-        for rank, process in enumerate(self.processes):
-            if not self._wait_for(process, max(0.0, deadline - time.monotonic())):
-                self._message(f"process {rank} still runs {self.grace:g} s after the stop; killing")
-                self._signal_running(signal.SIGKILL)
+    def stop(self) -> None:
+        """Sends SIGTERM to every running process, then SIGKILL to those still running ``grace``
+        seconds later; returns once all have ended."""
+        self._signal_running(signal.SIGTERM)
+        self._start_clock("the stop")
         for process in self.processes:
-            self._wait_for(process, None)
+            while True:
+                self._kill_when_due()
+                try:
+                    process.wait(timeout=self._tick())
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
 
     def _message(self, text: str) -> None:
         with self.write_lock:
@@ -268,14 +299,17 @@ class Launch:
 
     def wait(self) -> int:
         """Waits for every process; stops the rest at the first failure. Returns the exit code:
-        0 when all succeeded, ``128 + signal`` after a forwarded signal, else the first failure's
-        code (``128 + signal`` for a process killed by a signal)."""
+        0 when all succeeded, ``128 + signal`` after a forwarded signal (143 after SIGTERM, also
+        when the processes had to be killed), else the first failure's code (``128 + signal``
+        for a process killed by a signal)."""
         failure = None
         remaining = len(self.processes)
         while remaining:
+            self._kill_when_due()
             try:
-                # A timeout, so that the signal handler runs promptly in this (the main) thread.
-                rank, code = self.exits.get(timeout=0.5)
+                # A timeout, so that the signal handler and the SIGKILL deadline run promptly in
+                # this (the main) thread.
+                rank, code = self.exits.get(timeout=self._tick())
             except queue.Empty:
                 continue
             remaining -= 1
@@ -285,11 +319,13 @@ class Launch:
                     self._message(f"process {rank} {_describe_exit(code)}")
                 elif self.interrupted is None:
                     self._message(f"process {rank} {_describe_exit(code)}; stopping the others")
-                    self.stop()
+                    self._signal_running(signal.SIGTERM)
+                    self._start_clock("the stop")
                 else:
                     # The others got the forwarded signal too: no SIGTERM on top of it, the
-                    # grace period to finish handling it, then SIGKILL.
-                    self.stop(signum=None)
+                    # grace period to finish handling it (if SIGTERM has not started it), then
+                    # SIGKILL.
+                    self._start_clock("the stop")
         for thread in self.threads:
             thread.join(timeout=5.0)  # an orphan holding a pipe must not hold the launcher
         if self.interrupted is not None:

@@ -7,10 +7,11 @@
     dew-tpu delete my-slice --zone us-east5-a
 
 Each subcommand runs one or two ``gcloud`` commands and prints them first; ``--dry-run`` prints them
-without running anything. ``setup``, ``train`` and ``logs`` act on every worker of the slice
-(``--worker=all``) unless told one. On the workers, ``prepare_process(multi_host=True)`` finds the
-slice by itself (JAX's TPU cluster detection), so ``train`` runs the command as it is given, on
-every worker at once, detached (``nohup``), its output in a log file in each worker's home folder.
+without running anything. ``setup`` and ``train`` always act on every worker of the slice
+(``--worker=all``: a run needs all of them); ``logs`` reads every worker's log, or one worker's with
+``--worker K``. On the workers, ``prepare_process(multi_host=True)`` finds the slice by itself
+(JAX's TPU cluster detection), so ``train`` runs the command as it is given, on every worker at
+once, detached (``nohup``), its output in a log file in each worker's home folder.
 """
 
 from __future__ import annotations
