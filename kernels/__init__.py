@@ -4,8 +4,8 @@
   interpret=None) -> out`: blockwise softmax attention, forward and backward in Pallas.
 - `flash_attention_forward(q, k, v, *, <same>) -> (out, lse)`: the same, with each query row's
   natural-log log-sum-exp of its logits (float32 [batch, heads, q_len]); differentiable.
-- `flash_attention_backward(q, k, v, out, lse, d_out, *, <same>) -> (dq, dk, dv)`: the backward
-  kernels alone.
+- `flash_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, <same>) -> (dq, dk, dv)`:
+  the backward kernels alone, for the cotangents of out and (optionally) lse.
 """
 
 from .attention import flash_attention, flash_attention_backward, flash_attention_forward

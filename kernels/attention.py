@@ -1,5 +1,5 @@
 """The public entry points: `flash_attention` (out), `flash_attention_forward` (out and the
-log-sum-exp) and `flash_attention_backward` (dq, dk, dv from out, lse and the output's cotangent).
+log-sum-exp) and `flash_attention_backward` (dq, dk, dv from out, lse and their cotangents).
 Each checks its inputs, picks the target and block sizes and pads lengths to whole blocks; the
 first two tie the forward and backward kernels with `jax.custom_vjp`, the third runs the backward
 kernels alone (for a ring attention that merges blocks and writes its own backward).
@@ -298,6 +298,7 @@ def flash_attention_backward(
     out,
     lse,
     d_out,
+    d_lse=None,
     *,
     causal: bool = True,
     sm_scale: float | None = None,
@@ -305,18 +306,25 @@ def flash_attention_backward(
     block_k: int | None = None,
     interpret: bool | None = None,
 ):
-    """The backward kernels of `flash_attention`: ``(dq, dk, dv)`` for the cotangent ``d_out``.
+    """The backward kernels of `flash_attention_forward`: ``(dq, dk, dv)`` for the cotangents
+    ``d_out`` of ``out`` and ``d_lse`` of ``lse``.
 
     Args:
       q, k, v: the forward's inputs; causal, sm_scale, block_q, block_k, interpret: its arguments.
       out: ``[batch, q_len, heads, head_dim]``, q's dtype: the attention output.
       lse: float32 ``[batch, heads, q_len]``, natural log, ``-inf`` for rows that see no key.
       d_out: like ``out``: the cotangent of ``out``.
+      d_lse: None (no cotangent on ``lse``, the same as zeros), or float32
+        ``[batch, heads, q_len]``: the cotangent of the natural-log ``lse``. Its (finite) value
+        on a row that sees no key is ignored (that row's probabilities are all 0).
 
     ``out`` and ``lse`` need not come from this call's keys: the probabilities are recomputed as
-    ``exp(sm_scale * q . k - lse)`` and ``delta = rowsum(d_out * out)``, so given the merged
-    ``out`` and ``lse`` of attention over several blocks of keys, a call on one block returns
-    that block's share of ``dq`` and its ``dk``, ``dv`` (ring attention's backward).
+    ``p = exp(sm_scale * q . k - lse)`` and the logits' gradient as ``ds = p * (d_out . v -
+    delta)`` with ``delta = rowsum(d_out * out) - d_lse`` (``d lse / d logit = p``), computed once
+    in float32 for both kernels. So given the merged ``out`` and ``lse`` of attention over
+    several blocks of keys and their cotangents, a call on one block returns that block's share of
+    ``dq`` and its ``dk``, ``dv`` (ring attention's backward), ``d_lse``'s part included, in one
+    pass of the two kernels.
 
     Returns:
       ``(dq, dk, dv)``, each with its input's shape and dtype.
@@ -331,18 +339,23 @@ def flash_attention_backward(
         block_k=block_k,
         interpret=interpret,
     )
-    _check_residuals(q, out, lse, d_out)
-    return _padded_backward(q, k, v, out, lse, d_out, config=config)
+    _check_residuals(q, out, lse, d_out, d_lse)
+    return _padded_backward(q, k, v, out, lse, d_out, d_lse, config=config)
 
 
-def _check_residuals(q, out, lse, d_out) -> None:
+def _check_residuals(q, out, lse, d_out, d_lse) -> None:
     batch, q_len, heads, _ = q.shape
+    rows = ((batch, heads, q_len), np.dtype(jnp.float32))
     want = {
         "out": (tuple(q.shape), np.dtype(q.dtype)),
         "d_out": (tuple(q.shape), np.dtype(q.dtype)),
-        "lse": ((batch, heads, q_len), np.dtype(jnp.float32)),
+        "lse": rows,
+        "d_lse": rows,
     }
-    for name, x in (("out", out), ("lse", lse), ("d_out", d_out)):
+    given = [("out", out), ("lse", lse), ("d_out", d_out)]
+    if d_lse is not None:
+        given.append(("d_lse", d_lse))
+    for name, x in given:
         shape, dtype = want[name]
         got = (tuple(x.shape), np.dtype(x.dtype))
         if got != (shape, dtype):
@@ -467,14 +480,16 @@ def _padded_forward(q, k, v, *, config: _Config):
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _padded_backward(q, k, v, o, lse, do, *, config: _Config):
+def _padded_backward(q, k, v, o, lse, do, d_lse, *, config: _Config):
     tiling = config.tiling
-    q, k, v, o, lse, do = match_varying(q, k, v, o, lse, do)
-    lse2 = _base2_lse(lse)
-    if tiling.q_padded != tiling.q_len:
-        # Padded query rows get lse = +inf: p = exp2(s - inf) = 0, they add nothing to dk, dv.
-        pad = (0, tiling.q_padded - tiling.q_len, 0)
-        lse2 = lax.pad(lse2, jnp.array(jnp.inf, lse2.dtype), ((0, 0, 0), (0, 0, 0), pad))
+    if d_lse is None:
+        q, k, v, o, lse, do = match_varying(q, k, v, o, lse, do)
+    else:
+        q, k, v, o, lse, do, d_lse = match_varying(q, k, v, o, lse, do, d_lse)
+        # Padded query rows: p = 0 there whatever d_lse is; zeros keep delta finite.
+        d_lse = _pad_row_stats(d_lse, tiling, 0.0)
+    # Padded query rows get lse = +inf: p = exp2(s - inf) = 0, they add nothing to dk, dv.
+    lse2 = _pad_row_stats(_base2_lse(lse), tiling, jnp.inf)
     dq, dk, dv = _run_backward(
         _pad_rows(q, tiling.q_padded),
         _pad_rows(k, tiling.kv_padded),
@@ -483,5 +498,15 @@ def _padded_backward(q, k, v, o, lse, do, *, config: _Config):
         lse2,
         _pad_rows(do, tiling.q_padded),
         config,
+        d_lse=d_lse,
     )
     return dq[:, : tiling.q_len], dk[:, : tiling.kv_len], dv[:, : tiling.kv_len]
+
+
+def _pad_row_stats(x, tiling: Tiling, fill: float):
+    """Per-row statistics ``[batch, heads, q_len]`` -> ``[batch, heads, q_padded]``, the padded
+    rows set to ``fill``."""
+    if tiling.q_padded == tiling.q_len:
+        return x
+    pad = (0, tiling.q_padded - tiling.q_len, 0)
+    return lax.pad(x, jnp.array(fill, x.dtype), ((0, 0, 0), (0, 0, 0), pad))

@@ -2,8 +2,9 @@
 
 With base-2 logits ``s = (q . k) * sm_scale * log2(e)`` and the forward's ``lse``, the softmax is
 recomputed blockwise as ``p = exp2(s - lse)`` (no second online pass needed). With
-``delta = rowsum(dO * O)`` (computed once, outside the kernels) the gradient of the natural-log
-logits is ``ds = p * (dO . v - delta)``, and
+``delta = rowsum(dO * O) - d_lse`` (computed once in float32, outside the kernels, and read by
+both; ``d_lse`` is the cotangent of the natural-log lse, zero when there is none) the gradient of
+the natural-log logits is ``ds = p * (dO . v - delta)``, and
 
     dq = sm_scale * ds @ k        (one program per query block: loops over key blocks)
     dk = sm_scale * ds^T @ q      (one program per key block: loops over query blocks,
@@ -136,8 +137,10 @@ def backward(
     q, o, do: [batch, q_padded, heads, head_dim]; k, v: [batch, kv_padded, kv_heads, head_dim];
     lse: float32 [batch, heads, q_padded] (base 2, as the forward saves it). Padded query rows must
     carry do = 0 (they do: the cotangent of the slice that drops them is zero there).
-    d_lse: None, or float32 [batch, heads, q_padded], the cotangent of the natural-log lse. Since
-    d lse / d s = p, it adds p * d_lse to ds, which is ``delta - d_lse`` in place of ``delta``.
+    d_lse: None, or float32 [batch, heads, q_padded], the cotangent of the natural-log lse (0 on
+    padded rows). Since d lse / d s = p for the natural-log logits s, it adds p * d_lse to ds,
+    which is ``delta - d_lse`` in place of ``delta``: no base-2 factor, because ds is the
+    gradient of the natural-log logits whatever base the kernels exponentiate in.
     """
     batch, q_padded, heads, head_dim = q.shape
     kv_padded, kv_heads = k.shape[1], k.shape[2]

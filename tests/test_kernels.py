@@ -8,6 +8,7 @@ the full cross product. The GPU path is checked by lowering the kernels to Trito
 machine.
 """
 
+import functools
 import re
 
 import jax
@@ -19,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import dew.kernels.attention as attention_module
 from dew._jax_compat import has_triton_compiler, pallas_triton_lowering
-from dew.kernels import flash_attention
+from dew.kernels import flash_attention, flash_attention_backward, flash_attention_forward
 from dew.kernels.attention import check_inputs, choose_target
 from dew.kernels.tiling import Tiling
 
@@ -31,6 +32,13 @@ NO_TRITON_COMPILER = "Platform CUDA does not have a Triton compilation handler"
 def reference_attention(q, k, v, *, causal, sm_scale):
     """Plain softmax attention (call under float64). Bottom-right causal alignment; a row that
     sees no key outputs zeros (and so gets zero gradients)."""
+    return reference_attention_with_lse(q, k, v, causal=causal, sm_scale=sm_scale)[0]
+
+
+def reference_attention_with_lse(q, k, v, *, causal, sm_scale):
+    """``(out, lse)`` of `reference_attention`: lse ``[batch, heads, q_len]`` is the natural log
+    of each row's sum of ``exp(logits)``, ``-inf`` (with zero gradients) for a row that sees no
+    key."""
     q_len, heads = q.shape[1], q.shape[2]
     kv_len, kv_heads = k.shape[1], k.shape[2]
     k = jnp.repeat(k, heads // kv_heads, axis=2)
@@ -43,8 +51,10 @@ def reference_attention(q, k, v, *, causal, sm_scale):
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     total = jnp.sum(weights, axis=-1, keepdims=True)
-    weights = weights / jnp.where(total == 0, 1.0, total)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    safe_total = jnp.where(total == 0, 1.0, total)
+    weights = weights / safe_total
+    lse = jnp.where(total == 0, -jnp.inf, row_max + jnp.log(safe_total))
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v), lse[..., 0]
 
 
 def random_inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype):
@@ -262,6 +272,149 @@ def test_rows_that_see_no_key_give_zeros_not_nan(seed, dtype):
     assert_close(out, want_out, dtype, f"output (seed {seed})")
     for name, got, want in zip("qkv", (dq, dk, dv), want_grads):
         assert_close(got, want, dtype, f"d{name} (seed {seed})")
+
+
+# ---- the cotangent of lse ------------------------------------------------------------------
+
+
+def random_d_lse(rng, q):
+    """A random float32 cotangent of lse, ``[batch, heads, q_len]`` for q's shape."""
+    batch, q_len, heads, _ = q.shape
+    return jnp.asarray(rng.standard_normal((batch, heads, q_len)), jnp.float32)
+
+
+def reference_with_lse_vjp(q, k, v, do, d_lse, *, causal, sm_scale):
+    """``(out, lse, (dq, dk, dv))`` of the float64 reference for the cotangents ``(do, d_lse)``,
+    as float64 numpy."""
+    with jax.enable_x64(True):
+        as64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do, d_lse)]
+
+        def reference(q, k, v, do, d_lse):
+            attend = functools.partial(
+                reference_attention_with_lse, causal=causal, sm_scale=sm_scale
+            )
+            (out, lse), vjp = jax.vjp(attend, q, k, v)
+            return out, lse, vjp((do, d_lse))
+
+        want = run_fast_compiled(reference, *as64)
+        return jax.tree.map(lambda x: np.asarray(x, np.float64), want)
+
+
+def as_float64(tree):
+    return jax.tree.map(lambda x: np.asarray(x.astype(jnp.float32), np.float64), tree)
+
+
+def assert_lse_close(got, want, what):
+    """-inf exactly where the reference has it (rows that see no key), close elsewhere."""
+    empty = want == -np.inf
+    assert np.array_equal(got == -np.inf, empty), f"{what}: -inf rows differ"
+    assert_close(got[~empty], want[~empty], jnp.float32, what)
+
+
+LSE_CASES = [
+    # batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, blocks
+    pytest.param(
+        1, 72, 72, 8, 2, 32, True, jnp.float32, {"block_q": 32, "block_k": 16}, id="len72-causal"
+    ),
+    pytest.param(
+        2, 40, 17, 4, 2, 16, True, jnp.float32, {"block_q": 16, "block_k": 16}, id="q40-kv17-empty"
+    ),
+    pytest.param(
+        1, 24, 56, 4, 2, 32, False, jnp.float32, {"block_q": 16, "block_k": 32}, id="q24-kv56-full"
+    ),
+    pytest.param(1, 72, 72, 8, 2, 32, True, jnp.bfloat16, {}, id="len72-causal-bf16"),
+]
+
+
+@pytest.mark.parametrize(
+    "batch,q_len,kv_len,heads,kv_heads,head_dim,causal,dtype,blocks", LSE_CASES
+)
+def test_gradient_through_lse_matches_float64_reference(
+    seed, batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, blocks
+):
+    # jax.vjp of flash_attention_forward with random cotangents on both out and lse: the
+    # custom_vjp's backward feeds d_lse to the kernels (delta - d_lse). Every case pads the rows
+    # to whole blocks and groups query heads; q40-kv17 has rows that see no key, whose d_lse must
+    # add nothing (the reference's lse is -inf there, with zero gradient).
+    rng = np.random.default_rng(seed)
+    q, k, v, do = random_inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype)
+    d_lse = random_d_lse(rng, q)
+
+    def kernel(q, k, v, do, d_lse):
+        attend = functools.partial(flash_attention_forward, causal=causal, **blocks)
+        (out, lse), vjp = jax.vjp(attend, q, k, v)
+        return out, lse, vjp((do, d_lse))
+
+    out, lse, grads = as_float64(run_fast_compiled(kernel, q, k, v, do, d_lse))
+    sm_scale = 1.0 / np.sqrt(head_dim)
+    want_out, want_lse, want_grads = reference_with_lse_vjp(
+        q, k, v, do, d_lse, causal=causal, sm_scale=sm_scale
+    )
+    assert_close(out, want_out, dtype, f"output (seed {seed})")
+    assert_lse_close(lse, want_lse, f"lse (seed {seed})")
+    for name, got, want in zip("qkv", grads, want_grads):
+        assert_close(got, want, dtype, f"d{name} (seed {seed})")
+
+
+@pytest.mark.parametrize(
+    "dtype,causal,split",
+    [
+        pytest.param(jnp.float32, True, None, id="causal-whole"),
+        pytest.param(jnp.bfloat16, True, None, id="causal-whole-bf16"),
+        pytest.param(jnp.float32, False, 24, id="full-two-key-blocks"),
+    ],
+)
+def test_backward_takes_the_cotangent_of_lse(seed, dtype, causal, split):
+    # flash_attention_backward(..., d_lse) on out and lse from flash_attention_forward equals the
+    # reference's vjp for (d_out, d_lse). With `split`, the keys are cut in two (24 and 32 rows,
+    # each padded to its blocks) and each call gets the merged out and lse of all keys, as a ring
+    # attention's block backward does: the dq shares sum, and dk, dv concatenate, to the whole.
+    # q_len 40 and kv_len 56 are not multiples of the 16-row blocks; 4 query heads over 2.
+    rng = np.random.default_rng(seed)
+    q, k, v, do = random_inputs(rng, 1, 40, 56, 4, 2, 32, dtype)
+    d_lse = random_d_lse(rng, q)
+    blocks = dict(causal=causal, block_q=16, block_k=16)
+
+    def kernel(q, k, v, do, d_lse):
+        out, lse = flash_attention_forward(q, k, v, **blocks)
+        if split is None:
+            return flash_attention_backward(q, k, v, out, lse, do, d_lse, **blocks)
+        parts = [
+            flash_attention_backward(q, k[:, keys], v[:, keys], out, lse, do, d_lse, **blocks)
+            for keys in (slice(None, split), slice(split, None))
+        ]
+        (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = parts
+        # Summed in float32: each share is rounded to q's dtype already.
+        dq = dq_a.astype(jnp.float32) + dq_b.astype(jnp.float32)
+        return dq, jnp.concatenate([dk_a, dk_b], 1), jnp.concatenate([dv_a, dv_b], 1)
+
+    grads = run_fast_compiled(kernel, q, k, v, do, d_lse)
+    for x, like in zip(grads, (q, k, v)):
+        assert x.shape == like.shape, (x.shape, like.shape)
+    _, _, want_grads = reference_with_lse_vjp(
+        q, k, v, do, d_lse, causal=causal, sm_scale=1.0 / np.sqrt(32)
+    )
+    for name, got, want in zip("qkv", as_float64(grads), want_grads):
+        assert_close(got, want, dtype, f"d{name} (seed {seed})")
+
+
+def test_backward_without_d_lse_is_a_zero_d_lse(seed):
+    # None skips the subtraction; zeros subtract exactly 0.0: the same bits.
+    rng = np.random.default_rng(seed)
+    q, k, v, do = random_inputs(rng, 1, 40, 40, 4, 2, 16, jnp.float32)
+    blocks = dict(causal=True, block_q=16, block_k=16)
+
+    def both(q, k, v, do):
+        out, lse = flash_attention_forward(q, k, v, **blocks)
+        zeros = jnp.zeros(lse.shape, lse.dtype)
+        return (
+            flash_attention_backward(q, k, v, out, lse, do, **blocks),
+            flash_attention_backward(q, k, v, out, lse, do, zeros, **blocks),
+        )
+
+    without, with_zeros = run_fast_compiled(both, q, k, v, do)
+    for name, a, b in zip("qkv", without, with_zeros):
+        assert np.array_equal(a, b), f"d{name} (seed {seed})"
 
 
 def test_equal_lengths_match_jax_dot_product_attention(seed):
@@ -496,6 +649,20 @@ def test_refuses_sm_scale_that_is_not_a_finite_number(monkeypatch, bad):
     message = f"sm_scale must be a finite Python number, got {bad!r}"
     with pytest.raises(ValueError, match=re.escape(message)):
         flash_attention(q, k, k, sm_scale=bad)
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [((1, 8, 4), jnp.float32), ((1, 4, 8), jnp.bfloat16), ((1, 4), jnp.float32)],
+    ids=["q_len-heads-swapped", "bfloat16", "2-d"],
+)
+def test_backward_refuses_a_d_lse_that_is_not_float32_rows(monkeypatch, shape, dtype):
+    monkeypatch.setattr(attention_module, "_padded_backward", _no_kernel)
+    q, k = jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 8, 2, 16))
+    lse = jnp.zeros((1, 4, 8))
+    message = rf"d_lse must be \(1, 4, 8\) float32 .* got {re.escape(str(shape))}"
+    with pytest.raises(ValueError, match=message):
+        flash_attention_backward(q, k, k, q, lse, q, jnp.zeros(shape, dtype), interpret=True)
 
 
 def test_refuses_head_dims_triton_cannot_take():

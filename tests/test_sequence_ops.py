@@ -152,8 +152,51 @@ def test_ring_attention_equals_one_device(seed, n, seq_len, kv_heads, with_lse):
 @pytest.mark.parametrize("with_lse", (True, False))
 def test_ring_attention_with_the_pallas_blocks_equals_one_device(seed, with_lse):
     """Interpret mode: flash_attention_forward per block, flash_attention_backward with the final
-    out and lse (plus its d_lse pass when the loss uses lse)."""
+    out and lse, taking the cotangent of lse when the loss uses it."""
     check_against_one_device("ring", 2, seed, kv_heads=2, impl="pallas", with_lse=with_lse)
+
+
+@pytest.mark.parametrize("with_lse", (True, False))
+def test_ring_pallas_backward_runs_one_kernel_pair_per_block(with_lse):
+    """The Pallas ring's backward runs one dq and one dk/dv kernel per block, the lse cotangent
+    included (``flash_attention_backward`` takes ``d_lse``; no second pass for it). Counted from
+    the jaxpr of the gradient on a sequence axis of 2, where no step is a scan: the forward and
+    the backward each visit 3 blocks (the own causal block, then two ``c x c`` pairs)."""
+    n, seq_len = 2, 32
+    shards = shards_of(n)
+
+    def body(q, k, v):
+        def loss(q, k, v):
+            out, lse = sequence.ring_attention(q, k, v, shards, "pallas")
+            return jnp.sum(out) + (jnp.sum(lse) if with_lse else 0.0)
+
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    fn = jax.shard_map(
+        body,
+        mesh=sequence_mesh(n),
+        in_specs=(POSITIONS,) * 3,
+        out_specs=(POSITIONS,) * 3,
+        check_vma=False,
+    )
+    args = [jax.ShapeDtypeStruct((ROWS, seq_len, h, HEAD_DIM), jnp.float32) for h in (4, 2, 2)]
+
+    def kernels(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn.params["name"]
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from kernels(inner)
+
+    names = list(kernels(jax.make_jaxpr(fn)(*args).jaxpr))
+    counts = {name: names.count(name) for name in sorted(set(names))}
+    blocks = 3
+    assert counts == {
+        f"dew_flash_attention_{kernel}": blocks for kernel in ("dkdv", "dq", "forward")
+    }, counts
 
 
 @pytest.mark.parametrize("n, heads, kv_heads, with_lse", [(2, 4, 2, True), (4, 8, 4, False)])
