@@ -205,7 +205,7 @@ def test_cli_writes_one_object_per_layout_and_engine(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = [
         "bench",
-        "--layouts",
+        "--mesh",
         "fsdp=8",
         "--layers",
         "1",
@@ -242,9 +242,15 @@ def test_cli_writes_one_object_per_layout_and_engine(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--layouts", "fsdp=3"], "does not divide"),
-        (["--layouts", "fdsp=8"], "is not AXIS=SIZE"),
-        (["--layouts", "fsdp=8", "fsdp=8"], "given twice"),
+        (["--mesh", "fsdp=3"], "does not divide"),
+        (["--mesh", "fdsp=8"], "is not AXIS=SIZE"),
+        (["--mesh", "fsdp=8", "fsdp=8"], "given twice"),
+        # The step options are the Trainer's to check (StepOptions.check), before compiling too.
+        (["--mesh", "stage=2,sequence=2,microbatches=2"], "cannot run inside a pipeline stage"),
+        (
+            ["--mesh", "tensor=8", "--sequence-parallel", "--seq-len", "12"],
+            "seq_len 12 does not split over tensor 8",
+        ),
         (["--batch", "12"], "does not split evenly"),
         (["--width", "30"], "does not split over num_heads"),
         (["--repeats", "0"], "repeats must be"),

@@ -2,11 +2,12 @@
 
     dew bench                                  # data=8, fsdp=8, data=2,fsdp=4; shard_map, gspmd
                                                # and the one-device row
-    dew bench --layouts fsdp=8 --json out.json
-    dew bench --layouts tensor=8 data=2,tensor=4 fsdp=2,tensor=4 --sequence-parallel
-    dew bench --layouts sequence=8 data=2,sequence=4 --sequence-schemes ring all_to_all
-    dew bench --layouts expert=8 fsdp=8 --experts 8 --experts-per-token 2
-    dew bench --layouts stage=4,microbatches=8 --pipeline-schedules 1f1b 1f1b_phased
+    dew bench --mesh fsdp=8 --json out.json
+    dew bench --mesh tensor=8 data=2,tensor=4 fsdp=2,tensor=4 --sequence-parallel
+    dew bench --mesh sequence=8 data=2,sequence=4 --sequence-scheme ring all_to_all
+    dew bench --mesh expert=8 fsdp=8 --experts 8 --experts-per-token 2
+    dew bench --mesh stage=4,microbatches=8 --pipeline-schedule 1f1b 1f1b_phased
+    dew bench --check                          # exit 1 when a target is MISSED
 
 The measurements and the targets are ``dew.benchmark``'s; this module only reads flags and prints.
 """
@@ -14,25 +15,26 @@ The measurements and the targets are ``dew.benchmark``'s; this module only reads
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
+import sys
 from pathlib import Path
 
 from dew.cli.flags import (
-    SEQUENCE_SCHEME_HELP,
     add_device_flag,
+    add_mesh_flag,
     add_min_shard_flag,
     add_model_flags,
     add_moe_flags,
+    add_pipeline_schedule_flag,
     add_seed_flag,
     add_sequence_parallel_flag,
+    add_sequence_scheme_flag,
     engine_names,
     moe_config,
-    sequence_scheme_names,
 )
 
-DEFAULT_LAYOUTS = ("data=8", "fsdp=8", "data=2,fsdp=4")
+# ``dew bench --check``'s exit status when a target is missed (2 is a refused input, as for every
+# ``dew`` command).
+TARGET_MISSED = 1
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -42,16 +44,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="compare layouts and the GSPMD baseline side by side",
         description="Trains the same model in every layout asked, with the shard_map engine and "
         "the GSPMD baseline, taking turns, and prints step time, compile time, memory and wire "
-        "bytes per device, the ratio shard_map / GSPMD of each layout (of each sequence scheme, "
-        "on a sequence axis), and the targets of docs/benchmarks.md.",
+        "bytes per device, the ratio shard_map / GSPMD of each layout (of each sequence scheme "
+        "and pipeline schedule, on a sequence or stage axis), and the targets of "
+        "docs/benchmarks.md. --sequence-parallel, --sequence-scheme and --pipeline-schedule "
+        "apply to the shard_map step on the layouts with a tensor, sequence or stage axis.",
     )
-    parser.add_argument(
-        "--layouts",
-        nargs="+",
-        default=list(DEFAULT_LAYOUTS),
-        metavar="MESH",
-        help="mesh axis sizes per layout, e.g. data=8 fsdp=8 data=2,fsdp=4 (default)",
-    )
+    add_mesh_flag(parser, several=True)
     parser.add_argument(
         "--engines",
         nargs="+",
@@ -93,32 +91,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
         default=1,
         help="untimed rounds before them (default 1: a step's first run is slower)",
     )
-    from dew.layout import Layout
-
-    add_min_shard_flag(parser, default=Layout().min_shard)
+    add_min_shard_flag(parser)
     add_sequence_parallel_flag(parser)
-    parser.add_argument(
-        "--sequence-schemes",
-        nargs="+",
-        default=["ring"],
-        choices=sequence_scheme_names(),
-        metavar="SCHEME",
-        help="on each layout with sequence > 1, one shard_map contestant per scheme, side by side "
-        "(default: ring; the GSPMD baseline runs once per layout); " + SEQUENCE_SCHEME_HELP,
-    )
-    from dew.parallel.pipeline import SCHEDULES
-
-    parser.add_argument(
-        "--pipeline-schedules",
-        nargs="+",
-        default=["1f1b"],
-        choices=list(SCHEDULES),
-        metavar="SCHEDULE",
-        help="on each layout with stage > 1 (e.g. stage=4,microbatches=8), one shard_map "
-        "contestant per schedule, side by side, each timed against the same pipeline at twice "
-        "the microbatches and batch for its measured bubble (default: 1f1b; choices: "
-        f"{', '.join(SCHEDULES)})",
-    )
+    add_sequence_scheme_flag(parser, several=True)
+    add_pipeline_schedule_flag(parser, several=True)
     parser.add_argument(
         "--depth-check",
         type=int,
@@ -135,6 +111,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="write one object per layout and engine (per sequence scheme and pipeline schedule "
         "too, for shard_map on a sequence or stage axis; and the one-device row) to FILE",
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit with status {TARGET_MISSED} when a target (not a stretch goal) is MISSED, "
+        "naming each; 0 when every target is met or none applies",
+    )
     parser.set_defaults(run=run)
     return parser
 
@@ -150,24 +132,29 @@ def _check_json_target(path: str | None) -> Path | None:
     return target
 
 
-def _write_json(target: Path, objects: list) -> None:
-    # Written beside the target and renamed over it, so an old file is never left half-replaced.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(objects, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def _header(args, size, specs) -> str:
+    import jax
+
+    variants = ""
+    if any(spec.sequence > 1 for spec in specs):
+        variants += f"sequence schemes {' '.join(args.sequence_scheme)}, "
+    if any(spec.stage > 1 for spec in specs):
+        variants += f"pipeline schedules {' '.join(args.pipeline_schedule)}, "
+    return (
+        f"dew bench: {size.layers} layers, width {size.width}, {size.heads} heads, "
+        + "".join(f"{name} {value}, " for name, value in size.moe)
+        + f"batch {size.batch} x {size.seq_len} tokens, min_shard {args.min_shard}, "
+        f"sequence_parallel {args.sequence_parallel}, {variants}"
+        f"on {jax.device_count()} {jax.devices()[0].platform} devices; "
+        f"{args.repeats} timed rounds of {args.steps} step(s)"
+        + (f" after {args.warmup} warm-up round(s)" if args.warmup else "")
+    )
 
 
 def run(args) -> int:
-    import jax
-
     from dew import benchmark
     from dew.mesh import MeshSpec
+    from dew.parallel.options import StepOptions
 
     json_target = _check_json_target(args.json)
     if args.depth_check < 0:
@@ -182,24 +169,8 @@ def run(args) -> int:
         batch=args.batch,
         moe=moe_config(args),
     )
-    specs = [MeshSpec.parse(text) for text in args.layouts]
-    schemes = (
-        f"sequence schemes {' '.join(args.sequence_schemes)}, "
-        if any(spec.sequence > 1 for spec in specs)
-        else ""
-    )
-    if any(spec.stage > 1 for spec in specs):
-        schemes += f"pipeline schedules {' '.join(args.pipeline_schedules)}, "
-    print(
-        f"dew bench: {size.layers} layers, width {size.width}, {size.heads} heads, "
-        + "".join(f"{name} {value}, " for name, value in size.moe)
-        + f"batch {size.batch} x {size.seq_len} tokens, min_shard {args.min_shard}, "
-        f"sequence_parallel {args.sequence_parallel}, {schemes}"
-        f"on {jax.device_count()} {jax.devices()[0].platform} devices; "
-        f"{args.repeats} timed rounds of {args.steps} step(s)"
-        + (f" after {args.warmup} warm-up round(s)" if args.warmup else ""),
-        flush=True,
-    )
+    specs = [MeshSpec.parse(text) for text in args.mesh]
+    print(_header(args, size, specs), flush=True)
     results = benchmark.compare(
         size,
         specs,
@@ -211,14 +182,14 @@ def run(args) -> int:
         min_shard=args.min_shard,
         seed=args.seed,
         sequence_parallel=args.sequence_parallel,
-        sequence_schemes=args.sequence_schemes,
-        pipeline_schedules=args.pipeline_schedules,
+        sequence_schemes=args.sequence_scheme,
+        pipeline_schedules=args.pipeline_schedule,
         log=lambda line: print("  " + line, flush=True),
     )
     depth = None
     if args.depth_check:
         # The fully sharded layout if one was asked (its gathers sit in the layer scan), else the
-        # first.
+        # first; with the first scheme and schedule asked, where it has the axis for them.
         spec = next((s for s in specs if s.fsdp > 1 and s.model_devices == s.fsdp), specs[0])
         depth = benchmark.compile_depth(
             size,
@@ -226,23 +197,27 @@ def run(args) -> int:
             args.depth_check,
             min_shard=args.min_shard,
             seed=args.seed,
-            sequence_parallel=args.sequence_parallel,
-            sequence_scheme=args.sequence_schemes[0],
+            options=StepOptions(
+                args.sequence_parallel, args.sequence_scheme[0], args.pipeline_schedule[0]
+            ),
         )
     print()
     print(benchmark.table(results))
     if depth is not None:
         print()
-        print(
-            f"compile time, {depth.engine} on {depth.layout}: {depth.shallow_layers} layers "
-            f"{depth.shallow_s:.2f} s, {depth.deep_layers} layers {depth.deep_s:.2f} s "
-            f"(ratio {depth.ratio:.2f})"
-        )
+        print(benchmark.depth_text(depth))
     found = benchmark.targets(results, depth)
     if found:
         print()
         print(benchmark.targets_table(found))
     if json_target is not None:
-        _write_json(json_target, [r.to_json() for r in results])
+        benchmark.write_json(json_target, results)
         print(f"\nwrote {json_target}")
+    missed = benchmark.missed(found)
+    if args.check and missed:
+        sys.stdout.flush()
+        print(f"dew bench --check: {len(missed)} target(s) MISSED:", file=sys.stderr)
+        for t in missed:
+            print(f"  {t.name}: {t.measured:.3f} > {t.limit:g}", file=sys.stderr)
+        return TARGET_MISSED
     return 0

@@ -1,0 +1,294 @@
+"""One contestant: a layout and an engine training the benchmarked model, and what it measures.
+
+A ``Contestant`` builds its ``Trainer``, state and batch (``prepare``), compiles its step
+(``compile``: the compile time, the temporary memory and the collectives), and runs steps when its
+turn comes (``run``); ``result`` turns what it measured into a ``Result``:
+
+- ``step_ms``: the median wall time of one training step, blocked until the new state and the loss
+  are ready;
+- ``compile_s``: trace, lower and compile of the step;
+- ``state_bytes_per_device``: the bytes of the train state (weights, optimizer moments, EMA, key)
+  that one device holds, the most any device holds;
+- ``temp_bytes_per_device``: the compiled step's temporary memory (``memory_analysis()``);
+- ``wire_bytes``: bytes one device sends per step, read from the compiled step's HLO by
+  ``dew.collectives.hlo_collectives`` (the same reader for every engine, so they compare byte for
+  byte); ``collectives``: the collective calls the compiled step runs.
+
+Which contestants run, and in what order, is ``dew.benchmark.rounds``'s business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dew.checks import positive_int
+from dew.collectives import hlo_collectives
+from dew.layout import Layout
+from dew.mesh import MeshSpec
+from dew.parallel import pipeline
+from dew.parallel.options import StepOptions
+from dew.training.trainer import Trainer
+
+# The engine name of the one-device row: the model and global batch on one device, a plain
+# ``jit`` with no mesh to split over (on simulated CPU devices, which share the machine's cores,
+# the compute limit).
+ONE_DEVICE = "one_device"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSize:
+    """The benchmarked decoder (``causal_transformer``, byte vocabulary) and its batch.
+
+    The default is larger than the notebook's example: 4,262,144 weights, 4096 tokens a step;
+    8 heads of 32, so that the heads, the MLP width (1024) and the vocabulary split over up to 8
+    tensor devices.
+    """
+
+    layers: int = 4
+    width: int = 256
+    heads: int = 8
+    seq_len: int = 128
+    batch: int = 32
+    vocab: int = 256
+    # A mixture of experts: ``moe`` holds ``build``'s MoE arguments (``num_experts``,
+    # ``experts_per_token``, ``moe_every``, ``capacity_factor``); empty for a dense model.
+    moe: tuple = ()
+
+    def __post_init__(self):
+        for name in ("layers", "width", "heads", "seq_len", "batch", "vocab"):
+            positive_int(f"ModelSize.{name}", getattr(self, name))
+        object.__setattr__(self, "moe", tuple(sorted(dict(self.moe).items())))
+
+    def objective(self):
+        """The ``LMObjective`` of this model (raises ``ValueError`` on sizes the model refuses)."""
+        from dew import models
+        from dew.objectives.lm import LMObjective
+
+        model = models.build(
+            "causal_transformer",
+            vocab_size=self.vocab,
+            emb_features=self.width,
+            num_layers=self.layers,
+            num_heads=self.heads,
+            max_seq_len=self.seq_len,
+            **dict(self.moe),
+        )
+        return LMObjective(model, self.seq_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One contestant's measurements (see the module docstring); a row of the table and of the
+    ``--json`` file."""
+
+    layout: str
+    engine: str
+    step_ms: float
+    compile_s: float
+    state_bytes_per_device: int
+    temp_bytes_per_device: int
+    wire_bytes: int
+    collectives: int
+    steps_timed: int
+    round_ms: tuple[float, ...] = ()  # the median step of each timed round, in round order
+    sequence_parallel: bool = False  # sequence-parallel activations were in effect
+    # The shard_map step's attention scheme over a sequence axis above 1; None elsewhere.
+    sequence_scheme: str | None = None
+    # Over a stage axis above 1: the microbatches (every engine's row), and for the shard_map
+    # step its schedule, the formula's bubble, the measured one and the 2M twin's step time
+    # (``dew.benchmark.rounds``); None elsewhere.
+    microbatches: int | None = None
+    pipeline_schedule: str | None = None
+    bubble_formula: float | None = None
+    bubble_measured: float | None = None
+    double_step_ms: float | None = None
+
+    @property
+    def name(self) -> str:
+        """The layout, and the sequence scheme and pipeline schedule where there are:
+        ``row_name``."""
+        return row_name(self.layout, self.sequence_scheme, self.pipeline_schedule)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def layout_name(mesh_shape: dict, microbatches: int | None = None) -> str:
+    """``{"data": 2, "fsdp": 4, ...}`` -> ``"data=2,fsdp=4"`` (axes of size 1 left out), and
+    ``",microbatches=M"`` after them when ``microbatches`` is given."""
+    parts = [f"{axis}={size}" for axis, size in mesh_shape.items() if size > 1]
+    if microbatches is not None:
+        parts.append(f"microbatches={microbatches}")
+    return ",".join(parts) or "data=1"
+
+
+def row_name(layout: str, sequence_scheme: str | None, pipeline_schedule: str | None = None) -> str:
+    """``("sequence=8", "all_to_all")`` -> ``"sequence=8 (all_to_all)"``, ``("stage=4,
+    microbatches=8", None, "1f1b")`` -> ``"stage=4,microbatches=8 (1f1b)"``; the layout alone when
+    both are ``None``. Tells a layout's shard_map contestants apart in the table and the
+    targets."""
+    variants = [v for v in (sequence_scheme, pipeline_schedule) if v is not None]
+    return f"{layout} ({', '.join(variants)})" if variants else layout
+
+
+def state_bytes_per_device(state) -> int:
+    """The bytes of ``state``'s arrays that one device holds: the most any device holds."""
+    per_device: dict = {}
+    for leaf in jax.tree_util.tree_leaves(state):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
+
+
+def measured_bubble(step_m: float, step_2m: float) -> float:
+    """The idle share of a pipeline step of ``M`` microbatches that took ``step_m``, when the same
+    pipeline with ``2M`` microbatches of the same size took ``step_2m``: ``2 - step_2m /
+    step_m`` (``T(M) = M c + b``: the ``M`` more microbatches cost ``M c = step_2m - step_m``,
+    the rest of ``step_m`` is the bubble and the step's fixed work). ``(S - 1) / (M + S - 1)``
+    for ``T(M) = (M + S - 1) c``."""
+    return 2.0 - step_2m / step_m
+
+
+class Contestant:
+    """One layout and engine: its trainer, compiled step, live state, batch and step times.
+
+    ``engine=ONE_DEVICE`` is the one-device row: the GSPMD step (a plain ``jit``) on a mesh of the
+    first device alone, whatever ``mesh`` says. ``options`` go to the ``Trainer`` as they are, and
+    it refuses what cannot run or take effect on ``mesh`` (``StepOptions.check``; the GSPMD engines
+    and the one-device row take only the default): ``dew.benchmark.rounds.options_for`` keeps, of
+    the options a benchmark asks for, the ones a contestant's layout has the axes for.
+
+    c = Contestant(size.objective(), size, MeshSpec(fsdp=8), "shard_map")
+    c.prepare(); c.compile()
+    seconds = c.run(steps=3)      # wall time of each step
+    result = c.result()           # after some run()s
+    """
+
+    def __init__(
+        self,
+        objective,
+        size: ModelSize,
+        mesh: MeshSpec,
+        engine: str,
+        min_shard: int = Layout().min_shard,
+        seed: int = 0,
+        options: StepOptions = StepOptions(),
+    ):
+        one_device = engine == ONE_DEVICE
+        self.trainer = Trainer(
+            objective,
+            optax.adamw(1e-3),
+            key=jax.random.key(seed),
+            mesh=MeshSpec() if one_device else mesh,
+            layout=Layout(min_shard=min_shard),
+            engine="gspmd" if one_device else engine,
+            devices=jax.devices()[:1] if one_device else None,
+            options=options,
+        )
+        self.trainer.check_batch(size.batch)
+        self.size = size
+        self.seed = seed
+        self.engine = engine
+        self.options = options
+        mesh_shape = dict(self.trainer.mesh.shape)
+        self.microbatches = self.trainer.microbatches if mesh_shape["stage"] > 1 else None
+        self.layout = layout_name(mesh_shape, self.microbatches)
+        # Contestants of one group (a mesh, whatever its microbatches) run back to back.
+        self.group = (layout_name(mesh_shape), one_device)
+        # What the row records: the Trainer took the options only where they take effect, so
+        # sequence_parallel is in effect as given; the scheme and schedule are named only where
+        # there is an axis for them.
+        shard_map = engine == "shard_map"
+        self.sequence_parallel = options.sequence_parallel
+        self.sequence_scheme = (
+            options.sequence_scheme if shard_map and mesh_shape["sequence"] > 1 else None
+        )
+        self.pipeline_schedule = (
+            options.pipeline_schedule if shard_map and mesh_shape["stage"] > 1 else None
+        )
+        self.name = row_name(self.layout, self.sequence_scheme, self.pipeline_schedule)
+        # The shard_map pipeline's twin at twice the microbatches and batch (set by
+        # ``dew.benchmark.rounds``), whose step time gives ``bubble_measured``.
+        self.twin: Contestant | None = None
+        self.times: list[float] = []
+        self.rounds: list[float] = []
+
+    def prepare(self) -> None:
+        """The live state and a fixed random batch. Its small compile also warms JAX up, which a
+        step's compile time would otherwise pay for in whichever contestant comes first."""
+        trainer, size = self.trainer, self.size
+        self.state = trainer.init_state()
+        self.state_bytes = state_bytes_per_device(self.state)
+        rows = np.random.default_rng(self.seed).integers(
+            0, size.vocab, (size.batch, size.seq_len + 1)
+        )
+        self.batch = trainer.device_batch(rows.astype(np.int32), size.batch)
+
+    def compile(self) -> None:
+        """Traces, lowers and compiles the step (timed), and reads its memory and collectives."""
+        trainer, size = self.trainer, self.size
+        began = time.perf_counter()
+        self.compiled = trainer.compiled_step(size.batch)
+        self.compile_s = time.perf_counter() - began
+        self.temp_bytes = int(self.compiled.memory_analysis().temp_size_in_bytes)
+        self.report = hlo_collectives(self.compiled, trainer.mesh)
+
+    def run(self, steps: int, record: bool = True) -> list[float]:
+        """Runs ``steps`` steps (after ``prepare`` and ``compile``); the wall time of each, in
+        seconds, also kept for ``result`` when ``record``."""
+        times = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            self.state, metrics = self.compiled(self.state, self.batch)
+            jax.block_until_ready((self.state, metrics))
+            times.append(time.perf_counter() - began)
+        loss = metrics["loss"]
+        if not np.isfinite(float(loss)):
+            raise FloatingPointError(f"{self.name} {self.engine}: the loss is {float(loss)}")
+        if record:
+            self.times.extend(times)
+            self.rounds.append(statistics.median(times))
+        return times
+
+    def result(self) -> Result:
+        if not self.times:
+            raise ValueError(f"{self.name} {self.engine}: no timed steps yet; call run() first")
+        bubble = {}
+        if self.pipeline_schedule is not None:
+            stages = self.trainer.mesh.shape["stage"]
+            count = self.microbatches * self.trainer.accumulation
+            bubble["bubble_formula"] = pipeline.bubble_formula(stages, count)
+        if self.twin is not None and self.twin.times:
+            bubble["bubble_measured"] = statistics.median(
+                measured_bubble(one, two) for one, two in zip(self.rounds, self.twin.rounds)
+            )
+            bubble["double_step_ms"] = 1e3 * statistics.median(self.twin.times)
+        return Result(
+            layout=self.layout,
+            engine=self.engine,
+            step_ms=1e3 * statistics.median(self.times),
+            compile_s=self.compile_s,
+            state_bytes_per_device=self.state_bytes,
+            temp_bytes_per_device=self.temp_bytes,
+            wire_bytes=self.report.wire_bytes(),
+            collectives=self.report.count(),
+            steps_timed=len(self.times),
+            round_ms=tuple(1e3 * t for t in self.rounds),
+            sequence_parallel=self.sequence_parallel,
+            sequence_scheme=self.sequence_scheme,
+            microbatches=self.microbatches,
+            pipeline_schedule=self.pipeline_schedule,
+            **bubble,
+        )
+
+    def release(self) -> None:
+        self.state = self.batch = self.compiled = None
