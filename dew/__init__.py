@@ -5,6 +5,7 @@ from dew.checkpoints import Checkpoints
 from dew.collectives import CollectiveReport
 from dew.layout import Layout
 from dew.mesh import AXES, MeshSpec
+from dew.parallel.options import StepOptions
 from dew.training import Trainer, TrainState
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "collectives",
     "Layout",
     "MeshSpec",
+    "StepOptions",
     "TrainState",
     "Trainer",
     "models",

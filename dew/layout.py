@@ -70,22 +70,30 @@ def path_names(path) -> tuple[str, ...]:
     return tuple(names)
 
 
-def weight_dimensions(param_specs: Any, logical_axes: Any):
-    """Every dimension of every weight: ``(where, names, spec, name, mesh_axes)``, ``where`` the
-    weight's path (``"params/layers/attn/q"``), ``names`` its logical axes, ``spec`` its
-    ``PartitionSpec``, ``name`` the dimension's logical name and ``mesh_axes`` the tuple of mesh
-    axes it is split over (``(None,)`` when whole). For the layout checks of
-    ``dew.parallel.expert`` and ``dew.parallel.pipeline``."""
+def weight_dimensions(param_specs: Any, logical_axes: Any, shapes: Any = None):
+    """Every dimension of every weight: ``(where, names, spec, name, mesh_axes, size)``.
+
+    ``where`` is the weight's path (``"params/layers/attn/q"``), ``names`` its logical axes,
+    ``spec`` its ``PartitionSpec``, ``name`` the dimension's logical name, ``mesh_axes`` the tuple
+    of mesh axes it is split over (``(None,)`` when whole) and ``size`` its length, read from
+    ``shapes`` (a tree of arrays or ``ShapeDtypeStruct`` matching ``param_specs``; ``None`` without
+    it). For the layout checks of ``dew.parallel.tensor``, ``dew.parallel.expert`` and
+    ``dew.parallel.pipeline``."""
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     axes_leaves = jax.tree_util.tree_flatten_with_path(
         logical_axes, is_leaf=lambda x: isinstance(x, tuple) and not is_spec(x)
     )[0]
     spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
-    for (path, names), spec in zip(axes_leaves, spec_leaves, strict=True):
+    if shapes is None:
+        shape_leaves = [None] * len(spec_leaves)
+    else:
+        shape_leaves = [leaf.shape for leaf in jax.tree_util.tree_leaves(shapes)]
+    for (path, names), spec, shape in zip(axes_leaves, spec_leaves, shape_leaves, strict=True):
+        where = "/".join(path_names(path))
         entries = tuple(spec) + (None,) * (len(names) - len(tuple(spec)))
-        for name, entry in zip(names, entries):
+        for dim, (name, entry) in enumerate(zip(names, entries)):
             mesh_axes = entry if isinstance(entry, tuple) else (entry,)
-            yield "/".join(path_names(path)), names, spec, name, mesh_axes
+            yield where, names, spec, name, mesh_axes, None if shape is None else shape[dim]
 
 
 def _is_axes(x) -> bool:

@@ -200,104 +200,6 @@ def test_dew_train_passes_sequence_parallel_to_the_trainer(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
-def test_dew_bench_runs_and_records_sequence_parallel(tmp_path):
-    # A one-step run of a tiny model: what is checked is what ran, not how fast.
-    out = dew(
-        "bench",
-        *("--layouts", "data=8", "tensor=2", "--engines", "shard_map", "--no-one-device"),
-        *("--depth-check", "0", "--repeats", "1", "--warmup", "0", "--sequence-parallel"),
-        *("--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "8"),
-        *("--json", "bench.json"),
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith(
-        "dew bench: 1 layers, width 32, 2 heads, batch 8 x 8 tokens, min_shard 65536, "
-        "sequence_parallel True, on 8 cpu devices;"
-    ), out.stdout
-    rows = json.loads((tmp_path / "bench.json").read_text())
-    # In effect only where there is a tensor group to split positions over.
-    assert {(r["layout"], r["sequence_parallel"]) for r in rows} == {
-        ("data=8", False),
-        ("data=4,tensor=2", True),
-    }, rows
-
-
-def test_dew_bench_runs_an_moe_model_on_expert_and_fsdp_layouts(tmp_path):
-    # A one-step run of a tiny MoE model: what is checked is what ran, not how fast.
-    out = dew(
-        "bench",
-        *("--layouts", "expert=4", "fsdp=4", "--no-one-device", "--experts", "4"),
-        *("--depth-check", "0", "--repeats", "1", "--warmup", "0", "--capacity-factor", "1.5"),
-        *("--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "8"),
-        *("--json", "bench.json"),
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith(
-        "dew bench: 1 layers, width 32, 2 heads, capacity_factor 1.5, experts_per_token 2, "
-        "moe_every 1, num_experts 4, batch 8 x 8 tokens,"
-    ), out.stdout
-    rows = json.loads((tmp_path / "bench.json").read_text())
-    assert {(r["layout"], r["engine"]) for r in rows} == {
-        (layout, engine)
-        for layout in ("data=2,expert=4", "data=2,fsdp=4")
-        for engine in ("shard_map", "gspmd")
-    }, rows
-
-
-def test_dew_bench_runs_each_pipeline_schedule_and_measures_its_bubble(tmp_path):
-    # A one-step run of a tiny model on stage 2 (data 4): what is checked is what ran and what
-    # was recorded, not how fast.
-    out = dew(
-        "bench",
-        *("--layouts", "stage=2,microbatches=2", "--no-one-device", "--depth-check", "0"),
-        *("--pipeline-schedules", "1f1b", "1f1b_phased", "--repeats", "1", "--warmup", "0"),
-        *("--layers", "2", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "8"),
-        *("--json", "bench.json"),
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "sequence_parallel False, pipeline schedules 1f1b 1f1b_phased, on 8" in out.stdout
-    assert "pipeline bubble: the idle share of a step, measured as 2 - T(2M) / T(M)" in out.stdout
-    # Each schedule's twin: twice the microbatches, twice the batch.
-    for schedule in ("1f1b", "1f1b_phased"):
-        assert f"compiled data=4,stage=2,microbatches=4 ({schedule}) (2x batch)" in out.stdout
-    rows = json.loads((tmp_path / "bench.json").read_text())
-    layout = "data=4,stage=2,microbatches=2"
-    assert {(r["layout"], r["engine"], r["pipeline_schedule"]) for r in rows} == {
-        (layout, "shard_map", "1f1b"),
-        (layout, "shard_map", "1f1b_phased"),
-        (layout, "gspmd", None),
-    }, rows
-    for r in rows:
-        assert r["microbatches"] == 2, r
-        if r["engine"] == "shard_map":
-            # Measured against the same pipeline at 4 microbatches and batch 16 (2 rows each).
-            assert r["bubble_formula"] == 1 / 3, r
-            measured = 2 - r["double_step_ms"] / r["step_ms"]  # one round of one step each
-            assert abs(r["bubble_measured"] - measured) < 1e-9, r
-        else:
-            assert r["bubble_formula"] is None and r["bubble_measured"] is None, r
-
-
-def test_dew_bench_defaults_split_over_eight_tensor_devices():
-    from dew.benchmark import ModelSize
-    from dew.cli.main import build_parser
-
-    args = build_parser().parse_args(["bench"])
-    assert (args.width, args.heads, args.sequence_parallel) == (256, 8, False)
-    size = ModelSize(
-        layers=args.layers,
-        width=args.width,
-        heads=args.heads,
-        seq_len=args.seq_len,
-        batch=args.batch,
-    )
-    # What `dew bench --layouts tensor=8 data=2,tensor=4 fsdp=2,tensor=4` needs of the model.
-    size.objective().model.check_split({"tensor": 8})
-
-
 def test_dew_collectives_sequence_scheme_picks_the_ring_or_the_all_to_all(tmp_path):
     # The example model (2 layers, width 64, 4 heads of 16) on data 2 x sequence 4: each device
     # holds 8 rows x 2c = 8 positions. Per layer the layer runs forward, forward again (remat) and
@@ -348,77 +250,87 @@ def test_dew_train_passes_the_sequence_scheme_to_the_trainer(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
-def test_dew_bench_runs_each_sequence_scheme_against_one_gspmd_row(tmp_path):
-    # A one-step run of a tiny model: what is checked is what ran, not how fast.
+def test_a_flag_that_cannot_take_effect_is_a_clear_error(tmp_path):
+    # Each would have been ignored: MoE flags on a dense model, an expert axis with no experts to
+    # split, sequence-parallel activations without a tensor group, a schedule without stages.
+    cases = [
+        (
+            ("collectives", "--capacity-factor", "0.5"),
+            "dew collectives: --capacity-factor 0.5 configures mixture-of-experts layers, which "
+            "a dense model does not have; add --experts E",
+        ),
+        (
+            ("train", "--experts-per-token", "1", "--steps", "0"),
+            "dew train: --experts-per-token 1 configures mixture-of-experts layers",
+        ),
+        (
+            ("train", "--mesh", "expert=8", "--steps", "0"),
+            "dew train: expert 8 on a dense model (num_experts=0)",
+        ),
+        (
+            ("collectives", "--mesh", "fsdp=8", "--sequence-parallel"),
+            "dew collectives: sequence_parallel=True needs a tensor axis above 1",
+        ),
+        (
+            ("train", "--pipeline-schedule", "gpipe", "--steps", "0"),
+            "dew train: pipeline_schedule='gpipe' needs a stage axis above 1",
+        ),
+    ]
+    for args, message in cases:
+        bad = dew(*args, cwd=tmp_path)
+        assert bad.returncode == 2, (args, bad.stdout, bad.stderr)
+        assert message in bad.stderr, (args, bad.stderr)
+        assert "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_dew_train_runs_a_pipeline_with_the_schedule_asked(tmp_path):
     out = dew(
-        "bench",
-        *("--layouts", "sequence=2", "--sequence-schemes", "ring", "all_to_all"),
-        *("--layers", "1", "--width", "32", "--heads", "4", "--seq-len", "16", "--batch", "8"),
-        *("--steps", "1", "--repeats", "1", "--warmup", "0", "--depth-check", "0"),
-        *("--json", "bench.json"),
+        "train",
+        *("--pipeline-schedule", "1f1b_phased", "--mesh", "stage=2,microbatches=4"),
+        *("--steps", "2", "--log-every", "1"),
         cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "sequence_parallel False, sequence schemes ring all_to_all, on 8 cpu devices" in (
-        out.stdout
-    ), out.stdout
-    rows = json.loads((tmp_path / "bench.json").read_text())
-    assert [(r["layout"], r["engine"], r["sequence_scheme"]) for r in rows] == [
-        ("data=4,sequence=2", "shard_map", "ring"),
-        ("data=4,sequence=2", "shard_map", "all_to_all"),
-        ("data=4,sequence=2", "gspmd", None),
-        ("data=1", "one_device", None),
-    ], rows
-    # Each contestant ran its own scheme: their steps send different bytes.
-    assert rows[0]["wire_bytes"] != rows[1]["wire_bytes"], rows
-    # Each scheme has its row in the table and its own targets against the one GSPMD row.
-    table = out.stdout.splitlines()
-    for scheme in ("ring", "all_to_all"):
-        name = f"data=4,sequence=2 ({scheme})"
-        assert any(line.startswith(f"{name}  ") and "shard_map" in line for line in table)
-        assert any(line.startswith(f"{name}: wire bytes gspmd / shard_map") for line in table), (
-            out.stdout
-        )
+    assert "'stage': 2} (1 process(es))" in out.stdout, out.stdout
+    losses = [float(m) for m in re.findall(r"step \d: loss (\d+\.\d+)", out.stdout)]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), out.stdout
+    # The checkpoint records the schedule that ran.
+    index = tmp_path / "runs" / "dew-train" / "checkpoints"
+    recorded = [json.loads(p.read_text()) for p in index.rglob("*.json")]
+    assert any(
+        r.get("metadata", {}).get("pipeline", {}).get("schedule") == "1f1b_phased" for r in recorded
+    ), recorded
 
 
-def test_bench_ratios_compare_each_sequence_scheme_with_the_layouts_gspmd_row():
-    from dew import benchmark
+def test_every_command_spells_and_defaults_the_shared_flags_alike():
+    from dew.cli.main import build_parser
 
-    def result(engine, round_ms, wire, scheme=None, layout="sequence=8"):
-        return benchmark.Result(
-            layout=layout,
-            engine=engine,
-            step_ms=float(sorted(round_ms)[1]),
-            compile_s=1.0,
-            state_bytes_per_device=100,
-            temp_bytes_per_device=wire,
-            wire_bytes=wire,
-            collectives=1,
-            steps_timed=3,
-            round_ms=round_ms,
-            sequence_scheme=scheme,
-        )
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    shared = (
+        "--mesh",
+        "--min-shard",
+        "--sequence-parallel",
+        "--sequence-scheme",
+        "--pipeline-schedule",
+        "--experts",
+        "--experts-per-token",
+        "--moe-every",
+        "--capacity-factor",
+        "--cpu-devices",
+    )
 
-    results = [
-        result("shard_map", (100, 200, 300), 50, "ring"),
-        result("shard_map", (300, 300, 300), 200, "all_to_all"),
-        result("gspmd", (100, 100, 100), 100),
-        result("one_device", (50, 50, 50), 0, layout="data=1"),
-    ]
-    ratios = benchmark.layout_ratios(results)
-    assert set(ratios) == {"sequence=8 (ring)", "sequence=8 (all_to_all)"}, ratios
-    assert ratios["sequence=8 (ring)"]["time_vs_gspmd"] == 2.0  # 1, 2, 3
-    assert ratios["sequence=8 (ring)"]["wire"] == 0.5
-    assert ratios["sequence=8 (all_to_all)"]["time_vs_gspmd"] == 3.0
-    assert ratios["sequence=8 (all_to_all)"]["time_vs_one_device"] == 6.0
-    assert ratios["sequence=8 (all_to_all)"]["wire"] == 2.0
-    found = {t.name: t.measured for t in benchmark.targets(results) if not t.stretch}
-    assert found["sequence=8 (ring): wire bytes gspmd / shard_map"] == 2.0
-    assert found["sequence=8 (all_to_all): wire bytes gspmd / shard_map"] == 0.5
-    table = benchmark.table(results).splitlines()
-    assert [line.split("  ")[0] for line in table[2:6]] == [
-        "sequence=8 (ring)",
-        "sequence=8 (all_to_all)",
-        "sequence=8",
-        "data=1",
-    ], table
+    def flags(command):
+        return {o: a for a in commands[command]._actions for o in a.option_strings}
+
+    train, collectives, bench = (flags(c) for c in ("train", "collectives", "bench"))
+    for flag in shared:
+        for command, actions in (("collectives", collectives), ("bench", bench)):
+            assert flag in actions, (command, flag)
+        assert collectives[flag].default == train[flag].default, flag
+        several = bench[flag].nargs == "+"
+        # bench takes several of a few, one contestant each; the default is then the same one.
+        want = [train[flag].default] if several and flag != "--mesh" else train[flag].default
+        if flag != "--mesh":
+            assert bench[flag].default == want, (flag, bench[flag].default, want)
+    assert bench["--mesh"].nargs == "+"

@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dew
+from dew.layout import weight_dimensions
 from dew.training.distributed import build_mesh
 from tests.helpers import tiny_objective
 
@@ -150,6 +151,31 @@ def test_dimension_fsdp_does_not_divide_falls_to_the_next_rule():
     assert (
         layout.spec((60, 36), ("vocab", "embed"), dict(mesh.shape)) == P()
     )  # nothing divides: whole
+
+
+def test_weight_dimensions_walks_every_dimension_once():
+    shaped = jax.ShapeDtypeStruct
+    axes = {"params": {"table": ("vocab", "embed"), "layers": {"w": ("layers", "embed", "mlp")}}}
+    w_spec = P("stage", None, ("tensor", "fsdp"))
+    specs = {"params": {"table": P("tensor"), "layers": {"w": w_spec}}}
+    shapes = {
+        "params": {
+            "table": shaped((64, 32), np.float32),
+            "layers": {"w": shaped((2, 32, 128), np.float32)},
+        }
+    }
+    got = list(weight_dimensions(specs, axes, shapes))
+    assert [(where, name, mesh_axes, size) for where, _, _, name, mesh_axes, size in got] == [
+        ("params/layers/w", "layers", ("stage",), 2),
+        ("params/layers/w", "embed", (None,), 32),
+        ("params/layers/w", "mlp", ("tensor", "fsdp"), 128),
+        ("params/table", "vocab", ("tensor",), 64),
+        ("params/table", "embed", (None,), 32),  # past the spec's end: whole
+    ]
+    assert got[0][1:3] == (("layers", "embed", "mlp"), w_spec)
+    # Without shapes: the same walk, every size None.
+    assert [d[:5] for d in weight_dimensions(specs, axes)] == [d[:5] for d in got]
+    assert {d[5] for d in weight_dimensions(specs, axes)} == {None}
 
 
 def placed_specs(tree) -> dict:

@@ -1,11 +1,11 @@
-"""Pipeline parallelism in the training step, over the ``stage`` axis: every pipelined layout
-computes what one device computes (loss, every gradient, three steps), the forward-only pipeline
+"""Pipeline parallelism in the training step, over the ``stage`` axis (the pipelined layouts'
+equivalence with one device is in tests/test_equivalence.py's table): the forward-only pipeline
 gives the one-device loss, a stage holds only its layers' state, the compiled step's temporary
 memory is flat in the number of microbatches (and GPipe's is not), the collectives over ``stage``
 are the formulas', and bad sizes are refused before compiling, naming the numbers.
 
-The reference is the plain one-device run of tests/test_equivalence.py (no mesh, no shard_map, no
-Trainer), on the module's fresh seed (tests/conftest.py; replay with ``DEW_SEED``).
+The reference is the plain one-device loss (no mesh, no shard_map, no Trainer), on the module's
+fresh seed (tests/conftest.py; replay with ``DEW_SEED``).
 """
 
 import types
@@ -24,103 +24,13 @@ from dew.collectives import collectives
 from dew.layout import path_names
 from dew.parallel import pipeline
 from dew.training.step import build_loss
-from tests.helpers import SEQ, fresh_batch, seeded_key, smooth_optimizer, tiny_objective
-from tests.test_equivalence import ROWS, STEPS, assert_matches, reference_run, sharded_run
-
-# name -> (model overrides, mesh, Trainer arguments). Meshes on 8 devices; ROWS = 32 rows a step.
-LAYOUTS = {
-    # data 4: 8 rows per device, 4 microbatches of 2 rows.
-    "stage2_m4": ({}, dew.MeshSpec(stage=2, microbatches=4), {}),
-    # data 2: 16 rows per device, 8 microbatches of 2; one layer per stage.
-    "stage4_m8": ({"num_layers": 4}, dew.MeshSpec(stage=4, microbatches=8), {}),
-    # fsdp 4 gathers inside each stage's layers; the phased schedule.
-    "stage2_fsdp4_phased": (
-        {},
-        dew.MeshSpec(stage=2, fsdp=4, microbatches=4),
-        {"pipeline_schedule": "1f1b_phased"},
-    ),
-    # data 2 x tensor 2 x stage 2, activations between blocks split over positions.
-    "data2_stage2_tensor2_sequence_parallel": (
-        {},
-        dew.MeshSpec(stage=2, tensor=2, microbatches=4),
-        {"sequence_parallel": True},
-    ),
-    # 2 accumulation microbatches x 2 pipeline microbatches: 4 through one pipeline.
-    "stage2_m2_accumulation2": ({}, dew.MeshSpec(stage=2, microbatches=2), {"accumulation": 2}),
-    # The GSPMD baseline on the same state layout (layers split over stage): it does not
-    # pipeline, XLA moves the layers as it sees fit, and it still computes what one device does.
-    "gspmd_stage2_fsdp2": ({}, dew.MeshSpec(stage=2, fsdp=2, microbatches=2), {"engine": "gspmd"}),
-    # Positions over sequence, by the all-to-all scheme (ring attention is refused with stage).
-    "data2_stage2_sequence2_all_to_all": (
-        {},
-        dew.MeshSpec(stage=2, sequence=2, microbatches=4),
-        {"sequence_scheme": "all_to_all"},
-    ),
-}
+from tests.equivalence import ROWS, layout_case
+from tests.helpers import SEQ, seeded_key, smooth_optimizer, tiny_objective
 
 
 @pytest.fixture(scope="module")
 def case(module_seed):
-    """The module's key and batches, and a cache of one-device runs per model."""
-    key = seeded_key(module_seed)
-    batches = [fresh_batch(ROWS, (module_seed, i)) for i in range(STEPS)]
-    return key, batches, {}
-
-
-def reference_for(case, overrides, objective=None):
-    key, batches, cache = case
-    name = tuple(sorted(overrides.items()))
-    if name not in cache:
-        objective = objective or tiny_objective(**overrides)
-        cache[name] = reference_run(objective, smooth_optimizer(), key, batches)
-    return cache[name]
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_pipelined_layout_matches_one_device(case, seed, name):
-    overrides, mesh, trainer_args = LAYOUTS[name]
-    key, batches, _ = case
-    reference = reference_for(case, overrides)
-    run = sharded_run(
-        tiny_objective(**overrides), smooth_optimizer(), key, batches, mesh, **trainer_args
-    )
-    assert run["step"] == STEPS
-    assert_matches(run, reference, seed)
-
-
-class MicrobatchedReference:
-    """The one-device loss of a batch cut as a pipelined step cuts it, for an MoE model (whose
-    load-balancing loss is a statistic of each microbatch, as with accumulation: docs/moe.md):
-    the batch's ``splits`` shards each give their ``k``-th run of rows to microbatch ``k``, and the
-    loss is the sum of the microbatches' loss sums over the batch's token count."""
-
-    def __init__(self, objective, splits: int, count: int):
-        self.objective, self.model, self.splits, self.count = (
-            objective,
-            objective.model,
-            splits,
-            count,
-        )
-
-    def loss(self, params, batch):
-        rows, width = batch.shape
-        per = rows // (self.splits * self.count)
-        micro = batch.reshape(self.splits, self.count, per, width).swapaxes(0, 1)
-        micro = micro.reshape(self.count, rows // self.count, width)
-        sums = jax.lax.map(lambda rows_k: self.objective.loss_sum(params, rows_k)[0], micro)
-        return jnp.sum(sums) / (rows * self.objective.seq_len)
-
-
-def test_moe_pipeline_with_an_expert_axis_matches_one_device(case, seed):
-    # data 2 x expert 2 x stage 2: the batch splits 4 ways, 8 rows per device, 4 microbatches of
-    # 2 rows. 4 layers, every second one MoE: each stage runs one dense and one MoE layer.
-    overrides = {"num_experts": 4, "experts_per_token": 2, "num_layers": 4, "moe_every": 2}
-    objective = tiny_objective(**overrides)
-    reference = reference_for(case, overrides, MicrobatchedReference(objective, splits=4, count=4))
-    key, batches, _ = case
-    mesh = dew.MeshSpec(stage=2, expert=2, microbatches=4)
-    run = sharded_run(objective, smooth_optimizer(), key, batches, mesh)
-    assert_matches(run, reference, seed)
+    return layout_case(module_seed)
 
 
 def test_forward_pipeline_gives_the_one_device_loss(case, seed):
@@ -139,7 +49,7 @@ def test_forward_pipeline_gives_the_one_device_loss(case, seed):
     placed = trainer.device_batch(batches[0], ROWS)
     want = objective.loss(jax.device_get(state.params), batches[0])
     np.testing.assert_allclose(
-        float(loss_fn(state.params, placed)), float(want), rtol=1e-5, err_msg=f"seed {seed}"
+        float(loss_fn(state.params, placed)[0]), float(want), rtol=1e-5, err_msg=f"seed {seed}"
     )
     # One ppermute of [rows / M, seq, embed] per tick: 32 rows over 2 fsdp devices, 4 microbatches.
     (row,) = [r for r in collectives(loss_fn, state.params, placed).rows if r.op == "ppermute"]
@@ -198,7 +108,7 @@ def temp_bytes(schedule: str, microbatches: int) -> int:
         jax.random.key(0),
         mesh=dew.MeshSpec(stage=2, microbatches=microbatches),
         layout=dew.Layout(min_shard=1),
-        pipeline_schedule=schedule,
+        options=dew.StepOptions(pipeline_schedule=schedule),
     )
     rows = MEMORY_ROWS * microbatches * trainer.batch_devices
     return trainer.compiled_step(rows).memory_analysis().temp_size_in_bytes
@@ -240,7 +150,7 @@ def test_stage_collectives_follow_the_formulas(schedule, dtype, accumulation):
         mesh=dew.MeshSpec(stage=stages, microbatches=microbatches),
         layout=dew.Layout(min_shard=1),
         accumulation=accumulation,
-        pipeline_schedule=schedule,
+        options=dew.StepOptions(pipeline_schedule=schedule),
     )
     report = trainer.collectives(types.SimpleNamespace(batch_size=ROWS, seq_len=SEQ))
     count = accumulation * microbatches
@@ -348,12 +258,6 @@ REFUSED = [
     ),
     (
         {},
-        dew.MeshSpec(stage=2, microbatches=2),
-        {"pipeline_schedule": "zigzag"},
-        r"unknown pipeline_schedule 'zigzag'; expected one of 1f1b, 1f1b_phased, gpipe",
-    ),
-    (
-        {},
         dew.MeshSpec(stage=2, sequence=2, microbatches=2),
         {},
         r"sequence 2 with stage 2: ring attention's ppermutes cannot run inside a pipeline "
@@ -366,6 +270,14 @@ REFUSED = [
 def test_bad_pipelines_are_refused_before_compiling(no_compiling, overrides, mesh, kwargs, match):
     with pytest.raises(ValueError, match=match):
         trainer_for(mesh, overrides, **kwargs)
+
+
+def test_an_unknown_schedule_is_refused():
+    with pytest.raises(
+        ValueError,
+        match=r"unknown pipeline_schedule 'zigzag'; expected one of 1f1b, 1f1b_phased, gpipe",
+    ):
+        dew.StepOptions(pipeline_schedule="zigzag")
 
 
 def test_a_batch_that_does_not_cut_into_microbatches_is_refused(no_compiling):
@@ -396,3 +308,46 @@ def test_the_gradient_rule_sums_whole_weights_over_stage():
     assert sum_axes(specs["layers"]["mlp"]["up"], trainer.shards) == ("data",)
     assert specs["embed_tokens"]["embedding"] == P("fsdp")
     assert sum_axes(specs["embed_tokens"]["embedding"], trainer.shards) == ("data", "stage")
+
+
+def test_a_stage4_checkpoint_restores_into_fsdp8_and_stage2_tensor2(tmp_path, seed):
+    # Every array of the state (weights and both Adam moments) filled with random numbers, so a
+    # slice restored into the wrong place, or a moment swapped for another, cannot pass as zeros.
+    def trainer(mesh):
+        return dew.Trainer(
+            tiny_objective(num_layers=4, num_heads=8),
+            optax.adam(1e-3),
+            seeded_key(seed),
+            mesh=mesh,
+            layout=dew.Layout(min_shard=1),
+            checkpoints=dew.Checkpoints(tmp_path / "ckpt"),
+        )
+
+    saver = trainer(dew.MeshSpec(stage=4, microbatches=4))
+    state = saver.init_state()
+    rng = np.random.default_rng(seed)
+
+    def randomized(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.device_put(rng.standard_normal(x.shape).astype(x.dtype), x.sharding)
+
+    state = state.replace(
+        params=jax.tree_util.tree_map(randomized, state.params),
+        opt_state=jax.tree_util.tree_map(randomized, state.opt_state),
+    )
+    saver.save(state)
+    saver.checkpoints.wait()
+    for mesh in (dew.MeshSpec(fsdp=8), dew.MeshSpec(stage=2, tensor=2, microbatches=2)):
+        target = trainer(mesh)
+        restored, shardings, _ = target.place()
+        for got, want, sharding in zip(
+            jax.tree_util.tree_leaves((restored.params, restored.opt_state)),
+            jax.tree_util.tree_leaves((state.params, state.opt_state)),
+            jax.tree_util.tree_leaves((shardings.params, shardings.opt_state)),
+            strict=True,
+        ):
+            assert got.sharding.is_equivalent_to(sharding, got.ndim), (mesh, got.sharding)
+            np.testing.assert_array_equal(
+                np.asarray(got), np.asarray(want), err_msg=f"{mesh}, seed {seed}"
+            )

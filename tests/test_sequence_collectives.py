@@ -67,8 +67,7 @@ def make_trainer(name, accumulation=1, **overrides):
         mesh=mesh,
         layout=dew.Layout(min_shard=MIN_SHARD),
         accumulation=accumulation,
-        sequence_parallel=sequence_parallel,
-        sequence_scheme=scheme,
+        options=dew.StepOptions(sequence_parallel=sequence_parallel, sequence_scheme=scheme),
     )
 
 
@@ -155,7 +154,7 @@ def positions_view(trainer):
         mesh=trainer.mesh,
         objective=objective,
         accumulation=trainer.accumulation,
-        sequence_parallel=trainer.sequence_parallel,
+        sequence_parallel=trainer.options.sequence_parallel,
     )
 
 

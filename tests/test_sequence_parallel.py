@@ -1,9 +1,9 @@
-"""The sequence axis in the training step: every layout that splits positions computes what one
-device computes, refuses what it cannot split before compiling, and holds a long context in a
-fraction of one device's memory.
+"""The sequence axis in the training step (its layouts' equivalence with one device is in
+tests/test_equivalence.py's table): evaluation gives the one-device loss, what cannot be split is
+refused before compiling, and a long context takes a fraction of one device's memory.
 
-The reference is the plain one-device run of tests/test_equivalence.py (no mesh, no shard_map, no
-Trainer), on the module's fresh seed (tests/conftest.py; replay with ``DEW_SEED``). The ring and
+The reference is the plain one-device loss (no mesh, no shard_map, no Trainer), on the module's
+fresh seed (tests/conftest.py; replay with ``DEW_SEED``). The ring and
 all-to-all functions themselves are tested against plain attention in tests/test_sequence_ops.py.
 """
 
@@ -15,59 +15,16 @@ import pytest
 import dew
 from dew.objectives.lm import LMObjective
 from dew.training.step import build_loss
-from tests.helpers import SEQ, smooth_optimizer, tiny_objective
-from tests.test_equivalence import (
+from tests.equivalence import (
     ROWS,
-    assert_matches,
-    cached_reference,
     layout_case,
-    sharded_run,
 )
-
-# name -> (model overrides, mesh, Trainer arguments)
-LAYOUTS = {
-    "sequence8": ({}, dew.MeshSpec(sequence=8), {}),
-    "data2_sequence4": ({}, dew.MeshSpec(sequence=4), {}),
-    "sequence2_tensor2_fsdp2": ({}, dew.MeshSpec(sequence=2, tensor=2, fsdp=2), {}),
-    "sequence2_tensor2_fsdp2_sequence_parallel": (
-        {},
-        dew.MeshSpec(sequence=2, tensor=2, fsdp=2),
-        {"sequence_parallel": True},
-    ),
-    "data2_sequence4_pallas": (
-        {"attention_impl": "pallas", "num_layers": 1},
-        dew.MeshSpec(sequence=4),
-        {},
-    ),
-    "data2_sequence4_kv2": ({"num_kv_heads": 2}, dew.MeshSpec(sequence=4), {}),
-    "data2_sequence4_all_to_all": ({}, dew.MeshSpec(sequence=4), {"sequence_scheme": "all_to_all"}),
-    "sequence2_fsdp4_accumulation2": ({}, dew.MeshSpec(sequence=2, fsdp=4), {"accumulation": 2}),
-    "sequence4_fsdp2_all_to_all_accumulation2": (
-        {},
-        dew.MeshSpec(sequence=4, fsdp=2),
-        {"sequence_scheme": "all_to_all", "accumulation": 2},
-    ),
-}
+from tests.helpers import SEQ, tiny_objective
 
 
 @pytest.fixture(scope="module")
 def case(module_seed):
     return layout_case(module_seed)
-
-
-def reference_for(case, overrides):
-    return cached_reference(case, tiny_objective(**overrides), tuple(sorted(overrides.items())))
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_sequence_layout_matches_one_device(case, seed, name):
-    overrides, mesh, trainer_args = LAYOUTS[name]
-    key, batches, _ = case
-    reference = reference_for(case, overrides)
-    run = sharded_run(
-        tiny_objective(**overrides), smooth_optimizer(), key, batches, mesh, **trainer_args
-    )
-    assert_matches(run, reference, seed)
 
 
 def test_validation_loss_matches_one_device(case, seed):
@@ -77,7 +34,7 @@ def test_validation_loss_matches_one_device(case, seed):
     state = trainer.init_state()
     params = jax.tree_util.tree_map(np.asarray, state.params)
     loss = build_loss(objective, trainer.mesh, trainer.shards, global_rows=ROWS)
-    got = float(loss(state.params, trainer.device_batch(batches[0], ROWS)))
+    got = float(loss(state.params, trainer.device_batch(batches[0], ROWS))[0])
     want = float(objective.loss(params, batches[0]))
     np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"seed {seed}")
 
@@ -142,12 +99,15 @@ def test_all_to_all_needs_heads_that_split_over_sequence_and_tensor():
         ValueError,
         match=r"num_heads 4 \(2 per device over tensor 2\) does not split over sequence 4",
     ):
-        trainer(mesh=dew.MeshSpec(sequence=4, tensor=2), sequence_scheme="all_to_all")
+        trainer(
+            mesh=dew.MeshSpec(sequence=4, tensor=2),
+            options=dew.StepOptions(sequence_scheme="all_to_all"),
+        )
     with pytest.raises(
         ValueError,
         match=r"num_kv_heads 2 \(2 per device over tensor 1\) does not split over sequence 4",
     ):
-        trainer({"num_kv_heads": 2}, sequence_scheme="all_to_all")
+        trainer({"num_kv_heads": 2}, options=dew.StepOptions(sequence_scheme="all_to_all"))
     # The ring takes any number of heads.
     trainer({"num_kv_heads": 2}, mesh=dew.MeshSpec(sequence=4, tensor=2))
 
@@ -156,7 +116,7 @@ def test_unknown_sequence_scheme():
     with pytest.raises(
         ValueError, match=r"unknown sequence_scheme 'ulysses'; expected one of ring, all_to_all"
     ):
-        trainer(sequence_scheme="ulysses")
+        dew.StepOptions(sequence_scheme="ulysses")
 
 
 def test_a_context_longer_than_the_model_is_refused():

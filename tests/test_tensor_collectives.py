@@ -58,7 +58,7 @@ def make_trainer(name, accumulation=1, **overrides):
         mesh=mesh,
         layout=dew.Layout(min_shard=MIN_SHARD),
         accumulation=accumulation,
-        sequence_parallel=sequence_parallel,
+        options=dew.StepOptions(sequence_parallel=sequence_parallel),
     )
 
 
@@ -98,7 +98,7 @@ def per_layer(trainer):
     backwards the other op: all_gather ``2 + 2 + 2``, psum_scatter ``2 + 1 + 2``.
     """
     _, _, _, a, n = sizes_of(trainer)
-    if trainer.sequence_parallel:
+    if trainer.options.sequence_parallel:
         return {"all_gather": (6, a // n), "psum_scatter": (5, a)}
     return {"psum": (5, a)}
 
@@ -108,7 +108,7 @@ def outside_layers(trainer):
     the embedding's ``leave`` (forward), the head's ``enter`` (backward), and the loss: one pmax of
     ``[rows, seq]`` float32 and one psum of ``[rows, seq, 2]`` float32."""
     _, rows, seq, a, n = sizes_of(trainer)
-    if trainer.sequence_parallel:
+    if trainer.options.sequence_parallel:
         # Embedding: psum_scatter forward, all_gather backward; head: the reverse.
         pairs = [("psum_scatter", 2, a), ("all_gather", 2, a // n)]
     else:
@@ -138,7 +138,7 @@ def parameters(trainer):
         nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize // (n_t if T in axes else 1)
         stacked = leaf.shape[0] if names[:2] == ("params", "layers") else None
         partial = n_t > 1 and (
-            (names[-1] == "scale" and trainer.sequence_parallel)
+            (names[-1] == "scale" and trainer.options.sequence_parallel)
             or (names[-2:] in (("attn", "k"), ("attn", "v")) and model.kv_heads < n_t)
         )
         found.append((names, nbytes, stacked, "fsdp" in axes, partial, leaf.dtype))
@@ -319,7 +319,7 @@ def test_the_loss_moves_rows_times_seq_values_never_the_logits(name):
     e = trainer.objective.model.emb_features
     # Outside the layers: the embedding's and the head's activations, and 3 float32 per token.
     outside = outside_scan_tensor_bytes(trainer, report)
-    if trainer.sequence_parallel:
+    if trainer.options.sequence_parallel:
         assert outside == 2 * a + 2 * a // n + 3 * rows * seq * F32, str(report)
     else:
         assert outside == 2 * a + 3 * rows * seq * F32, str(report)
@@ -327,7 +327,7 @@ def test_the_loss_moves_rows_times_seq_values_never_the_logits(name):
     # Every operand over tensor is an activation or one of the loss's [rows, seq] values.
     act = f"f32[{rows},{seq},{e}]"
     want = {"psum": {act, f"f32[{rows},{seq},2]"}, "pmax": {f"f32[{rows},{seq}]"}}
-    if trainer.sequence_parallel:
+    if trainer.options.sequence_parallel:
         want = {
             "all_gather": {f"f32[{rows},{seq // n},{e}]"},
             "psum_scatter": {act},
@@ -383,7 +383,7 @@ def leave_twice(x, shards):
 
 
 def scatter_by_psum(n):
-    """``scatter_to_sequence``'s custom_vjp (on a tensor group of ``n``) as an all-reduce and then
+    """``scatter_to_sequence``'s scatter (on a tensor group of ``n``) as an all-reduce and then
     this device's positions: the values of a reduce-scatter, for twice its bytes."""
 
     def scatter(x, dim):

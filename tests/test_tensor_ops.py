@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import dew
 from dew.mesh import MeshSpec, build_mesh
 from dew.parallel import ONE_DEVICE, Shards, tensor
+from dew.parallel.options import StepOptions
 from tests.helpers import relative_error
 
 TOL = 1e-5
@@ -24,7 +25,9 @@ SIZES = (4, 8)
 
 
 def shards_of(mesh, sequence_parallel=False) -> Shards:
-    return Shards(axis_sizes=dict(mesh.shape), sequence_parallel=sequence_parallel)
+    return Shards(
+        axis_sizes=dict(mesh.shape), options=StepOptions(sequence_parallel=sequence_parallel)
+    )
 
 
 def on_mesh(mesh, fn, in_specs, out_specs):
@@ -530,3 +533,25 @@ def test_bad_shapes_are_refused_before_compiling():
         traced(lambda z: tensor.cross_entropy(z, IDS, shards), (2, 7, 8))
     with pytest.raises(ValueError, match=r"table_local must be \[vocab / n, embed\], got \(32,\)"):
         traced(lambda t: tensor.embed_lookup(t, IDS, shards), (32,))
+
+
+def test_check_layout_reads_each_dimension_and_its_size():
+    """``check_layout`` on a hand-written tree: the split dimensions right, one left whole, one
+    split that must not be; a ``kv_heads`` dimension smaller than the tensor size stays whole."""
+
+    def shaped(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    axes = {"q": ("embed", "heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim")}
+    shapes = {"q": shaped(32, 8, 4), "k": shaped(32, 2, 4)}
+    tensor.check_layout({"q": P(None, T), "k": P()}, axes, shapes, 4)
+    # At 2 the two kv heads split, and must.
+    tensor.check_layout({"q": P(None, T), "k": P(None, T)}, axes, shapes, 2)
+    with pytest.raises(ValueError, match=r"weight k .* leaves its 'kv_heads' dimension whole"):
+        tensor.check_layout({"q": P(None, T), "k": P()}, axes, shapes, 2)
+    with pytest.raises(ValueError, match=r"weight k .* splits its 'kv_heads' dimension over"):
+        tensor.check_layout({"q": P(None, T), "k": P(None, T)}, axes, shapes, 4)
+    with pytest.raises(ValueError, match=r"weight q .* splits its 'embed' dimension over"):
+        tensor.check_layout({"q": P(T), "k": P()}, axes, shapes, 4)
+    # Nothing is checked on a tensor axis of size 1.
+    tensor.check_layout({"q": P(), "k": P(T)}, axes, shapes, 1)

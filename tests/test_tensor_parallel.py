@@ -1,8 +1,9 @@
-"""Tensor parallelism (Megatron) in the training step: every tensor layout computes what one device
-computes, each weight's gradient is summed over the axes the rule names, the state is split by the
-tensor size, and bad sizes or layouts are refused before compiling, naming the numbers.
+"""Tensor parallelism (Megatron) in the training step (its layouts' equivalence with one device is
+in tests/test_equivalence.py's table): bfloat16 trains close to one device, each weight's gradient
+is summed over the axes the rule names, the state is split by the tensor size, and bad sizes or
+layouts are refused before compiling, naming the numbers.
 
-The reference is the plain one-device run of tests/test_equivalence.py (no mesh, no shard_map, no
+The reference is the plain one-device run of tests/equivalence.py (no mesh, no shard_map, no
 Trainer), on the module's fresh seed (tests/conftest.py; replay with ``DEW_SEED``).
 """
 
@@ -17,46 +18,18 @@ from dew.benchmark import state_bytes_per_device
 from dew.layout import path_names
 from dew.objectives.lm import LMObjective
 from dew.parallel.gradients import sum_axes
-from tests.helpers import fresh_batch, relative_error, seeded_key, smooth_optimizer, tiny_objective
-from tests.test_equivalence import (
+from tests.equivalence import (
     ROWS,
     STEPS,
-    assert_matches,
     cached_reference,
     layout_case,
-    reference_run,
     sharded_run,
 )
+from tests.helpers import fresh_batch, relative_error, seeded_key, smooth_optimizer, tiny_objective
 
 # Eight query heads of width 4, so that tensor=8 splits them; the MLP (128) and vocabulary (64)
 # split over 8 too.
 HEADS = 8
-
-# name -> (model overrides, mesh, Trainer arguments)
-LAYOUTS = {
-    "tensor8": ({}, dew.MeshSpec(tensor=8), {}),
-    "data2_tensor4": ({}, dew.MeshSpec(tensor=4), {}),
-    "tensor2_fsdp4": ({}, dew.MeshSpec(tensor=2, fsdp=4), {}),
-    "tensor4_kv2": ({"num_kv_heads": 2}, dew.MeshSpec(tensor=4), {}),
-    "tensor8_kv2_fsdp1_sequence_parallel": (
-        {"num_kv_heads": 2},
-        dew.MeshSpec(tensor=8),
-        {"sequence_parallel": True},
-    ),
-    "untied_tensor4": ({"tie_embeddings": False}, dew.MeshSpec(tensor=4), {}),
-    "tensor4_kv2_pallas_sequence_parallel": (
-        {"num_kv_heads": 2, "attention_impl": "pallas", "num_layers": 1},
-        dew.MeshSpec(tensor=4),
-        {"sequence_parallel": True},
-    ),
-    "tensor4_fsdp2_accumulation2": ({}, dew.MeshSpec(tensor=4, fsdp=2), {"accumulation": 2}),
-    "data2_tensor4_sequence_parallel": ({}, dew.MeshSpec(tensor=4), {"sequence_parallel": True}),
-    "tensor2_fsdp4_sequence_parallel_untied": (
-        {"tie_embeddings": False},
-        dew.MeshSpec(tensor=2, fsdp=4),
-        {"sequence_parallel": True},
-    ),
-}
 
 
 def objective_for(overrides, dtype="float32"):
@@ -73,41 +46,6 @@ def reference_for(case, overrides, dtype="float32"):
     return cached_reference(case, objective_for(overrides, dtype), name)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_tensor_layout_matches_one_device(case, seed, name):
-    overrides, mesh, trainer_args = LAYOUTS[name]
-    key, batches, _ = case
-    reference = reference_for(case, overrides)
-    run = sharded_run(
-        objective_for(overrides), smooth_optimizer(), key, batches, mesh, **trainer_args
-    )
-    for got, want in zip(
-        jax.tree_util.tree_leaves(run["initial"]), jax.tree_util.tree_leaves(reference["initial"])
-    ):
-        np.testing.assert_array_equal(got, want, err_msg=f"initial weights, {name}, seed {seed}")
-    assert_matches(run, reference, seed)
-
-
-def test_clip_by_global_norm_matches_one_device(case, seed):
-    key, batches, _ = case
-    objective = objective_for({})
-    # The clip is active (threshold far below the norm), so the update depends on the norm of
-    # every gradient, tensor-split ones included; each update is 1.0 in norm.
-    optimizer = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1e3))
-    reference = reference_run(objective, optimizer, key, batches[:2])
-    run = sharded_run(objective, optimizer, key, batches[:2], dew.MeshSpec(tensor=4, fsdp=2))
-
-    def moves(r):
-        return jax.tree_util.tree_map(
-            lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
-            r["params"],
-            r["initial"],
-        )
-
-    error = relative_error(moves(run), moves(reference))
-    assert error < 1e-4, f"clipped moves differ by {error:.3g}, seed {seed}"
-
-
 def test_bfloat16_activations_train_close_to_one_device(case, seed):
     # The same bfloat16 model on one device and over data 2 x tensor 4 (sequence parallel): the
     # partial sums of the row-parallel matmuls are added in another order, in bfloat16.
@@ -119,7 +57,7 @@ def test_bfloat16_activations_train_close_to_one_device(case, seed):
         key,
         batches,
         dew.MeshSpec(tensor=4),
-        sequence_parallel=True,
+        options=dew.StepOptions(sequence_parallel=True),
     )
     assert all(np.isfinite(run["losses"])), (run["losses"], seed)
     np.testing.assert_allclose(
@@ -152,7 +90,7 @@ def summed_axes(overrides, mesh, sequence_parallel=False):
         jax.random.key(0),
         mesh=mesh,
         layout=dew.Layout(min_shard=1),
-        sequence_parallel=sequence_parallel,
+        options=dew.StepOptions(sequence_parallel=sequence_parallel),
     )
     shards = trainer.shards
     partial = trainer.objective.model.partial_over_tensor(shards)
@@ -388,7 +326,7 @@ def test_sequence_parallel_needs_positions_that_split():
             optax.sgd(0.1),
             jax.random.key(0),
             mesh=dew.MeshSpec(tensor=8),
-            sequence_parallel=True,
+            options=dew.StepOptions(sequence_parallel=True),
         )
 
 

@@ -60,9 +60,13 @@ def add_model_flags(
     )
 
 
+# The MoE flags' defaults when --experts is given; without it, giving any of them is an error.
+MOE_DEFAULTS = {"experts_per_token": 2, "moe_every": 1, "capacity_factor": None}
+
+
 def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     """A mixture-of-experts decoder: ``--experts E`` (0: dense), ``--experts-per-token``,
-    ``--moe-every``, ``--capacity-factor``."""
+    ``--moe-every``, ``--capacity-factor``; the last three only with ``--experts``."""
     parser.add_argument(
         "--experts",
         type=int,
@@ -73,16 +77,16 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--experts-per-token",
         type=int,
-        default=2,
+        default=None,
         metavar="K",
-        help="experts each token is routed to (default 2)",
+        help="experts each token is routed to (default 2; with --experts)",
     )
     parser.add_argument(
         "--moe-every",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
-        help="every N-th layer is an MoE layer (default 1: all of them)",
+        help="every N-th layer is an MoE layer (default 1: all of them; with --experts)",
     )
     parser.add_argument(
         "--capacity-factor",
@@ -90,41 +94,79 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="C",
         help="an expert takes at most ceil(C x seq x K / E) copies from each row "
-        "(default: dropless)",
+        "(default: dropless; with --experts)",
     )
 
 
 def moe_config(args) -> dict:
-    """The model arguments of ``add_moe_flags``' flags (empty for a dense model)."""
+    """The model arguments of ``add_moe_flags``' flags (empty for a dense model).
+
+    Raises ``ValueError`` when an MoE flag is given without ``--experts``: it would change
+    nothing."""
+    given = {name: getattr(args, name) for name in MOE_DEFAULTS if getattr(args, name) is not None}
     if not args.experts:
+        if given:
+            flags = ", ".join(f"--{name.replace('_', '-')} {v}" for name, v in given.items())
+            raise ValueError(
+                f"{flags} configures mixture-of-experts layers, which a dense model does not "
+                "have; add --experts E (E experts per MoE layer)"
+            )
         return {}
-    return dict(
-        num_experts=args.experts,
-        experts_per_token=args.experts_per_token,
-        moe_every=args.moe_every,
-        capacity_factor=args.capacity_factor,
-    )
+    return dict(num_experts=args.experts, **{**MOE_DEFAULTS, **given})
 
 
-def add_min_shard_flag(parser: argparse.ArgumentParser, default: int) -> None:
+# One default for every command, so that "fsdp=8" lays weights out alike in train, collectives
+# and bench: every weight matrix of the example model (width 64) and of the benchmarked one is
+# split, norm scales (width elements) stay whole. ``Layout()``'s own default, 65536, suits real
+# model sizes.
+DEFAULT_MIN_SHARD = 4096
+
+
+def add_min_shard_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-shard",
         type=int,
-        default=default,
-        help=f"weights with fewer elements are not split over fsdp; tensor splits always apply "
-        f"(default {default})",
+        default=DEFAULT_MIN_SHARD,
+        help="weights with fewer elements are not split over fsdp; tensor splits always apply "
+        f"(default {DEFAULT_MIN_SHARD})",
     )
 
 
+MESH_EXAMPLES = (
+    "fsdp=8, data=2,fsdp=4, fsdp=2,tensor=4, sequence=4, expert=8 (with --experts) or "
+    "stage=2,microbatches=4 (data takes the devices left over)"
+)
+
+
+def add_mesh_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """``--mesh``: the axis sizes (``MeshSpec.parse``); ``several=True`` takes one or more, each
+    a layout to compare."""
+    if several:
+        parser.add_argument(
+            "--mesh",
+            nargs="+",
+            default=["data=8", "fsdp=8", "data=2,fsdp=4"],
+            metavar="MESH",
+            help="one or more layouts to compare, each axis sizes such as "
+            + MESH_EXAMPLES
+            + "; default: data=8 fsdp=8 data=2,fsdp=4",
+        )
+    else:
+        parser.add_argument(
+            "--mesh",
+            default="",
+            help="axis sizes, e.g. " + MESH_EXAMPLES + "; default: all data parallel",
+        )
+
+
 def add_sequence_parallel_flag(parser: argparse.ArgumentParser) -> None:
-    """``--sequence-parallel``: ``Trainer(..., sequence_parallel=True)``."""
+    """``--sequence-parallel``: ``StepOptions(sequence_parallel=True)``."""
     parser.add_argument(
         "--sequence-parallel",
         action="store_true",
-        help="with tensor > 1, keep the activations between blocks split over positions across "
-        "the tensor group (Megatron's sequence parallelism: activations move by all_gather and "
-        "psum_scatter instead of psum; --seq-len must divide by tensor); no effect on the GSPMD "
-        "engines",
+        help="keep the activations between blocks split over positions across the tensor group "
+        "(Megatron's sequence parallelism: activations move by all_gather and psum_scatter "
+        "instead of psum); needs tensor > 1 and --seq-len dividing by tensor",
     )
 
 
@@ -134,13 +176,48 @@ SEQUENCE_SCHEME_HELP = (
 )
 
 
-def add_sequence_scheme_flag(parser: argparse.ArgumentParser) -> None:
-    """``--sequence-scheme``: ``Trainer(..., sequence_scheme=...)``."""
+def add_sequence_scheme_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """``--sequence-scheme``: ``StepOptions(sequence_scheme=...)``; ``several=True`` takes one or
+    more, each run side by side on the layouts with a sequence axis."""
     parser.add_argument(
         "--sequence-scheme",
-        default="ring",
+        nargs="+" if several else None,
+        default=["ring"] if several else "ring",
         choices=sequence_scheme_names(),
-        help="how attention spans a sequence axis above 1 (default ring); " + SEQUENCE_SCHEME_HELP,
+        metavar="SCHEME",
+        help="how attention spans a sequence axis above 1 (default ring"
+        + ("; several: one contestant each" if several else "")
+        + "); "
+        + SEQUENCE_SCHEME_HELP,
+    )
+
+
+def add_pipeline_schedule_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """``--pipeline-schedule``: ``StepOptions(pipeline_schedule=...)``; ``several=True`` takes one
+    or more, each run side by side on the layouts with a stage axis."""
+    from dew.parallel.pipeline import SCHEDULES
+
+    parser.add_argument(
+        "--pipeline-schedule",
+        nargs="+" if several else None,
+        default=["1f1b"] if several else "1f1b",
+        choices=list(SCHEDULES),
+        metavar="SCHEDULE",
+        help="the pipeline's schedule over a stage axis above 1 (default 1f1b"
+        + ("; several: one contestant each" if several else "")
+        + "): 1f1b holds at most stage microbatches' inputs, 1f1b_phased alternates forward "
+        "and backward ticks, gpipe runs all forwards then all backwards",
+    )
+
+
+def step_options(args):
+    """The ``StepOptions`` of one command's flags (``train``, ``collectives``)."""
+    from dew.parallel.options import StepOptions
+
+    return StepOptions(
+        sequence_parallel=args.sequence_parallel,
+        sequence_scheme=args.sequence_scheme,
+        pipeline_schedule=args.pipeline_schedule,
     )
 
 

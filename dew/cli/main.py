@@ -17,31 +17,29 @@ import sys
 from dew.cli import bench, launch
 from dew.cli.flags import (
     add_device_flag,
+    add_mesh_flag,
     add_min_shard_flag,
     add_model_flags,
     add_moe_flags,
+    add_pipeline_schedule_flag,
     add_seed_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     engine_names,
     moe_config,
+    step_options,
 )
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--mesh",
-        default="",
-        help="axis sizes, e.g. fsdp=8, data=2,fsdp=4, fsdp=2,tensor=4, sequence=4, expert=8 "
-        "(with --experts) or stage=2,microbatches=4 (data takes the devices left over; default: "
-        "all data parallel)",
-    )
+    add_mesh_flag(parser)
     add_device_flag(parser)
     add_model_flags(parser, batch=16, seq_len=32, layers=2, width=64, heads=4)
     add_moe_flags(parser)
-    add_min_shard_flag(parser, default=1)
+    add_min_shard_flag(parser)
     add_sequence_parallel_flag(parser)
     add_sequence_scheme_flag(parser)
+    add_pipeline_schedule_flag(parser)
     parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
     parser.add_argument("--accumulation", type=int, default=1, help="microbatches per step")
 
@@ -149,8 +147,7 @@ def _trainer(args, objective, checkpoints=None, engine="shard_map", lr=1e-3, see
         checkpoints=checkpoints,
         accumulation=args.accumulation,
         engine=engine,
-        sequence_parallel=args.sequence_parallel,
-        sequence_scheme=args.sequence_scheme,
+        options=step_options(args),
     )
 
 
@@ -191,11 +188,9 @@ def collectives_command(args) -> int:
         print(
             f"Collectives of one {args.engine} step on {dict(trainer.mesh.shape)}, "
             f"batch {args.batch} x {args.seq_len} tokens"
-            + (", sequence_parallel=True" if args.sequence_parallel else "")
-            + (
-                f", sequence_scheme={args.sequence_scheme}"
-                if args.engine == "shard_map" and trainer.mesh.shape["sequence"] > 1
-                else ""
+            + "".join(
+                f", {name}={value}"
+                for name, value in trainer.options.in_effect(dict(trainer.mesh.shape)).items()
             )
             + ":"
         )

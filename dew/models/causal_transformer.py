@@ -206,9 +206,10 @@ class CausalTransformer:
         """Raises ``ValueError``, naming the numbers, when this model cannot run on a mesh of
         ``axis_sizes``: heads, kv heads, MLP width or vocabulary that do not split over
         ``tensor``; heads that do not split over ``sequence x tensor`` for the all-to-all
-        scheme; an unknown ``sequence_scheme``; experts that do not split over ``expert``; a
-        capacity factor over a ``sequence`` axis; layers that do not split over ``stage`` (for
-        an MoE model, its groups of ``moe_every`` layers, each stage running whole groups)."""
+        scheme; an unknown ``sequence_scheme``; experts that do not split over ``expert``, or an
+        ``expert`` axis on a dense model; a capacity factor over a ``sequence`` axis; layers that
+        do not split over ``stage`` (for an MoE model, its groups of ``moe_every`` layers, each
+        stage running whole groups)."""
         self._check_stages(axis_sizes.get("stage", 1))
         t = axis_sizes.get(tensor.AXIS, 1)
         sizes = {
@@ -221,10 +222,14 @@ class CausalTransformer:
         sequence.check_heads(
             sequence_scheme, axis_sizes.get(sequence.AXIS, 1), self.num_heads, self.kv_heads, t
         )
-        if self.num_experts:
-            expert.check_experts(
-                axis_sizes.get(expert.AXIS, 1), self.num_experts, self.experts_per_token
+        if not self.num_experts and axis_sizes.get(expert.AXIS, 1) > 1:
+            raise ValueError(
+                f"expert {axis_sizes[expert.AXIS]} on a dense model (num_experts=0): the expert "
+                "axis splits the experts of MoE layers, which this model has none of; build it "
+                "with num_experts=E, or put those devices on data or fsdp"
             )
+        if self.num_experts:
+            expert.check_experts(axis_sizes.get(expert.AXIS, 1), self.num_experts)
             if self.capacity_factor is not None and axis_sizes.get(sequence.AXIS, 1) > 1:
                 raise ValueError(
                     f"capacity_factor {self.capacity_factor} with sequence "
@@ -257,7 +262,7 @@ class CausalTransformer:
           for its own query heads: ``tensor.shared_kv_heads``).
         """
         t = shards.size(tensor.AXIS)
-        sequence_split = t > 1 and shards.sequence_parallel
+        sequence_split = t > 1 and shards.options.sequence_parallel
         shared_kv = t > 1 and self.kv_heads < t
 
         def partial(path, _):

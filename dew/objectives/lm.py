@@ -39,11 +39,17 @@ class LMObjective:
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be None or in [0, 1), got {self.ema_decay!r}")
 
-    def tokens_per_row(self) -> int:
-        return self.seq_len
+    @property
+    def _moe(self) -> bool:
+        return bool(getattr(self.model, "num_experts", 0))
+
+    def _aux(self, stats: RouterStats):
+        """The statistics the step sums for this objective: the MoE layers' ``RouterStats``, or
+        nothing (``{}``) for a dense model, so that only the loss travels."""
+        return stats if self._moe else {}
 
     def loss_sum(self, params, batch: jax.Array, shards: Shards = ONE_DEVICE):
-        """``(loss_sum, stats)`` of ``batch``'s rows and positions: ``token_loss_sum`` on the
+        """``(loss_sum, aux)`` of ``batch``'s rows and positions: ``token_loss_sum`` on the
         shifted batch.
 
         ``batch``: ``[rows, seq_len + 1]`` integer tokens, whole rows. Divide by the global number
@@ -59,9 +65,10 @@ class LMObjective:
         targets: jax.Array,
         positions: jax.Array,
         shards: Shards = ONE_DEVICE,
-    ) -> tuple[jax.Array, RouterStats]:
-        """``(loss_sum, stats)``: the loss of predicting ``targets`` from ``inputs``, summed over
-        tokens (float32 scalar), and the MoE layers' ``RouterStats`` (zeros for a dense model).
+    ):
+        """``(loss_sum, aux)``: the loss of predicting ``targets`` from ``inputs``, summed over
+        tokens (float32 scalar), and the statistics the step sums over devices without reading
+        them: the MoE layers' ``RouterStats``, ``{}`` for a dense model (``metrics`` reads them).
 
         The loss is the cross-entropy's sum plus, for an MoE model, ``tokens x (router_aux_weight
         x load balance + router_z_weight x z-loss)`` with ``tokens`` the microbatch's token count
@@ -82,15 +89,36 @@ class LMObjective:
         x, stats = model.blocks(params, x, positions, shards)
         logits = model.head(params, x, shards)
         loss = jnp.sum(tensor.cross_entropy(logits, targets, shards))
-        return loss + self.router_loss(stats), stats
+        return loss + self.router_loss(stats), self._aux(stats)
 
     def router_loss(self, stats: RouterStats) -> jax.Array:
         """The weighted router losses ``token_loss_sum`` adds for an MoE model (0 when dense):
         ``router_aux_weight x load balance + router_z_weight x z-loss``, as sums over tokens."""
         model = self.model
-        if not getattr(model, "num_experts", 0):
+        if not self._moe:
             return jnp.zeros((), jnp.float32)
         return model.router_aux_weight * stats.load_balance + model.router_z_weight * stats.z_loss
+
+    def metrics(self, loss: jax.Array, aux, tokens: int) -> dict:
+        """What a training step reports, from its mean ``loss`` and the ``aux`` of its ``tokens``
+        tokens summed over every device: ``{"loss": ...}`` and, for an MoE model, the router
+        losses (each a mean over the MoE layers and the tokens) and the fraction of token copies
+        the capacity dropped."""
+        metrics = {"loss": loss}
+        if self._moe:
+            metrics["load_balance_loss"] = aux.load_balance / tokens
+            metrics["router_z_loss"] = aux.z_loss / tokens
+            metrics["dropped_fraction"] = aux.dropped / jnp.maximum(aux.routed, 1.0)
+        return metrics
+
+    def evaluation_metrics(self, loss: jax.Array, aux, tokens: int) -> dict:
+        """``metrics`` for validation: ``"loss"`` is the language model's cross-entropy alone,
+        comparable with a dense model's, and an MoE model's router losses are reported beside
+        it rather than folded in (the training loss minus the weighted router losses)."""
+        metrics = self.metrics(loss, aux, tokens)
+        if self._moe:
+            metrics["loss"] = loss - self.router_loss(aux) / tokens
+        return metrics
 
     def stage_loss_sum(
         self,
@@ -101,16 +129,16 @@ class LMObjective:
         positions: jax.Array,
         shards: Shards,
         stage_axis: str = "stage",
-    ) -> tuple[jax.Array, jax.Array, RouterStats]:
-        """One pipeline stage's part of ``token_loss_sum``: ``(y, loss_sum, stats)``.
+    ):
+        """One pipeline stage's part of ``token_loss_sum``: ``(y, loss_sum, aux)``.
 
         Stage ``s`` of ``S`` (``lax.axis_index(stage_axis)``) runs ``blocks`` on the layers it
         holds, after ``embed(inputs)`` on stage 0 (``x_in`` elsewhere, the activation from stage
         ``s - 1``, ``[rows, positions, embed]`` in the activations' dtype) and before the head and
         the cross-entropy on stage ``S - 1``. ``y``: the blocks' output, for stage ``s + 1``;
         ``loss_sum``: the cross-entropy's sum (last stage; 0 elsewhere) plus the router losses of
-        this stage's MoE layers; ``stats``: their ``RouterStats``. Summed over the stages, the
-        losses and stats are ``token_loss_sum``'s.
+        this stage's MoE layers; ``aux``: their ``RouterStats`` (``{}`` when dense). Summed over
+        the stages, the losses and ``aux`` are ``token_loss_sum``'s.
 
         The embedding table is gathered where it is read (stage 0 for the lookup, stage ``S - 1``
         for a tied head), not shared as ``token_loss_sum`` shares it: no stage reads it twice.
@@ -126,7 +154,7 @@ class LMObjective:
             return jnp.sum(tensor.cross_entropy(logits, targets, shards))
 
         loss = lax.cond(stage == last, cross_entropy, lambda: jnp.zeros((), jnp.float32))
-        return y, loss + self.router_loss(stats), stats
+        return y, loss + self.router_loss(stats), self._aux(stats)
 
     def loss(self, params, batch: jax.Array) -> jax.Array:
         """The mean loss of ``batch`` on one device (cross-entropy, plus the weighted router

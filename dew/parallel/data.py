@@ -22,6 +22,7 @@ from typing import Any
 import jax
 from jax import lax
 
+from dew.mesh import TOKEN_AXES
 from dew.parallel.gradients import sum_axes
 from dew.parallel.shards import Shards
 
@@ -59,8 +60,13 @@ def sum_gradients(grads: Any, specs: Any, shards: Shards, partial_over_tensor: A
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def sum_over_tokens(x: jax.Array, shards: Shards) -> jax.Array:
-    """``psum`` of a small value (a loss, a token count) over the token axes, which the loss
-    averages over."""
-    axes = shards.token_axes()
-    return lax.psum(x, axes) if axes else x
+def sum_loss(x: Any, shards: Shards) -> Any:
+    """``psum`` of the loss and the objective's statistics (small values: a scalar, a few counts)
+    over every axis that holds a part of them: the token axes, each device adding its tokens'
+    share, and ``stage``, each stage adding what its layers (and, last, its head) added.
+
+    ``x``: any pytree of arrays; an empty one moves nothing."""
+    axes = shards.split_over((*TOKEN_AXES, "stage"))
+    if not axes or not jax.tree_util.tree_leaves(x):
+        return x
+    return lax.psum(x, axes)

@@ -45,7 +45,7 @@ from dew.parallel import tensor
 AXIS = "expert"
 
 
-def check_experts(expert_size: int, num_experts: int, k: int) -> None:
+def check_experts(expert_size: int, num_experts: int) -> None:
     """Raises ``ValueError`` when ``num_experts`` does not split over ``expert_size`` devices."""
     if num_experts % expert_size:
         raise ValueError(
@@ -198,7 +198,7 @@ def check_layout(param_specs: Any, logical_axes: Any, expert_size: int) -> None:
     nothing else is): the exchange sends each device the copies for the experts it holds."""
     if expert_size == 1:
         return
-    for where, names, spec, name, mesh_axes in weight_dimensions(param_specs, logical_axes):
+    for where, names, spec, name, mesh_axes, _ in weight_dimensions(param_specs, logical_axes):
         if (AXIS in mesh_axes) != (name == "experts"):
             raise ValueError(
                 f"expert {expert_size}: weight {where} (logical axes {names}) has spec {spec}; "

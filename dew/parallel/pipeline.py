@@ -244,7 +244,7 @@ def check_layout(param_specs, logical_axes, stage_size: int) -> None:
     holds, and the embedding, norms and head it reads whole."""
     if stage_size == 1:
         return
-    for where, names, spec, name, mesh_axes in weight_dimensions(param_specs, logical_axes):
+    for where, names, spec, name, mesh_axes, _ in weight_dimensions(param_specs, logical_axes):
         right = mesh_axes == (AXIS,) if name == "layers" else AXIS not in mesh_axes
         if not right:
             raise ValueError(

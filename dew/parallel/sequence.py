@@ -232,27 +232,17 @@ def _xla_block_backward(q, k, v, out, lse, d_out, d_lse, causal):
 
 
 def _pallas_block_backward(q, k, v, out, lse, d_out, d_lse, causal):
-    """``_xla_block_backward`` with Dew's Pallas backward kernels.
+    """``_xla_block_backward`` with Dew's Pallas backward kernels: one call, one dq kernel and one
+    dk/dv kernel per block.
 
-    The kernels compute ``D = rowsum(d_out * out)`` themselves and take no ``d_lse``; when there
-    is one, a second call adds its part: with ``v = 0``, ``out = 1/d`` and ``d_out = -d_lse`` it
-    returns ``ds = p d_lse`` through dq and dk (its dv is discarded). ``d_lse`` is then rounded to
-    q's dtype. The model never differentiates ``lse``, so it never pays for that call.
+    ``d_lse`` (float32 ``[b, h, m]`` or ``None``) goes to the kernels as it is: they read
+    ``delta = rowsum(d_out * out) - d_lse``, so the lse cotangent costs no second pass. The
+    results come back in q's dtype and are returned as float32, like ``_xla_block_backward``'s.
     """
     from dew.kernels import flash_attention_backward
 
-    f32 = jnp.float32
-    dq, dk, dv = flash_attention_backward(q, k, v, out, lse, d_out, causal=causal)
-    dq, dk, dv = dq.astype(f32), dk.astype(f32), dv.astype(f32)
-    if d_lse is not None:
-        d = q.shape[-1]
-        ones = jnp.full(q.shape, 1.0 / d, q.dtype)
-        minus = jnp.broadcast_to(-jnp.moveaxis(d_lse, 1, 2)[..., None], q.shape).astype(q.dtype)
-        dq_l, dk_l, _ = flash_attention_backward(
-            q, k, jnp.zeros_like(v), ones, lse, minus, causal=causal
-        )
-        dq, dk = dq + dq_l.astype(f32), dk + dk_l.astype(f32)
-    return dq, dk, dv
+    grads = flash_attention_backward(q, k, v, out, lse, d_out, d_lse, causal=causal)
+    return tuple(g.astype(jnp.float32) for g in grads)
 
 
 _BLOCK_FORWARD = {"xla": _xla_block_forward, "pallas": _pallas_block_forward}
@@ -406,7 +396,7 @@ def _ring(q, k, v, n, impl):
 
 def _ring_fwd(q, k, v, n, impl):
     # symbolic_zeros: the primals come wrapped, and a cotangent nobody asked for (the model's
-    # lse) arrives as a SymbolicZero, which spares the Pallas path its d_lse call.
+    # lse) arrives as a SymbolicZero, and the backward passes d_lse=None (nothing to subtract).
     q, k, v = q.value, k.value, v.value
     out, lse = _ring_forward(q, k, v, n, impl)
     return (out, lse), (q, k, v, out, lse)
@@ -532,10 +522,10 @@ def check_heads(
 def attention(shards, impl: str = "xla"):
     """The attention function ``(q, k, v, *, causal) -> (out, lse)`` the decoder calls: the plain
     one (``dew.nn.attention.IMPLEMENTATIONS[impl]``) on a sequence axis of size 1, else
-    ``shards.sequence_scheme``'s, which spans every device's positions (always causal)."""
+    ``shards.options.sequence_scheme``'s, which spans every device's positions (always causal)."""
     if shards.size(AXIS) == 1:
         return IMPLEMENTATIONS[impl]
-    scheme = SCHEMES[shards.sequence_scheme]
+    scheme = SCHEMES[shards.options.sequence_scheme]
 
     def attend(q, k, v, *, causal=True):
         if not causal:

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from dew.mesh import AXES, BATCH_AXES, TOKEN_AXES
 from dew.parallel import fsdp
+from dew.parallel.options import StepOptions
 
 __all__ = ["BATCH_AXES", "ONE_DEVICE", "Shards", "TOKEN_AXES"]
 
@@ -33,27 +34,17 @@ class Shards:
         weight is whole.
       pinned_activations: the GSPMD baseline only (code that runs on the global arrays): the
         sharding ``pin`` constrains activations to; ``None`` leaves them alone.
-      sequence_parallel: activations between blocks are split over positions across the tensor
-        group (Megatron's sequence parallelism, on the ``tensor`` axis; unrelated to the
-        ``sequence`` mesh axis). Read by ``dew.parallel.tensor``; a weight replicated over
-        ``tensor`` that sees such activations has its gradient summed over ``tensor`` too
-        (``dew.parallel.gradients``).
-      sequence_scheme: how attention spans a ``sequence`` axis of size > 1: ``"ring"`` (K/V blocks
-        travel round the axis) or ``"all_to_all"`` (positions traded for heads);
-        ``dew.parallel.sequence.SCHEMES``.
+      options: the ``StepOptions`` (sequence-parallel activations, the sequence scheme, the
+        pipeline schedule), checked against the mesh by the ``Trainer``.
       microbatches: over a ``stage`` axis of size > 1, the pipeline microbatches each
         accumulation microbatch's rows are cut into (``MeshSpec.microbatches``); 1 elsewhere.
-      pipeline_schedule: over a ``stage`` axis of size > 1, the schedule's name, one of
-        ``dew.parallel.pipeline.SCHEDULES``.
     """
 
     axis_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     param_specs: Any = None
     pinned_activations: Any = None
-    sequence_parallel: bool = False
-    sequence_scheme: str = "ring"
+    options: StepOptions = StepOptions()
     microbatches: int = 1
-    pipeline_schedule: str = "1f1b"
 
     def size(self, *axes: str) -> int:
         """The number of devices spanned by ``axes`` (1 for axes this step does not have)."""

@@ -8,8 +8,8 @@ the partial results of the second matmul are summed on the way out.
 
 The step runs inside ``jax.shard_map(..., check_vma=False)``, where autodiff transposes a bare
 ``psum`` into another ``psum`` (a row-parallel weight's gradient would come out ``n`` times too
-large). So every collective here is one half of a conjugate pair written as a ``jax.custom_vjp``,
-its backward explicit (picotron's copy-to / reduce-from / gather-from / scatter-to a region):
+large). So every collective here is one half of a conjugate pair, the backward of each the forward
+of the other (picotron's copy-to / reduce-from / gather-from / scatter-to a region):
 
 ==========================  ===============================  ===============================
 function                    forward                          backward
@@ -26,7 +26,10 @@ on the ``tensor`` axis and is unrelated to the ``sequence`` mesh axis): between 
 keeps only its slice of the positions, so norms and residual adds run on ``1/n`` of the tokens
 and the activations they save shrink by ``n``; the region's input is gathered over positions and
 its output reduce-scattered back to them, which moves the same bytes as the all-reduce it replaces.
-``enter`` / ``leave`` pick the pair from one switch, ``shards.sequence_parallel``.
+Only the plain pair is a ``jax.custom_vjp``, its backward written out. The sequence-parallel pair is
+the bare collectives: autodiff already transposes a tiled ``all_gather`` into a tiled
+``psum_scatter`` along the same dimension, and back, which is the backward in the table.
+``enter`` / ``leave`` pick the pair from one switch, ``shards.options.sequence_parallel``.
 
 Gradients follow one convention: each device differentiates its own copy of the loss. Through these
 pairs a tensor-split weight's gradient comes out whole (nothing left to sum over ``tensor``); a
@@ -55,14 +58,13 @@ reduce-scatter, and their backwards the other one.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dew.layout import path_names
+from dew.layout import weight_dimensions
 
 AXIS = "tensor"
 # Activations between blocks are [rows, seq, embed]: sequence parallelism splits dimension 1.
@@ -79,9 +81,9 @@ def _size(shards) -> int:
 def sequence_parallel(shards) -> bool:
     """Whether activations between blocks are split over positions across the tensor group.
 
-    Read from ``shards.sequence_parallel`` (``False`` when the field is absent).
+    Read from ``shards.options.sequence_parallel``.
     """
-    return bool(getattr(shards, "sequence_parallel", False))
+    return shards.options.sequence_parallel
 
 
 # --- The plain pair -------------------------------------------------------------------------------
@@ -154,42 +156,18 @@ def reduce_from_region(x: jax.Array, shards) -> jax.Array:
 # --- The sequence-parallel pair -------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _gather(x, dim):
     # All-gather of the positions: each device receives (and sends) (n - 1) * b, b its own slice.
+    # Backward: each device's gradient of the gathered input is a partial over its slice of the
+    # width; the reduce-scatter sums them and keeps this device's positions: (n - 1) / n * b_g
+    # sent for a gradient of b_g = n b bytes.
     return lax.all_gather(x, AXIS, axis=dim, tiled=True)
 
 
-def _gather_fwd(x, dim):
-    return _gather(x, dim), None
-
-
-def _gather_bwd(dim, _, g):
-    # Each device's gradient of the gathered input is a partial over its slice of the width: sum
-    # them and keep this device's positions. Reduce-scatter of g (b_g bytes, n b): (n - 1) / n * b_g
-    # sent.
-    return (lax.psum_scatter(g, AXIS, scatter_dimension=dim, tiled=True),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _scatter(x, dim):
-    # Reduce-scatter of the partial outputs over positions: (n - 1) / n * b sent.
+    # Reduce-scatter of the partial outputs over positions: (n - 1) / n * b sent. Backward: every
+    # position's gradient reaches every device's partial, an all-gather: (n - 1) * b_g sent.
     return lax.psum_scatter(x, AXIS, scatter_dimension=dim, tiled=True)
-
-
-def _scatter_fwd(x, dim):
-    return _scatter(x, dim), None
-
-
-def _scatter_bwd(dim, _, g):
-    # Every position's gradient reaches every device's partial. All-gather: (n - 1) * b_g sent.
-    return (lax.all_gather(g, AXIS, axis=dim, tiled=True),)
-
-
-_scatter.defvjp(_scatter_fwd, _scatter_bwd)
 
 
 def _check_dim(name: str, x: jax.Array, dim: int) -> None:
@@ -251,7 +229,7 @@ def scatter_to_sequence(x: jax.Array, shards, dim: int = SEQUENCE_DIM) -> jax.Ar
 def enter(x: jax.Array, shards) -> jax.Array:
     """Enter a tensor-parallel region (attention, MLP, the output head).
 
-    ``gather_from_sequence(x, shards, dim=1)`` when ``shards.sequence_parallel``, else
+    ``gather_from_sequence(x, shards, dim=1)`` when ``shards.options.sequence_parallel``, else
     ``copy_to_region(x, shards)``. ``x``: ``[rows, seq, embed]``, or ``[rows, seq / n, embed]`` when
     sequence parallel. Returns ``[rows, seq, embed]``, the same on every device of the group.
     """
@@ -263,7 +241,7 @@ def enter(x: jax.Array, shards) -> jax.Array:
 def leave(x: jax.Array, shards) -> jax.Array:
     """Leave a tensor-parallel region: sum the devices' partial ``[rows, seq, embed]`` results.
 
-    ``scatter_to_sequence(x, shards, dim=1)`` when ``shards.sequence_parallel`` (returns
+    ``scatter_to_sequence(x, shards, dim=1)`` when ``shards.options.sequence_parallel`` (returns
     ``[rows, seq / n, embed]``, this device's positions), else ``reduce_from_region(x, shards)``
     (returns ``[rows, seq, embed]``, the same on every device).
     """
@@ -298,7 +276,7 @@ def embed_lookup(table_local: jax.Array, ids: jax.Array, shards, dtype=None) -> 
 
     Returns:
       ``[rows, seq, embed]``, the same on every device of the group; ``[rows, seq / n, embed]``,
-      this device's positions, when ``shards.sequence_parallel``.
+      this device's positions, when ``shards.options.sequence_parallel``.
     """
     if table_local.ndim != 2:
         raise ValueError(
@@ -441,10 +419,6 @@ def check_sizes(tensor_size: int, sizes: Mapping[str, int]) -> None:
             raise ValueError(f"{name} {size} does not split over tensor {tensor_size}{hint}")
 
 
-def _names(entry) -> tuple:
-    return entry if isinstance(entry, tuple) else (entry,)
-
-
 def check_layout(param_specs: Any, logical_axes: Any, shapes: Any, tensor_size: int) -> None:
     """Raises ``ValueError`` unless each weight is split over ``tensor`` exactly on its
     ``SPLIT_NAMES`` dimensions (a ``kv_heads`` dimension smaller than the tensor size stays whole).
@@ -460,30 +434,22 @@ def check_layout(param_specs: Any, logical_axes: Any, shapes: Any, tensor_size: 
     """
     if tensor_size == 1:
         return
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    axes_leaves = jax.tree_util.tree_leaves(
-        logical_axes, is_leaf=lambda x: isinstance(x, tuple) and not is_spec(x)
-    )
-    spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
-    shape_leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    for (path, leaf), spec, names in zip(shape_leaves, spec_leaves, axes_leaves, strict=True):
-        entries = tuple(spec) + (None,) * (len(names) - len(tuple(spec)))
-        for dim, (name, entry) in enumerate(zip(names, entries)):
-            split = AXIS in _names(entry)
-            wanted = name in SPLIT_NAMES and leaf.shape[dim] >= tensor_size
-            if split == wanted:
-                continue
-            where = "/".join(path_names(path))
-            if wanted:
-                raise ValueError(
-                    f"tensor {tensor_size}: weight {where} (logical axes {names}) has spec {spec}, "
-                    f"which leaves its {name!r} dimension whole; the model needs every "
-                    f"{', '.join(SPLIT_NAMES)} dimension split over {AXIS!r}: give the Layout "
-                    f"a rule ({name!r}, {AXIS!r}) before its fsdp rules, as "
-                    "dew.layout.DEFAULT_RULES does"
-                )
+    dimensions = weight_dimensions(param_specs, logical_axes, shapes)
+    for where, names, spec, name, mesh_axes, size in dimensions:
+        split = AXIS in mesh_axes
+        wanted = name in SPLIT_NAMES and size >= tensor_size
+        if split == wanted:
+            continue
+        if wanted:
             raise ValueError(
                 f"tensor {tensor_size}: weight {where} (logical axes {names}) has spec {spec}, "
-                f"which splits its {name!r} dimension over {AXIS!r}; only the "
-                f"{', '.join(SPLIT_NAMES)} dimensions may be"
+                f"which leaves its {name!r} dimension whole; the model needs every "
+                f"{', '.join(SPLIT_NAMES)} dimension split over {AXIS!r}: give the Layout "
+                f"a rule ({name!r}, {AXIS!r}) before its fsdp rules, as "
+                "dew.layout.DEFAULT_RULES does"
             )
+        raise ValueError(
+            f"tensor {tensor_size}: weight {where} (logical axes {names}) has spec {spec}, "
+            f"which splits its {name!r} dimension over {AXIS!r}; only the "
+            f"{', '.join(SPLIT_NAMES)} dimensions may be"
+        )

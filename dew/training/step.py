@@ -16,15 +16,19 @@ whole mesh, on each device's local shards, and every byte between devices is a c
     expert.moe_mlp       in each MoE layer, all_to_all of routed token copies over expert to the
                          devices holding their experts and back (and the transposes), and a
                          psum of the [E] expert counts over the token axes
-    data.sum_gradients   psum of gradients over the axes dew.parallel.gradients names for each
-                         weight: the token axes (data, fsdp for weights kept whole, sequence),
-                         tensor for partial ones
-    data.sum_over_tokens psum of the loss over the token axes
-    pipeline             over a stage axis (``local_gradients`` then runs
+    pipeline             over a stage axis (each device then runs its stage by
                          ``pipeline_gradients``): per tick, a ppermute of one microbatch's
                          activations [rows / M, seq, embed] to the next stage and one of their
-                         gradients back; the embedding's, final norm's and head's gradients and
-                         the loss psummed over stage as well
+                         gradients back
+    data.sum_gradients   psum of gradients over the axes dew.parallel.gradients names for each
+                         weight: the token axes (data, fsdp for weights kept whole, sequence),
+                         tensor for partial ones, stage for the weights every stage holds
+    data.sum_loss        psum of the loss and the objective's statistics (an MoE model's router
+                         counts; nothing more for a dense one) over the token axes and stage
+
+The plain and the pipelined step differ only in how a device computes its part (the whole model
+on its tokens, or its stage over microbatches); both end in the same tail (``_summed``), and the
+step hands the objective's statistics to ``objective.metrics`` without reading them.
 
 The optax update then runs on the gradients as laid out (the same layout as the weights), outside
 the ``shard_map`` but in the same ``jit``. That makes any optax transformation give its one-device
@@ -60,7 +64,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dew.mesh import BATCH_AXES
-from dew.nn.moe import RouterStats
 from dew.parallel import Shards, data, pipeline, sequence
 from dew.training.state import TrainState
 
@@ -73,51 +76,31 @@ TOKEN_SPEC = P(BATCH_AXES, "sequence")
 POSITION_SPEC = P("sequence")
 
 
-def accumulated_gradients(loss_share: Callable, params, microbatches: jax.Array):
-    """Sum over ``microbatches`` (leading axis) of ``value_and_grad(loss_share, has_aux=True)``,
-    under one ``scan``: ``(loss, stats, grads)``, each summed."""
+def _cut(x: jax.Array, count: int) -> jax.Array:
+    """``[rows, ...]`` -> ``[count, rows / count, ...]``: microbatch ``k`` is the ``k``-th run of
+    consecutive rows."""
+    return x.reshape(count, x.shape[0] // count, *x.shape[1:])
+
+
+def accumulated_gradients(loss_share: Callable, params, microbatches):
+    """Sum over ``microbatches`` (leading axis of every leaf) of ``value_and_grad(loss_share,
+    has_aux=True)``, under one ``scan``: ``(loss, aux, grads)``, each summed.
+
+    ``loss_share(params, micro) -> (loss, aux)``: a scalar and a pytree of arrays (the
+    objective's statistics, whatever they are)."""
+    first = jax.tree_util.tree_map(lambda x: x[0], microbatches)
+    _, aux_shapes = jax.eval_shape(loss_share, params, first)
 
     def accumulate(total, micro):
-        (loss, stats), grads = jax.value_and_grad(loss_share, has_aux=True)(params, micro)
-        return jax.tree_util.tree_map(jnp.add, total, (loss, stats, grads)), None
+        (loss, aux), grads = jax.value_and_grad(loss_share, has_aux=True)(params, micro)
+        return jax.tree_util.tree_map(jnp.add, total, (loss, aux, grads)), None
 
-    zeros = (
-        jnp.zeros((), jnp.float32),
-        RouterStats.zeros(),
-        jax.tree_util.tree_map(jnp.zeros_like, params),
+    zeros = jax.tree_util.tree_map(
+        lambda a: jnp.zeros(a.shape, a.dtype),
+        (jax.ShapeDtypeStruct((), jnp.float32), aux_shapes, params),
     )
-    (loss, stats, grads), _ = jax.lax.scan(accumulate, zeros, microbatches)
-    return loss, stats, grads
-
-
-def step_metrics(objective, loss: jax.Array, stats: RouterStats, global_tokens: int) -> dict:
-    """What a step reports: ``{"loss": ...}``, and for an MoE model the router losses (each a
-    mean over the MoE layers and the microbatches) and the fraction of token copies dropped."""
-    metrics = {"loss": loss}
-    if getattr(objective.model, "num_experts", 0):
-        metrics["load_balance_loss"] = stats.load_balance / global_tokens
-        metrics["router_z_loss"] = stats.z_loss / global_tokens
-        metrics["dropped_fraction"] = stats.dropped / jnp.maximum(stats.routed, 1.0)
-    return metrics
-
-
-def step_shards(
-    mesh: Mesh,
-    param_specs,
-    sequence_parallel: bool = False,
-    sequence_scheme: str = "ring",
-    microbatches: int = 1,
-    pipeline_schedule: str = "1f1b",
-) -> Shards:
-    """The ``Shards`` the shard_map engine's code sees on ``mesh``."""
-    return Shards(
-        axis_sizes=dict(mesh.shape),
-        param_specs=param_specs,
-        sequence_parallel=sequence_parallel,
-        sequence_scheme=sequence_scheme,
-        microbatches=microbatches,
-        pipeline_schedule=pipeline_schedule,
-    )
+    (loss, aux, grads), _ = jax.lax.scan(accumulate, zeros, microbatches)
+    return loss, aux, grads
 
 
 def split_tokens(mesh: Mesh, seq_len: int) -> Callable:
@@ -142,37 +125,38 @@ def split_tokens(mesh: Mesh, seq_len: int) -> Callable:
     return split
 
 
-def local_gradients(objective, shards: Shards, accumulation: int, global_tokens: int) -> Callable:
-    """``(params, inputs, targets, positions) -> (grads, loss, stats)`` on one device's shards;
-    summed over the axes ``dew.parallel.gradients`` names (the stats over the token axes).
+# --- What one device computes: its part of the loss, its statistics and its gradients ------------
+#
+# Two ways to run the model on a device's shards, with one signature: ``(params, inputs, targets,
+# positions) -> (grads, loss, aux)`` (``..._gradients``) or ``-> (loss, aux)`` (``..._forward``),
+# each the device's part, not yet summed. ``plain``: the whole model on the device's tokens.
+# ``pipelined``: over a ``stage`` axis, the device's stage of the model, its microbatches run by
+# ``dew.parallel.pipeline``. The step then sums the parts the same way whichever ran
+# (``_summed``): one tail, in ``dew.parallel.data``.
 
-    ``inputs``, ``targets``: this device's ``[rows, positions]`` tokens (``TOKEN_SPEC``), taken as
-    ``accumulation`` microbatches of consecutive rows; ``positions``: their global positions. Each
+
+def _plain_gradients(objective, shards: Shards, accumulation: int, global_tokens: int):
+    """The device's tokens taken as ``accumulation`` microbatches of consecutive rows; each
     microbatch's loss is its share of the global mean, so the gradients add up to the whole
-    batch's. Over a ``stage`` axis of size > 1: ``pipelined_gradients``.
-    """
-    if shards.size(pipeline.AXIS) > 1:
-        return pipelined_gradients(objective, shards, accumulation, global_tokens)
+    batch's."""
 
     def share(params, micro):
         inputs, targets, positions = micro
-        loss, stats = objective.token_loss_sum(params, inputs, targets, positions, shards)
-        return loss / global_tokens, stats
+        loss, aux = objective.token_loss_sum(params, inputs, targets, positions, shards)
+        return loss / global_tokens, aux
 
     def fn(params, inputs, targets, positions):
-        def cut(x):
-            return x.reshape(accumulation, x.shape[0] // accumulation, *x.shape[1:])
-
         every = jnp.broadcast_to(positions, (accumulation, *positions.shape))
-        micro = (cut(inputs), cut(targets), every)
-        loss, stats, grads = accumulated_gradients(share, params, micro)
-        partial = objective.model.partial_over_tensor(shards)
-        grads = data.sum_gradients(grads, shards.param_specs, shards, partial)
-        if getattr(objective.model, "num_experts", 0):
-            loss, stats = data.sum_over_tokens((loss, stats), shards)
-        else:  # a dense model's stats are zeros: only the loss travels
-            loss = data.sum_over_tokens(loss, shards)
-        return grads, loss, stats
+        micro = (_cut(inputs, accumulation), _cut(targets, accumulation), every)
+        loss, aux, grads = accumulated_gradients(share, params, micro)
+        return grads, loss, aux
+
+    return fn
+
+
+def _plain_forward(objective, shards: Shards):
+    def fn(params, inputs, targets, positions):
+        return objective.token_loss_sum(params, inputs, targets, positions, shards)
 
     return fn
 
@@ -183,14 +167,8 @@ def pipeline_microbatches(shards: Shards, accumulation: int) -> int:
     return accumulation * shards.microbatches
 
 
-def _cut(x: jax.Array, count: int) -> jax.Array:
-    """``[rows, ...]`` -> ``[count, rows / count, ...]``: microbatch ``k`` is the ``k``-th run of
-    consecutive rows."""
-    return x.reshape(count, x.shape[0] // count, *x.shape[1:])
-
-
 def _stage_fn(objective, shards: Shards, positions: jax.Array) -> Callable:
-    """``(params, x_in, (inputs, targets)) -> (y, loss_sum, stats)``: this device's stage of the
+    """``(params, x_in, (inputs, targets)) -> (y, loss_sum, aux)``: this device's stage of the
     objective on one microbatch (``LMObjective.stage_loss_sum``), for ``dew.parallel.pipeline``."""
 
     def stage_fn(params, x_in, micro):
@@ -207,31 +185,25 @@ def _activation(objective, shards: Shards, params, inputs_m: jax.Array) -> jax.S
     return jax.eval_shape(lambda p, t: objective.model.embed(p, t, shards), params, inputs_m)
 
 
-def pipelined_gradients(
-    objective, shards: Shards, accumulation: int, global_tokens: int
-) -> Callable:
-    """``local_gradients`` over a ``stage`` axis of ``S > 1``: the same ``(params, inputs,
-    targets, positions) -> (grads, loss, stats)``, run by ``dew.parallel.pipeline``.
-
-    The cut: this device's rows are ``accumulation`` runs of consecutive rows, each cut into
-    ``shards.microbatches`` runs of consecutive rows, so microbatch ``k = a M + m`` is the ``k``-th
-    run of ``rows / (A M)`` rows; all ``A M`` go through one pipeline (``shards.pipeline_schedule``
-    for ``S`` stages and ``A M`` microbatches), so accumulation shrinks the bubble too. Every
-    device of a stage group holds the same rows: stage 0 reads their inputs, the last stage
+def _pipelined_gradients(objective, shards: Shards, accumulation: int, global_tokens: int):
+    """The device's stage over ``A M`` microbatches (``A = accumulation``, ``M =
+    shards.microbatches``): its rows are ``A`` runs of consecutive rows, each cut into ``M``, so
+    microbatch ``k = a M + m`` is the ``k``-th run of ``rows / (A M)`` rows; all go through one
+    pipeline (``shards.options.pipeline_schedule``), so accumulation shrinks the bubble too.
+    Every device of a stage group holds the same rows: stage 0 reads their inputs, the last stage
     their targets.
 
-    Each stage differentiates ``loss_sum / global_tokens`` of ``LMObjective.stage_loss_sum``;
-    the gradients of its layers are whole for its stage, and those of the weights every stage
-    holds (embedding, final norm, head) are summed over ``stage`` as ``dew.parallel.gradients``
-    says. The loss and the router stats are summed over the token axes and ``stage``.
+    Each stage differentiates ``loss_sum / global_tokens`` of ``stage_loss_sum``; the gradients
+    of its layers are whole for its stage, and those of the weights every stage holds (embedding,
+    final norm, head) are parts, summed over ``stage`` as ``dew.parallel.gradients`` says.
     """
     count = pipeline_microbatches(shards, accumulation)
     stages = shards.size(pipeline.AXIS)
-    schedule = pipeline.SCHEDULES[shards.pipeline_schedule](stages, count)
+    schedule = pipeline.SCHEDULES[shards.options.pipeline_schedule](stages, count)
 
     def fn(params, inputs, targets, positions):
         micro = (_cut(inputs, count), _cut(targets, count))
-        grads, loss, stats = pipeline.pipeline_gradients(
+        grads, loss, aux = pipeline.pipeline_gradients(
             _stage_fn(objective, shards, positions),
             params,
             micro,
@@ -240,27 +212,67 @@ def pipelined_gradients(
             loss_scale=1.0 / global_tokens,
             has_aux=True,
         )
-        partial = objective.model.partial_over_tensor(shards)
-        grads = data.sum_gradients(grads, shards.param_specs, shards, partial)
-        if getattr(objective.model, "num_experts", 0):
-            loss, stats = _sum_over_tokens_and_stages((loss, stats), shards)
-        else:  # a dense model's stats are zeros: only the loss travels
-            loss = _sum_over_tokens_and_stages(loss, shards)
-        return grads, loss / global_tokens, stats
+        return grads, loss / global_tokens, aux
 
     return fn
 
 
-def _sum_over_tokens_and_stages(x, shards: Shards):
-    """``psum`` of small values (a loss, router stats) over the token axes and ``stage``: each
-    stage holds the part its layers (and, last, its head) added."""
-    return jax.lax.psum(x, (*shards.token_axes(), pipeline.AXIS))
+def _pipelined_forward(objective, shards: Shards):
+    """The device's stage over ``shards.microbatches`` microbatches
+    (``dew.parallel.pipeline.pipeline_forward``: ``M + S - 1`` ticks, one ``ppermute`` of an
+    activation each)."""
+
+    def fn(params, inputs, targets, positions):
+        count = shards.microbatches
+        micro = (_cut(inputs, count), _cut(targets, count))
+        return pipeline.pipeline_forward(
+            _stage_fn(objective, shards, positions),
+            params,
+            micro,
+            activation=_activation(objective, shards, params, micro[0][0]),
+            has_aux=True,
+        )
+
+    return fn
+
+
+def _pipelined(shards: Shards) -> bool:
+    return shards.size(pipeline.AXIS) > 1
+
+
+def local_gradients(objective, shards: Shards, accumulation: int, global_tokens: int) -> Callable:
+    """``(params, inputs, targets, positions) -> (grads, loss, aux)`` on one device's shards,
+    summed over the devices (``_summed``): the gradients of the global mean loss, laid out like
+    the parameters, the global mean loss, and the objective's statistics summed over every
+    token.
+
+    ``inputs``, ``targets``: this device's ``[rows, positions]`` tokens (``TOKEN_SPEC``);
+    ``positions``: their global positions. Over a ``stage`` axis above 1 the device runs its
+    stage as a pipeline (``_pipelined_gradients``), else the whole model (``_plain_gradients``).
+    """
+    parts = _pipelined_gradients if _pipelined(shards) else _plain_gradients
+    part = parts(objective, shards, accumulation, global_tokens)
+
+    def fn(params, inputs, targets, positions):
+        return _summed(objective, shards, *part(params, inputs, targets, positions))
+
+    return fn
+
+
+def _summed(objective, shards: Shards, grads, loss, aux):
+    """The one tail of every shard_map step: each gradient summed over the axes
+    ``dew.parallel.gradients`` names for it, the loss and the statistics over every axis that
+    holds a part of them (``data.sum_loss``)."""
+    partial = objective.model.partial_over_tensor(shards)
+    grads = data.sum_gradients(grads, shards.param_specs, shards, partial)
+    loss, aux = data.sum_loss((loss, aux), shards)
+    return grads, loss, aux
 
 
 def global_gradients(
     objective, shards: Shards, batch_splits: int, accumulation: int, global_tokens: int
 ) -> Callable:
-    """The GSPMD baseline's ``(params, batch) -> (grads, loss, stats)`` on the global arrays.
+    """The GSPMD baseline's ``(params, batch) -> (grads, loss, aux)`` on the global arrays.
 
     ``shards``: the global view (nothing split), with ``pinned_activations`` set or not.
     Microbatch i takes the i-th block of rows of each of the ``batch_splits`` batch shards, the rows
@@ -268,8 +280,8 @@ def global_gradients(
     """
 
     def share(params, micro):
-        loss, stats = objective.loss_sum(params, micro, shards)
-        return loss / global_tokens, stats
+        loss, aux = objective.loss_sum(params, micro, shards)
+        return loss / global_tokens, aux
 
     def fn(params, batch):
         rows, width = batch.shape
@@ -277,8 +289,8 @@ def global_gradients(
             batch_splits, accumulation, rows // (batch_splits * accumulation), width
         )
         micro = micro.swapaxes(0, 1).reshape(accumulation, rows // accumulation, width)
-        loss, stats, grads = accumulated_gradients(share, params, micro)
-        return grads, loss, stats
+        loss, aux, grads = accumulated_gradients(share, params, micro)
+        return grads, loss, aux
 
     return fn
 
@@ -317,33 +329,21 @@ def _shard_map_step(
 
 
 def build_loss(objective, mesh: Mesh, shards: Shards, *, global_rows: int) -> Callable:
-    """The jitted ``(params, batch) -> loss``: the mean loss of a global batch, forward only, with
-    the step's collectives (weights gathered per layer, the loss summed over the token axes).
+    """The jitted ``(params, batch) -> (loss, aux)``: the mean loss of a global batch and the
+    objective's statistics summed over its tokens, forward only, with the step's collectives
+    (weights gathered per layer, the parts summed by the step's tail, ``data.sum_loss``).
 
     Over a ``stage`` axis of size > 1 the forward runs as a pipeline of ``shards.microbatches``
-    microbatches (``dew.parallel.pipeline.pipeline_forward``: ``M + S - 1`` ticks, one
-    ``ppermute`` of an activation each), the loss summed over ``stage`` too.
+    microbatches (``_pipelined_forward``).
     """
     global_tokens = global_rows * objective.seq_len
+    forward = (_pipelined_forward if _pipelined(shards) else _plain_forward)(objective, shards)
 
     def local_loss(params, inputs, targets, positions):
-        loss, _ = objective.token_loss_sum(params, inputs, targets, positions, shards)
-        return data.sum_over_tokens(loss, shards) / global_tokens
+        loss, aux = data.sum_loss(forward(params, inputs, targets, positions), shards)
+        return loss / global_tokens, aux
 
-    def pipelined_loss(params, inputs, targets, positions):
-        count = shards.microbatches
-        micro = (_cut(inputs, count), _cut(targets, count))
-        loss, _ = pipeline.pipeline_forward(
-            _stage_fn(objective, shards, positions),
-            params,
-            micro,
-            activation=_activation(objective, shards, params, micro[0][0]),
-            has_aux=True,
-        )
-        return _sum_over_tokens_and_stages(loss, shards) / global_tokens
-
-    local = pipelined_loss if shards.size(pipeline.AXIS) > 1 else local_loss
-    loss = _shard_map_step(local, mesh, shards, objective.seq_len, P())
+    loss = _shard_map_step(local_loss, mesh, shards, objective.seq_len, (P(), P()))
     return jax.jit(loss, out_shardings=NamedSharding(mesh, P()))
 
 
@@ -356,13 +356,13 @@ def build_gradients(
     global_rows: int,
     engine: str = "shard_map",
 ) -> Callable:
-    """``(params, batch) -> (grads, loss, stats)`` on global arrays laid out on ``mesh``: the
+    """``(params, batch) -> (grads, loss, aux)`` on global arrays laid out on ``mesh``: the
     gradient of the mean loss of the whole batch, laid out like the parameters, the loss, and the
-    summed ``RouterStats`` of the MoE layers (zeros for a dense model).
+    objective's statistics summed over the batch (``{}`` for a dense language model).
 
     Args:
-      shards: what the shard_map engine's code sees (``step_shards``): the mesh's sizes, the
-        parameters' ``PartitionSpec`` s, the activation options. The GSPMD engines read only the
+      shards: what the shard_map engine's code sees: the mesh's sizes, the parameters'
+        ``PartitionSpec`` s, the ``StepOptions``. The GSPMD engines read only the
         specs' absence: they run the model on the global arrays.
       global_rows: rows of the global batch (the loss is a mean over ``global_rows * seq_len``
         tokens).
@@ -370,7 +370,7 @@ def build_gradients(
     global_tokens = global_rows * objective.seq_len
     if engine == "shard_map":
         local = local_gradients(objective, shards, accumulation, global_tokens)
-        out_specs = (shards.param_specs, P(), RouterStats(P(), P(), P(), P()))
+        out_specs = (shards.param_specs, P(), P())
         return _shard_map_step(local, mesh, shards, objective.seq_len, out_specs)
     if engine in ("gspmd", "gspmd_unpinned"):
         # Activations [rows, seq, embed] pinned to the rows' split (and the positions' one over a
@@ -396,8 +396,9 @@ def build_train_step(
 ) -> Callable:
     """The jitted step ``(state, batch) -> (state, metrics)``; ``state`` is donated.
 
-    ``metrics``: ``step_metrics``'s dict of scalars, ``"loss"`` and, for an MoE model,
-    ``"load_balance_loss"``, ``"router_z_loss"`` and ``"dropped_fraction"``.
+    ``metrics``: the objective's ``metrics(loss, aux, global_tokens)``, a dict of scalars with
+    ``"loss"`` (for an MoE language model also ``"load_balance_loss"``, ``"router_z_loss"`` and
+    ``"dropped_fraction"``).
 
     ``state_shardings`` is the ``NamedSharding`` tree of the whole ``TrainState``; the other
     arguments are ``build_gradients``'.
@@ -414,8 +415,8 @@ def build_train_step(
     global_tokens = global_rows * objective.seq_len
 
     def step(state: TrainState, batch: jax.Array):
-        grads, loss, stats = gradients(state.params, batch)
-        metrics = step_metrics(objective, loss, stats, global_tokens)
+        grads, loss, aux = gradients(state.params, batch)
+        metrics = objective.metrics(loss, aux, global_tokens)
         return apply_updates(state, grads, optimizer, objective.ema_decay), metrics
 
     return jax.jit(

@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 from dew.checks import nonnegative_int, positive_int
 from dew.layout import Layout
 from dew.mesh import BATCH_AXES, MeshSpec, build_mesh
-from dew.parallel import expert, pipeline, sequence, tensor
+from dew.parallel import Shards, expert, pipeline, sequence, tensor
+from dew.parallel.options import StepOptions
 from dew.training.state import TrainState
 from dew.training.step import (
     BATCH_SPEC,
@@ -35,7 +36,6 @@ from dew.training.step import (
     build_gradients,
     build_loss,
     build_train_step,
-    step_shards,
 )
 
 
@@ -66,21 +66,6 @@ def _router_line(metrics: dict) -> str:
     )
 
 
-def _check_pipeline_attention(mesh_shape: dict, sequence_scheme: str) -> None:
-    """Ring attention cannot run inside a pipeline stage: its ``ppermute``s would sit in the
-    branch a stage takes at a tick, and XLA:CPU joins every device of the step in each
-    collective-permute, so stages running different branches deadlock or trade the wrong
-    blocks. The all-to-all scheme (and every other collective) only joins its group."""
-    stages, n = mesh_shape.get("stage", 1), mesh_shape.get("sequence", 1)
-    if stages > 1 and n > 1 and sequence_scheme == "ring":
-        raise ValueError(
-            f"sequence {n} with stage {stages}: ring attention's ppermutes cannot run inside a "
-            "pipeline stage (each stage runs its own branch of the schedule, and a "
-            "collective-permute there must be joined by every device); use "
-            "sequence_scheme='all_to_all' with a stage axis"
-        )
-
-
 class Trainer:
     """Trains ``objective`` with ``optimizer`` over a device mesh.
 
@@ -97,22 +82,11 @@ class Trainer:
         with every block's input pinned to the batch split: the baseline benchmarks compare with) or
         ``"gspmd_unpinned"`` (the partitioner left alone; see ``dew.training.step``).
       devices: the devices to use (default: all of them).
-      sequence_parallel: with ``tensor > 1``, keep the activations between blocks split over
-        positions across the tensor group (Megatron's sequence parallelism: norms and residual
-        adds on ``1/tensor`` of the tokens, all-gather and reduce-scatter instead of all-reduce);
-        ``seq_len`` must divide by ``tensor``. No effect while ``tensor`` is 1, nor on the GSPMD
-        engines.
-      sequence_scheme: how attention spans a ``sequence`` axis: ``"ring"`` (the default; K/V
-        blocks travel round the axis) or ``"all_to_all"`` (DeepSpeed-Ulysses: positions traded
-        for heads, which must divide by ``sequence x tensor``). See ``dew.parallel.sequence``.
-      pipeline_schedule: over a ``stage`` axis above 1, the pipeline's schedule
-        (``dew.parallel.pipeline.SCHEDULES``): ``"1f1b"`` (the default: at most ``stage``
-        microbatches' inputs held on a stage, lock-step ticks), ``"1f1b_phased"`` (forward and
-        backward ticks alternate, so a step takes ``(M + S - 1) (forward + backward)`` whatever
-        a backward costs, for up to ``2 stage - 1`` inputs held) or ``"gpipe"`` (all forwards,
-        then all backwards: every stage holds all ``M`` inputs; there to compare memory with).
-        The mesh must then say ``MeshSpec(stage=S, microbatches=M)``. No effect on the GSPMD
-        engines, which run the layers split over ``stage`` as XLA sees fit.
+      options: a ``StepOptions``: Megatron's sequence-parallel activations over ``tensor``, the
+        attention scheme over ``sequence``, the pipeline schedule over ``stage``
+        (``dew.parallel.options``). Checked against the mesh here, before anything compiles: an
+        option the mesh gives no axis for is an error. The shard_map engine's only: the GSPMD
+        engines take the default.
     """
 
     def __init__(
@@ -126,9 +100,7 @@ class Trainer:
         accumulation: int = 1,
         engine: str = "shard_map",
         devices=None,
-        sequence_parallel: bool = False,
-        sequence_scheme: str = "ring",
-        pipeline_schedule: str = "1f1b",
+        options: StepOptions = StepOptions(),
     ):
         if not isinstance(mesh, MeshSpec):
             raise TypeError(f"mesh must be a dew.MeshSpec, got {type(mesh).__name__}")
@@ -137,10 +109,12 @@ class Trainer:
         positive_int("accumulation", accumulation)
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
-        if pipeline_schedule not in pipeline.SCHEDULES:
+        if not isinstance(options, StepOptions):
+            raise TypeError(f"options must be a dew.StepOptions, got {type(options).__name__}")
+        if engine != "shard_map" and options != StepOptions():
             raise ValueError(
-                f"unknown pipeline_schedule {pipeline_schedule!r}; expected one of "
-                f"{', '.join(pipeline.SCHEDULES)}"
+                f"options {options} shape the shard_map step; the {engine} engine runs the "
+                "model on global arrays and takes the default StepOptions()"
             )
         if mesh.stage > 1 and mesh.microbatches is None:
             s = mesh.stage
@@ -162,42 +136,26 @@ class Trainer:
         self.checkpoints = checkpoints
         self.accumulation = accumulation
         self.engine = engine
-        self.sequence_parallel = bool(sequence_parallel)
-        self.pipeline_schedule = pipeline_schedule
+        self.options = options
         # Pipeline microbatches per accumulation microbatch (1 without a stage axis).
         self.microbatches = mesh.microbatches or 1
 
         mesh_shape = dict(self.mesh.shape)
-        objective.model.check_split(mesh_shape, sequence_scheme)
-        tensor_size, sequence_size = mesh_shape["tensor"], mesh_shape["sequence"]
-        sequence.check_seq_len(objective.seq_len, sequence_size)
-        positions = objective.seq_len // sequence_size
-        if self.sequence_parallel and positions % tensor_size:
-            held = f"seq_len {objective.seq_len}" + (
-                f" over sequence {sequence_size} leaves {positions} positions per device, which"
-                if sequence_size > 1
-                else ""
-            )
-            raise ValueError(
-                f"{held} does not split over tensor {tensor_size} (sequence_parallel=True splits "
-                "each row's positions across the tensor group)"
-            )
+        objective.model.check_split(mesh_shape, options.sequence_scheme)
+        sequence.check_seq_len(objective.seq_len, mesh_shape["sequence"])
         if engine == "shard_map":
-            _check_pipeline_attention(mesh_shape, sequence_scheme)
-        self.sequence_scheme = sequence_scheme
+            options.check(mesh_shape, objective.seq_len)
         axes = objective.model.logical_axes()
         abstract_state = jax.eval_shape(self._fresh_state, self.key)
         self.param_specs = layout.specs(self.mesh, abstract_state.params, axes)
-        self.shards = step_shards(
-            self.mesh,
-            self.param_specs,
-            self.sequence_parallel,
-            sequence_scheme,
-            self.microbatches,
-            pipeline_schedule,
+        self.shards = Shards(
+            axis_sizes=mesh_shape,
+            param_specs=self.param_specs,
+            options=options,
+            microbatches=self.microbatches,
         )
         if engine == "shard_map":
-            tensor.check_layout(self.param_specs, axes, abstract_state.params, tensor_size)
+            tensor.check_layout(self.param_specs, axes, abstract_state.params, mesh_shape["tensor"])
             expert.check_layout(self.param_specs, axes, mesh_shape["expert"])
             pipeline.check_layout(self.param_specs, axes, mesh_shape["stage"])
         self.state_shardings = layout.shardings(self.mesh, abstract_state, axes)
@@ -271,10 +229,12 @@ class Trainer:
             "layout": self.layout.describe(),
             "engine": self.engine,
         }
+        if self.options != StepOptions():
+            metadata["options"] = self.options.describe()
         if self.mesh.shape["stage"] > 1:
             metadata["pipeline"] = {
                 "microbatches": self.microbatches,
-                "schedule": self.pipeline_schedule,
+                "schedule": self.options.pipeline_schedule,
             }
         if data is not None:
             metadata["data_position"] = data.position(
@@ -368,7 +328,15 @@ class Trainer:
         return self._gradients[rows](params, batch)
 
     def evaluate(self, state: TrainState, data, params: str = "params") -> float:
-        """The mean loss over ``data``'s validation batches (``TokenWindows(val_batches=...)``).
+        """The mean loss over ``data``'s validation batches (``TokenWindows(val_batches=...)``):
+        ``validation_metrics(...)["loss"]``, the language model's loss alone for an MoE model."""
+        return self.validation_metrics(state, data, params)["loss"]
+
+    def validation_metrics(self, state: TrainState, data, params: str = "params") -> dict:
+        """The objective's ``evaluation_metrics`` over ``data``'s validation batches, each a mean
+        over the batches: ``"loss"`` (for an MoE model the cross-entropy alone, comparable with a
+        dense model's) and, for an MoE model, the router losses and the dropped fraction beside
+        it.
 
         ``params="ema"`` evaluates the EMA weights instead. Forward only, with the same layout and
         collectives as the step; every validation token counts once.
@@ -382,7 +350,8 @@ class Trainer:
                 f"params must be 'params' or 'ema' (with ema_decay set), got {params!r}"
             )
         self.check_batch(data.batch_size)
-        _check_pipeline_attention(dict(self.mesh.shape), self.sequence_scheme)
+        # Evaluation runs the shard_map forward whatever the step's engine.
+        self.options.check(dict(self.mesh.shape), self.objective.seq_len)
         if data.batch_size not in self._losses:
             self._losses[data.batch_size] = build_loss(
                 self.objective,
@@ -390,9 +359,14 @@ class Trainer:
                 self.shards,
                 global_rows=data.batch_size,
             )
-        loss = self._losses[data.batch_size]
-        losses = [loss(weights, self.device_batch(rows, data.batch_size)) for rows in batches]
-        return float(np.mean([float(loss) for loss in losses]))
+        loss_fn = self._losses[data.batch_size]
+        tokens = data.batch_size * self.objective.seq_len
+        per_batch = []
+        for rows in batches:
+            loss, aux = loss_fn(weights, self.device_batch(rows, data.batch_size))
+            metrics = self.objective.evaluation_metrics(loss, aux, tokens)
+            per_batch.append({name: float(value) for name, value in metrics.items()})
+        return {name: float(np.mean([m[name] for m in per_batch])) for name in per_batch[0]}
 
     @property
     def batch_sharding(self) -> NamedSharding:

@@ -1,0 +1,129 @@
+"""``StepOptions``: what shapes the shard_map step beyond the mesh and the layout, in one value.
+
+    Trainer(objective, optimizer, key=key, mesh=MeshSpec(fsdp=2, tensor=4),
+            options=StepOptions(sequence_parallel=True))
+
+The mesh says how many devices each axis takes and the layout where each weight lives; these
+options say how the step's code uses an axis it has: Megatron's sequence-parallel activations on
+``tensor``, the attention scheme over ``sequence``, the schedule over ``stage``. ``Shards`` carries
+them into the step; the ``Trainer``, ``dew.benchmark`` and every ``dew`` command take one.
+
+Every check of an option lives here: its own values when it is built, and what it asks of a mesh
+and a sequence length in ``check`` (called by the ``Trainer`` before anything compiles). An option
+that cannot take effect on the mesh it is given is an error, not a silent no-op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dew.parallel import pipeline, sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How the shard_map step uses the axes it has.
+
+    Attributes:
+      sequence_parallel: with ``tensor > 1``, keep the activations between blocks split over
+        positions across the tensor group (Megatron's sequence parallelism, unrelated to the
+        ``sequence`` axis): norms and residual adds on ``1/tensor`` of the positions, activations
+        moved by ``all_gather`` and ``psum_scatter`` instead of ``psum``. Each device's positions
+        must split over ``tensor``.
+      sequence_scheme: how attention spans a ``sequence`` axis above 1 (``dew.parallel.sequence``):
+        ``"ring"`` (the default; K/V blocks travel round the axis by ``ppermute``) or
+        ``"all_to_all"`` (DeepSpeed-Ulysses: positions traded for heads, which must divide by
+        ``sequence x tensor``). A pipeline (``stage > 1``) needs ``"all_to_all"``.
+      pipeline_schedule: over a ``stage`` axis above 1 (``dew.parallel.pipeline.SCHEDULES``):
+        ``"1f1b"`` (the default: at most ``stage`` microbatches' inputs held on a stage),
+        ``"1f1b_phased"`` (forward and backward ticks alternate: ``(M + S - 1)(forward +
+        backward)`` a step, up to ``2 stage - 1`` inputs held) or ``"gpipe"`` (all forwards,
+        then all backwards: every stage holds all ``M`` inputs).
+    """
+
+    sequence_parallel: bool = False
+    sequence_scheme: str = "ring"
+    pipeline_schedule: str = "1f1b"
+
+    def __post_init__(self):
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(
+                f"sequence_parallel must be True or False, got {self.sequence_parallel!r}"
+            )
+        if self.sequence_scheme not in sequence.SCHEMES:
+            raise ValueError(
+                f"unknown sequence_scheme {self.sequence_scheme!r}; expected one of "
+                f"{', '.join(sequence.SCHEMES)}"
+            )
+        if self.pipeline_schedule not in pipeline.SCHEDULES:
+            raise ValueError(
+                f"unknown pipeline_schedule {self.pipeline_schedule!r}; expected one of "
+                f"{', '.join(pipeline.SCHEDULES)}"
+            )
+
+    def check(self, axis_sizes: dict, seq_len: int) -> None:
+        """Raises ``ValueError``, naming the values, when these options cannot run, or cannot
+        take effect, on a mesh of ``axis_sizes`` with rows of ``seq_len`` positions.
+
+        - ``sequence_parallel`` without a ``tensor`` axis, or with positions per device that do
+          not split over it;
+        - ``sequence_scheme`` other than the default without a ``sequence`` axis; the ring inside
+          a pipeline (its ``ppermute`` s would sit in the branch a stage takes at a tick, and
+          XLA:CPU joins every device of the step in each collective-permute, so stages running
+          different branches deadlock);
+        - ``pipeline_schedule`` other than the default without a ``stage`` axis.
+        """
+        t, n = axis_sizes.get("tensor", 1), axis_sizes.get("sequence", 1)
+        stages = axis_sizes.get("stage", 1)
+        if self.sequence_parallel:
+            if t == 1:
+                raise ValueError(
+                    "sequence_parallel=True needs a tensor axis above 1: it splits the "
+                    "activations between blocks over the tensor group, and this mesh has tensor 1"
+                )
+            positions = seq_len // n
+            if positions % t:
+                held = f"seq_len {seq_len}" + (
+                    f" over sequence {n} leaves {positions} positions per device, which"
+                    if n > 1
+                    else ""
+                )
+                raise ValueError(
+                    f"{held} does not split over tensor {t} (sequence_parallel=True splits each "
+                    "row's positions across the tensor group)"
+                )
+        if self.sequence_scheme != "ring" and n == 1:
+            raise ValueError(
+                f"sequence_scheme={self.sequence_scheme!r} needs a sequence axis above 1; this "
+                "mesh has sequence 1"
+            )
+        if stages > 1 and n > 1 and self.sequence_scheme == "ring":
+            raise ValueError(
+                f"sequence {n} with stage {stages}: ring attention's ppermutes cannot run inside a "
+                "pipeline stage (each stage runs its own branch of the schedule, and a "
+                "collective-permute there must be joined by every device); use "
+                "sequence_scheme='all_to_all' with a stage axis"
+            )
+        if self.pipeline_schedule != "1f1b" and stages == 1:
+            raise ValueError(
+                f"pipeline_schedule={self.pipeline_schedule!r} needs a stage axis above 1; this "
+                "mesh has stage 1"
+            )
+
+    def in_effect(self, axis_sizes: dict) -> dict:
+        """The options a mesh of ``axis_sizes`` uses, by name: ``sequence_parallel`` with a
+        ``tensor`` axis, ``sequence_scheme`` with a ``sequence`` axis, ``pipeline_schedule`` with
+        a ``stage`` axis (for a header or a benchmark row: what shaped this step)."""
+        uses = {
+            "sequence_parallel": axis_sizes.get("tensor", 1) > 1,
+            "sequence_scheme": axis_sizes.get("sequence", 1) > 1,
+            "pipeline_schedule": axis_sizes.get("stage", 1) > 1,
+        }
+        return {name: getattr(self, name) for name, used in uses.items() if used}
+
+    def describe(self) -> dict:
+        """The options as a JSON-ready dict (checkpoint metadata, benchmark rows)."""
+        return dataclasses.asdict(self)
+
+
+DEFAULT = StepOptions()

@@ -1,0 +1,122 @@
+"""What the equivalence tests share: the plain one-device reference, a sharded run through the
+``Trainer``, and the comparison of the two.
+
+The reference is the model's plain loss on one device, ``jax.grad`` and the optax update, with no
+mesh, no shard_map and no Trainer. A sharded run reads each step's gradients off its optimizer
+state (``recording``), so it compiles one program, the step, and still checks every gradient of
+every step, as the optimizer received it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import dew
+from tests.helpers import fresh_batch, relative_error, seeded_key, smooth_optimizer
+
+ROWS = 32  # 4 rows per device: room for 4 microbatches
+STEPS = 3
+TOL = 1e-5
+
+
+def recording(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``optimizer``, whose state also keeps the gradients of its last update (``state[0]``,
+    laid out like the parameters), so a test reads each step's gradients off the state."""
+
+    def init(params):
+        return jax.tree_util.tree_map(jnp.zeros_like, params), optimizer.init(params)
+
+    def update(grads, state, params=None):
+        updates, inner = optimizer.update(grads, state[1], params)
+        return updates, (grads, inner)
+
+    return optax.GradientTransformation(init, update)
+
+
+class Microbatched:
+    """The one-device loss of a batch cut as the step cuts it, for an MoE model, whose
+    load-balancing loss is a statistic of each microbatch (docs/moe.md): the batch's ``splits``
+    shards (one per device of the batch axes) each give their ``k``-th run of rows to microbatch
+    ``k`` of ``count``, and the loss is the sum of the microbatches' loss sums over the batch's
+    token count. With ``count = 1`` it is ``objective.loss``."""
+
+    def __init__(self, objective, splits: int, count: int):
+        self.objective, self.model = objective, objective.model
+        self.splits, self.count = splits, count
+
+    def loss(self, params, batch):
+        rows, width = batch.shape
+        per = rows // (self.splits * self.count)
+        micro = batch.reshape(self.splits, self.count, per, width).swapaxes(0, 1)
+        micro = micro.reshape(self.count, rows // self.count, width)
+        sums = jax.lax.map(lambda rows_k: self.objective.loss_sum(params, rows_k)[0], micro)
+        return jnp.sum(sums) / (rows * self.objective.seq_len)
+
+
+def reference_run(objective, optimizer, key, batches):
+    """One device: plain init, loss, grad and optax update. ``objective``: anything with
+    ``model.init`` and ``loss(params, batch)``."""
+    one = jax.devices()[0]
+    params = jax.jit(objective.model.init)(jax.device_put(key, one))
+    opt_state = optimizer.init(params)
+    loss_and_grads = jax.jit(jax.value_and_grad(objective.loss))
+    run = {"initial": params, "losses": [], "grads": []}
+    for batch in batches:
+        loss, grads = loss_and_grads(params, jax.device_put(batch, one))
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        run["losses"].append(float(loss))
+        run["grads"].append(grads)
+    run.update(params=params, opt_state=opt_state)
+    return run
+
+
+def sharded_run(objective, optimizer, key, batches, mesh, **trainer_args):
+    """The same through a ``Trainer`` on ``mesh`` (``Layout(min_shard=1)`` unless given): its
+    initial weights, each step's loss and gradients, and the final weights and optimizer state.
+    """
+    trainer_args.setdefault("layout", dew.Layout(min_shard=1))
+    trainer = dew.Trainer(objective, recording(optimizer), key, mesh=mesh, **trainer_args)
+    state = trainer.init_state()
+    run = {"initial": jax.tree_util.tree_map(np.asarray, state.params), "losses": [], "grads": []}
+    step = trainer.train_step(ROWS)
+    for batch in batches:
+        state, metrics = step(state, trainer.device_batch(batch, ROWS))
+        run["losses"].append(float(metrics["loss"]))
+        run["grads"].append(jax.tree_util.tree_map(np.asarray, state.opt_state[0]))
+    run.update(params=state.params, opt_state=state.opt_state[1], step=int(state.step))
+    return run
+
+
+def layout_case(seed):
+    """``(key, batches, cache)`` of a test module: its key and ``STEPS`` batches drawn from
+    ``seed``, and an empty cache of one-device runs for ``cached_reference``."""
+    key = seeded_key(seed)
+    return key, [fresh_batch(ROWS, (seed, i)) for i in range(STEPS)], {}
+
+
+def cached_reference(case, objective, name):
+    """The one-device run of ``objective`` on ``case``'s key and batches, run once per ``name``
+    (a hashable description of the model and of how its batch is cut)."""
+    key, batches, cache = case
+    if name not in cache:
+        cache[name] = reference_run(objective, smooth_optimizer(), key, batches)
+    return cache[name]
+
+
+def assert_matches(run, reference, seed, what=""):
+    """Losses, every step's gradients, and the final weights and optimizer state within ``TOL``
+    (relative, per leaf)."""
+    where = f"{what}, seed {seed}" if what else f"seed {seed}"
+    np.testing.assert_allclose(
+        run["losses"], reference["losses"], rtol=TOL, err_msg=f"losses, {where}"
+    )
+    for step, (grads, expected) in enumerate(zip(run["grads"], reference["grads"], strict=True)):
+        error = relative_error(grads, expected)
+        assert error < TOL, f"gradients of step {step} differ by {error:.3g}, {where}"
+    for part in ("params", "opt_state"):
+        error = relative_error(run[part], reference[part])
+        assert error < TOL, (
+            f"{part} after {len(run['losses'])} steps differ by {error:.3g}, {where}"
+        )
