@@ -1,7 +1,8 @@
 """Mixture of experts (its layouts' equivalence with one device, dropless and with a capacity, is in
-tests/test_equivalence.py's table): a skewed router trains dropless and drops exactly the documented copies with a capacity; expert weights are
-split over the expert axis; bad sizes are refused before compiling. The router losses and the
-dropped fraction are held by value to the reference of tests/test_moe_reference.py.
+tests/test_equivalence.py's table): a skewed router trains dropless and drops exactly the
+documented copies with a capacity; expert weights are split over the expert axis; bad sizes are
+refused before compiling. The router losses and the dropped fraction are held by value to the
+reference of tests/test_moe_reference.py.
 
 The reference is the plain one-device run of tests/equivalence.py on the module's fresh seed
 (tests/conftest.py; replay with ``DEW_SEED``).
