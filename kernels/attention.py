@@ -7,6 +7,9 @@ kernels alone (for a ring attention that merges blocks and writes its own backwa
 Only the numbers of rows are padded (with zeros), never heads or head_dim; the kernels mask
 padded keys, padded query rows are sliced off the output, and their cotangent is zero. When the
 lengths are multiples of the blocks no copy is made.
+
+(Past 450 lines: the three entry points share the input checks, the block choice and the padding,
+which must agree between a forward and the backward that later reads its residuals.)
 """
 
 from __future__ import annotations

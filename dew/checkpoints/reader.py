@@ -1,5 +1,8 @@
 """The resharding loader: build each device's slice of every array from the saved pieces.
 
+(Past 450 lines: planning the reads, grouping slices under a host-memory bound and checking every
+chunk are one pass over the same index, kept together so that no byte reaches a slice unchecked.)
+
 For each array, this process works out the distinct slices its devices need (devices holding the
 same slice share one host buffer) and reads every saved piece that overlaps them once: only the byte
 range of the piece that the slices need, widened to whole checksum chunks. When a slice's region is

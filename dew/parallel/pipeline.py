@@ -1,6 +1,10 @@
 """Pipeline parallelism over the ``stage`` axis: 1F1B schedules of lock-step ticks, run inside the
 caller's ``jax.shard_map`` by one ``lax.scan``.
 
+(Past 450 lines because the schedules, their tables and the runner that executes them are one
+idea: the runner reads the schedule's arrays tick by tick, and split apart each half would need
+the other to be read.)
+
 The schedule. ``S`` stages, ``M`` microbatches. Time runs in ticks, the same on every device; at
 each tick every stage does one of: nothing (``.``), the forward of one microbatch (``F m``) or its
 backward (``B m``). An activation made at tick ``t`` reaches the next stage for tick ``t + 1``,

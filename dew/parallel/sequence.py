@@ -1,5 +1,8 @@
 """Sequence parallelism (context parallelism): the ``sequence`` group splits each row's positions.
 
+(Past 450 lines: the zigzag order, the ring with its hand-written backward ring, and the all-to-all
+scheme all serve one axis, and the ring's forward and backward must be read side by side.)
+
 Zigzag order. Causal attention gives the last positions the most work, so the ``S`` positions of a
 row are cut into ``2n`` chunks of ``c = S / (2n)`` (``n`` the sequence size) and device ``i`` holds
 chunk ``i`` followed by chunk ``2n-1-i``: its local arrays are ``[batch, 2c, ...]``, and every
