@@ -1,5 +1,6 @@
-"""64-bit mode (``jax_enable_x64``): Dew's kernels, model and training step run under it, keep
-float32 weights and int32 indices, and compute what they compute in 32-bit mode.
+"""64-bit mode (``jax_enable_x64``): Dew's kernels, model and training step (on one layout per
+mesh axis) run under it, keep float32 weights and int32 indices, and compute what they compute in
+32-bit mode.
 
 The flag is global to a process and changes every default dtype, so each mode runs in a
 subprocess of its own (this file run as ``python -m tests.test_x64``): the flag never leaks into
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +27,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-5
-# A worker still running after this long has hung (each needs about 15 s of CPU time): the
-# test fails rather than wait on.
-WORKER_TIMEOUT_S = 300
+# A worker still running after this long has hung (each needs about 40 s of CPU time, several
+# times that in wall time on a loaded machine): the test fails rather than wait on.
+WORKER_TIMEOUT_S = 600
 KEY_DTYPE = "key"  # how the worker records a PRNG key leaf's dtype
 
 # name: (batch, q_len, kv_len, heads, kv_heads, head_dim, causal, sm_scale); blocks of 16, so
@@ -37,6 +39,36 @@ KERNEL_CASES = {
     "full-gqa-q-shorter": (2, 17, 40, 4, 2, 16, False, 0.3),
 }
 MODEL_IMPLS = ("xla", "pallas")
+
+
+class TrainerLayout(NamedTuple):
+    """One training-step layout: ``dew.MeshSpec`` and ``dew.StepOptions`` keyword arguments (the
+    worker builds them: ``dew`` is imported only once the worker has set its mode), and overrides
+    of ``tiny_objective``."""
+
+    mesh: dict
+    options: dict = {}
+    model: dict = {}
+
+
+# One layout per mesh axis, each on all 8 devices with a global batch of 8 rows (``data`` takes
+# the devices the named axis leaves). tiny_objective's 4 heads, MLP 128 and vocabulary 64 split
+# over tensor 4; its 16 positions over sequence 4; stage 2 leaves data 4, so 2 rows a device, one
+# for each of the 2 microbatches. The expert axis needs an MoE model.
+TRAINER_LAYOUTS = {
+    "data": TrainerLayout({}),
+    "fsdp": TrainerLayout({"fsdp": 8}),
+    "tensor": TrainerLayout({"tensor": 4}),
+    "sequence-ring": TrainerLayout({"sequence": 4}),
+    "sequence-all_to_all": TrainerLayout({"sequence": 2}, {"sequence_scheme": "all_to_all"}),
+    "expert": TrainerLayout({"expert": 4}, model={"num_experts": 4, "experts_per_token": 2}),
+    "stage": TrainerLayout({"stage": 2, "microbatches": 2}),
+}
+# Layouts that also compare `Trainer.gradients` (a second compile, so one layout only). Every
+# layout compares the step's moves of the weights (new - initial), which an error in the gradient
+# changes by its own relative size; the new weights, only by that size times |move| / |weights|.
+GRADIENT_LAYOUTS = ("fsdp",)
+TRAINER_ROWS = 8
 
 
 # ---- the worker: runs in a subprocess, in one mode ------------------------------------------
@@ -139,35 +171,57 @@ def _leaves(tree):
     return [(jax.tree_util.keystr(p), x) for p, x in jax.tree.leaves_with_path(tree)]
 
 
-def _trainer_results(seed: int) -> dict:
-    """A `dew.Trainer` over MeshSpec(fsdp=8): the state's dtypes before and after one step, the
-    gradients and loss of a batch, and the step's loss and new weights."""
+# {model overrides: the initial state of the first trainer of that model, on the host}. The same
+# model and key give the same state (values and dtypes) on every mesh, so later trainers take it
+# rather than compile an initialisation of their own, nearly as costly as compiling their step.
+_initial_states: dict[tuple, object] = {}
+
+
+def _initial_state(trainer, model: dict):
+    """`trainer.init_state()`, from the host copy of another layout's when it has one."""
+    name = tuple(sorted(model.items()))
+    if name not in _initial_states:
+        state = trainer.init_state()
+        # Key data, not the typed key: a plain array, which the step's donation cannot delete.
+        _initial_states[name] = jax.device_get(state.replace(key=jax.random.key_data(state.key)))
+        return state
+    host = _initial_states[name]
+    key = jax.random.wrap_key_data(host.key, impl=jax.random.key_impl(trainer.key))
+    return jax.device_put(host.replace(key=key), trainer.state_shardings)
+
+
+def _trainer_results(seed: int, layout: str) -> dict:
+    """A `dew.Trainer` over the TRAINER_LAYOUTS entry `layout`: the state's dtypes before and
+    after one step, the weights before and after it, and the step's loss; for GRADIENT_LAYOUTS
+    also the gradients and loss of the batch from `Trainer.gradients`."""
     import dew
     from tests.helpers import fresh_batch, smooth_optimizer, tiny_objective
 
+    spec = TRAINER_LAYOUTS[layout]
     trainer = dew.Trainer(
-        tiny_objective(),
+        tiny_objective(**spec.model),
         smooth_optimizer(),
         jax.random.key(5),
-        mesh=dew.MeshSpec(fsdp=8),
+        mesh=dew.MeshSpec(**spec.mesh),
         layout=dew.Layout(min_shard=1),
+        options=dew.StepOptions(**spec.options),
     )
-    rows = 8
-    state = trainer.init_state()
-    batch = trainer.device_batch(fresh_batch(rows, seed), rows)
-    state_dtypes = _dtypes(state)
-    grads, loss = trainer.gradients(state.params, batch)
-    grads = {p: np.asarray(g) for p, g in _leaves(grads)}
-    new_state, step_metrics = trainer.train_step(rows)(state, batch)
-    step_loss = step_metrics["loss"]
-    return {
-        "state_dtypes": state_dtypes,
-        "new_state_dtypes": _dtypes(new_state),
-        "loss": np.asarray(loss),
-        "grads": grads,
-        "step_loss": np.asarray(step_loss),
-        "new_params": {p: np.asarray(x) for p, x in _leaves(new_state.params)},
+    state = _initial_state(trainer, spec.model)
+    batch = trainer.device_batch(fresh_batch(TRAINER_ROWS, seed), TRAINER_ROWS)
+    # Read before the step, which may donate the state's buffers.
+    results = {
+        "state_dtypes": _dtypes(state),
+        "params": {p: np.asarray(x) for p, x in _leaves(state.params)},
     }
+    if layout in GRADIENT_LAYOUTS:
+        grads, loss = trainer.gradients(state.params, batch)
+        results["grads"] = {p: np.asarray(g) for p, g in _leaves(grads)}
+        results["loss"] = np.asarray(loss)
+    new_state, step_metrics = trainer.train_step(TRAINER_ROWS)(state, batch)
+    results["new_state_dtypes"] = _dtypes(new_state)
+    results["step_loss"] = np.asarray(step_metrics["loss"])
+    results["new_params"] = {p: np.asarray(x) for p, x in _leaves(new_state.params)}
+    return results
 
 
 def run_worker(x64: bool, seed: int, out: Path) -> None:
@@ -175,7 +229,8 @@ def run_worker(x64: bool, seed: int, out: Path) -> None:
     the others still run and each test reports its own failure."""
     jax.config.update("jax_enable_x64", x64)
     parts = {f"model-{impl}": functools.partial(_model_results, impl=impl) for impl in MODEL_IMPLS}
-    parts["trainer"] = _trainer_results
+    for layout in TRAINER_LAYOUTS:
+        parts[f"trainer-{layout}"] = functools.partial(_trainer_results, layout=layout)
     if x64:
         parts["kernel"] = _kernel_results
     results = {"default_int": str(jnp.asarray(1).dtype), "devices": jax.device_count()}
@@ -193,8 +248,15 @@ def run_worker(x64: bool, seed: int, out: Path) -> None:
 
 def _worker_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}  # each sets its own
-    # Both workers alike. Optimisation level 0 cuts XLA's CPU compile time, which dominates here.
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    # Both workers alike. XLA's CPU compile time dominates here: optimisation level 0 and the
+    # older fusion emitters (no MLIR pipeline per fusion) each cut it, the second by about 3x.
+    env["XLA_FLAGS"] = " ".join(
+        (
+            "--xla_force_host_platform_device_count=8",
+            "--xla_backend_optimization_level=0",
+            "--xla_cpu_use_fusion_emitters=false",
+        )
+    )
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
@@ -290,19 +352,36 @@ def test_model_under_x64_keeps_float32_and_matches_32_bit_mode(runs, seed, impl)
     _assert_trees_close(wide["grads"], narrow["grads"], f"{impl} grad", seed)
 
 
-def test_training_step_under_x64_keeps_dtypes_and_matches_32_bit_mode(runs, seed):
-    wide, narrow = (_part(runs, x64, "trainer", seed) for x64 in (True, False))
+def _moves(result: dict) -> dict:
+    """{path: new - initial weights} of a trainer part, in float64 (exact for float32 inputs)."""
+    return {
+        path: np.asarray(new, np.float64) - np.asarray(result["params"][path], np.float64)
+        for path, new in result["new_params"].items()
+    }
+
+
+@pytest.mark.parametrize("layout", TRAINER_LAYOUTS)
+def test_training_step_under_x64_keeps_dtypes_and_matches_32_bit_mode(runs, seed, layout):
+    wide, narrow = (_part(runs, x64, f"trainer-{layout}", seed) for x64 in (True, False))
     for when in ("state_dtypes", "new_state_dtypes"):
         dtypes = wide[when]
-        assert set(dtypes.values()) <= {"float32", "int32", KEY_DTYPE}, f"{when} (seed {seed})"
-        assert dtypes == narrow[when], f"{when} (seed {seed}): x64 {dtypes} != {narrow[when]}"
-    assert wide["state_dtypes"][".step"] == "int32", f"seed {seed}"
-    for name in ("loss", "step_loss"):
-        assert wide[name].dtype == np.float32, f"{name} (seed {seed}): {wide[name].dtype}"
+        allowed = {"float32", "int32", KEY_DTYPE}
+        assert set(dtypes.values()) <= allowed, f"{layout} {when} (seed {seed}): {dtypes}"
+        assert dtypes == narrow[when], f"{layout} {when} (seed {seed}): x64 {dtypes} != x32"
+    assert wide["state_dtypes"][".step"] == "int32", f"{layout} (seed {seed})"
+    losses = ("step_loss", "loss") if layout in GRADIENT_LAYOUTS else ("step_loss",)
+    for name in losses:
+        assert wide[name].dtype == np.float32, f"{layout} {name} (seed {seed}): {wide[name].dtype}"
         error = _relative_error(wide[name], narrow[name])
-        assert error < TOLERANCE, f"{name} (seed {seed}): relative error {error:.3g}"
-    _assert_trees_close(wide["grads"], narrow["grads"], "grad", seed)
-    _assert_trees_close(wide["new_params"], narrow["new_params"], "new params", seed)
+        assert error < TOLERANCE, f"{layout} {name} (seed {seed}): relative error {error:.3g}"
+    if layout in GRADIENT_LAYOUTS:
+        _assert_trees_close(wide["grads"], narrow["grads"], f"{layout} grad", seed)
+    _assert_trees_close(wide["params"], narrow["params"], f"{layout} initial params", seed)
+    _assert_trees_close(wide["new_params"], narrow["new_params"], f"{layout} new params", seed)
+    # A step that moved nothing would make the comparison of the moves vacuous.
+    moves = _moves(wide)
+    assert any(np.any(move != 0) for move in moves.values()), f"{layout} (seed {seed}): no move"
+    _assert_trees_close(moves, _moves(narrow), f"{layout} move of params", seed)
 
 
 if __name__ == "__main__":
