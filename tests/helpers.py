@@ -1,5 +1,7 @@
 """Small builders shared by the tests."""
 
+import os
+
 import jax
 import numpy as np
 import optax
@@ -9,6 +11,19 @@ from dew.objectives.lm import LMObjective
 
 SEQ = 16
 VOCAB = 64
+
+
+def child_env() -> dict:
+    """The environment of a child process that sets up its own devices (``dew``, a worker): this
+    one's, less the device count and the platform, keeping the other XLA flags (conftest.py's
+    faster compile)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = " ".join(
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    return env
 
 
 def tiny_objective(ema_decay=None, **overrides):

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import dew
 from dew.checkpoints import Checkpoints
 from dew.data import TokenWindows
-from tests.helpers import SEQ, random_token_folder, tiny_objective
+from tests.helpers import SEQ, child_env, random_token_folder, tiny_objective
 from tests.remote_checkpoint_worker import STORAGE_OPTIONS, host_tree, mismatches, sharded, target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ class Emulator:
     def child_environment() -> dict:
         """For processes that use the server: this environment (which points at it), without the
         8-device XLA settings of tests/conftest.py."""
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+        env = child_env()
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         return env
 

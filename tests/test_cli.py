@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 from dew.collectives import OPS
+from tests.helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def dew(*args, cwd):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run(
         [sys.executable, "-m", "dew", *args],

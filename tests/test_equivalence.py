@@ -71,21 +71,14 @@ LAYOUTS = {
     "fsdp8": Layout({}, M(fsdp=8)),
     "data2_fsdp4": Layout({}, M(fsdp=4)),
     "fsdp8_accumulation4": Layout({}, M(fsdp=8), {"accumulation": 4}),
-    "untied_data2_fsdp4": Layout({"tie_embeddings": False}, M(fsdp=4)),
-    "kv2_data2_fsdp4": Layout({"num_layers": 1, "num_kv_heads": 2}, M(fsdp=4)),
-    "kv2_pallas_data2_fsdp4": Layout(
-        {"num_layers": 1, "num_kv_heads": 2, "attention_impl": "pallas"}, M(fsdp=4)
-    ),
     # The GSPMD engine's own accumulation path (global arrays, no shard_map).
     "gspmd_data2_fsdp4_accumulation2": Layout(
         {}, M(fsdp=4), {"accumulation": 2, "engine": "gspmd"}
     ),
     # --- tensor
     "tensor8": Layout(TENSOR, M(tensor=8)),
-    "data2_tensor4": Layout(TENSOR, M(tensor=4)),
     "tensor2_fsdp4": Layout(TENSOR, M(tensor=2, fsdp=4)),
     "tensor4_kv2": Layout({**TENSOR, "num_kv_heads": 2}, M(tensor=4)),
-    "untied_tensor4": Layout({**TENSOR, "tie_embeddings": False}, M(tensor=4)),
     "tensor4_fsdp2_accumulation2": Layout(TENSOR, M(tensor=4, fsdp=2), {"accumulation": 2}),
     "data2_tensor4_sequence_parallel": Layout(TENSOR, M(tensor=4), options(sequence_parallel=True)),
     "tensor8_kv2_sequence_parallel": Layout(
@@ -103,23 +96,18 @@ LAYOUTS = {
     ),
     # --- sequence
     "sequence8": Layout({}, M(sequence=8)),
-    "data2_sequence4": Layout({}, M(sequence=4)),
     "data2_sequence4_kv2": Layout({"num_kv_heads": 2}, M(sequence=4)),
     "data2_sequence4_pallas": Layout({"attention_impl": "pallas", "num_layers": 1}, M(sequence=4)),
-    "data2_sequence4_all_to_all": Layout({}, M(sequence=4), options(sequence_scheme="all_to_all")),
     "sequence2_fsdp4_accumulation2": Layout({}, M(sequence=2, fsdp=4), {"accumulation": 2}),
     "sequence4_fsdp2_all_to_all_accumulation2": Layout(
         {}, M(sequence=4, fsdp=2), {**options(sequence_scheme="all_to_all"), "accumulation": 2}
     ),
-    "sequence2_tensor2_fsdp2": Layout({}, M(sequence=2, tensor=2, fsdp=2)),
     "sequence2_tensor2_fsdp2_sequence_parallel": Layout(
         {}, M(sequence=2, tensor=2, fsdp=2), options(sequence_parallel=True)
     ),
     # --- expert (mixture of experts)
     "moe_fsdp8": Layout(MOE, M(fsdp=8)),
     "moe_expert8": Layout(MOE, M(expert=8)),
-    "moe_data2_expert4": Layout(MOE, M(expert=4)),
-    "moe_expert4_fsdp2": Layout(MOE, M(expert=4, fsdp=2)),
     "moe_data2_expert2_tensor2": Layout(MOE, M(expert=2, tensor=2)),
     "moe_capacity_expert8": Layout({**MOE, "capacity_factor": 1.0}, M(expert=8)),
     # One dense layer then one MoE layer, positions split over sequence too.
@@ -135,8 +123,6 @@ LAYOUTS = {
     # The router statistics of 2 microbatches, each of 2 rows from every device.
     "moe_expert4_fsdp2_accumulation2": Layout(MOE, M(expert=4, fsdp=2), {"accumulation": 2}),
     # --- stage (pipelines)
-    # data 4: 8 rows per device, 4 microbatches of 2 rows.
-    "stage2_m4": Layout({}, M(stage=2, microbatches=4)),
     # data 2: 16 rows per device, 8 microbatches of 2; one layer per stage.
     "stage4_m8": Layout({"num_layers": 4}, M(stage=4, microbatches=8)),
     # fsdp 4 gathers inside each stage's layers; the phased schedule.

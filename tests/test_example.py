@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "docs" / "examples" / "scale_across_devices.py"
 DATA_PARALLEL = "{'data': 8, 'expert': 1, 'fsdp': 1, 'tensor': 1, 'sequence': 1, 'stage': 1}"
@@ -27,7 +29,7 @@ UNIFORM_GUESS = math.log(256)  # the loss of an untrained byte model
 def printed(tmp_path_factory):
     """``(stdout, workdir)`` of one run of the example in a fresh folder."""
     workdir = tmp_path_factory.mktemp("example")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     run = subprocess.run(
         [sys.executable, str(EXAMPLE), "--workdir", str(workdir)],

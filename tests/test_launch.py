@@ -24,7 +24,7 @@ from dew import _jax_compat
 from dew.cli.launch import process_hosts, read_hostfile
 from dew.data import TokenWindows
 from dew.training import runtime
-from tests.helpers import SEQ, random_token_folder, relative_error, two_process_trainer
+from tests.helpers import SEQ, child_env, random_token_folder, relative_error, two_process_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -38,7 +38,7 @@ STOP_BOUND_S = 60
 def child_environment(**extra) -> dict:
     """This environment without the test session's 8-device XLA setup, with the repository
     importable."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env

@@ -9,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 INSIDE_ONE_PROCESS = ("expert", "fsdp", "tensor", "sequence")
 
 
 def test_model_axes_stay_inside_one_process():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run(
         [sys.executable, "-m", "dew", "launch", "--processes", "2", "--devices-per-process", "4"]

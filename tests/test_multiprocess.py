@@ -15,7 +15,7 @@ import numpy as np
 import dew
 from dew.checkpoints import Checkpoints
 from dew.data import TokenWindows, write_token_folder
-from tests.helpers import SEQ, VOCAB, relative_error, two_process_trainer
+from tests.helpers import SEQ, VOCAB, child_env, relative_error, two_process_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def run_two(worker: str, *args) -> list[str]:
     """The stdout of each of two processes of tests/`worker` (argv: port, process id, `args`);
     fails unless both exit 0."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     procs = [
         subprocess.Popen(

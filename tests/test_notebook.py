@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
+
 NOTEBOOK = Path(
     os.environ.get("DEW_NOTEBOOK")
     or Path(__file__).resolve().parents[2] / "shared" / "spec" / "scale-across-devices.ipynb"
@@ -79,7 +81,7 @@ def printed(tmp_path_factory):
         )
     work = tmp_path_factory.mktemp("notebook")
     (work / "notebook.py").write_text(notebook_script())
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     env["PYTHONPATH"] = (
         str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     )

@@ -154,7 +154,7 @@ def positions_view(trainer):
         mesh=trainer.mesh,
         objective=objective,
         accumulation=trainer.accumulation,
-        sequence_parallel=trainer.options.sequence_parallel,
+        options=trainer.options,
     )
 
 
