@@ -72,13 +72,31 @@ def reference_run(objective, optimizer, key, batches):
     return run
 
 
-def sharded_run(objective, optimizer, key, batches, mesh, **trainer_args):
+def sharded_run(objective, optimizer, key, batches, mesh, initial=None, **trainer_args):
     """The same through a ``Trainer`` on ``mesh`` (``Layout(min_shard=1)`` unless given): its
     initial weights, each step's loss and gradients, and the final weights and optimizer state.
+
+    ``initial``: weights to start from (the reference's), laid out by the trainer and given a
+    fresh optimizer state, instead of ``trainer.init_state()``: one compile fewer for a test that
+    checks the initial weights elsewhere (``test_initial_weights_do_not_depend_on_the_layout``).
     """
     trainer_args.setdefault("layout", dew.Layout(min_shard=1))
     trainer = dew.Trainer(objective, recording(optimizer), key, mesh=mesh, **trainer_args)
-    state = trainer.init_state()
+    if initial is None:
+        state = trainer.init_state()
+    else:
+        params = jax.tree_util.tree_map(np.asarray, initial)
+        state = dew.TrainState(
+            step=np.zeros((), np.int32),
+            params=params,
+            opt_state=trainer.optimizer.init(params),
+            ema=None,
+            # A copy: the step donates the state, and the trainer's key is the caller's.
+            key=jax.random.wrap_key_data(
+                np.asarray(jax.random.key_data(trainer.key)), impl=jax.random.key_impl(trainer.key)
+            ),
+        )
+        state = jax.device_put(state, trainer.state_shardings)
     run = {"initial": jax.tree_util.tree_map(np.asarray, state.params), "losses": [], "grads": []}
     step = trainer.train_step(ROWS)
     for batch in batches:
