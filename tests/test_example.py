@@ -25,6 +25,10 @@ FULLY_SHARDED = "{'data': 1, 'expert': 1, 'fsdp': 8, 'tensor': 1, 'sequence': 1,
 UNIFORM_GUESS = math.log(256)  # the loss of an untrained byte model
 
 
+# One worker runs every test of this module: its module fixture runs a costly subprocess once.
+pytestmark = pytest.mark.xdist_group("example")
+
+
 @pytest.fixture(scope="module")
 def printed(tmp_path_factory):
     """``(stdout, workdir)`` of one run of the example in a fresh folder."""

@@ -72,6 +72,10 @@ def notebook_script() -> str:
     return script
 
 
+# One worker runs every test of this module: its module fixture runs a costly subprocess once.
+pytestmark = pytest.mark.xdist_group("notebook")
+
+
 @pytest.fixture(scope="module")
 def printed(tmp_path_factory):
     if not NOTEBOOK.is_file():

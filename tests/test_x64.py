@@ -262,6 +262,10 @@ def _worker_env() -> dict:
     return env
 
 
+# One worker runs every test of this module: its module fixture runs a costly subprocess once.
+pytestmark = pytest.mark.xdist_group("x64")
+
+
 @pytest.fixture(scope="module")
 def runs(module_seed, tmp_path_factory) -> dict[bool, dict]:
     """{x64: the worker's results}, both workers run at once."""
