@@ -54,6 +54,9 @@ has two all-reduces of ``A`` (attention's and the MLP's ``leave``); the backward
 not needed to differentiate the layer, so its recomputation is dropped): five in all. With
 sequence parallelism each ``enter`` is an all-gather (recomputed too) and each ``leave`` a
 reduce-scatter, and their backwards the other one.
+
+(At 450 lines: Megatron's pairs, the vocabulary-parallel embedding and loss and the layout checks
+are one technique, each piece calling the pairs above it.)
 """
 
 from __future__ import annotations
