@@ -141,16 +141,21 @@ class MeshSpec:
 
 def build_mesh(spec: MeshSpec = MeshSpec(), devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh with axes ``data, expert, fsdp, tensor, sequence, stage`` over ``devices``
-    (default: all).
+    (default: all of them, host by host: ordered by process, then id).
 
-    The devices, in the order given, fill ``DEVICE_NESTING`` (``tensor`` fastest, ``data``
-    slowest), so a tensor group is consecutive devices and a data group strides over everything
-    else. With only ``data`` and ``fsdp`` above 1 this is the plain reshape in ``AXES`` order.
+    The devices, in that order or the order given, fill ``DEVICE_NESTING`` (``tensor`` fastest,
+    ``data`` slowest), so a tensor group is consecutive devices and a data group strides over
+    everything else. With only ``data`` and ``fsdp`` above 1 this is the plain reshape in ``AXES``
+    order. Host by host matters on a TPU pod, whose device ids run over the chips' coordinates
+    rather than host by host (on a ``4x4x4`` slice ids 2 and 3 are on the second host): ordered by
+    id alone, a tensor group of 4 would span two hosts.
 
     Axes are ``Auto``: inside a ``shard_map`` every axis is manual anyway, and outside it (the GSPMD
     baseline, ``device_put``) XLA may propagate shardings freely.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = list(devices)
     shape = spec.shape(len(devices))
     nested = np.asarray(devices, dtype=object).reshape(tuple(shape[a] for a in DEVICE_NESTING))
     grid = nested.transpose(tuple(DEVICE_NESTING.index(a) for a in AXES))

@@ -25,6 +25,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" {FAST_COMPILE} --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
+# The TPU compile tests (dew plan, dew.targets) load libtpu in both workers, compiling only.
+from dew.targets import compile_only_environment  # noqa: E402  (imports no JAX)
+
+compile_only_environment()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -91,17 +91,12 @@ def test_dew_bench_runs_each_pipeline_schedule_and_measures_its_bubble(tmp_path)
 
 def test_dew_bench_defaults_split_over_eight_tensor_devices():
     from dew.benchmark import ModelSize
+    from dew.cli.flags import model_config
     from dew.cli.main import build_parser
 
     args = build_parser().parse_args(["bench"])
-    assert (args.width, args.heads, args.sequence_parallel) == (256, 8, False)
-    size = ModelSize(
-        layers=args.layers,
-        width=args.width,
-        heads=args.heads,
-        seq_len=args.seq_len,
-        batch=args.batch,
-    )
+    size = ModelSize.of(model_config(args), batch=args.batch)
+    assert (size.width, size.heads, args.sequence_parallel) == (256, 8, False)
     # What `dew bench --mesh tensor=8 data=2,tensor=4 fsdp=2,tensor=4` needs of the model.
     size.objective().model.check_split({"tensor": 8})
 

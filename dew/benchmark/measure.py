@@ -60,11 +60,31 @@ class ModelSize:
     # A mixture of experts: ``moe`` holds ``build``'s MoE arguments (``num_experts``,
     # ``experts_per_token``, ``moe_every``, ``capacity_factor``); empty for a dense model.
     moe: tuple = ()
+    # The rest of ``build``'s shape arguments (``num_kv_heads``, ``mlp_features``,
+    # ``tie_embeddings``), as a preset gives them; empty for the model's defaults.
+    shape: tuple = ()
 
     def __post_init__(self):
         for name in ("layers", "width", "heads", "seq_len", "batch", "vocab"):
             positive_int(f"ModelSize.{name}", getattr(self, name))
         object.__setattr__(self, "moe", tuple(sorted(dict(self.moe).items())))
+        object.__setattr__(self, "shape", tuple(sorted(dict(self.shape).items())))
+
+    @classmethod
+    def of(cls, config: dict, batch: int) -> "ModelSize":
+        """The size of ``build("causal_transformer", **config)`` (``dew.cli.flags.model_config``)
+        on global batches of ``batch`` rows."""
+        config = dict(config)
+        sizes = dict(
+            layers=config.pop("num_layers"),
+            width=config.pop("emb_features"),
+            heads=config.pop("num_heads"),
+            seq_len=config.pop("max_seq_len"),
+            vocab=config.pop("vocab_size"),
+        )
+        moe_keys = ("num_experts", "experts_per_token", "moe_every", "capacity_factor")
+        moe = {k: config.pop(k) for k in moe_keys if k in config}
+        return cls(**sizes, batch=batch, moe=moe, shape=config)
 
     def objective(self):
         """The ``LMObjective`` of this model (raises ``ValueError`` on sizes the model refuses)."""
@@ -79,6 +99,7 @@ class ModelSize:
             num_heads=self.heads,
             max_seq_len=self.seq_len,
             **dict(self.moe),
+            **dict(self.shape),
         )
         return LMObjective(model, self.seq_len)
 

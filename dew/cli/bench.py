@@ -29,7 +29,7 @@ from dew.cli.flags import (
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     engine_names,
-    moe_config,
+    model_config,
 )
 
 # ``dew bench --check``'s exit status when a target is missed (2 is a refused input, as for every
@@ -141,8 +141,10 @@ def _header(args, size, specs) -> str:
     if any(spec.stage > 1 for spec in specs):
         variants += f"pipeline schedules {' '.join(args.pipeline_schedule)}, "
     return (
-        f"dew bench: {size.layers} layers, width {size.width}, {size.heads} heads, "
-        + "".join(f"{name} {value}, " for name, value in size.moe)
+        "dew bench: "
+        + (f"{args.model} shapes, " if args.model else "")
+        + f"{size.layers} layers, width {size.width}, {size.heads} heads, vocab {size.vocab}, "
+        + "".join(f"{name} {value}, " for name, value in (*size.shape, *size.moe))
         + f"batch {size.batch} x {size.seq_len} tokens, min_shard {args.min_shard}, "
         f"sequence_parallel {args.sequence_parallel}, {variants}"
         f"on {jax.device_count()} {jax.devices()[0].platform} devices; "
@@ -161,14 +163,7 @@ def run(args) -> int:
         raise ValueError(
             f"--depth-check must be 0 (skip) or a number of layers, got {args.depth_check}"
         )
-    size = benchmark.ModelSize(
-        layers=args.layers,
-        width=args.width,
-        heads=args.heads,
-        seq_len=args.seq_len,
-        batch=args.batch,
-        moe=moe_config(args),
-    )
+    size = benchmark.ModelSize.of(model_config(args), batch=args.batch)
     specs = [MeshSpec.parse(text) for text in args.mesh]
     print(_header(args, size, specs), flush=True)
     results = benchmark.compare(

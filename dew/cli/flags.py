@@ -33,6 +33,12 @@ def add_device_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def preset_names() -> tuple[str, ...]:
+    from dew.models.presets import PRESETS
+
+    return tuple(PRESETS)
+
+
 def add_model_flags(
     parser: argparse.ArgumentParser,
     *,
@@ -42,7 +48,17 @@ def add_model_flags(
     width: int,
     heads: int,
 ) -> None:
-    """The example decoder's size and its batch, with the defaults given."""
+    """The decoder's size and its batch: a ``--model`` preset (``dew.models.presets``) or the
+    example decoder (a byte vocabulary) of ``layers``, ``width`` and ``heads``; ``--layers``,
+    ``--width`` and ``--heads`` override either. Read them with ``model_config``."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        choices=preset_names(),
+        metavar="PRESET",
+        help="a published model's shapes: " + ", ".join(preset_names()) + " (default: the "
+        "example decoder, byte vocabulary); --layers, --width and --heads override its sizes",
+    )
     parser.add_argument(
         "--batch", type=int, default=batch, help=f"global batch rows (default {batch})"
     )
@@ -50,14 +66,38 @@ def add_model_flags(
         "--seq-len", type=int, default=seq_len, help=f"tokens per row (default {seq_len})"
     )
     parser.add_argument(
-        "--layers", type=int, default=layers, help=f"decoder layers (default {layers})"
+        "--layers", type=int, default=None, help=f"decoder layers (default {layers})"
     )
     parser.add_argument(
-        "--width", type=int, default=width, help=f"embedding features (default {width})"
+        "--width", type=int, default=None, help=f"embedding features (default {width})"
     )
     parser.add_argument(
-        "--heads", type=int, default=heads, help=f"attention heads (default {heads})"
+        "--heads", type=int, default=None, help=f"attention heads (default {heads})"
     )
+    parser.set_defaults(
+        example_model=dict(
+            vocab_size=EXAMPLE_VOCAB, num_layers=layers, emb_features=width, num_heads=heads
+        )
+    )
+
+
+# The example decoder reads bytes.
+EXAMPLE_VOCAB = 256
+
+
+def model_config(args) -> dict:
+    """``models.build("causal_transformer", ...)``'s arguments from ``add_model_flags``' and
+    ``add_moe_flags``' flags: the ``--model`` preset's shapes or the example decoder's, with
+    ``--layers``/``--width``/``--heads`` applied, ``max_seq_len`` set to ``--seq-len`` and the MoE
+    flags (``moe_config``)."""
+    from dew.models.presets import preset
+
+    config = preset(args.model) if args.model else dict(args.example_model)
+    given = dict(num_layers=args.layers, emb_features=args.width, num_heads=args.heads)
+    config.update({k: v for k, v in given.items() if v is not None})
+    config["max_seq_len"] = args.seq_len
+    config.update(moe_config(args))
+    return config
 
 
 # The MoE flags' defaults when --experts is given; without it, giving any of them is an error.

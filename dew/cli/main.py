@@ -3,6 +3,7 @@
     dew train        train the example model (simulated CPU devices by default)
     dew collectives  print the collectives of the example model's step on a mesh
     dew bench        compare layouts and the GSPMD baseline side by side
+    dew plan         compile the step for a TPU slice you don't have: memory, bytes, fit
     dew launch       start the processes of one multi-process run, here or over ssh
 
 JAX is configured (device count, platform) before anything asks it for a device, so this module
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dew.cli import bench, launch
+from dew.cli import bench, launch, plan
 from dew.cli.flags import (
     add_device_flag,
     add_mesh_flag,
@@ -26,9 +27,10 @@ from dew.cli.flags import (
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     engine_names,
-    moe_config,
+    model_config,
     step_options,
 )
+from dew.targets import MissingExtra
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     coll.set_defaults(run=collectives_command)
 
     bench.add_parser(commands)
+    plan.add_parser(commands)
     launch.add_parser(commands)
     return parser
 
@@ -113,16 +116,7 @@ def _example(args, data_dir):
     from dew.data import Loading, TokenWindows
     from dew.objectives.lm import LMObjective
 
-    model = models.build(
-        "causal_transformer",
-        vocab_size=256,
-        emb_features=args.width,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        max_seq_len=args.seq_len,
-        attention_impl=args.attention,
-        **moe_config(args),
-    )
+    model = models.build("causal_transformer", attention_impl=args.attention, **model_config(args))
     data = TokenWindows(
         path=data_dir,
         seq_len=args.seq_len,
@@ -200,11 +194,13 @@ def collectives_command(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command != "launch":  # launch only starts processes; each sets up its own devices
+    if hasattr(args, "setup"):
+        args.setup()
+    elif args.command != "launch":  # launch only starts processes; each sets up its own devices
         _setup_devices(args.cpu_devices)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError, MissingExtra) as error:
         print(f"dew {args.command}: {error}", file=sys.stderr)
         return 2
 

@@ -32,8 +32,10 @@ def hlo_collectives(compiled, mesh) -> CollectiveReport:
 
     All-gather, reduce-scatter, all-reduce (psum/pmax/pmin by its reduction), collective-permute and
     all-to-all are read, sync or async (a ``-start``/``-done`` pair counts once), multiplied by the
-    trip counts XLA records on enclosing ``while`` loops (``known_trip_count``); a loop without one
-    counts once and marks its rows approximate.
+    trip counts of enclosing ``while`` loops: the ``known_trip_count`` XLA records, or else the
+    count read from the loop's own counter (``hlo_text.derived_trip_count``: the TPU compiler's
+    final HLO keeps no ``known_trip_count`` and may widen a loop's body). A loop whose count
+    neither gives counts once and marks its rows approximate.
     """
     if not (hasattr(mesh, "devices") and hasattr(mesh, "axis_names")):
         raise ValueError(f"hlo_collectives needs a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -125,6 +127,15 @@ class _HloReader:
         self.groups = groups
         self.computations, self.entry = hlo_text.parse_module(text)
         self._memo: dict[str, Tallies] = {}
+        # The TPU compiler runs one collective as a chain of fusions (start, continuations, done:
+        # a gather overlapped with the matmuls around it), each holding the whole collective
+        # with the same ``chain_id``; the first in the module stands for the chain.
+        self._chain_heads: dict[str, tuple[str, str]] = {}
+        for comp in self.computations.values():
+            for inst in comp.instructions:
+                chain = hlo_text.chain_id(inst.attrs)
+                if chain is not None:
+                    self._chain_heads.setdefault(chain, (comp.name, inst.name))
 
     def entry_tallies(self) -> Tallies:
         return self._tallies(self.entry, ())
@@ -145,6 +156,8 @@ class _HloReader:
                 body = hlo_text.attr_computation(inst.attrs, "body")
                 cond = hlo_text.attr_computation(inst.attrs, "condition")
                 trip = hlo_text.known_trip_count(inst.attrs)
+                if trip is None:
+                    trip = hlo_text.derived_trip_count(self.computations, comp, inst)
                 if trip is not None:
                     merge(tallies, self._tallies(body, stack), times=trip)
                     merge(tallies, self._tallies(cond, stack), times=trip + 1)
@@ -161,6 +174,9 @@ class _HloReader:
         return tallies
 
     def _record(self, tallies: Tallies, comp: hlo_text.Computation, inst, opcode: str):
+        chain = hlo_text.chain_id(inst.attrs)
+        if chain is not None and self._chain_heads[chain] != (comp.name, inst.name):
+            return  # a continuation of a chained collective, counted at its head
         op = primitives.HLO_OPCODES[opcode]
         is_reduce_scatter = op == "psum_scatter"
         if op == "psum" or is_reduce_scatter:

@@ -7,6 +7,7 @@ axes. Replica groups come in the three spellings XLA prints (see ``replica_group
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -35,6 +36,12 @@ class Computation:
     instructions: list[Instruction]
     shapes: dict[str, str]
     root_opcode: str | None
+    root: str | None = None  # the ROOT instruction's name
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, Instruction]:
+        """Instructions by name (read once the computation is parsed)."""
+        return {inst.name: inst for inst in self.instructions}
 
 
 def parse_module(text: str) -> tuple[dict[str, Computation], str]:
@@ -63,15 +70,125 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
         current.shapes[inst.name] = inst.shape
         if stripped.startswith("ROOT"):
             current.root_opcode = inst.opcode
+            current.root = inst.name
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
+
+
+def chain_id(attrs: str) -> str | None:
+    """The ``chain_id`` frontend attribute the TPU compiler gives every piece of a collective it
+    split into a chain of fusions, or None."""
+    m = re.search(r'\bchain_id="([^"]*)"', attrs)
+    return m.group(1) if m else None
 
 
 def known_trip_count(attrs: str) -> int | None:
     """The trip count XLA recorded on a ``while`` (its backend config), or None."""
     m = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', attrs)
     return int(m.group(1)) if m else None
+
+
+_PASS_THROUGH = ("copy", "bitcast", "reshape", "convert")
+_FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
+
+
+def _through(comp: Computation, name: str) -> Instruction | None:
+    """The instruction ``name`` of ``comp``, seen through copies, bitcasts, reshapes and converts
+    (which the TPU compiler puts between a loop counter and its uses)."""
+    by_name = comp.by_name
+    inst = by_name.get(name)
+    while inst is not None and inst.opcode in _PASS_THROUGH and inst.operands:
+        inst = by_name.get(inst.operands[0])
+    return inst
+
+
+def _constant(comp: Computation, name: str) -> int | None:
+    inst = _through(comp, name)
+    if inst is None or inst.opcode != "constant" or len(inst.operands) != 1:
+        return None
+    try:
+        return int(inst.operands[0])
+    except ValueError:
+        return None
+
+
+def _tuple_index(comp: Computation, name: str) -> int | None:
+    """``k`` when ``name`` is element ``k`` of ``comp``'s tuple parameter (the loop state)."""
+    inst = _through(comp, name)
+    if inst is None or inst.opcode != "get-tuple-element" or not inst.operands:
+        return None
+    source = _through(comp, inst.operands[0])
+    m = re.search(r"\bindex=(\d+)", inst.attrs)
+    if source is None or source.opcode != "parameter" or not m:
+        return None
+    return int(m.group(1))
+
+
+def derived_trip_count(
+    computations: dict[str, Computation], caller: Computation, loop: Instruction
+) -> int | None:
+    """The trip count of ``while`` instruction ``loop`` (in ``caller``) read from its program,
+    for the loops XLA leaves without ``known_trip_count`` (the TPU compiler's final HLO).
+
+    The loop must count: its condition compares one element ``k`` of the loop state with a
+    constant, ``k`` starts at a constant (the while's operand tuple) and the body adds a constant
+    to it. A body the compiler widened (unrolled ``u`` times, ``wide.*`` computations) adds ``u``
+    at a time and holds ``u`` copies of each collective, so the count stays exact. Any other shape
+    gives ``None``.
+    """
+    cond = computations.get(attr_computation(loop.attrs, "condition") or "")
+    body = computations.get(attr_computation(loop.attrs, "body") or "")
+    if cond is None or body is None or not loop.operands:
+        return None
+    compare = cond.by_name.get(cond.root) if cond.root else None
+    if compare is None or compare.opcode != "compare" or len(compare.operands) != 2:
+        return None
+    m = re.search(r"\bdirection=(\w+)", compare.attrs)
+    if not m:
+        return None
+    direction = m.group(1)
+    left, right = compare.operands
+    k, limit = _tuple_index(cond, left), _constant(cond, right)
+    if k is None:
+        k, limit, direction = _tuple_index(cond, right), _constant(cond, left), _FLIP[direction]
+    if k is None or limit is None:
+        return None
+    state = _through(caller, loop.operands[0])
+    if state is None or state.opcode != "tuple" or k >= len(state.operands):
+        return None
+    start = _constant(caller, state.operands[k])
+    root = body.by_name.get(body.root) if body.root else None
+    if start is None or root is None or root.opcode != "tuple" or k >= len(root.operands):
+        return None
+    update = _through(body, root.operands[k])
+    if update is None or update.opcode not in ("add", "subtract") or len(update.operands) != 2:
+        return None
+    a, b = update.operands
+    if _tuple_index(body, a) == k and _constant(body, b) is not None:
+        step = _constant(body, b)
+    elif update.opcode == "add" and _tuple_index(body, b) == k and _constant(body, a) is not None:
+        step = _constant(body, a)
+    else:
+        return None
+    if update.opcode == "subtract":
+        step = -step
+    return _iterations(start, limit, step, direction)
+
+
+def _iterations(start: int, limit: int, step: int, direction: str) -> int | None:
+    """How many times ``i = start; while i <direction> limit: i += step`` runs its body."""
+    if step > 0 and direction in ("LT", "LE", "NE"):
+        span = limit - start + (1 if direction == "LE" else 0)
+        if direction == "NE" and span % step:
+            return None
+        return max(0, -(-span // step))
+    if step < 0 and direction in ("GT", "GE", "NE"):
+        span = start - limit + (1 if direction == "GE" else 0)
+        if direction == "NE" and span % -step:
+            return None
+        return max(0, -(-span // -step))
+    return None
 
 
 def _balanced(text: str, start: int) -> int:

@@ -36,7 +36,7 @@ from dew.checks import positive_int
 from dew.layout import path_names
 from dew.nn import attention, embed, mlp, moe, norm
 from dew.nn.param import Param, init_params, logical_axes, normal
-from dew.parallel import ONE_DEVICE, Shards, expert, fsdp, sequence, tensor
+from dew.parallel import ONE_DEVICE, Shards, expert, fsdp, sequence, tensor, vocabulary
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -287,17 +287,22 @@ class CausalTransformer:
     # The embedding and the head are ``dew.parallel.tensor``'s, which are the plain lookup and
     # matmul while the tensor axis has size 1.
 
-    def share_embedding(self, params: dict, shards: Shards = ONE_DEVICE) -> tuple[dict, Shards]:
+    def share_embedding(
+        self, params: dict, shards: Shards = ONE_DEVICE, tokens: int | None = None
+    ) -> tuple[dict, Shards]:
         """Gather the tied embedding table once, for both ``embed`` and ``head``.
 
         With tied embeddings both ends read the table. Given the returned pair, ``embed`` and
         ``head`` find it whole (the returned ``shards`` say it is no longer split over fsdp) and
         gather nothing more, so a step sends one all_gather of the table (and one reduce-scatter of
-        its gradient), as an unsplit model does. Untied, or with nothing split: ``(params,
-        shards)`` unchanged.
+        its gradient), as an unsplit model does. Untied, with nothing split, or when both ends
+        move the ``tokens`` this device holds rather than the table
+        (``dew.parallel.vocabulary``): ``(params, shards)`` unchanged.
         """
         specs = shards.spec_of("params", "embed_tokens")
         if not self.tie_embeddings or specs is None or shards.size(fsdp.AXIS) == 1:
+            return params, shards
+        if tokens is not None and self._moves_tokens(params, shards, tokens):
             return params, shards
         table = shards.gather(params["params"]["embed_tokens"], "params", "embed_tokens")
         whole_specs = jax.tree_util.tree_map(_drop_fsdp, specs, is_leaf=lambda x: isinstance(x, P))
@@ -308,11 +313,40 @@ class CausalTransformer:
         params = {**params, "params": {**params["params"], "embed_tokens": table}}
         return params, dataclasses.replace(shards, param_specs=param_specs)
 
+    def _output_table(self, params: dict, shards: Shards):
+        """``(local weight, its spec, its vocabulary dimension)`` of the output head: the tied
+        table ``[vocab, embed]`` or ``lm_head``'s kernel ``[embed, vocab]``."""
+        p = params["params"]
+        if self.tie_embeddings:
+            spec = shards.spec_of("params", "embed_tokens")
+            return p["embed_tokens"]["embedding"], spec and spec["embedding"], 0
+        spec = shards.spec_of("params", "lm_head")
+        return p["lm_head"]["kernel"], spec and spec["kernel"], 1
+
+    def _moves_tokens(self, params: dict, shards: Shards, tokens: int) -> bool:
+        """Whether this step embeds and scores ``tokens`` tokens a device over the vocabulary's
+        fsdp split (``dew.parallel.vocabulary``); both ends of a tied table decide alike."""
+        spec = shards.spec_of("params", "embed_tokens")
+        table = params["params"]["embed_tokens"]["embedding"]
+        embeds = vocabulary.moves_tokens(
+            spec and spec["embedding"], 0, table.shape[0], tokens, shards
+        )
+        weight, head_spec, dim = self._output_table(params, shards)
+        heads = vocabulary.moves_tokens(head_spec, dim, weight.shape[dim], tokens, shards)
+        return embeds and heads
+
     def embed(self, params: dict, tokens: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
         """``tokens`` ``[rows, seq]`` integer ids -> ``x`` ``[rows, seq, embed]``, in the
         activations' dtype."""
+        dtype = resolve_dtype(self.dtype)
+        spec = shards.spec_of("params", "embed_tokens")
+        local = params["params"]["embed_tokens"]["embedding"]
+        if vocabulary.moves_tokens(
+            spec and spec["embedding"], 0, local.shape[0], tokens.size, shards
+        ):
+            return vocabulary.embed(local, tokens, shards, dtype)
         table = shards.gather(params["params"]["embed_tokens"], "params", "embed_tokens")
-        return tensor.embed_lookup(table["embedding"], tokens, shards, resolve_dtype(self.dtype))
+        return tensor.embed_lookup(table["embedding"], tokens, shards, dtype)
 
     def blocks(
         self, params: dict, x: jax.Array, positions: jax.Array, shards: Shards = ONE_DEVICE
@@ -416,6 +450,22 @@ class CausalTransformer:
             table = shards.gather(p["lm_head"], "params", "lm_head")["kernel"].T
         return tensor.vocab_logits(x, table.astype(resolve_dtype(self.dtype)), shards)
 
+    def head_loss_sum(
+        self, params: dict, x: jax.Array, targets: jax.Array, shards: Shards = ONE_DEVICE
+    ) -> jax.Array:
+        """The cross-entropy of predicting ``targets`` ``[rows, seq]`` from the blocks' output
+        ``x`` ``[rows, seq, embed]``, summed over this device's tokens (float32 scalar): ``head``
+        and ``dew.parallel.tensor.cross_entropy``, or, when the vocabulary is split over fsdp and
+        this device holds fewer tokens than table rows, ``dew.parallel.vocabulary.loss_sum``."""
+        weight, spec, dim = self._output_table(params, shards)
+        if vocabulary.moves_tokens(spec, dim, weight.shape[dim], targets.size, shards):
+            p = params["params"]
+            x = norm.rms_norm(shards.gather(p["final_norm"], "params", "final_norm"), x)
+            table = weight if dim == 0 else weight.T
+            return vocabulary.loss_sum(x, table.astype(resolve_dtype(self.dtype)), targets, shards)
+        logits = self.head(params, x, shards)
+        return jnp.sum(tensor.cross_entropy(logits, targets, shards))
+
     def apply(self, params: dict, tokens: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
         """``tokens`` ``[batch, seq]`` -> float32 logits ``[batch, seq, vocab]``:
         ``head(blocks(embed(tokens), arange(seq)))``.
@@ -423,7 +473,7 @@ class CausalTransformer:
         ``params`` are the shards this device holds; ``shards`` says how they are split. With
         ``ONE_DEVICE`` the weights are whole and no collective runs.
         """
-        params, shards = self.share_embedding(params, shards)
+        params, shards = self.share_embedding(params, shards, tokens.size)
         x = self.embed(params, tokens, shards)
         x, _ = self.blocks(params, x, jnp.arange(tokens.shape[1]), shards)
         return self.head(params, x, shards)

@@ -10,7 +10,7 @@ from jax import lax
 
 from dew.checks import positive_int
 from dew.nn.moe import RouterStats
-from dew.parallel import ONE_DEVICE, Shards, tensor
+from dew.parallel import ONE_DEVICE, Shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +79,15 @@ class LMObjective:
         ``j`` follows input ``j``); ``positions``: their global positions in the row, ``[n]`` (all
         of them in order for whole rows; this device's chunks under a ``sequence`` split).
 
-        The model runs as its parts (embed, blocks, head) and the cross-entropy is
-        ``dew.parallel.tensor.cross_entropy``, which takes this device's slice of the vocabulary's
-        logits (all of it while the tensor axis has size 1).
+        The model runs as its parts (embed, blocks, then the head and the cross-entropy in
+        ``head_loss_sum``), each on this device's slice of the vocabulary where a layout splits
+        it (over tensor, or over fsdp: ``dew.parallel.vocabulary``).
         """
         model = self.model
-        params, shards = model.share_embedding(params, shards)
+        params, shards = model.share_embedding(params, shards, inputs.size)
         x = model.embed(params, inputs, shards)
         x, stats = model.blocks(params, x, positions, shards)
-        logits = model.head(params, x, shards)
-        loss = jnp.sum(tensor.cross_entropy(logits, targets, shards))
+        loss = model.head_loss_sum(params, x, targets, shards)
         return loss + self.router_loss(stats), self._aux(stats)
 
     def router_loss(self, stats: RouterStats) -> jax.Array:
@@ -150,8 +149,7 @@ class LMObjective:
         y, stats = model.blocks(params, x, positions, shards)
 
         def cross_entropy():
-            logits = model.head(params, y, shards)
-            return jnp.sum(tensor.cross_entropy(logits, targets, shards))
+            return model.head_loss_sum(params, y, targets, shards)
 
         loss = lax.cond(stage == last, cross_entropy, lambda: jnp.zeros((), jnp.float32))
         return y, loss + self.router_loss(stats), self._aux(stats)

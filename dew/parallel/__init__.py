@@ -5,6 +5,8 @@
 - ``fsdp``: gather a layer's weights over ``fsdp`` just before it runs (the gradients come back
   reduce-scattered as the transpose of that gather).
 - ``data``: sum gradients over the axes ``gradients`` names and the loss over the token axes.
+- ``vocabulary``: with the vocabulary split over fsdp, the embedding, head and loss move the
+  group's tokens rather than gather the table (when the tokens are fewer than its rows).
 - ``tensor``: Megatron's conjugate pairs around attention and the MLP, the vocabulary-parallel
   embedding and cross-entropy, shared kv heads, and what a layout must split over ``tensor``.
 - ``sequence``: positions split in zigzag order; attention over every device's positions by a

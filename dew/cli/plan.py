@@ -1,0 +1,205 @@
+"""``dew plan``: compile the real step for a TPU slice you don't have, one row per layout.
+
+    dew plan --target v5e-8 --model llama-3.2-1b --mesh fsdp=8
+    dew plan --target v5p-64 --model llama-3.1-8b --mesh fsdp=32 data=2,fsdp=16 --engines \
+        shard_map gspmd
+    dew plan --target v5e-8 --model gpt2-small --search --max-layouts 4 --json plan.json
+
+Needs ``libtpu`` (``pip install 'dew-ml[tpu]'``); runs on a machine with no TPU. The compiling and
+reading are ``dew.planning``'s; this module reads flags and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dew.cli.flags import (
+    add_mesh_flag,
+    add_min_shard_flag,
+    add_model_flags,
+    add_moe_flags,
+    add_pipeline_schedule_flag,
+    add_sequence_parallel_flag,
+    add_sequence_scheme_flag,
+    engine_names,
+    model_config,
+    step_options,
+)
+
+# dew plan's sizes: a batch and a length at which a real model's step is a realistic question.
+DEFAULT_BATCH = 16
+DEFAULT_SEQ_LEN = 512
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    """Adds ``plan`` to the ``dew`` command's subparsers."""
+    parser = commands.add_parser(
+        "plan",
+        help="compile the step for a TPU slice you don't have; memory, bytes and fit per layout",
+        description="Compiles the training step for a TPU slice (needs libtpu: pip install "
+        "'dew-ml[tpu]'; no TPU needed) in each layout asked and prints, per device: the state, "
+        "temporary and total memory, whether it fits the chip, wire bytes and collective counts "
+        "per step (from the compiled HLO), and the compile time.",
+    )
+    parser.add_argument(
+        "--target",
+        required=True,
+        help="a Cloud TPU type (v5e-8, v5litepod-16, v5p-64, v6e-256, v4-32) or a topology "
+        "(v5p:4x4x4); in v4-N and v5p-N, N counts TensorCores (two per chip)",
+    )
+    add_mesh_flag(parser, several=True)
+    parser.set_defaults(mesh=None)
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        default=["shard_map"],
+        choices=engine_names(),
+        help="step engines per layout (default shard_map; add gspmd for the pinned baseline)",
+    )
+    add_model_flags(
+        parser, batch=DEFAULT_BATCH, seq_len=DEFAULT_SEQ_LEN, layers=2, width=64, heads=4
+    )
+    add_moe_flags(parser)
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="activations' dtype (default bfloat16, as TPU training runs); weights and optimizer "
+        "state stay float32",
+    )
+    add_min_shard_flag(parser)
+    add_sequence_parallel_flag(parser)
+    add_sequence_scheme_flag(parser)
+    add_pipeline_schedule_flag(parser)
+    parser.add_argument("--accumulation", type=int, default=1, help="microbatches per step")
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="enumerate every layout of the six axes the model and slice allow and compile the "
+        "most promising (see --max-layouts); rank those that fit by wire bytes",
+    )
+    parser.add_argument(
+        "--max-layouts",
+        type=int,
+        default=4,
+        metavar="N",
+        help="with --search: compile at most N layouts, those whose state fits the chip, fewest "
+        "traced wire bytes first (default 4)",
+    )
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the rows to FILE")
+    parser.set_defaults(run=run, setup=setup)
+    return parser
+
+
+def setup() -> None:
+    """Before JAX starts: one CPU device for the host side, and libtpu told it only compiles."""
+    from dew.targets import compile_only_environment
+    from dew.training.runtime import prepare_process
+
+    prepare_process(cpu_devices=1)
+    compile_only_environment()
+
+
+def _objective(args):
+    from dew import models
+    from dew.objectives.lm import LMObjective
+
+    model = models.build("causal_transformer", dtype=args.dtype, **model_config(args))
+    return LMObjective(model, args.seq_len)
+
+
+def _count(n: int) -> str:
+    """``1235814400`` -> ``"1.24B"``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def _header(args, target, objective) -> str:
+    from dew.planning import weight_count
+
+    model = objective.model
+    weights = weight_count(model)
+    name = args.model or "example decoder"
+    return (
+        f"dew plan: {target.describe()}\n"
+        f"  model {name}: {model.num_layers} layers, width {model.emb_features}, "
+        f"{model.num_heads} heads ({model.kv_heads} kv), MLP {model.hidden}, "
+        f"vocab {model.vocab_size}"
+        + f", {_count(weights)} weights"
+        + f"; batch {args.batch} x {args.seq_len} tokens, {args.dtype} activations, AdamW"
+    )
+
+
+def run(args) -> int:
+    from dew import planning
+    from dew.layout import Layout
+    from dew.mesh import MeshSpec
+    from dew.targets import target
+
+    tpu = target(args.target)
+    if args.search == (args.mesh is not None):
+        raise ValueError("give --mesh LAYOUT... or --search (not both)")
+    if args.max_layouts < 1:
+        raise ValueError(f"--max-layouts must be at least 1, got {args.max_layouts}")
+    json_path = Path(args.json) if args.json else None
+    if json_path is not None and not json_path.parent.is_dir():
+        raise FileNotFoundError(f"--json {args.json}: the folder {str(json_path.parent)!r} is not")
+    objective = _objective(args)
+    print(_header(args, tpu, objective), flush=True)
+    settings = dict(layout=Layout(min_shard=args.min_shard), accumulation=args.accumulation)
+
+    def show(row):
+        what = f"{row.mesh} ({row.engine}" + (f", {row.options})" if row.options else ")")
+        if row.error is not None:
+            print(f"  {what}: refused: {row.error}", flush=True)
+            return
+        print(
+            f"  {what}: compiled in {row.compile_s:.0f} s; total "
+            f"{planning.format_bytes(row.total_bytes)} per device, {row.verdict}; "
+            f"{planning.format_bytes(row.wire_bytes)} on the wire per step",
+            flush=True,
+        )
+
+    if args.search:
+
+        def listed(candidates):
+            print(
+                f"  {len(candidates)} layouts whose state fits; compiling "
+                f"{min(len(candidates), args.max_layouts)}: "
+                + ", ".join(planning.mesh_text(c.mesh) for c in candidates[: args.max_layouts]),
+                flush=True,
+            )
+
+        rows = planning.search(
+            tpu,
+            objective,
+            args.batch,
+            max_layouts=args.max_layouts,
+            engines=args.engines,
+            options=step_options(args),
+            on_row=show,
+            on_candidates=listed,
+            **settings,
+        )
+    else:
+        specs = [MeshSpec.parse(text) for text in args.mesh]
+        rows = planning.plan(
+            tpu,
+            objective,
+            specs,
+            args.batch,
+            engines=args.engines,
+            options=step_options(args),
+            on_row=show,
+            **settings,
+        )
+    print()
+    print(planning.format_table(rows))
+    if json_path is not None:
+        json_path.write_text(json.dumps([r.to_json() for r in rows], indent=2) + "\n")
+        print(f"\nwrote {json_path}")
+    return 0

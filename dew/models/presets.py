@@ -1,0 +1,92 @@
+"""Published model shapes, as ``causal_transformer`` configurations.
+
+``models.build("causal_transformer", **PRESETS["llama-3.1-8b"])``, or ``--model llama-3.1-8b`` on
+every command that takes model sizes. Each preset is the published model's shapes in Dew's decoder
+(RMSNorm, rotary positions, SwiGLU, no biases), so plans and benchmarks are about the sizes people
+train. ``PUBLISHED_PARAMETERS`` holds the count each model's authors give; the tests hold every
+preset's weight count to it within 1%.
+
+- Llama 3.x: the model cards and ``config.json`` of meta-llama/Llama-3.2-1B, Llama-3.1-8B and
+  Llama-3.1-70B (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+  num_key_value_heads, vocab_size 128256, tie_word_embeddings). Dew's decoder is Llama's block,
+  so these are the models' own weights, shape for shape. ``max_seq_len`` is 8192, the length they
+  were pretrained at before their context was extended.
+- GPT-2 small and medium (Radford et al. 2019; the released 124M and 355M checkpoints): widths,
+  depths, heads and the 1024-token context are GPT-2's. Dew's block differs: its SwiGLU MLP has
+  three matrices where GPT-2's GELU MLP has two, so its width is 2/3 of GPT-2's 4 x width (rounded
+  up to a multiple of 16), which keeps the MLP's weights and FLOPs; positions are rotary rather
+  than a learned table, and there are no biases. The vocabulary is padded from 50257 to 50304
+  (a multiple of 64, as nanoGPT pads it) so that it splits over tensor.
+"""
+
+from __future__ import annotations
+
+LLAMA_VOCAB = 128256
+
+PRESETS: dict[str, dict] = {
+    "gpt2-small": dict(
+        vocab_size=50304,
+        emb_features=768,
+        num_layers=12,
+        num_heads=12,
+        mlp_features=2048,
+        tie_embeddings=True,
+        max_seq_len=1024,
+    ),
+    "gpt2-medium": dict(
+        vocab_size=50304,
+        emb_features=1024,
+        num_layers=24,
+        num_heads=16,
+        mlp_features=2736,
+        tie_embeddings=True,
+        max_seq_len=1024,
+    ),
+    "llama-3.2-1b": dict(
+        vocab_size=LLAMA_VOCAB,
+        emb_features=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        mlp_features=8192,
+        tie_embeddings=True,
+        max_seq_len=8192,
+    ),
+    "llama-3.1-8b": dict(
+        vocab_size=LLAMA_VOCAB,
+        emb_features=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        mlp_features=14336,
+        tie_embeddings=False,
+        max_seq_len=8192,
+    ),
+    "llama-3.1-70b": dict(
+        vocab_size=LLAMA_VOCAB,
+        emb_features=8192,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        mlp_features=28672,
+        tie_embeddings=False,
+        max_seq_len=8192,
+    ),
+}
+
+# The weight counts the models' authors publish (GPT-2's include its position table and biases).
+PUBLISHED_PARAMETERS: dict[str, int] = {
+    "gpt2-small": 124_439_808,  # the released checkpoint's count ("124M")
+    "gpt2-medium": 354_823_168,  # "355M"
+    "llama-3.2-1b": 1_235_814_400,  # "1.23B"
+    "llama-3.1-8b": 8_030_261_248,  # "8.03B"
+    "llama-3.1-70b": 70_553_706_496,  # "70.6B"
+}
+
+
+def preset(name: str, **overrides) -> dict:
+    """The configuration of preset ``name``, with ``overrides`` (``max_seq_len=2048``,
+    ``dtype="bfloat16"``) applied; a ``ValueError`` lists the presets for an unknown name."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; available: {', '.join(PRESETS)}")
+    return {**PRESETS[name], **overrides}

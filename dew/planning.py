@@ -1,0 +1,499 @@
+"""Planning a run for a TPU slice you don't have: compile the real step for it, read what it needs.
+
+    from dew import planning, targets
+    rows = planning.plan(targets.target("v5e-8"), objective, ["fsdp=8", "tensor=8"], batch=16)
+
+For each layout, the step (the same code that trains) is lowered on ``jax.ShapeDtypeStruct`` s
+laid out over the slice's compile-only devices (``dew.targets``) and compiled by the TPU compiler
+in ``libtpu``; nothing runs. A ``PlanRow`` holds what the compiled executable says:
+
+- memory per device, from ``compiled.memory_analysis()``: ``state`` (the step's arguments: weights,
+  optimizer state, EMA, key and the batch), ``temp`` (everything the step allocates while it
+  runs) and ``total`` = arguments + outputs - donated (aliased) + temp + the program's code;
+  ``fits`` when ``total`` is at most the chip's memory (``Target.hbm_bytes``);
+- the collectives XLA kept, per device per step, read from the compiled HLO by
+  ``dew.collectives.hlo_collectives`` with every loop's trip count (so no TPU row is
+  approximate), as wire bytes under the ring formulas and counts per op;
+- how long the compile took.
+
+``search`` enumerates the layouts a model and a slice allow and compiles the most promising first
+(see its docstring for the rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Callable, Iterable, Sequence
+
+import jax
+import optax
+
+from dew.collectives.report import format_bytes
+from dew.layout import Layout
+from dew.mesh import AXES, MeshSpec
+from dew.parallel.options import StepOptions
+from dew.targets import GIB, Target
+
+__all__ = [
+    "PlanRow",
+    "plan",
+    "plan_layout",
+    "candidate_meshes",
+    "search",
+    "format_table",
+    "weight_count",
+]
+
+
+def weight_count(model) -> int:
+    """The model's weights (elements), from its declared shapes (nothing is allocated)."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(shapes))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One layout's compiled step on one target, per device. Bytes are exact (from XLA).
+
+    ``error`` is set (and the numbers are 0) when the layout was refused before compiling (a
+    ``ValueError`` naming the rule) or the compiler failed; such a row never ``fits``.
+    """
+
+    target: str
+    mesh: str  # the layout as asked, e.g. "fsdp=8"
+    axis_sizes: dict
+    engine: str
+    options: str
+    state_bytes: int = 0
+    temp_bytes: int = 0
+    total_bytes: int = 0
+    hbm_bytes: int = 0
+    wire_bytes: int = 0
+    collectives: dict = dataclasses.field(default_factory=dict)  # op -> calls per step
+    compile_s: float = 0.0
+    approximate: bool = False
+    error: str | None = None
+    # The TPU compiler's message when it refused the step for not fitting the chip (it checks
+    # while compiling): ``total_bytes`` and ``hbm_bytes`` are then the needed and available
+    # memory it states, ``state_bytes`` the state's shards, and nothing else is known.
+    refused: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.error is None and self.refused is None and self.total_bytes <= self.hbm_bytes
+
+    @property
+    def verdict(self) -> str:
+        """``fits``, ``over by X GiB``, or ``refused``/``failed`` for a row with an error."""
+        if self.error is not None:
+            return "error"
+        if self.fits:
+            return "fits"
+        return f"over by {(self.total_bytes - self.hbm_bytes) / GIB:.2f} GiB"
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["fits"] = self.fits
+        return out
+
+
+def mesh_text(spec: MeshSpec) -> str:
+    """``MeshSpec(fsdp=2, tensor=4)`` -> ``"fsdp=2,tensor=4"`` (``"data"`` for all data)."""
+    parts = [f"{a}={getattr(spec, a)}" for a in AXES[1:] if getattr(spec, a) > 1]
+    if spec.microbatches is not None:
+        parts.append(f"microbatches={spec.microbatches}")
+    return ",".join(parts) or "data"
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# The TPU compiler's refusals of a program that does not fit, in the spellings libtpu uses.
+_REFUSALS = (
+    re.compile(
+        r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM "
+        r"\(([\d.]+)([KMGT]?)\)"
+    ),
+    re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
+)
+
+
+def _refused_for_memory(message: str) -> tuple[int, int] | None:
+    """``(bytes needed, bytes available)`` when ``message`` is the TPU compiler refusing a
+    program that does not fit its chip's memory (it checks while compiling), else None."""
+    for pattern in _REFUSALS:
+        m = pattern.search(message)
+        if m:
+            needed = float(m.group(1)) * _UNITS[m.group(2)]
+            available = float(m.group(3)) * _UNITS[m.group(4)]
+            return int(needed), int(available)
+    return None
+
+
+def options_text(options: StepOptions, axis_sizes: dict) -> str:
+    """The options that shape a step on ``axis_sizes``, as ``"sequence_parallel=True"``."""
+    return ", ".join(f"{k}={v}" for k, v in options.in_effect(axis_sizes).items())
+
+
+def _as_spec(mesh) -> MeshSpec:
+    if isinstance(mesh, MeshSpec):
+        return mesh
+    if isinstance(mesh, str):
+        return MeshSpec.parse(mesh)
+    raise TypeError(f"a layout is a MeshSpec or text such as 'fsdp=8', got {type(mesh).__name__}")
+
+
+def _trainer(target, objective, optimizer, spec, *, engine, layout, options, accumulation):
+    from dew.training.trainer import Trainer
+
+    return Trainer(
+        objective,
+        optimizer,
+        key=jax.random.key(0),
+        mesh=spec,
+        layout=layout,
+        accumulation=accumulation,
+        engine=engine,
+        devices=target.devices(),
+        options=options if engine == "shard_map" else StepOptions(),
+    )
+
+
+def plan_layout(
+    target: Target,
+    objective,
+    mesh,
+    batch: int,
+    *,
+    optimizer: optax.GradientTransformation | None = None,
+    engine: str = "shard_map",
+    layout: Layout = Layout(),
+    options: StepOptions = StepOptions(),
+    accumulation: int = 1,
+) -> PlanRow:
+    """Compiles ``objective``'s training step on global batches of ``batch`` rows for ``target``
+    on the layout ``mesh`` (a ``MeshSpec`` or ``"fsdp=8"``) and reads its memory, collectives and
+    compile time.
+
+    ``optimizer`` defaults to ``optax.adamw(1e-3)`` (two float32 moments per weight, as
+    ``dew train``). A layout the ``Trainer`` refuses (a size that does not divide, an option the
+    mesh gives no axis for) gives a row with its ``error`` rather than raising.
+    """
+    from dew.collectives import hlo_collectives
+
+    spec = _as_spec(mesh)
+    optimizer = optax.adamw(1e-3) if optimizer is None else optimizer
+    row = dict(
+        target=target.name,
+        mesh=mesh_text(spec),
+        axis_sizes={},
+        engine=engine,
+        options="",
+        hbm_bytes=target.hbm_bytes,
+    )
+    try:
+        row["axis_sizes"] = spec.shape(target.chips)
+        if engine == "shard_map":
+            row["options"] = options_text(options, row["axis_sizes"])
+        trainer = _trainer(
+            target,
+            objective,
+            optimizer,
+            spec,
+            engine=engine,
+            layout=layout,
+            options=options,
+            accumulation=accumulation,
+        )
+        trainer.check_batch(batch, objective.seq_len)
+    except ValueError as error:
+        return PlanRow(**row, error=str(error))
+    start = time.perf_counter()
+    try:
+        compiled = trainer.compiled_step(batch)
+    except Exception as error:  # noqa: BLE001  (the compiler's own failure is the row's result)
+        seconds = time.perf_counter() - start
+        over = _refused_for_memory(str(error))
+        if over is None:
+            return PlanRow(**row, error=f"{type(error).__name__}: {error}", compile_s=seconds)
+        needed, available = over
+        row["hbm_bytes"] = available
+        return PlanRow(
+            **row,
+            state_bytes=_state_bytes(trainer),
+            total_bytes=needed,
+            compile_s=seconds,
+            refused=str(error).strip().splitlines()[0],
+        )
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    report = hlo_collectives(compiled, trainer.mesh)
+    counts: dict[str, int] = {}
+    for r in report.rows:
+        counts[r.op] = counts.get(r.op, 0) + r.count
+    total = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+        + memory.generated_code_size_in_bytes
+    )
+    return PlanRow(
+        **row,
+        state_bytes=memory.argument_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes,
+        total_bytes=total,
+        wire_bytes=sum(r.wire_bytes for r in report.rows),
+        collectives=counts,
+        compile_s=seconds,
+        approximate=any(r.approximate for r in report.rows),
+    )
+
+
+def plan(
+    target: Target,
+    objective,
+    meshes: Iterable,
+    batch: int,
+    *,
+    engines: Sequence[str] = ("shard_map",),
+    on_row: Callable[[PlanRow], None] | None = None,
+    **settings,
+) -> list[PlanRow]:
+    """``plan_layout`` for every layout in ``meshes`` and every engine in ``engines`` (e.g.
+    ``("shard_map", "gspmd")`` for the pinned GSPMD baseline beside each), in that order;
+    ``on_row`` sees each row as it is done. ``settings`` go to ``plan_layout``."""
+    rows = []
+    for mesh in meshes:
+        for engine in engines:
+            row = plan_layout(target, objective, mesh, batch, engine=engine, **settings)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    return rows
+
+
+def _factorizations(n: int, slots: int) -> Iterable[tuple[int, ...]]:
+    """Every way to write ``n`` as an ordered product of ``slots`` positive integers."""
+    if slots == 1:
+        yield (n,)
+        return
+    for first in range(1, n + 1):
+        if n % first == 0:
+            for rest in _factorizations(n // first, slots - 1):
+                yield (first, *rest)
+
+
+def candidate_meshes(
+    target: Target,
+    objective,
+    batch: int,
+    *,
+    layout: Layout = Layout(),
+    options: StepOptions = StepOptions(),
+    accumulation: int = 1,
+) -> list[MeshSpec]:
+    """Every layout of the six axes over ``target``'s devices that the ``Trainer`` accepts for
+    ``objective`` on batches of ``batch`` rows: each size divides what it splits (heads, kv heads,
+    MLP width and vocabulary over tensor; experts over expert; layers over stage; positions over
+    sequence; rows over the batch axes), checked by building the ``Trainer`` itself. A pipeline
+    gets ``microbatches = stage`` (its least); ``expert`` above 1 only for an MoE model.
+
+    ``options`` apply where the mesh has their axis (``sequence_parallel`` only with tensor,
+    a non-ring scheme only with sequence), so one call enumerates both kinds of layout.
+    """
+    model = objective.model
+    out = []
+    slots = len(AXES)
+    for sizes in _factorizations(target.chips, slots):
+        shape = dict(zip(AXES, sizes))
+        if shape["expert"] > 1 and not getattr(model, "num_experts", 0):
+            continue
+        spec = MeshSpec(
+            **{a: shape[a] for a in AXES[1:]},
+            microbatches=shape["stage"] if shape["stage"] > 1 else None,
+        )
+        step_options = _options_for(options, shape)
+        try:
+            trainer = _trainer(
+                target,
+                objective,
+                optax.adamw(1e-3),
+                spec,
+                engine="shard_map",
+                layout=layout,
+                options=step_options,
+                accumulation=accumulation,
+            )
+            trainer.check_batch(batch, objective.seq_len)
+        except ValueError:
+            continue
+        out.append(spec)
+    return out
+
+
+def _options_for(options: StepOptions, shape: dict) -> StepOptions:
+    return StepOptions(
+        sequence_parallel=options.sequence_parallel and shape["tensor"] > 1,
+        sequence_scheme=options.sequence_scheme if shape["sequence"] > 1 else "ring",
+        pipeline_schedule=options.pipeline_schedule if shape["stage"] > 1 else "1f1b",
+    )
+
+
+def _state_bytes(trainer) -> int:
+    """Bytes of the training state one device holds in ``trainer``'s layout (no compile)."""
+    total = 0
+    for leaf, sharding in zip(
+        jax.tree_util.tree_leaves(trainer._abstract_state),
+        jax.tree_util.tree_leaves(trainer.state_shardings),
+    ):
+        shard = sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * leaf.dtype.itemsize
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A layout ``search`` considered, with what it knew before compiling."""
+
+    mesh: MeshSpec
+    state_bytes: int  # the state one device holds (weights, optimizer, EMA)
+    traced_wire_bytes: int  # the step's collectives as its jaxpr asks for them
+
+
+def search(
+    target: Target,
+    objective,
+    batch: int,
+    *,
+    max_layouts: int = 4,
+    engines: Sequence[str] = ("shard_map",),
+    layout: Layout = Layout(),
+    options: StepOptions = StepOptions(),
+    accumulation: int = 1,
+    on_row: Callable[[PlanRow], None] | None = None,
+    on_candidates: Callable[[list[Candidate]], None] | None = None,
+) -> list[PlanRow]:
+    """Finds the layouts of ``candidate_meshes``, compiles at most ``max_layouts`` of them and
+    returns their rows, those that fit first, by wire bytes per device (fewest first).
+
+    Which to compile, in order (each number exact, none needs a compile):
+
+    1. Drop the layouts whose state alone (weights, optimizer moments, EMA: the shard each device
+       holds) passes the chip's memory: they cannot fit, whatever the step does.
+    2. Trace each remaining step (seconds, not minutes) and order them by the wire bytes per device
+       its jaxpr asks for; ties go to the smaller state.
+    3. Compile the first ``max_layouts``.
+
+    The jaxpr's bytes are what the code asks for; the compiled rows say what XLA kept, and are
+    what the result is ranked by.
+    """
+    from dew.collectives import collectives
+
+    specs = candidate_meshes(
+        target, objective, batch, layout=layout, options=options, accumulation=accumulation
+    )
+    candidates = []
+    for spec in specs:
+        step_options = _options_for(options, spec.shape(target.chips))
+        trainer = _trainer(
+            target,
+            objective,
+            optax.adamw(1e-3),
+            spec,
+            engine="shard_map",
+            layout=layout,
+            options=step_options,
+            accumulation=accumulation,
+        )
+        state = _state_bytes(trainer)
+        if state > target.hbm_bytes:
+            continue
+        report = collectives(trainer.train_step(batch), *trainer.step_arguments(batch))
+        candidates.append(Candidate(spec, state, sum(r.wire_bytes for r in report.rows)))
+    candidates.sort(key=lambda c: (c.traced_wire_bytes, c.state_bytes))
+    if on_candidates is not None:
+        on_candidates(candidates)
+    rows = []
+    for c in candidates[:max_layouts]:
+        step_options = _options_for(options, c.mesh.shape(target.chips))
+        rows += plan(
+            target,
+            objective,
+            [c.mesh],
+            batch,
+            engines=engines,
+            on_row=on_row,
+            layout=layout,
+            options=step_options,
+            accumulation=accumulation,
+        )
+    return sorted(rows, key=lambda r: (not r.fits, r.wire_bytes, r.total_bytes))
+
+
+COLUMNS = (
+    "layout",
+    "engine",
+    "state",
+    "temp",
+    "total",
+    "memory",
+    "verdict",
+    "wire/step",
+    "ops",
+    "compile",
+)
+
+
+def _ops_text(counts: dict) -> str:
+    return " ".join(f"{op}:{n}" for op, n in sorted(counts.items())) or "-"
+
+
+def row_cells(row: PlanRow) -> tuple[str, ...]:
+    """One row of ``format_table``'s text."""
+    layout = row.mesh + (f" ({row.options})" if row.options else "")
+    if row.error is not None:
+        return (layout, row.engine, *"---", format_bytes(row.hbm_bytes), "error", *"---")
+    if row.refused is not None:
+        return (
+            layout,
+            row.engine,
+            format_bytes(row.state_bytes),
+            "-",
+            format_bytes(row.total_bytes),
+            format_bytes(row.hbm_bytes),
+            row.verdict,
+            "-",
+            "-",
+            f"{row.compile_s:.0f} s",
+        )
+    return (
+        layout,
+        row.engine,
+        format_bytes(row.state_bytes),
+        format_bytes(row.temp_bytes),
+        format_bytes(row.total_bytes),
+        format_bytes(row.hbm_bytes),
+        row.verdict,
+        format_bytes(row.wire_bytes) + ("*" if row.approximate else ""),
+        _ops_text(row.collectives),
+        f"{row.compile_s:.0f} s",
+    )
+
+
+def format_table(rows: Sequence[PlanRow]) -> str:
+    """The rows as an aligned text table, errors listed under it."""
+    cells = [COLUMNS] + [row_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(COLUMNS))).rstrip() for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for r in rows:
+        if r.error is not None:
+            lines.append(f"{r.mesh} ({r.engine}): {r.error}")
+    for r in rows:
+        if r.refused is not None:
+            lines.append(f"{r.mesh} ({r.engine}): the TPU compiler refused it: {r.refused}")
+    if any(r.approximate for r in rows):
+        lines.append("* approximate: a loop whose trip count the HLO does not give")
+    return "\n".join(lines)
