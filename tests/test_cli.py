@@ -319,6 +319,7 @@ def test_every_command_spells_and_defaults_the_shared_flags_alike():
         "--moe-every",
         "--capacity-factor",
         "--cpu-devices",
+        "--model",
     )
 
     def flags(command):
@@ -335,3 +336,10 @@ def test_every_command_spells_and_defaults_the_shared_flags_alike():
         if flag != "--mesh":
             assert bench[flag].default == want, (flag, bench[flag].default, want)
     assert bench["--mesh"].nargs == "+"
+    # dew plan compiles for a TPU slice: no CPU devices, and no default layout (--mesh or --search).
+    plan = flags("plan")
+    for flag in shared:
+        if flag in ("--cpu-devices", "--mesh"):
+            continue
+        assert plan[flag].default == train[flag].default, flag
+    assert plan["--mesh"].nargs == "+" and "--cpu-devices" not in plan

@@ -15,9 +15,9 @@ parallelism runs them over ``tensor``, but across the fsdp group's rows:
   exact). Backward (autodiff's transposes): ``all_gather`` of the rows' gradient, scatter-added
   into the local slice.
 - ``loss_sum``: ``all_gather`` the normalized activations over the rows; the local slice's logits
-  for every row of the group, ``[n rows, seq, vocab / n]`` (as large as one device's
-  whole-vocabulary logits); the cross-entropy's max and sums over the vocabulary by ``pmax`` and
-  ``psum`` over fsdp; each device keeps its own rows' losses. Backward: under
+  for each device's block of rows in turn (``[rows, seq, vocab / n]``, recomputed in the
+  backward); the cross-entropy's max and sums over the vocabulary by ``pmax`` and ``psum`` over
+  fsdp; each device keeps its own block's losses. Backward: under
   ``check_vma=False`` the ``psum`` transposes to a ``psum`` of every device's rows' cotangents, so
   each slice's gradient comes from every row of the group; the ``all_gather`` transposes to a
   ``psum_scatter`` of the activations' gradient back to their rows.
@@ -40,6 +40,8 @@ bytes per activation element, the table ``V x D`` (``e`` bytes once cast):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -58,11 +60,6 @@ def moves_tokens(spec: P | None, vocab_dim: int, local_rows: int, tokens: int, s
         return False
     entries = tuple(spec) + (None,) * (vocab_dim + 1 - len(tuple(spec)))
     return entries[vocab_dim] == AXIS and tokens <= local_rows
-
-
-def _my_rows(x: jax.Array, rows: int) -> jax.Array:
-    """This device's block of ``rows`` rows of ``x``, gathered over fsdp in device order."""
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(AXIS) * rows, rows, axis=0)
 
 
 def embed(table_local: jax.Array, ids: jax.Array, shards, dtype) -> jax.Array:
@@ -86,27 +83,45 @@ def loss_sum(x: jax.Array, table_local: jax.Array, targets: jax.Array, shards) -
     ``table_local`` ``[vocab / n, embed]`` (the tied table, or an untied kernel's ``.T``).
 
     ``x``: ``[rows, seq, embed]``, the final norm's output; ``targets``: ``[rows, seq]`` ids.
+
+    The group's rows are scored one device's block at a time (a ``scan`` over the ``n`` blocks,
+    each recomputed in the backward), so a device holds one block's logits, ``[rows, seq,
+    vocab / n]`` float32, and their gradient: ``1/n`` of one device's whole-vocabulary logits,
+    where scoring every row at once would hold ``n`` blocks' worth twice over.
     """
-    rows = x.shape[0]
     vocab_local = table_local.shape[0]
-    # All-gather of the activations over the rows: (n - 1) x rows seq embed x e bytes sent
-    # (backward: its psum_scatter, as much).
-    group_x = lax.all_gather(x, AXIS, axis=0, tiled=True)
-    group_targets = lax.all_gather(targets, AXIS, axis=0, tiled=True)
-    logits = jnp.einsum(
-        "bse,ve->bsv", group_x, table_local.astype(x.dtype), preferred_element_type=jnp.float32
-    )
-    # The shift is for stability only; its gradient cancels over the vocabulary, not a slice.
-    # All-reduce (max) of [n rows, seq] float32.
-    shift = lax.pmax(jnp.max(lax.stop_gradient(logits), axis=-1), AXIS)
-    shifted = logits - shift[..., None]
-    local = group_targets.astype(jnp.int32) - lax.axis_index(AXIS) * vocab_local
-    mine = (local >= 0) & (local < vocab_local)
-    picked = jnp.take_along_axis(shifted, jnp.where(mine, local, 0)[..., None], axis=-1)[..., 0]
-    partial = jnp.stack([jnp.sum(jnp.exp(shifted), axis=-1), jnp.where(mine, picked, 0.0)], -1)
-    # One all-reduce of [n rows, seq, 2] float32 for both sums: 2 (n - 1) / n x 8 n rows seq
-    # bytes sent. Its transpose (check_vma=False) is a psum of the devices' cotangents, each
-    # nonzero on its own rows only: every slice of the vocabulary gets every row's gradient.
-    sum_exp, target_logit = jnp.moveaxis(lax.psum(partial, AXIS), -1, 0)
-    losses = jnp.log(sum_exp) - target_logit
-    return jnp.sum(_my_rows(losses, rows))
+    me = lax.axis_index(AXIS)
+    # All-gathers over the rows, [n, rows, seq, ...] by device: (n - 1) x rows seq embed x e
+    # bytes sent for the activations (backward: their psum_scatter, as much), and the targets.
+    group_x = lax.all_gather(x, AXIS)
+    group_targets = lax.all_gather(targets, AXIS)
+    table = table_local.astype(x.dtype)
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def block_loss(block_x, block_targets):
+        logits = jnp.einsum("bse,ve->bsv", block_x, table, preferred_element_type=jnp.float32)
+        # The shift is for stability only; its gradient cancels over the vocabulary, not a
+        # slice. All-reduce (max) of [rows, seq] float32.
+        shift = lax.pmax(jnp.max(lax.stop_gradient(logits), axis=-1), AXIS)
+        shifted = logits - shift[..., None]
+        local = block_targets.astype(jnp.int32) - me * vocab_local
+        mine = (local >= 0) & (local < vocab_local)
+        picked = jnp.take_along_axis(shifted, jnp.where(mine, local, 0)[..., None], axis=-1)
+        partial = jnp.stack(
+            [jnp.sum(jnp.exp(shifted), axis=-1), jnp.where(mine, picked[..., 0], 0.0)], -1
+        )
+        # One all-reduce of [rows, seq, 2] float32 for both sums: 2 (n - 1) / n x 8 rows seq
+        # bytes sent. Its transpose (check_vma=False) is a psum of the devices' cotangents, of
+        # which only the block's owner's is nonzero: every slice gets the block's gradient.
+        sum_exp, target_logit = jnp.moveaxis(lax.psum(partial, AXIS), -1, 0)
+        return jnp.sum(jnp.log(sum_exp) - target_logit)
+
+    def score(total, block):
+        owner, block_x, block_targets = block
+        loss = block_loss(block_x, block_targets)
+        # Every device computes the block's loss; its owner counts it.
+        return total + jnp.where(owner == me, loss, 0.0), None
+
+    blocks = (jnp.arange(group_x.shape[0]), group_x, group_targets)
+    total, _ = lax.scan(score, jnp.zeros((), jnp.float32), blocks)
+    return total
