@@ -20,7 +20,7 @@ def test_dew_bench_runs_and_records_sequence_parallel(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith(
-        "dew bench: 1 layers, width 32, 2 heads, batch 8 x 8 tokens, min_shard 4096, "
+        "dew bench: 1 layers, width 32, 2 heads, vocab 256, batch 8 x 8 tokens, min_shard 4096, "
         "sequence_parallel True, on 8 cpu devices;"
     ), out.stdout
     rows = json.loads((tmp_path / "bench.json").read_text())
@@ -43,8 +43,8 @@ def test_dew_bench_runs_an_moe_model_on_expert_and_fsdp_layouts(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith(
-        "dew bench: 1 layers, width 32, 2 heads, capacity_factor 1.5, experts_per_token 2, "
-        "moe_every 1, num_experts 4, batch 8 x 8 tokens,"
+        "dew bench: 1 layers, width 32, 2 heads, vocab 256, capacity_factor 1.5, "
+        "experts_per_token 2, moe_every 1, num_experts 4, batch 8 x 8 tokens,"
     ), out.stdout
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert {(r["layout"], r["engine"]) for r in rows} == {

@@ -5,6 +5,7 @@ sizes: those are measured in docs/planning.md). All in one worker, which loads l
 """
 
 import json
+import re
 
 import jax
 import optax
@@ -127,3 +128,18 @@ def test_search_compiles_only_layouts_the_trainer_accepts():
     assert traced == sorted(traced)  # fewest traced bytes first
     (row,) = rows
     assert row.fits and row.mesh == planning.mesh_text(candidates[0].mesh)
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--target", "v5e-8"], "which layouts? give --mesh"),
+        (["--target", "v5e-8", "--mesh", "fsdp=8", "--search"], "--mesh and --search: give one"),
+        (["--target", "v5p-24", "--mesh", "fsdp=8"], "'v5p-24' is not a v5p slice"),
+        (["--target", "v5e-8", "--search", "--max-layouts", "0"], "--max-layouts must be"),
+    ],
+)
+def test_plan_refuses_what_it_cannot_plan_before_compiling(argv, says):
+    args = build_parser().parse_args(["plan", *argv])
+    with pytest.raises(ValueError, match=re.escape(says)):
+        plan_command.run(args)

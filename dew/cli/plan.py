@@ -141,8 +141,10 @@ def run(args) -> int:
     from dew.targets import target
 
     tpu = target(args.target)
-    if args.search == (args.mesh is not None):
-        raise ValueError("give --mesh LAYOUT... or --search (not both)")
+    if args.search and args.mesh is not None:
+        raise ValueError("--mesh and --search: give one (--search enumerates the layouts itself)")
+    if not args.search and args.mesh is None:
+        raise ValueError("which layouts? give --mesh LAYOUT... (one or more) or --search")
     if args.max_layouts < 1:
         raise ValueError(f"--max-layouts must be at least 1, got {args.max_layouts}")
     json_path = Path(args.json) if args.json else None
