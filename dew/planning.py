@@ -194,6 +194,8 @@ def plan_layout(
     )
     try:
         row["axis_sizes"] = spec.shape(target.chips)
+        if row["mesh"] == "data":
+            row["mesh"] = f"data={row['axis_sizes']['data']}"
         if engine == "shard_map":
             row["options"] = options_text(options, row["axis_sizes"])
         trainer = _trainer(

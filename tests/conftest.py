@@ -26,7 +26,8 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # The TPU compile tests (dew plan, dew.targets) load libtpu in both workers, compiling only.
-from dew.targets import compile_only_environment  # noqa: E402  (imports no JAX)
+# (Importing dew imports JAX: the flags above are set first.)
+from dew.targets import compile_only_environment  # noqa: E402
 
 compile_only_environment()
 
