@@ -87,7 +87,8 @@ class PlanRow:
 
     @property
     def verdict(self) -> str:
-        """``fits``, ``over by X GiB``, or ``refused``/``failed`` for a row with an error."""
+        """``fits``, ``over by X GiB`` (more than the chip has, by the compiler's count when it
+        refused the step), or ``error`` for a layout refused before compiling."""
         if self.error is not None:
             return "error"
         if self.fits:
@@ -194,8 +195,9 @@ def plan_layout(
     )
     try:
         row["axis_sizes"] = spec.shape(target.chips)
-        if row["mesh"] == "data":
-            row["mesh"] = f"data={row['axis_sizes']['data']}"
+        data = row["axis_sizes"]["data"]
+        if data > 1:  # the devices the other axes leave, named: "data=2,fsdp=4"
+            row["mesh"] = f"data={data}" if row["mesh"] == "data" else f"data={data},{row['mesh']}"
         if engine == "shard_map":
             row["options"] = options_text(options, row["axis_sizes"])
         trainer = _trainer(

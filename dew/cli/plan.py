@@ -159,6 +159,14 @@ def run(args) -> int:
         if row.error is not None:
             print(f"  {what}: refused: {row.error}", flush=True)
             return
+        if row.refused is not None:
+            print(
+                f"  {what}: the TPU compiler refused it after {row.compile_s:.0f} s: it needs "
+                f"{planning.format_bytes(row.total_bytes)} of the "
+                f"{planning.format_bytes(row.hbm_bytes)} a chip has for it, {row.verdict}",
+                flush=True,
+            )
+            return
         print(
             f"  {what}: compiled in {row.compile_s:.0f} s; total "
             f"{planning.format_bytes(row.total_bytes)} per device, {row.verdict}; "
