@@ -10,7 +10,8 @@ in ``libtpu``; nothing runs. A ``PlanRow`` holds what the compiled executable sa
 - memory per device, from ``compiled.memory_analysis()``: ``state`` (the step's arguments: weights,
   optimizer state, EMA, key and the batch), ``temp`` (everything the step allocates while it
   runs) and ``total`` = arguments + outputs - donated (aliased) + temp + the program's code;
-  ``fits`` when ``total`` is at most the chip's memory (``Target.hbm_bytes``);
+  ``fits`` when it compiled: the TPU compiler checks the program against the chip's memory and
+  refuses one that does not fit, which makes the row ``over by X GiB`` by the compiler's count;
 - the collectives XLA kept, per device per step, read from the compiled HLO by
   ``dew.collectives.hlo_collectives`` with every loop's trip count (so no TPU row is
   approximate), as wire bytes under the ring formulas and counts per op;
@@ -18,6 +19,10 @@ in ``libtpu``; nothing runs. A ``PlanRow`` holds what the compiled executable sa
 
 ``search`` enumerates the layouts a model and a slice allow and compiles the most promising first
 (see its docstring for the rule).
+
+One module of about 500 lines: a row, the compile that fills it, the search that chooses which
+rows to compile and the table that prints them are one path a reader follows from `dew plan`'s
+flags to its output; each part is a few functions that make no sense without the row.
 """
 
 from __future__ import annotations
@@ -307,18 +312,19 @@ def candidate_meshes(
     ``options`` apply where the mesh has their axis (``sequence_parallel`` only with tensor,
     a non-ring scheme only with sequence), so one call enumerates both kinds of layout.
     """
-    model = objective.model
-    out = []
-    slots = len(AXES)
-    for sizes in _factorizations(target.chips, slots):
+    return [spec for spec, _ in _accepted(target, objective, batch, layout, options, accumulation)]
+
+
+def _accepted(target, objective, batch, layout, options, accumulation):
+    """``(spec, trainer)`` of each layout ``candidate_meshes`` keeps, the trainer built once."""
+    for sizes in _factorizations(target.chips, len(AXES)):
         shape = dict(zip(AXES, sizes))
-        if shape["expert"] > 1 and not getattr(model, "num_experts", 0):
+        if shape["expert"] > 1 and not getattr(objective.model, "num_experts", 0):
             continue
         spec = MeshSpec(
             **{a: shape[a] for a in AXES[1:]},
             microbatches=shape["stage"] if shape["stage"] > 1 else None,
         )
-        step_options = _options_for(options, shape)
         try:
             trainer = _trainer(
                 target,
@@ -327,14 +333,13 @@ def candidate_meshes(
                 spec,
                 engine="shard_map",
                 layout=layout,
-                options=step_options,
+                options=_options_for(options, shape),
                 accumulation=accumulation,
             )
             trainer.check_batch(batch, objective.seq_len)
         except ValueError:
             continue
-        out.append(spec)
-    return out
+        yield spec, trainer
 
 
 def _options_for(options: StepOptions, shape: dict) -> StepOptions:
@@ -395,22 +400,8 @@ def search(
     """
     from dew.collectives import collectives
 
-    specs = candidate_meshes(
-        target, objective, batch, layout=layout, options=options, accumulation=accumulation
-    )
     candidates = []
-    for spec in specs:
-        step_options = _options_for(options, spec.shape(target.chips))
-        trainer = _trainer(
-            target,
-            objective,
-            optax.adamw(1e-3),
-            spec,
-            engine="shard_map",
-            layout=layout,
-            options=step_options,
-            accumulation=accumulation,
-        )
+    for spec, trainer in _accepted(target, objective, batch, layout, options, accumulation):
         state = _state_bytes(trainer)
         if state > target.hbm_bytes:
             continue

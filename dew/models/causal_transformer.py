@@ -15,6 +15,10 @@ weights are ever alive (gather forward, gather again backward, scatter the gradi
 The model is three parts a layout can run apart, ``embed``, ``blocks`` and ``head``; ``apply`` is
 their composition (tokens -> logits).
 
+The module is one piece of about 500 lines on purpose: the model read top to bottom (nanoGPT's
+rule), with its layers in ``dew.nn`` and every split in ``dew.parallel``; what is here is the
+wiring of those, and where each split meets the model.
+
 Tensor parallelism is written where it happens, and nowhere else: attention and the MLP are
 Megatron regions (``tensor.enter`` on the way in, ``tensor.leave`` on the way out), their first
 matmuls split by columns (``q``, ``k``, ``v`` over heads; ``gate``, ``up`` over the MLP width) and
