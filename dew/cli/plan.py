@@ -149,7 +149,9 @@ def run(args) -> int:
         raise ValueError(f"--max-layouts must be at least 1, got {args.max_layouts}")
     json_path = Path(args.json) if args.json else None
     if json_path is not None and not json_path.parent.is_dir():
-        raise FileNotFoundError(f"--json {args.json}: the folder {str(json_path.parent)!r} is not")
+        raise FileNotFoundError(
+            f"--json {args.json}: the folder {str(json_path.parent)!r} does not exist"
+        )
     objective = _objective(args)
     print(_header(args, tpu, objective), flush=True)
     settings = dict(layout=Layout(min_shard=args.min_shard), accumulation=args.accumulation)
