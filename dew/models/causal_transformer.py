@@ -348,7 +348,7 @@ class CausalTransformer:
         if vocabulary.moves_tokens(
             spec and spec["embedding"], 0, local.shape[0], tokens.size, shards
         ):
-            return vocabulary.embed(local, tokens, shards, dtype)
+            return vocabulary.embed(local, tokens, dtype)
         table = shards.gather(params["params"]["embed_tokens"], "params", "embed_tokens")
         return tensor.embed_lookup(table["embedding"], tokens, shards, dtype)
 
@@ -466,7 +466,7 @@ class CausalTransformer:
             p = params["params"]
             x = norm.rms_norm(shards.gather(p["final_norm"], "params", "final_norm"), x)
             table = weight if dim == 0 else weight.T
-            return vocabulary.loss_sum(x, table.astype(resolve_dtype(self.dtype)), targets, shards)
+            return vocabulary.loss_sum(x, table.astype(resolve_dtype(self.dtype)), targets)
         logits = self.head(params, x, shards)
         return jnp.sum(tensor.cross_entropy(logits, targets, shards))
 

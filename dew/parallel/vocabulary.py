@@ -62,7 +62,7 @@ def moves_tokens(spec: P | None, vocab_dim: int, local_rows: int, tokens: int, s
     return entries[vocab_dim] == AXIS and tokens <= local_rows
 
 
-def embed(table_local: jax.Array, ids: jax.Array, shards, dtype) -> jax.Array:
+def embed(table_local: jax.Array, ids: jax.Array, dtype) -> jax.Array:
     """Token embeddings ``[rows, seq, embed]`` (in ``dtype``) of this device's ``ids`` ``[rows,
     seq]``, from ``table_local`` ``[vocab / n, embed]``, device ``i``'s rows ``[i vocab/n, (i+1)
     vocab/n)`` of the table."""
@@ -78,7 +78,7 @@ def embed(table_local: jax.Array, ids: jax.Array, shards, dtype) -> jax.Array:
     return lax.psum_scatter(partial, AXIS, scatter_dimension=0, tiled=True)
 
 
-def loss_sum(x: jax.Array, table_local: jax.Array, targets: jax.Array, shards) -> jax.Array:
+def loss_sum(x: jax.Array, table_local: jax.Array, targets: jax.Array) -> jax.Array:
     """The cross-entropy of this device's tokens, summed (float32 scalar), through the head
     ``table_local`` ``[vocab / n, embed]`` (the tied table, or an untied kernel's ``.T``).
 
