@@ -1,4 +1,8 @@
-"""The `dew` command, run as a user runs it (a fresh process; it sets up 8 CPU devices itself)."""
+"""The `dew` command. `dew train` runs as a user runs it (a fresh process that sets up its 8 CPU
+devices itself, writes its checkpoints and resumes from them); `dew collectives` and the refusals
+of bad input run by ``main``, which the console script calls, in this process (8 CPU devices
+already): a fresh process would only add its start-up to each.
+"""
 
 import json
 import os
@@ -6,6 +10,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from dew.collectives import OPS
 from tests.helpers import child_env
@@ -24,6 +30,26 @@ def dew(*args, cwd):
         text=True,
         timeout=600,
     )
+
+
+@pytest.fixture
+def dew_here(capsys, monkeypatch):
+    """``dew_here(*args, cwd=...)``: ``dew ARGS`` run by ``main`` in this process (8 CPU devices
+    already), returned as ``dew`` returns it, with its exit code and what it printed."""
+    from dew.cli.main import main
+
+    # main sets up its devices (the same 8 CPU devices): the variables it writes are restored.
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(name, os.environ[name])
+
+    def run(*args, cwd):
+        monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        code = main(list(args))
+        printed = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, printed.out, printed.err)
+
+    return run
 
 
 def test_dew_train_runs_and_resumes(tmp_path):
@@ -62,14 +88,14 @@ def test_dew_train_runs_and_resumes(tmp_path):
     assert "Training from step 4 to 6 on {'data': 2, 'expert': 1, 'fsdp': 4," in second.stdout
 
 
-def test_dew_train_bad_input_is_a_clear_error(tmp_path):
-    bad = dew("train", "--batch", "12", "--mesh", "fsdp=8", "--steps", "1", cwd=tmp_path)
+def test_dew_train_bad_input_is_a_clear_error(tmp_path, dew_here):
+    bad = dew_here("train", "--batch", "12", "--mesh", "fsdp=8", "--steps", "1", cwd=tmp_path)
     assert bad.returncode == 2
     assert (
         "dew train: batch 12 does not split evenly over 8 devices (data 1 x fsdp 8)" in bad.stderr
     )
     assert "Traceback" not in bad.stderr
-    missing = dew("train", "--data", str(tmp_path / "nothing"), "--steps", "1", cwd=tmp_path)
+    missing = dew_here("train", "--data", str(tmp_path / "nothing"), "--steps", "1", cwd=tmp_path)
     assert (
         missing.returncode == 2
         and "nothing" in missing.stderr
@@ -77,8 +103,8 @@ def test_dew_train_bad_input_is_a_clear_error(tmp_path):
     )
 
 
-def test_dew_collectives_prints_the_table(tmp_path):
-    out = dew("collectives", "--mesh", "fsdp=8", cwd=tmp_path)
+def test_dew_collectives_prints_the_table(tmp_path, dew_here):
+    out = dew_here("collectives", "--mesh", "fsdp=8", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith(
         "Collectives of one shard_map step on {'data': 1, 'expert': 1, 'fsdp': 8,"
@@ -117,8 +143,8 @@ def report_rows(stdout: str) -> dict:
     return rows
 
 
-def test_dew_collectives_gspmd_prints_the_compiled_steps_rows(tmp_path):
-    out = dew("collectives", "--mesh", "data=2,fsdp=4", "--engine", "gspmd", cwd=tmp_path)
+def test_dew_collectives_gspmd_prints_the_compiled_steps_rows(tmp_path, dew_here):
+    out = dew_here("collectives", "--mesh", "data=2,fsdp=4", "--engine", "gspmd", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0].startswith(
@@ -145,10 +171,12 @@ def test_dew_collectives_gspmd_prints_the_compiled_steps_rows(tmp_path):
     assert all(b == 0 for b, size in per_axis.values() if size == 1), out.stdout
 
 
-def test_dew_collectives_sequence_parallel_moves_activations_by_gather_and_scatter(tmp_path):
+def test_dew_collectives_sequence_parallel_moves_activations_by_gather_and_scatter(
+    tmp_path, dew_here
+):
     # The example model (2 layers, width 64, batch 16 x 32) on data 4 x tensor 2: each device's
     # activations [4 rows, 32, 64] float32 are A = 32 KiB.
-    out = dew("collectives", "--mesh", "tensor=2", "--sequence-parallel", cwd=tmp_path)
+    out = dew_here("collectives", "--mesh", "tensor=2", "--sequence-parallel", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines()[0].endswith(
         "'tensor': 2, 'sequence': 1, 'stage': 1}, batch 16 x 32 tokens, sequence_parallel=True:"
@@ -165,11 +193,11 @@ def test_dew_collectives_sequence_parallel_moves_activations_by_gather_and_scatt
     assert rows["psum", ("data", "tensor")][0] == 3, out.stdout
 
 
-def test_dew_collectives_shows_the_expert_all_to_alls(tmp_path):
+def test_dew_collectives_shows_the_expert_all_to_alls(tmp_path, dew_here):
     # The example model (2 layers, width 64, batch 16 x 32) with 8 experts, k = 2, on expert 8: a
     # device routes 2 rows x 32 tokens x 2 = 128 copies, dropless, so each all_to_all carries
     # [8, 128, 64] float32 (any device may receive them all) and [8, 128] int32 expert ids.
-    out = dew("collectives", "--mesh", "expert=8", "--experts", "8", cwd=tmp_path)
+    out = dew_here("collectives", "--mesh", "expert=8", "--experts", "8", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     activations, ids = 8 * 128 * 64 * 4, 8 * 128 * 4
     # Per layer: dispatch and combine, again in the recompute, and their two transposes; the ids
@@ -183,17 +211,19 @@ def test_dew_collectives_shows_the_expert_all_to_alls(tmp_path):
     assert not any(op == "all_gather" for op, _ in report_rows(out.stdout)), out.stdout
 
 
-def test_dew_collectives_refuses_heads_that_do_not_split_over_tensor(tmp_path):
-    bad = dew("collectives", "--mesh", "tensor=8", cwd=tmp_path)
+def test_dew_collectives_refuses_heads_that_do_not_split_over_tensor(tmp_path, dew_here):
+    bad = dew_here("collectives", "--mesh", "tensor=8", cwd=tmp_path)
     assert bad.returncode == 2, bad.stdout
     assert "dew collectives: num_heads 4 does not split over tensor 8" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr
 
 
-def test_dew_train_passes_sequence_parallel_to_the_trainer(tmp_path):
+def test_dew_train_passes_sequence_parallel_to_the_trainer(tmp_path, dew_here):
     # Refused by the Trainer before compiling: positions split over tensor need seq_len % 4 == 0,
     # which only sequence_parallel=True asks for (without it, --steps 0 returns at once).
-    bad = dew("train", "--mesh", "tensor=4", "--seq-len", "30", "--sequence-parallel", cwd=tmp_path)
+    bad = dew_here(
+        "train", "--mesh", "tensor=4", "--seq-len", "30", "--sequence-parallel", cwd=tmp_path
+    )
     assert bad.returncode == 2, bad.stdout
     assert "dew train: seq_len 30 does not split over tensor 4 (sequence_parallel=True" in (
         bad.stderr
@@ -201,12 +231,12 @@ def test_dew_train_passes_sequence_parallel_to_the_trainer(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
-def test_dew_collectives_sequence_scheme_picks_the_ring_or_the_all_to_all(tmp_path):
+def test_dew_collectives_sequence_scheme_picks_the_ring_or_the_all_to_all(tmp_path, dew_here):
     # The example model (2 layers, width 64, 4 heads of 16) on data 2 x sequence 4: each device
     # holds 8 rows x 2c = 8 positions. Per layer the layer runs forward, forward again (remat) and
     # backward.
     rows, local, heads, head_dim = 8, 32 // 4, 4, 16
-    ring = dew("collectives", "--mesh", "sequence=4", "--seq-len", "32", cwd=tmp_path)
+    ring = dew_here("collectives", "--mesh", "sequence=4", "--seq-len", "32", cwd=tmp_path)
     assert ring.returncode == 0, ring.stderr[-3000:]
     assert ring.stdout.splitlines()[0].endswith(
         "'sequence': 4, 'stage': 1}, batch 16 x 32 tokens, sequence_scheme=ring:"
@@ -220,7 +250,7 @@ def test_dew_collectives_sequence_scheme_picks_the_ring_or_the_all_to_all(tmp_pa
     # Gradients summed over the token axes, sequence among them.
     assert rows_ring["psum", ("data", "sequence")][0] == 12, ring.stdout
 
-    ulysses = dew(
+    ulysses = dew_here(
         "collectives",
         *("--mesh", "sequence=4", "--seq-len", "32", "--sequence-scheme", "all_to_all"),
         cwd=tmp_path,
@@ -235,10 +265,10 @@ def test_dew_collectives_sequence_scheme_picks_the_ring_or_the_all_to_all(tmp_pa
     assert not any(op == "ppermute" for op, _ in rows_ulysses), ulysses.stdout
 
 
-def test_dew_train_passes_the_sequence_scheme_to_the_trainer(tmp_path):
+def test_dew_train_passes_the_sequence_scheme_to_the_trainer(tmp_path, dew_here):
     # 4 heads do not split over sequence 8, which only the all-to-all scheme asks for; refused
     # before compiling.
-    bad = dew(
+    bad = dew_here(
         "train",
         *("--mesh", "sequence=8", "--sequence-scheme", "all_to_all", "--steps", "1"),
         cwd=tmp_path,
@@ -251,7 +281,7 @@ def test_dew_train_passes_the_sequence_scheme_to_the_trainer(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
-def test_a_flag_that_cannot_take_effect_is_a_clear_error(tmp_path):
+def test_a_flag_that_cannot_take_effect_is_a_clear_error(tmp_path, dew_here):
     # Each would have been ignored: MoE flags on a dense model, an expert axis with no experts to
     # split, sequence-parallel activations without a tensor group, a schedule without stages.
     cases = [
@@ -278,7 +308,7 @@ def test_a_flag_that_cannot_take_effect_is_a_clear_error(tmp_path):
         ),
     ]
     for args, message in cases:
-        bad = dew(*args, cwd=tmp_path)
+        bad = dew_here(*args, cwd=tmp_path)
         assert bad.returncode == 2, (args, bad.stdout, bad.stderr)
         assert message in bad.stderr, (args, bad.stderr)
         assert "Traceback" not in bad.stderr, bad.stderr

@@ -248,15 +248,11 @@ def run_worker(x64: bool, seed: int, out: Path) -> None:
 
 def _worker_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}  # each sets its own
-    # Both workers alike. XLA's CPU compile time dominates here: optimisation level 0 and the
-    # older fusion emitters (no MLIR pipeline per fusion) each cut it, the second by about 3x.
-    env["XLA_FLAGS"] = " ".join(
-        (
-            "--xla_force_host_platform_device_count=8",
-            "--xla_backend_optimization_level=0",
-            "--xla_cpu_use_fusion_emitters=false",
-        )
-    )
+    # Both workers alike: 8 devices, compiled as cheaply as the suite's (tests/conftest.py).
+    from tests.helpers import child_env
+
+    flags = child_env()["XLA_FLAGS"]
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {flags}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env

@@ -84,11 +84,16 @@ def _cut(x: jax.Array, count: int) -> jax.Array:
 
 def accumulated_gradients(loss_share: Callable, params, microbatches):
     """Sum over ``microbatches`` (leading axis of every leaf) of ``value_and_grad(loss_share,
-    has_aux=True)``, under one ``scan``: ``(loss, aux, grads)``, each summed.
+    has_aux=True)``, under one ``scan`` (none for a single microbatch): ``(loss, aux, grads)``,
+    each summed.
 
     ``loss_share(params, micro) -> (loss, aux)``: a scalar and a pytree of arrays (the
     objective's statistics, whatever they are)."""
     first = jax.tree_util.tree_map(lambda x: x[0], microbatches)
+    if jax.tree_util.tree_leaves(microbatches)[0].shape[0] == 1:
+        # No loop to carry sums through: the model is traced once, not twice (eval_shape).
+        (loss, aux), grads = jax.value_and_grad(loss_share, has_aux=True)(params, first)
+        return loss, aux, grads
     _, aux_shapes = jax.eval_shape(loss_share, params, first)
 
     def accumulate(total, micro):
