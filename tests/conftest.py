@@ -41,10 +41,12 @@ os.environ["XLA_FLAGS"] = (
 os.environ["JAX_PLATFORMS"] = "cpu"
 # One compilation cache for the run, shared by its workers and every process they start: a
 # program that several tests compile (a tiny step on the same mesh, a one-device reference, each
-# rank of a launched run, a benchmark contestant) is compiled once and read back after. The first
-# process of the run (xdist's controller) creates it, its workers and their children inherit the
-# variable, and it is removed when that process exits, so every run starts empty. (TPU programs
-# compiled without a TPU are written but cannot be read back: JAX warns and compiles them again.)
+# rank of a launched run, a benchmark contestant) is compiled once and read back after (measured
+# on four of the costliest files, equivalence, MoE, resume and pipelines: 278 s against 308 s).
+# The first process of the run (xdist's controller) creates it, its workers and their children
+# inherit the variable, and it is removed when that process exits, so every run starts empty.
+# (TPU programs compiled without a TPU are written but cannot be read back: JAX warns and compiles
+# them again.)
 _RUN_CACHE = "DEW_TEST_COMPILATION_CACHE"
 if _RUN_CACHE not in os.environ:
     os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="dew-test-compilation-cache-")
@@ -132,6 +134,7 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_collection_modifyitems(items):
     # The modules that run as one group on one worker (xdist_group: a costly shared setup, each
-    # a minute or two) go first, so that they do not end the run on one worker while the other
-    # has nothing left to do. The order within each group, and of the other tests, is kept.
+    # a minute or two) go first, so that none of them ends the run on one worker while the
+    # others have nothing left to do. The order within each group, and of the other tests, is
+    # kept.
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
