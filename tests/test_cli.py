@@ -35,7 +35,9 @@ def dew(*args, cwd):
 @pytest.fixture
 def dew_here(capsys, monkeypatch):
     """``dew_here(*args, cwd=...)``: ``dew ARGS`` run by ``main`` in this process (8 CPU devices
-    already), returned as ``dew`` returns it, with its exit code and what it printed."""
+    already), returned as ``dew`` returns it, with its exit code and what it printed. An error
+    ``main`` does not turn into a message (a user would see a traceback) raises here, failing
+    the test."""
     from dew.cli.main import main
 
     # main sets up its devices (the same 8 CPU devices): the variables it writes are restored.
@@ -94,13 +96,8 @@ def test_dew_train_bad_input_is_a_clear_error(tmp_path, dew_here):
     assert (
         "dew train: batch 12 does not split evenly over 8 devices (data 1 x fsdp 8)" in bad.stderr
     )
-    assert "Traceback" not in bad.stderr
     missing = dew_here("train", "--data", str(tmp_path / "nothing"), "--steps", "1", cwd=tmp_path)
-    assert (
-        missing.returncode == 2
-        and "nothing" in missing.stderr
-        and "Traceback" not in missing.stderr
-    )
+    assert missing.returncode == 2 and "nothing" in missing.stderr
 
 
 def test_dew_collectives_prints_the_table(tmp_path, dew_here):
@@ -215,7 +212,6 @@ def test_dew_collectives_refuses_heads_that_do_not_split_over_tensor(tmp_path, d
     bad = dew_here("collectives", "--mesh", "tensor=8", cwd=tmp_path)
     assert bad.returncode == 2, bad.stdout
     assert "dew collectives: num_heads 4 does not split over tensor 8" in bad.stderr, bad.stderr
-    assert "Traceback" not in bad.stderr
 
 
 def test_dew_train_passes_sequence_parallel_to_the_trainer(tmp_path, dew_here):
@@ -228,7 +224,6 @@ def test_dew_train_passes_sequence_parallel_to_the_trainer(tmp_path, dew_here):
     assert "dew train: seq_len 30 does not split over tensor 4 (sequence_parallel=True" in (
         bad.stderr
     ), bad.stderr
-    assert "Traceback" not in bad.stderr
 
 
 def test_dew_collectives_sequence_scheme_picks_the_ring_or_the_all_to_all(tmp_path, dew_here):
@@ -278,7 +273,6 @@ def test_dew_train_passes_the_sequence_scheme_to_the_trainer(tmp_path, dew_here)
         "dew train: sequence_scheme 'all_to_all' trades positions for heads: num_heads 4 "
         "(4 per device over tensor 1) does not split over sequence 8" in bad.stderr
     ), bad.stderr
-    assert "Traceback" not in bad.stderr
 
 
 def test_a_flag_that_cannot_take_effect_is_a_clear_error(tmp_path, dew_here):
@@ -311,7 +305,6 @@ def test_a_flag_that_cannot_take_effect_is_a_clear_error(tmp_path, dew_here):
         bad = dew_here(*args, cwd=tmp_path)
         assert bad.returncode == 2, (args, bad.stdout, bad.stderr)
         assert message in bad.stderr, (args, bad.stderr)
-        assert "Traceback" not in bad.stderr, bad.stderr
 
 
 def test_dew_train_runs_a_pipeline_with_the_schedule_asked(tmp_path):
