@@ -254,7 +254,9 @@ def test_clip_by_global_norm_matches_one_device(case, seed):
     optimizer = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1e3))
     reference = reference_run(objective, optimizer, key, batches[:2])
     for mesh in (dew.MeshSpec(fsdp=8), dew.MeshSpec(tensor=4, fsdp=2)):
-        run = sharded_run(objective, optimizer, key, batches[:2], mesh)
+        run = sharded_run(
+            objective, optimizer, key, batches[:2], mesh, initial=reference["initial"]
+        )
         # A norm summed over one device's shards only would scale the moves by about sqrt(8).
         moved = jax.tree_util.tree_map(
             lambda a, b: np.asarray(a, np.float64) - b, run["params"], run["initial"]

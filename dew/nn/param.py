@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dew.layout import path_names
 
@@ -56,12 +57,17 @@ def is_param(x) -> bool:
 
 def init_params(declared: Any, key: jax.Array, dtype) -> Any:
     """Draws every ``Param`` of ``declared``; each from ``fold_in(key, crc32(its path))``."""
-
-    def draw(path, p: Param):
-        tag = zlib.crc32("/".join(path_names(path)).encode()) & 0x7FFFFFFF
-        return p.init(jax.random.fold_in(key, tag), p.shape, dtype)
-
-    return jax.tree_util.tree_map_with_path(draw, declared, is_leaf=is_param)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(declared, is_leaf=is_param)
+    tags = np.array(
+        [zlib.crc32("/".join(path_names(path)).encode()) & 0x7FFFFFFF for path, _ in leaves],
+        np.uint32,
+    )
+    # One fold_in over all the tags, the same keys as one per weight: each threefry hash is a loop
+    # of its own in the program, which XLA:CPU takes ~40 ms to compile (measured: a 2-layer
+    # model's init compiles in 0.65 s against 0.90 s).
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, tags)
+    drawn = [p.init(keys[i], p.shape, dtype) for i, (_, p) in enumerate(leaves)]
+    return jax.tree_util.tree_unflatten(treedef, drawn)
 
 
 def logical_axes(declared: Any) -> Any:
