@@ -1,8 +1,11 @@
 """The public entry points: `flash_attention` (out), `flash_attention_forward` (out and the
 log-sum-exp) and `flash_attention_backward` (dq, dk, dv from out, lse and their cotangents).
-Each checks its inputs, picks the target and block sizes and pads lengths to whole blocks; the
-first two tie the forward and backward kernels with `jax.custom_vjp`, the third runs the backward
-kernels alone (for a ring attention that merges blocks and writes its own backward).
+Each checks its inputs, picks the target (`kernels.platform`: Mosaic TPU kernels, Triton GPU
+kernels, or either in an interpreter) and block sizes and pads lengths to whole blocks; the first
+two tie the forward and backward kernels with `jax.custom_vjp`, the third runs the backward
+kernels alone (for a ring attention that merges blocks and writes its own backward). Both kernel
+families take the same padded arrays and return the same base-2 ``lse``, so everything here is
+shared.
 
 Only the numbers of rows are padded (with zeros), never heads or head_dim; the kernels mask
 padded keys, padded query rows are sliced off the output, and their cotangent is zero. When the
@@ -25,68 +28,20 @@ from jax import lax
 
 from . import backward as _backward
 from . import forward as _forward
-from .tiling import Tiling
+from . import mosaic_backward as _mosaic_backward
+from . import mosaic_forward as _mosaic_forward
+from .platform import LANES, SUBLANES, choose_target, default_blocks
+from .tiling import Tiling, cdiv
 from .varying import match_varying
 
 SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 
-# Smallest block: Triton's tensor-core dot needs every matmul dimension >= 16. Interpret mode
-# keeps the same floor so that a block size means the same thing on every backend.
+# Smallest block of the GPU kernels: Triton's tensor-core dot needs every matmul dimension >= 16.
+# Interpret mode keeps the same floor so that a block size means the same thing there.
 MIN_BLOCK = 16
 # Triton tensors must have power-of-two sizes, so head_dim must be one (no head padding here).
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockConfig:
-    """Default tiling and launch parameters of one target for one head size."""
-
-    block_q: int
-    block_k: int
-    num_warps: int | None = None
-    num_stages: int | None = None
-
-
-def default_blocks(target: str, head_dim: int, dtype) -> BlockConfig:
-    """Default block sizes. `target` is "triton" (compiled GPU) or "interpret".
-
-    Triton: a query block of at most 32 KiB (128 rows of bfloat16 up to head_dim 128; fewer rows
-    for float32 or head_dim 256) and key blocks half as long, two pipeline stages: the dk/dv
-    kernel then keeps its K/V block plus two stages of q and dO blocks within about 160 KiB of
-    shared memory (H100/H200 have 227 KiB). 4 warps up to head_dim 64, 8 above. This is the
-    FlashAttention-2 shape (128 x 64 for bfloat16), not yet tuned on a GPU of ours.
-    Interpret mode: 64 x 64, small enough to exercise several blocks on test-sized inputs, large
-    enough to keep the emulated loops short.
-    """
-    if target == "triton":
-        block_q = max(MIN_BLOCK, min(128, 32768 // (head_dim * np.dtype(dtype).itemsize)))
-        return BlockConfig(
-            block_q,
-            max(MIN_BLOCK, block_q // 2),
-            num_warps=4 if head_dim <= 64 else 8,
-            num_stages=2,
-        )
-    return BlockConfig(64, 64)
-
-
-def choose_target(interpret: bool | None) -> str:
-    """ "interpret" or "triton", from `interpret` and the default backend; ValueError otherwise."""
-    backend = jax.default_backend()
-    if interpret is None:
-        interpret = backend == "cpu"
-    if interpret:
-        return "interpret"
-    if backend == "gpu":
-        return "triton"
-    if backend == "tpu":
-        raise ValueError(
-            "flash_attention has no compiled TPU kernel (its [batch, seq, heads, head_dim] blocks "
-            "do not meet Mosaic TPU's tiling rules); pass interpret=True, or use XLA attention."
-        )
-    raise ValueError(
-        f"flash_attention compiles only for GPU (Pallas Triton); the default backend is "
-        f"{backend!r}. Pass interpret=True (or interpret=None) to run it in interpret mode."
-    )
+MOSAIC_TARGETS = ("mosaic", "mosaic_interpret")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -143,26 +98,52 @@ def check_inputs(q, k, v, target: str) -> None:
         )
 
 
-def _choose_block(name: str, requested: int | None, default: int, length: int) -> int:
+def _choose_block(name: str, requested, default: int, length: int, target: str) -> int:
+    """The block along one length: ``requested`` (or the target's default) checked against the
+    target's rule, and shrunk to the length rounded up when longer (it would only add padding).
+
+    GPU kernels and the generic interpreter: a power of two >= 16 (Triton's tensors), shrunk to
+    the length rounded up to a power of two. Mosaic (and TPU interpret mode): the TPU tiling rule
+    (`kernels.platform`), shrunk to the length rounded up to a multiple of 8.
+    """
     if requested is None:
         requested = default
-    elif not (
-        isinstance(requested, (int, np.integer))
-        and _is_power_of_two(int(requested))
-        and requested >= MIN_BLOCK
-    ):
+    is_int = isinstance(requested, (int, np.integer)) and not isinstance(requested, bool)
+    if target in MOSAIC_TARGETS:
+        return _mosaic_block(name, requested if is_int else None, requested, length)
+    if not (is_int and _is_power_of_two(int(requested)) and requested >= MIN_BLOCK):
         raise ValueError(
             f"flash_attention: {name} must be a power of two >= {MIN_BLOCK}; got {requested!r}"
         )
-    # A block longer than the (power-of-two rounded) sequence would only add padding.
     return min(int(requested), max(MIN_BLOCK, 1 << (length - 1).bit_length()))
+
+
+def _mosaic_block(name: str, block: int | None, given, length: int) -> int:
+    """A Mosaic block: the last two dimensions of a TPU block are a multiple of (8, 128), or the
+    whole dimension. block_q and block_k are the rows (sublanes) of the [block, head_dim] blocks,
+    so multiples of 8; block_q is also the lanes of the lse and delta row blocks [1, block_q], so
+    a multiple of 128 unless one block covers the whole query length."""
+    whole = cdiv(length, SUBLANES) * SUBLANES
+    if block is None or block < SUBLANES or block % SUBLANES:
+        raise ValueError(
+            f"flash_attention on TPU (Mosaic): {name} must be a positive multiple of {SUBLANES} "
+            f"(the rows of a [{name}, head_dim] block, which Mosaic tiles in (8, 128) sublanes "
+            f"and lanes); got {name}={given!r}"
+        )
+    if name == "block_q" and block < whole and block % LANES:
+        raise ValueError(
+            f"flash_attention on TPU (Mosaic): block_q must be a multiple of {LANES} (the lanes "
+            f"of the lse and delta blocks [1, block_q], tiled (8, 128)) or cover q_len in one "
+            f"block (>= {whole}); got block_q={given!r} for q_len {length}"
+        )
+    return min(block, whole)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
     tiling: Tiling
     sm_scale: float
-    interpret: bool
+    target: str  # a name in kernels.platform.TARGETS
     num_warps: int | None
     num_stages: int | None
 
@@ -172,7 +153,8 @@ class _Config:
         return self.sm_scale * _forward.LOG2_E
 
     def compiler_params(self):
-        if self.interpret:
+        """The GPU kernels' launch parameters (Triton), None in the generic interpreter."""
+        if self.target != "triton":
             return None
         from jax.experimental.pallas import triton as pallas_triton  # GPU only
 
@@ -181,7 +163,7 @@ class _Config:
 
 def _config(q, k, v, *, causal, sm_scale, block_q, block_k, interpret) -> _Config:
     """Checks the inputs and arguments (ValueError before any kernel is traced) and fixes the
-    tiling and launch parameters of one call."""
+    target, tiling and launch parameters of one call."""
     target = choose_target(interpret)
     check_inputs(q, k, v, target)
     if not isinstance(causal, (bool, np.bool_)):
@@ -198,17 +180,18 @@ def _config(q, k, v, *, causal, sm_scale, block_q, block_k, interpret) -> _Confi
             f"flash_attention: sm_scale must be a finite Python number, got {sm_scale!r}"
         )
     defaults = default_blocks(target, head_dim, q.dtype)
+    q_len, kv_len = int(q.shape[1]), int(k.shape[1])
     tiling = Tiling(
-        q_len=int(q.shape[1]),
-        kv_len=int(k.shape[1]),
-        block_q=_choose_block("block_q", block_q, defaults.block_q, int(q.shape[1])),
-        block_k=_choose_block("block_k", block_k, defaults.block_k, int(k.shape[1])),
+        q_len=q_len,
+        kv_len=kv_len,
+        block_q=_choose_block("block_q", block_q, defaults.block_q, q_len, target),
+        block_k=_choose_block("block_k", block_k, defaults.block_k, kv_len, target),
         causal=bool(causal),
     )
     return _Config(
         tiling=tiling,
         sm_scale=float(sm_scale),
-        interpret=target == "interpret",
+        target=target,
         num_warps=defaults.num_warps,
         num_stages=defaults.num_stages,
     )
@@ -223,7 +206,7 @@ def flash_attention(
     sm_scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
-    interpret: bool | None = None,
+    interpret: bool | str | None = None,
 ):
     """Softmax attention, ``softmax(sm_scale * q k^T [masked]) v``, as Pallas kernels.
 
@@ -235,10 +218,15 @@ def flash_attention(
         (the lower triangle when the lengths are equal). Rows that see no key (``q_len > kv_len``)
         give zeros and zero gradients.
       sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
-      block_q, block_k: rows of queries and of keys per block (powers of two >= 16), default by
-        target and head_dim (see `default_blocks`); shrunk to the rounded-up length when larger.
-      interpret: True runs the Pallas interpreter (any backend), False compiles (GPU only),
-        None picks interpret mode on CPU and compiles elsewhere.
+      block_q, block_k: rows of queries and of keys per block, default by target, TPU
+        generation, head_dim and dtype (`kernels.platform.default_blocks`). GPU kernels and the
+        generic interpreter: powers of two >= 16; Mosaic: multiples of 8 (TPU tiling). Shrunk
+        to the length rounded up (to a power of two; to a multiple of 8) when larger.
+      interpret: the target (`kernels.platform.choose_target`), from the devices the call is
+        compiled for (the mesh's inside ``shard_map``, else the default backend's): None runs
+        the Mosaic kernels on TPU, the Triton kernels on GPU and the generic Pallas interpreter
+        on CPU; False compiles (TPU or GPU); True runs the generic interpreter (any backend);
+        ``"tpu"`` runs the Mosaic kernels in TPU interpret mode (any backend: the tests).
 
     Returns:
       [batch, q_len, heads, head_dim] in the dtype of q. Softmax statistics and all matmul
@@ -267,7 +255,7 @@ def flash_attention_forward(
     sm_scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
-    interpret: bool | None = None,
+    interpret: bool | str | None = None,
 ):
     """`flash_attention` returning its softmax statistics too: ``(out, lse)``.
 
@@ -307,7 +295,7 @@ def flash_attention_backward(
     sm_scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
-    interpret: bool | None = None,
+    interpret: bool | str | None = None,
 ):
     """The backward kernels of `flash_attention_forward`: ``(dq, dk, dv)`` for the cotangents
     ``d_out`` of ``out`` and ``d_lse`` of ``lse``.
@@ -405,18 +393,32 @@ def _base2_lse(lse):
 
 
 def _run_forward(q, k, v, config: _Config):
+    if config.target in MOSAIC_TARGETS:
+        return _mosaic_forward.forward(
+            q,
+            k,
+            v,
+            tiling=config.tiling,
+            scale=config.scale,
+            interpret=config.target == "mosaic_interpret",
+        )
     return _forward.forward(
         q,
         k,
         v,
         tiling=config.tiling,
         scale=config.scale,
-        interpret=config.interpret,
+        interpret=config.target == "interpret",
         compiler_params=config.compiler_params(),
     )
 
 
 def _run_backward(q, k, v, o, lse2, do, config: _Config, d_lse=None):
+    kwargs = dict(tiling=config.tiling, scale=config.scale, sm_scale=config.sm_scale, d_lse=d_lse)
+    if config.target in MOSAIC_TARGETS:
+        return _mosaic_backward.backward(
+            q, k, v, o, lse2, do, interpret=config.target == "mosaic_interpret", **kwargs
+        )
     return _backward.backward(
         q,
         k,
@@ -424,12 +426,9 @@ def _run_backward(q, k, v, o, lse2, do, config: _Config, d_lse=None):
         o,
         lse2,
         do,
-        tiling=config.tiling,
-        scale=config.scale,
-        sm_scale=config.sm_scale,
-        interpret=config.interpret,
+        interpret=config.target == "interpret",
         compiler_params=config.compiler_params(),
-        d_lse=d_lse,
+        **kwargs,
     )
 
 

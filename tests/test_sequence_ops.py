@@ -319,7 +319,15 @@ def trace(scheme, n, seq_len, heads, kv_heads, impl="xla"):
         ("ring", 2, 8, 6, 4, "xla", "heads 6 must be a multiple of kv_heads 4"),
         ("all_to_all", 4, 16, 4, 2, "xla", "heads 4 and kv_heads 2 must both divide by sequence 4"),
         ("all_to_all", 4, 16, 6, 6, "xla", "heads 6 and kv_heads 6 must both divide by sequence 4"),
-        ("ring", 2, 8, 4, 4, "flash", r"impl must be one of \['pallas', 'xla'\], got 'flash'"),
+        (
+            "ring",
+            2,
+            8,
+            4,
+            4,
+            "flash",
+            r"impl must be one of \['pallas', 'pallas_tpu_interpret', 'xla'\], got 'flash'",
+        ),
     ],
 )
 def test_bad_sizes_are_refused_before_compiling(scheme, n, seq_len, heads, kv_heads, impl, message):

@@ -58,7 +58,8 @@ class ModelSize:
     batch: int = 32
     vocab: int = 256
     # A mixture of experts: ``moe`` holds ``build``'s MoE arguments (``num_experts``,
-    # ``experts_per_token``, ``moe_every``, ``capacity_factor``); empty for a dense model.
+    # ``experts_per_token``, ``moe_every``, ``capacity_factor``, and ``expert_exchange`` and
+    # ``expert_buffer_factor`` when given); empty for a dense model.
     moe: tuple = ()
     # The rest of ``build``'s shape arguments (``num_kv_heads``, ``mlp_features``,
     # ``tie_embeddings``), as a preset gives them; empty for the model's defaults.
@@ -82,7 +83,14 @@ class ModelSize:
             seq_len=config.pop("max_seq_len"),
             vocab=config.pop("vocab_size"),
         )
-        moe_keys = ("num_experts", "experts_per_token", "moe_every", "capacity_factor")
+        moe_keys = (
+            "num_experts",
+            "experts_per_token",
+            "moe_every",
+            "capacity_factor",
+            "expert_exchange",
+            "expert_buffer_factor",
+        )
         moe = {k: config.pop(k) for k in moe_keys if k in config}
         return cls(**sizes, batch=batch, moe=moe, shape=config)
 

@@ -102,11 +102,14 @@ def model_config(args) -> dict:
 
 # The MoE flags' defaults when --experts is given; without it, giving any of them is an error.
 MOE_DEFAULTS = {"experts_per_token": 2, "moe_every": 1, "capacity_factor": None}
+# MoE flags passed on only when given (the model's defaults apply otherwise), with the same rule.
+MOE_EXCHANGE_FLAGS = ("expert_exchange", "expert_buffer_factor")
 
 
 def add_moe_flags(parser: argparse.ArgumentParser) -> None:
     """A mixture-of-experts decoder: ``--experts E`` (0: dense), ``--experts-per-token``,
-    ``--moe-every``, ``--capacity-factor``; the last three only with ``--experts``."""
+    ``--moe-every``, ``--capacity-factor``, ``--expert-exchange``, ``--expert-buffer-factor``;
+    all but the first only with ``--experts``."""
     parser.add_argument(
         "--experts",
         type=int,
@@ -136,6 +139,23 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
         help="an expert takes at most ceil(C x seq x K / E) copies from each row "
         "(default: dropless; with --experts)",
     )
+    parser.add_argument(
+        "--expert-exchange",
+        default=None,
+        metavar="HOW",
+        help="how token copies cross the expert axis: ragged (ragged_all_to_all, exactly the "
+        "copies routed; emulated on CPU), padded (all_to_all of a slot per destination) or auto "
+        "(the default: ragged on TPU and GPU, padded on CPU; with --experts)",
+    )
+    parser.add_argument(
+        "--expert-buffer-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the ragged exchange's receive buffer over a device's even share of copies "
+        "(default 2; copies past it are dropped and counted in dropped_fraction; the expert "
+        "axis size or more never drops; with --experts)",
+    )
 
 
 def moe_config(args) -> dict:
@@ -143,7 +163,8 @@ def moe_config(args) -> dict:
 
     Raises ``ValueError`` when an MoE flag is given without ``--experts``: it would change
     nothing."""
-    given = {name: getattr(args, name) for name in MOE_DEFAULTS if getattr(args, name) is not None}
+    names = (*MOE_DEFAULTS, *MOE_EXCHANGE_FLAGS)
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if not args.experts:
         if given:
             flags = ", ".join(f"--{name.replace('_', '-')} {v}" for name, v in given.items())

@@ -30,12 +30,13 @@ def hlo_collectives(compiled, mesh) -> CollectiveReport:
         the groups each subset of its axes would form over ``mesh.devices``; a group set no subset
         forms gets axes ``("?",)``.
 
-    All-gather, reduce-scatter, all-reduce (psum/pmax/pmin by its reduction), collective-permute and
-    all-to-all are read, sync or async (a ``-start``/``-done`` pair counts once), multiplied by the
-    trip counts of enclosing ``while`` loops: the ``known_trip_count`` XLA records, or else the
-    count read from the loop's own counter (``hlo_text.derived_trip_count``: the TPU compiler's
-    final HLO keeps no ``known_trip_count`` and may widen a loop's body). A loop whose count
-    neither gives counts once and marks its rows approximate.
+    All-gather, reduce-scatter, all-reduce (psum/pmax/pmin by its reduction), collective-permute,
+    all-to-all and ragged-all-to-all (its send buffer, the bound of what it moves) are read, sync
+    or async (a ``-start``/``-done`` pair counts once), multiplied by the trip counts of enclosing
+    ``while`` loops: the ``known_trip_count`` XLA records, or else the count read from the loop's
+    own counter (``hlo_text.derived_trip_count``: the TPU compiler's final HLO keeps no
+    ``known_trip_count`` and may widen a loop's body). A loop whose count neither gives counts
+    once and marks its rows approximate.
     """
     if not (hasattr(mesh, "devices") and hasattr(mesh, "axis_names")):
         raise ValueError(f"hlo_collectives needs a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -187,8 +188,7 @@ class _HloReader:
             elif kind != "add":
                 op = f"reduce_scatter_{kind}"
         operands = inst.operands
-        runtime_sized = op in primitives.RUNTIME_SIZED_OPS
-        if runtime_sized or "slice_sizes=" in inst.attrs:
+        if op in primitives.RUNTIME_SIZED_OPS or "slice_sizes=" in inst.attrs:
             operands = operands[:1]  # the rest are output buffers and offsets (in-place forms)
         shapes = [comp.shapes.get(o, "") for o in operands]
         operand_bytes = sum(hlo_text.shape_bytes(s) for s in shapes)
@@ -206,4 +206,4 @@ class _HloReader:
         groups = hlo_text.replica_groups(inst.attrs, self.groups.size)
         axes = self.groups.axes_of_groups(groups)
         n = len(groups[0]) if groups else 1
-        add_call(tallies, op, axes, n, operand_bytes, shape_text, approximate=runtime_sized)
+        add_call(tallies, op, axes, n, operand_bytes, shape_text)

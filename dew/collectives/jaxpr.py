@@ -168,8 +168,8 @@ class _JaxprWalker:
         groups = params.get("axis_index_groups")
         n = len(groups[0]) if groups else math.prod(env[a] for a in axes)
 
-        runtime_sized = op in primitives.RUNTIME_SIZED_OPS
-        invars = eqn.invars[:1] if runtime_sized else eqn.invars
+        # A ragged exchange's first operand is its data (see primitives.RUNTIME_SIZED_OPS).
+        invars = eqn.invars[:1] if op in primitives.RUNTIME_SIZED_OPS else eqn.invars
         operand = sum(_aval_bytes(v.aval) for v in invars)
         shapes = ", ".join(_aval_text(v.aval) for v in invars)
         if len(invars) > 1:
@@ -177,4 +177,4 @@ class _JaxprWalker:
         moves = True
         if op in primitives.POINT_TO_POINT_OPS:
             moves = any(src != dst for src, dst in params["perm"])
-        add_call(tallies, op, axes, n, operand, shapes, moves=moves, approximate=runtime_sized)
+        add_call(tallies, op, axes, n, operand, shapes, moves=moves)

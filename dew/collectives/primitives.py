@@ -58,7 +58,8 @@ JAXPR_PRIMITIVES = {
 }
 
 # Ops whose bytes are only known at run time: only the first operand is data (the rest are the
-# output buffer and offsets), and the rows are marked approximate.
+# output buffer and offsets). Their rows count that operand whole, the static send buffer: what
+# moves when it is full, a bound on what a call sends (docs/collectives.md).
 RUNTIME_SIZED_OPS = frozenset({"ragged_all_to_all"})
 
 # Ops that move nothing when every (source, destination) pair of their `perm` is the same device.

@@ -19,11 +19,15 @@ A row holds, per device and per step:
   ``psum``         ``2 * (n - 1) / n * b``      a reduce-scatter, then an all-gather
   ``pmax/pmin``    ``2 * (n - 1) / n * b``      as ``psum``
   ``all_to_all``   ``(n - 1) / n * b``          keeps its own ``1/n``, sends the rest
+  ``ragged_a2a``   ``(n - 1) / n * b``          ``b`` its static send buffer, as all_to_all
   ``ppermute``     ``b``, or 0                  0 when every pair has source == destination
   ``pbroadcast``   ``(n - 1) / n * b``          a pipelined ring, averaged over devices
   ===============  ==========================  =========================================
 
-  Wire bytes are summed exactly over a row's calls and rounded to whole bytes once.
+  Wire bytes are summed exactly over a row's calls and rounded to whole bytes once. A
+  ``ragged_all_to_all`` sends a part of its operand known only at run time (the rows its offsets
+  name); its row counts the operand whole, the static buffer: what it sends when the buffer is
+  full and spread evenly, an upper bound of the balanced case.
 """
 
 from __future__ import annotations

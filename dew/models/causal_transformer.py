@@ -40,7 +40,7 @@ from dew.checks import positive_int
 from dew.layout import path_names
 from dew.nn import attention, embed, mlp, moe, norm
 from dew.nn.param import Param, init_params, logical_axes, normal
-from dew.parallel import ONE_DEVICE, Shards, expert, fsdp, sequence, tensor, vocabulary
+from dew.parallel import ONE_DEVICE, Shards, expert, fsdp, ragged, sequence, tensor, vocabulary
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -59,7 +59,10 @@ class CausalTransformer:
       vocab_size, emb_features, num_layers, num_heads, max_seq_len: the usual sizes.
       dtype: activations' dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); softmax, norms and
         the loss run in float32 regardless.
-      attention_impl: ``"xla"`` (plain JAX) or ``"pallas"`` (``dew.kernels.flash_attention``).
+      attention_impl: ``"xla"`` (plain JAX), ``"pallas"`` (``dew.kernels.flash_attention``:
+        Mosaic on TPU, Triton on GPU, the Pallas interpreter on CPU, by the devices the step is
+        compiled for) or ``"pallas_tpu_interpret"`` (its Mosaic kernels in TPU interpret mode, on
+        any backend: for tests).
       num_kv_heads: heads of K and V (grouped-query attention); default ``num_heads``.
       mlp_features: hidden width of the SwiGLU MLP; default ``4 * emb_features``.
       tie_embeddings: the output head is the embedding table transposed (default) or a weight of
@@ -71,6 +74,14 @@ class CausalTransformer:
       moe_every: every ``moe_every``-th layer is an MoE layer (``num_layers`` must divide by it).
       capacity_factor: ``None`` for dropless routing; else ``c > 0``: an expert takes at most
         ``ceil(c * seq * k / E)`` copies from each row (see ``dew.nn.moe``).
+      expert_exchange: how token copies cross an ``expert`` axis (``dew.parallel.ragged``):
+        ``"ragged"`` (``ragged_all_to_all``: each device gets exactly its experts' copies; emulated
+        exactly on CPU), ``"padded"`` (``all_to_all`` of a static slot per destination) or
+        ``"auto"`` (ragged on TPU and GPU, padded on CPU, by the devices the step is compiled
+        for).
+      expert_buffer_factor: the ragged exchange's receive buffer, over a device's balanced share
+        of copies (``rows * seq * k``); copies past it are dropped and counted in
+        ``dropped_fraction``. ``None``: the worst case, which never drops.
       router_aux_weight, router_z_weight: the weights of the load-balancing loss and the router
         z-loss (each averaged over the MoE layers) in the objective's loss.
     """
@@ -90,6 +101,8 @@ class CausalTransformer:
     experts_per_token: int = 2
     moe_every: int = 1
     capacity_factor: float | None = None
+    expert_exchange: str = "auto"
+    expert_buffer_factor: float | None = ragged.DEFAULT_BUFFER_FACTOR
     router_aux_weight: float = 0.01
     router_z_weight: float = 0.001
 
@@ -124,6 +137,7 @@ class CausalTransformer:
             raise ValueError(
                 f"num_experts must be 0 (dense) or a positive integer, got {self.num_experts!r}"
             )
+        ragged.check_exchange(self.expert_exchange, self.expert_buffer_factor)
         if not self.num_experts:
             return
         k, experts = self.experts_per_token, self.num_experts
@@ -407,6 +421,8 @@ class CausalTransformer:
                 num_experts=self.num_experts,
                 k=self.experts_per_token,
                 capacity_factor=self.capacity_factor,
+                exchange=self.expert_exchange,
+                buffer_factor=self.expert_buffer_factor,
             )
             return x + out, stats
 

@@ -50,16 +50,27 @@ def xla_attention(q, k, v, *, causal: bool = True):
     return out.reshape(b, s, h, d).astype(q.dtype), lse
 
 
-def pallas_attention(q, k, v, *, causal: bool = True):
+def pallas_attention(q, k, v, *, causal: bool = True, interpret=None):
     """Dew's Pallas flash attention kernel (``dew.kernels.flash_attention_forward``), on this
     device's local shard: ``(out, lse)`` as ``xla_attention`` returns them, both
-    differentiable."""
+    differentiable. The kernels follow the devices the step is compiled for (the mesh's): Mosaic
+    on TPU, Triton on GPU, the Pallas interpreter on CPU (``interpret``: as the kernel's)."""
     from dew.kernels import flash_attention_forward
 
-    return flash_attention_forward(q, k, v, causal=causal)
+    return flash_attention_forward(q, k, v, causal=causal, interpret=interpret)
 
 
-IMPLEMENTATIONS = {"xla": xla_attention, "pallas": pallas_attention}
+def pallas_tpu_interpret_attention(q, k, v, *, causal: bool = True):
+    """``pallas_attention`` with the Mosaic TPU kernels in TPU interpret mode, on any backend:
+    the TPU code path, run on CPU (slow; for tests)."""
+    return pallas_attention(q, k, v, causal=causal, interpret="tpu")
+
+
+IMPLEMENTATIONS = {
+    "xla": xla_attention,
+    "pallas": pallas_attention,
+    "pallas_tpu_interpret": pallas_tpu_interpret_attention,
+}
 
 
 def attention_params(

@@ -1,9 +1,10 @@
 """Expert parallelism: each device of the ``expert`` axis holds ``E / n`` experts of every MoE
-layer, and token copies travel to their expert and back by ``all_to_all``.
+layer, and token copies travel to their expert and back, padded (``all_to_all``) or ragged
+(``ragged_all_to_all``).
 
 ``expert`` is also a batch axis: the devices of an expert group hold different rows. In each MoE
-layer a device routes its own tokens (``dew.nn.moe.route``), sorts their ``tokens * k`` copies by
-expert, and:
+layer a device routes its own tokens (``dew.nn.moe.route``), sorts their ``c = tokens * k``
+copies by expert, and, padded:
 
     dispatch   all_to_all over expert of [n, B, embed]: block d goes to device d, which owns
                experts [d E/n, (d+1) E/n); (n - 1) B embed values sent per device (and an int32
@@ -13,11 +14,23 @@ expert, and:
     backward   the transposes: two more all_to_alls of the same size (and, as each layer is
                recomputed in the backward, the forward's two again)
 
-``B``, the slots per destination, is static (XLA:CPU has no ``ragged_all_to_all``, so the
-exchange is padded): dropless, a device may send all its ``tokens * k`` copies to one device, so
-``B = tokens * k`` and the buffers are ``n`` times the copies; with a ``capacity_factor`` an
-expert takes at most ``capacity`` copies from each row, so ``B = min(tokens * k, rows *
-capacity * E / n)``. ``exchange_slots`` gives ``B``; ``dew collectives`` counts the padded bytes.
+``B``, the slots per destination, is static: dropless, a device may send all its copies to one
+device, so ``B = c`` and the buffers are ``n`` times the copies; with a ``capacity_factor`` an
+expert takes at most ``capacity`` copies from each row, so ``B = min(c, rows * capacity * E /
+n)``. ``exchange_slots`` gives ``B``.
+
+Ragged (``dew.parallel.ragged``; the default on TPU and GPU, emulated exactly on CPU):
+
+    counts     all_gather over expert of the [E] int32 copies per expert: (n - 1) E 4 bytes in
+    dispatch   ragged_all_to_all of the sorted copies [c, embed] into a receive buffer
+               [R, embed] sorted by local expert; each device gets exactly its experts' copies
+    compute    the local experts on the buffer, one grouped matmul
+    combine    ragged_all_to_all back of [R, embed] into [c, embed]
+    backward   each direction's transpose is the other (a custom_vjp), and the recompute
+
+with ``R = min(n B, ceil(f c))`` rows (``f``: the model's ``expert_buffer_factor``, 2 by
+default; ``None``: ``n B``, which never drops). Copies past ``R`` are dropped and counted in
+``RouterStats.dropped``. The static buffers are ``(c + R) / (2 n B)`` of the padded ones.
 
 Expert weights' gradients are not summed over ``expert`` (each device owns its experts, and the
 all_to_all's transpose brought every copy routed to them); the router's are, as every weight
@@ -40,7 +53,7 @@ from jax import lax
 from dew.layout import weight_dimensions
 from dew.mesh import TOKEN_AXES
 from dew.nn import moe
-from dew.parallel import tensor
+from dew.parallel import ragged, tensor
 
 AXIS = "expert"
 
@@ -73,7 +86,10 @@ def run_experts(
     num_experts: int,
     slots: int,
     shards,
-) -> jax.Array:
+    *,
+    exchange: str = "padded",
+    buffer_factor: float | None = ragged.DEFAULT_BUFFER_FACTOR,
+) -> tuple[jax.Array, jax.Array]:
     """Every copy through its expert, wherever that expert lives.
 
     Args:
@@ -82,15 +98,29 @@ def run_experts(
       expert_of_copy: ``[c]`` int32 expert of each copy, ``num_experts`` for a dropped copy.
       slots: ``B`` of ``exchange_slots`` (read only over an expert axis).
       shards: the step's ``Shards``.
+      exchange: ``"auto"``, ``"ragged"`` or ``"padded"`` (``dew.parallel.ragged.resolve``, on
+        the platform of the devices the step is compiled for).
+      buffer_factor: the ragged exchange's receive buffer over a device's balanced share
+        (``dew.parallel.ragged.buffer_rows``).
 
-    Returns ``[c, embed]``: each copy's expert output (a dropped copy's is zero), partial over
-    ``tensor`` when each expert's width is split there.
+    Returns ``(out, dropped)``: ``out`` ``[c, embed]`` each copy's expert output (a dropped
+    copy's is zero), partial over ``tensor`` when each expert's width is split there;
+    ``dropped`` the int32 count of copies the ragged exchange's receive buffers had no room for
+    (0 otherwise).
     """
     n = shards.size(AXIS)
     order, sizes = moe.sort_into_groups(expert_of_copy, num_experts)
+    none = jnp.zeros((), jnp.int32)
     if n == 1:
-        return moe.unsort(moe.grouped_swiglu(experts, copies[order], sizes), order)
+        return moe.unsort(moe.grouped_swiglu(experts, copies[order], sizes), order), none
+    platform = ragged.compiled_platform()
+    if ragged.resolve(exchange, platform) == "ragged":
+        return _ragged(experts, copies, order, sizes, slots, n, buffer_factor, platform)
+    return _padded(experts, copies, order, sizes, expert_of_copy, num_experts, slots, n), none
 
+
+def _padded(experts, copies, order, sizes, expert_of_copy, num_experts, slots, n):
+    """The padded exchange: ``B`` slots for every destination, most of them zeros."""
     local = num_experts // n
     sorted_expert = expert_of_copy[order]
     # Sorted by expert is sorted by owner; a copy's slot is its place among its owner's copies.
@@ -120,6 +150,32 @@ def run_experts(
     return moe.unsort(out_sorted, order)
 
 
+def _ragged(experts, copies, order, sizes, slots, n, buffer_factor, platform):
+    """The ragged exchange (``dew.parallel.ragged``): only the copies routed to a device go
+    there, into a receive buffer of ``R`` rows sorted by its experts; back the same way."""
+    c = copies.shape[0]
+    rows = ragged.buffer_rows(c, slots, n, buffer_factor)
+    # The one exchange of counts: all_gather over expert of the [E] int32 copies per expert,
+    # (n - 1) * E * 4 bytes in per device. Each sender needs where its runs land in each
+    # receiver's buffer, which depends on what every device sends there: the whole [n, E].
+    counts = lax.all_gather(sizes, AXIS)
+    plan, group_sizes, dropped = ragged.route(counts, lax.axis_index(AXIS), rows)
+    forward = ragged.Exchange(
+        AXIS, rows_in=c, rows_out=rows, chunk=min(slots, rows), emulate=platform == "cpu"
+    )
+    # Dispatch: the operand is [c, embed], every copy this device routes (at most c * embed
+    # values out, (n - 1) / n of them under an even spread); the receive buffer [R, embed].
+    # Padded, the same step moves n * B * embed each way: dropless, B = c, so the ragged
+    # exchange's static buffers are (c + R) / (2 n c) = (1 + f) / (2 n) of the padded ones
+    # (f = R / c, the buffer factor: 3/16 at f = 2 and expert = 8).
+    arrived = ragged.exchange(forward, copies[order], plan)
+    done = moe.grouped_swiglu(experts, arrived, group_sizes)
+    # Combine: [R, embed] back (at most R * embed values out), into [c, embed] by expert;
+    # the copies that found no room come back as zeros.
+    returned = ragged.exchange(forward.reverse(), done, plan.reverse())
+    return moe.unsort(returned, order), dropped
+
+
 def routing_axes(shards) -> tuple[str, ...]:
     """The axes whose devices route different tokens of a microbatch: the token axes, and
     ``tensor`` under sequence-parallel activations (the router runs on each device's
@@ -138,6 +194,8 @@ def moe_mlp(
     num_experts: int,
     k: int,
     capacity_factor: float | None,
+    exchange: str = "auto",
+    buffer_factor: float | None = ragged.DEFAULT_BUFFER_FACTOR,
 ) -> tuple[jax.Array, moe.RouterStats]:
     """An MoE layer in place of the MLP: ``h`` ``[rows, seq, embed]`` (normalised; ``[rows, seq /
     t, embed]`` under sequence-parallel activations) -> ``(out, stats)``, ``out`` shaped like
@@ -145,6 +203,9 @@ def moe_mlp(
 
     ``p``: ``router`` and ``experts`` of ``dew.nn.moe.moe_params`` as this device holds them
     (experts split over ``expert``, their width over ``tensor``, nothing over fsdp any more).
+    ``exchange`` and ``buffer_factor``: how copies cross an expert axis (``run_experts``).
+    ``stats.dropped`` counts the copies a capacity dropped and those a ragged exchange's receive
+    buffer had no room for.
     """
     rows, positions, width = h.shape
     ids, weights, probs, lse = moe.route(p["router"]["kernel"], h.reshape(-1, width), k)
@@ -181,13 +242,22 @@ def moe_mlp(
     expert_of_copy = jnp.where(keep, ids, num_experts).reshape(-1)
     copies = jnp.repeat(x.reshape(-1, width), k, axis=0)  # [rows * seq * k, embed], token-major
     slots = exchange_slots(rows, seq, k, num_experts, shards.size(AXIS), limit)
-    out = run_experts(p["experts"], copies, expert_of_copy, num_experts, slots, shards)
+    out, overflow = run_experts(
+        p["experts"],
+        copies,
+        expert_of_copy,
+        num_experts,
+        slots,
+        shards,
+        exchange=exchange,
+        buffer_factor=buffer_factor,
+    )
     out = out.reshape(rows, seq, k, width)
     y = jnp.einsum("rskd,rsk->rsd", out, weights.astype(out.dtype))
     stats = moe.RouterStats(
         load_balance=load_balance,
         z_loss=z_loss,
-        dropped=jnp.sum(~keep).astype(jnp.float32),
+        dropped=(jnp.sum(~keep) + overflow).astype(jnp.float32),
         routed=jnp.asarray(keep.size, jnp.float32),
     )
     return tensor.leave(y, shards), stats

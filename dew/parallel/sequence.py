@@ -198,10 +198,10 @@ def _xla_block_forward(q, k, v, causal):
     return IMPLEMENTATIONS["xla"](q, k, v, causal=causal)
 
 
-def _pallas_block_forward(q, k, v, causal):
+def _pallas_block_forward(q, k, v, causal, interpret=None):
     from dew.kernels import flash_attention_forward
 
-    return flash_attention_forward(q, k, v, causal=causal)
+    return flash_attention_forward(q, k, v, causal=causal, interpret=interpret)
 
 
 def _xla_block_backward(q, k, v, out, lse, d_out, d_lse, causal):
@@ -234,7 +234,7 @@ def _xla_block_backward(q, k, v, out, lse, d_out, d_lse, causal):
     return dq.reshape(b, m, h, d), dk, dv
 
 
-def _pallas_block_backward(q, k, v, out, lse, d_out, d_lse, causal):
+def _pallas_block_backward(q, k, v, out, lse, d_out, d_lse, causal, interpret=None):
     """``_xla_block_backward`` with Dew's Pallas backward kernels: one call, one dq kernel and one
     dk/dv kernel per block.
 
@@ -244,12 +244,24 @@ def _pallas_block_backward(q, k, v, out, lse, d_out, d_lse, causal):
     """
     from dew.kernels import flash_attention_backward
 
-    grads = flash_attention_backward(q, k, v, out, lse, d_out, d_lse, causal=causal)
+    grads = flash_attention_backward(
+        q, k, v, out, lse, d_out, d_lse, causal=causal, interpret=interpret
+    )
     return tuple(g.astype(jnp.float32) for g in grads)
 
 
-_BLOCK_FORWARD = {"xla": _xla_block_forward, "pallas": _pallas_block_forward}
-_BLOCK_BACKWARD = {"xla": _xla_block_backward, "pallas": _pallas_block_backward}
+# "pallas" follows the devices the step is compiled for (Mosaic on TPU, Triton on GPU, the
+# interpreter on CPU); "pallas_tpu_interpret" runs the Mosaic kernels in TPU interpret mode.
+_BLOCK_FORWARD = {
+    "xla": _xla_block_forward,
+    "pallas": _pallas_block_forward,
+    "pallas_tpu_interpret": functools.partial(_pallas_block_forward, interpret="tpu"),
+}
+_BLOCK_BACKWARD = {
+    "xla": _xla_block_backward,
+    "pallas": _pallas_block_backward,
+    "pallas_tpu_interpret": functools.partial(_pallas_block_backward, interpret="tpu"),
+}
 
 
 # --- Ring attention -------------------------------------------------------------------------------
@@ -428,7 +440,9 @@ def ring_attention(q, k, v, shards, impl: str = "xla"):
         ``h // (heads // kv_heads)``.
       shards: the step's ``Shards``; ``n = shards.size("sequence")``. At ``n = 1`` this is the
         plain causal attention call, without a collective.
-      impl: the block computation, ``"xla"`` (plain JAX) or ``"pallas"`` (``dew.kernels``).
+      impl: the block computation, ``"xla"`` (plain JAX), ``"pallas"`` (``dew.kernels``, for
+        the devices the step is compiled for) or ``"pallas_tpu_interpret"`` (its Mosaic kernels
+        in TPU interpret mode).
 
     Returns:
       ``(out, lse)``: ``out`` ``[batch, 2c, heads, d]`` in q's dtype, ``lse`` float32

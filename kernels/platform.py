@@ -1,0 +1,164 @@
+"""Which kernels a call runs, and with which blocks: the target, read from the devices the
+computation is compiled for, and each target's default block sizes and block rules.
+
+Targets:
+
+- ``"mosaic"``: the Mosaic TPU kernels (`kernels/mosaic_forward.py`, `kernels/mosaic_backward.py`),
+  compiled for a TPU;
+- ``"mosaic_interpret"``: the same kernels in TPU interpret mode
+  (``pallas_call(..., interpret=pltpu.InterpretParams())``), on any backend: what tests run on CPU;
+- ``"triton"``: the GPU kernels (`kernels/forward.py`, `kernels/backward.py`), compiled for a GPU;
+- ``"interpret"``: the GPU kernels in Pallas' generic interpreter, on any backend.
+
+The devices a call is compiled for are those of the mesh it is traced under (inside
+``jax.shard_map``, or ``jax.sharding.use_mesh``): ``jax.sharding.get_abstract_mesh()`` carries
+their platform and device kind. A step compiled for a TPU slice from a CPU host (``dew plan``,
+``Trainer(devices=target("v5p-16").devices())``) therefore gets the Mosaic kernels, not the
+default backend's. Outside any mesh, the default backend's first device decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+TARGETS = ("mosaic", "mosaic_interpret", "triton", "interpret")
+
+# `interpret=` values: None picks from the devices, True / False / "tpu" force a target.
+TPU_INTERPRET = "tpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What a call is compiled for: ``platform`` ("cpu", "gpu", "tpu") and ``device_kind``
+    ("TPU v5 lite", ...; ``jax.Device.device_kind``)."""
+
+    platform: str
+    device_kind: str
+
+
+def compile_device() -> Device:
+    """The platform and device kind of the devices the traced computation is compiled for: the
+    current mesh's (inside ``shard_map`` or ``use_mesh``), else the default backend's."""
+    abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if abstract is not None:
+        return Device(abstract.platform, abstract.device_kind)
+    device = jax.devices()[0]
+    return Device(device.platform, device.device_kind)
+
+
+def choose_target(interpret) -> str:
+    """The target of one call (a name in ``TARGETS``), from ``interpret`` and `compile_device`.
+
+    ``interpret``: ``None`` (Mosaic on TPU, Triton on GPU, the generic interpreter on CPU),
+    ``True`` (the generic interpreter), ``"tpu"`` (TPU interpret mode) or ``False`` (compiled:
+    Mosaic on TPU, Triton on GPU; a ``ValueError`` elsewhere). Any other value is refused.
+    """
+    if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
+        if interpret == TPU_INTERPRET:
+            return "mosaic_interpret"
+        raise ValueError(
+            f"flash_attention: interpret must be None, True, False or {TPU_INTERPRET!r}; "
+            f"got {interpret!r}"
+        )
+    if interpret:
+        return "interpret"
+    platform = compile_device().platform
+    if platform == "tpu":
+        return "mosaic"
+    if platform == "gpu":
+        return "triton"
+    if interpret is None:
+        return "interpret"
+    raise ValueError(
+        f"flash_attention compiles only for TPU (Mosaic) and GPU (Triton); this call is compiled "
+        f"for {platform!r}. Pass interpret=True (or interpret=None) to run it in interpret mode, "
+        f"or interpret={TPU_INTERPRET!r} for the TPU kernels in TPU interpret mode."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Default tiling and launch parameters of one target for one head size."""
+
+    block_q: int
+    block_k: int
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+# Mosaic TPU: the last two dimensions of a block are (sublanes, lanes): a multiple of 8 and of 128,
+# or the whole dimension. The kernels' blocks are [block_q, head_dim] (q, out, dq), [block_k,
+# head_dim] (k, v, dk, dv) and [1, block_q] (the lse and delta rows). So block_k is a multiple of 8,
+# and block_q a multiple of 128 unless one block covers the whole (padded) query length.
+SUBLANES = 8
+LANES = 128
+
+# Default Mosaic blocks (block_q, block_k) per TPU generation. Each forward or dq step reads a K/V
+# block (4 block_k head_dim bytes in bfloat16) for 4 block_q block_k head_dim FLOPs, block_q FLOPs
+# a byte; each dk/dv step reads a q and a dO block for 8 block_q block_k head_dim FLOPs, 2 block_k
+# a byte. A chip keeps its MXUs busy above (peak bf16 FLOP/s) / (HBM bytes/s), from Cloud TPU's
+# pages: v4 275 T / 1.2 TB/s = 229, v5e 197 T / 0.82 TB/s = 241, v5p 459 T / 2.77 TB/s = 166,
+# v6e 918 T / 1.64 TB/s = 560. So block_q is the power of two at least twice that, at most 1024
+# (v6e: 1.8 times), and block_k 512, at least the ratio. VMEM: the dk/dv kernel at 512 x 512,
+# head_dim 128 (double-buffered blocks, float32 dk and dv scratch, four [block_k, block_q] float32
+# temporaries) needs about 6 MiB, within the 16 MiB of scoped VMEM v4, v5e and v5p give a kernel
+# by default; v6e's 1024 x 512 about 10 MiB of its 32. head_dim above 128 halves block_q. Not
+# timed on a TPU: none was lent.
+TPU_BLOCKS = {
+    "v4": (512, 512),
+    "v5e": (512, 512),
+    "v5p": (512, 512),
+    "v6e": (1024, 512),
+}
+# Device kinds as JAX reports them (dew.targets.GENERATIONS), lower case, most specific first.
+_DEVICE_KINDS = (
+    ("v6 lite", "v6e"),
+    ("v6e", "v6e"),
+    ("v5 lite", "v5e"),
+    ("v5e", "v5e"),
+    ("v5p", "v5p"),
+    ("v5", "v5p"),
+    ("v4", "v4"),
+)
+UNKNOWN_TPU = "v5e"  # an unlisted TPU gets the smallest VMEM's blocks
+
+
+def tpu_generation(device_kind: str) -> str:
+    """A key of ``TPU_BLOCKS`` for a TPU's ``device_kind`` ("TPU v5 lite" -> "v5e"); an unknown
+    kind (a newer chip, or a CPU in TPU interpret mode) gets ``UNKNOWN_TPU``."""
+    kind = device_kind.lower()
+    for fragment, generation in _DEVICE_KINDS:
+        if fragment in kind:
+            return generation
+    return UNKNOWN_TPU
+
+
+def default_blocks(target: str, head_dim: int, dtype) -> BlockConfig:
+    """Default block sizes of ``target`` (a name in ``TARGETS``).
+
+    Triton: a query block of at most 32 KiB (128 rows of bfloat16 up to head_dim 128; fewer rows
+    for float32 or head_dim 256) and key blocks half as long, two pipeline stages: the dk/dv
+    kernel then keeps its K/V block plus two stages of q and dO blocks within about 160 KiB of
+    shared memory (H100/H200 have 227 KiB). 4 warps up to head_dim 64, 8 above. This is the
+    FlashAttention-2 shape (128 x 64 for bfloat16), not yet tuned on a GPU of ours.
+    Mosaic (and TPU interpret mode): ``TPU_BLOCKS`` of the compiled-for device's generation.
+    Interpret mode: 64 x 64, small enough to exercise several blocks on test-sized inputs, large
+    enough to keep the emulated loops short.
+    """
+    if target == "triton":
+        block_q = max(16, min(128, 32768 // (head_dim * np.dtype(dtype).itemsize)))
+        return BlockConfig(
+            block_q,
+            max(16, block_q // 2),
+            num_warps=4 if head_dim <= 64 else 8,
+            num_stages=2,
+        )
+    if target in ("mosaic", "mosaic_interpret"):
+        block_q, block_k = TPU_BLOCKS[tpu_generation(compile_device().device_kind)]
+        if head_dim > 128:
+            block_q //= 2
+        return BlockConfig(block_q, block_k)
+    return BlockConfig(64, 64)
