@@ -1,0 +1,5 @@
+import sys
+
+from dew.cli.tpu import main
+
+sys.exit(main())
