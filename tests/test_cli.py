@@ -366,3 +366,34 @@ def test_every_command_spells_and_defaults_the_shared_flags_alike():
             continue
         assert plan[flag].default == train[flag].default, flag
     assert plan["--mesh"].nargs == "+" and "--cpu-devices" not in plan
+
+
+def test_dew_train_evaluates_and_writes_tensorboard(tmp_path, dew_here):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    small = ("--mesh", "fsdp=8", "--layers", "1", "--width", "32", "--seq-len", "16")
+    out = dew_here(
+        "train",
+        *small,
+        *("--steps", "3", "--log-every", "1", "--eval-every", "2", "--eval-batches", "1"),
+        *("--tensorboard", "tb", "--metrics", "m.jsonl"),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    val = [f"step {m['step']}: val_loss {m['val_loss']:.4f}" for m in lines if "val_loss" in m]
+    assert val == [line for line in out.stdout.splitlines() if "val_loss" in line]
+    assert [line.split(":")[0] for line in val] == ["step 2", "step 3"]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+    assert [e.step for e in events.Scalars("val_loss")] == [2, 3]
+
+    for args, message in [
+        (("--eval-every", "0"), "dew train: eval_every must be an integer >= 1, got 0"),
+        (("--eval-batches", "2"), "dew train: eval_batches=2 without eval_every"),
+        (("--eval-every", "2", "--eval-batches", "9"), "val.bin"),
+    ]:
+        bad = dew_here("train", *small, "--steps", "1", *args, cwd=tmp_path)
+        assert bad.returncode == 2, (args, bad.stdout)
+        assert message in bad.stderr, (args, bad.stderr)

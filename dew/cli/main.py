@@ -5,6 +5,8 @@
     dew bench        compare layouts and the GSPMD baseline side by side
     dew plan         compile the step for a TPU slice you don't have: memory, bytes, fit
     dew launch       start the processes of one multi-process run, here or over ssh
+    dew tokenize     turn text files, .jsonl or .parquet into a token folder
+    dew plot         draw the curves of metrics files (loss, val loss, tokens/s, MFU)
 
 JAX is configured (device count, platform) before anything asks it for a device, so this module
 imports nothing of Dew at the top.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dew.cli import bench, launch, plan
+from dew.cli import bench, launch, plan, plot, tokenize
 from dew.cli.flags import (
     add_device_flag,
     add_mesh_flag,
@@ -42,7 +44,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_sequence_parallel_flag(parser)
     add_sequence_scheme_flag(parser)
     add_pipeline_schedule_flag(parser)
-    parser.add_argument("--attention", default="xla", choices=("xla", "pallas"))
+    parser.add_argument(
+        "--attention", default="xla", choices=("xla", "pallas", "pallas_tpu_interpret")
+    )
     parser.add_argument("--accumulation", type=int, default=1, help="microbatches per step")
 
 
@@ -58,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--data",
         default=None,
-        help="a token folder (default: write the example corpus into RUN_DIR/corpus)",
+        help="a token folder, e.g. from dew tokenize; the example decoder takes its vocabulary "
+        "from the folder's meta.json (default: write the example corpus into RUN_DIR/corpus)",
     )
     train.add_argument(
         "--run-dir",
@@ -79,7 +84,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics",
         default=None,
         metavar="FILE",
-        help="append one JSON line per step (step, loss, step_time_s, tokens_per_s) to FILE",
+        help="append one JSON line per step (step, loss, step_time_s, tokens_per_s, "
+        "model_tflops_per_device, mfu, val_loss) to FILE",
+    )
+    train.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write every step's metrics as TensorBoard scalars to event files in DIR "
+        "(pip install 'dew-ml[tensorboard]'; view with tensorboard --logdir DIR)",
+    )
+    train.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print the validation loss every N steps and at the last step (default: never)",
+    )
+    train.add_argument(
+        "--eval-batches",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"validation batches per evaluation, from the folder's val.bin (default "
+        f"{EVAL_BATCHES}; with --eval-every)",
     )
     add_seed_flag(train, "the initial weights")
     train.set_defaults(run=train_command)
@@ -97,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     coll.set_defaults(run=collectives_command)
 
     bench.add_parser(commands)
+    plot.add_parser(commands)
     plan.add_parser(commands)
     launch.add_parser(commands)
+    tokenize.add_parser(commands)
     return parser
 
 
@@ -110,17 +140,35 @@ def _setup_devices(cpu_devices: int) -> None:
     prepare_process(cpu_devices=cpu_devices or None)
 
 
+# Validation batches `dew train --eval-every` reads when --eval-batches is not given: the example
+# corpus holds 3 batches of 16 rows of 33 tokens.
+EVAL_BATCHES = 2
+
+
+def _val_batches(args) -> int:
+    """The validation batches to load: ``--eval-batches`` (or ``EVAL_BATCHES``) with
+    ``--eval-every``; none without. ``fit`` refuses the values that make no sense (one below 1,
+    ``--eval-batches`` without ``--eval-every``)."""
+    if getattr(args, "eval_every", None) is None:
+        return 0
+    given = args.eval_batches
+    return given if given is not None and given >= 1 else EVAL_BATCHES
+
+
 def _example(args, data_dir):
     """The example model, objective and data of ``args``."""
     from dew import models
     from dew.data import Loading, TokenWindows
     from dew.objectives.lm import LMObjective
 
-    model = models.build("causal_transformer", attention_impl=args.attention, **model_config(args))
+    config = model_config(args)
+    # The vocabulary from the folder's meta.json (a preset's own must hold it).
+    config["vocab_size"] = tokenize.training_vocabulary(config, args.model, data_dir)
+    model = models.build("causal_transformer", attention_impl=args.attention, **config)
     data = TokenWindows(
         path=data_dir,
         seq_len=args.seq_len,
-        val_batches=0,
+        val_batches=_val_batches(args),
         loading=Loading(workers=0, threads=1, read_buffer=2),
     ).load(batch=args.batch)
     return LMObjective(model, args.seq_len), data
@@ -163,14 +211,22 @@ def train_command(args) -> int:
     trainer = _trainer(
         args, objective, Checkpoints(run_dir / "checkpoints"), lr=args.lr, seed=args.seed
     )
-    trainer.fit(
+    from dew.training.tracking import TensorBoard
+
+    state = trainer.fit(
         data,
         steps=args.steps,
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
         metrics=args.metrics,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        trackers=[TensorBoard(args.tensorboard)] if args.tensorboard else [],
     )
-    return 0
+    from dew.training.preemption import INTERRUPTED_EXIT_CODE
+
+    # SIGTERM exits from fit with 143 (dew.training.preemption); a first Ctrl-C returns early.
+    return 0 if int(state.step) >= args.steps else INTERRUPTED_EXIT_CODE
 
 
 def collectives_command(args) -> int:

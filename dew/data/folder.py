@@ -186,6 +186,133 @@ def _write_file(path: Path, data: bytes | np.ndarray) -> None:
         os.fsync(file.fileno())
 
 
+def _check_header(tokenizer: Any, vocab_size: Any, eos_id: Any) -> None:
+    positive_int("vocab_size", vocab_size)
+    if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < vocab_size):
+        raise ValueError(f"eos_id must be None or an integer in [0, {vocab_size}), got {eos_id!r}")
+    if not isinstance(tokenizer, str):
+        raise ValueError(f"tokenizer must be a name (str), got {tokenizer!r}")
+
+
+def _check_extra(extra: dict[str, Any]) -> None:
+    clash = sorted(set(extra) & set(_REQUIRED))
+    if clash:
+        raise ValueError(f"extra meta fields may not replace {', '.join(clash)}")
+
+
+class TokenFolderWriter:
+    """Writes a token folder a piece at a time, for corpora larger than memory.
+
+    ``append("train" | "val", ids)`` adds ids to the end of ``train.bin`` or ``val.bin`` (checked
+    against ``vocab_size`` as ``write_token_folder`` checks them), any number of times; ``close()``
+    puts the files in place as ``write_token_folder`` does (flushed, renamed, ``meta.json`` last)
+    and returns the folder's meta. Until then everything lives under temporary names in the
+    folder; ``abort()`` removes them. As a context manager it closes on success and aborts on an
+    exception. ``extra`` (the argument, or the ``extra`` dict until ``close``) adds fields to
+    ``meta.json``, which ``read_meta`` ignores. The rule for existing files is
+    ``write_token_folder``'s, checked when the writer is made.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        tokenizer: str = "byte",
+        vocab_size: int = 256,
+        eos_id: int | None = None,
+        overwrite: bool = False,
+        extra: dict[str, Any] | None = None,
+    ):
+        _check_header(tokenizer, vocab_size, eos_id)
+        _check_extra(extra or {})
+        self.folder = Path(path)
+        existing = [name for name in (META, TRAIN, VAL) if (self.folder / name).exists()]
+        if existing and not overwrite:
+            raise FileExistsError(
+                f"{str(self.folder)!r} already holds {', '.join(existing)}; "
+                "pass overwrite=True to replace them"
+            )
+        self.dtype = smallest_dtype(vocab_size)
+        self.meta: TokenMeta | None = None
+        self._header = {"tokenizer": tokenizer, "vocab_size": vocab_size, "eos_id": eos_id}
+        self.extra = dict(extra or {})
+        self.folder.mkdir(parents=True, exist_ok=True)
+        suffix = f".tmp-{os.getpid()}"
+        self._temps = {
+            "train": self.folder / (TRAIN + suffix),
+            "val": self.folder / (VAL + suffix),
+            "meta": self.folder / (META + suffix),
+        }
+        self.counts = {"train": 0, "val": 0}
+        self._files = {}
+        try:
+            for split in ("train", "val"):
+                self._files[split] = open(self._temps[split], "wb")
+        except BaseException:
+            self.abort()
+            raise
+
+    def append(self, split: str, ids: Any) -> None:
+        """Adds ``ids`` (a flat integer sequence) to the end of ``split`` ("train" or "val")."""
+        if split not in self.counts:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if self.meta is not None or not self._files:
+            raise ValueError("this TokenFolderWriter is closed")
+        array = _as_token_array(ids, f"{split} ids", self._header["vocab_size"], self.dtype)
+        array.tofile(self._files[split])
+        self.counts[split] += int(array.size)
+
+    def close(self) -> TokenMeta:
+        """Flushes the files to disk, renames them into place (``meta.json`` last) and returns the
+        folder's validated meta."""
+        if self.meta is not None:
+            return self.meta
+        if not self._files:
+            raise ValueError("this TokenFolderWriter was aborted")
+        _check_extra(self.extra)
+        meta = {
+            "tokenizer": self._header["tokenizer"],
+            "vocab_size": self._header["vocab_size"],
+            "dtype": self.dtype,
+            "train_tokens": self.counts["train"],
+            "val_tokens": self.counts["val"],
+            "eos_id": self._header["eos_id"],
+            **self.extra,
+        }
+        try:
+            for file in self._files.values():
+                file.flush()
+                os.fsync(file.fileno())
+                file.close()
+            _write_file(self._temps["meta"], (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+            (self.folder / META).unlink(missing_ok=True)
+            os.replace(self._temps["train"], self.folder / TRAIN)
+            os.replace(self._temps["val"], self.folder / VAL)
+            os.replace(self._temps["meta"], self.folder / META)
+        finally:
+            self.abort()
+        _fsync_folder(self.folder)
+        self.meta = read_meta(self.folder)
+        return self.meta
+
+    def abort(self) -> None:
+        """Closes and removes the temporary files (the folder's existing files stay as they are)."""
+        for file in self._files.values():
+            file.close()
+        self._files = {}
+        for temp in self._temps.values():
+            temp.unlink(missing_ok=True)
+
+    def __enter__(self) -> TokenFolderWriter:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
 def write_token_folder(
     path: str | os.PathLike,
     train_ids: Any,
@@ -208,49 +335,17 @@ def write_token_folder(
     ``overwrite=True``; then the old ``meta.json`` is removed first, so an interrupted overwrite
     leaves no ``meta.json`` rather than one that describes the wrong files.
     """
-    folder = Path(path)
-    positive_int("vocab_size", vocab_size)
-    if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < vocab_size):
-        raise ValueError(f"eos_id must be None or an integer in [0, {vocab_size}), got {eos_id!r}")
-    if not isinstance(tokenizer, str):
-        raise ValueError(f"tokenizer must be a name (str), got {tokenizer!r}")
+    _check_header(tokenizer, vocab_size, eos_id)
     dtype = smallest_dtype(vocab_size)
+    # Checked before anything is written.
     train = _as_token_array(train_ids, "train_ids", vocab_size, dtype)
     val = _as_token_array(val_ids, "val_ids", vocab_size, dtype)
-
-    existing = [name for name in (META, TRAIN, VAL) if (folder / name).exists()]
-    if existing and not overwrite:
-        raise FileExistsError(
-            f"{str(folder)!r} already holds {', '.join(existing)}; "
-            "pass overwrite=True to replace them"
-        )
-    folder.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "tokenizer": tokenizer,
-        "vocab_size": vocab_size,
-        "dtype": dtype,
-        "train_tokens": int(train.size),
-        "val_tokens": int(val.size),
-        "eos_id": eos_id,
-    }
-    suffix = f".tmp-{os.getpid()}"
-    staged = [
-        (folder / (TRAIN + suffix), train),
-        (folder / (VAL + suffix), val),
-        (folder / (META + suffix), (json.dumps(meta, indent=2) + "\n").encode("utf-8")),
-    ]
-    try:
-        for temp, data in staged:
-            _write_file(temp, data)
-        (folder / META).unlink(missing_ok=True)
-        os.replace(staged[0][0], folder / TRAIN)
-        os.replace(staged[1][0], folder / VAL)
-        os.replace(staged[2][0], folder / META)
-    finally:
-        for temp, _ in staged:
-            temp.unlink(missing_ok=True)
-    _fsync_folder(folder)
-    return read_meta(folder)
+    with TokenFolderWriter(
+        path, tokenizer=tokenizer, vocab_size=vocab_size, eos_id=eos_id, overwrite=overwrite
+    ) as writer:
+        writer.append("train", train)
+        writer.append("val", val)
+    return writer.meta
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -13,12 +13,10 @@ loop. Each piece of computation it compiles lives elsewhere, in ``dew.training.s
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import os
 import time
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -33,6 +31,8 @@ from dew.layout import Layout
 from dew.mesh import BATCH_AXES, MeshSpec, build_mesh
 from dew.parallel import Shards, expert, pipeline, sequence, tensor
 from dew.parallel.options import StepOptions
+from dew.training.flops import model_flops_per_token, peak_flops
+from dew.training.preemption import stop_signals
 from dew.training.state import TrainState
 from dew.training.step import (
     BATCH_SPEC,
@@ -41,23 +41,19 @@ from dew.training.step import (
     build_loss,
     build_train_step,
 )
+from dew.training.tracking import (
+    FitLog,
+    JsonLines,
+    Tracker,
+    check_evaluation,
+    check_trackers,
+    close_all,
+)
 
 
 @jax.jit
 def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
-
-
-@contextlib.contextmanager
-def _metrics_file(path: Path | None):
-    """The open metrics file to append to (``None`` without a path, or on a process other than
-    0)."""
-    if path is None or jax.process_index() != 0:
-        yield None
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        yield f
 
 
 def _router_line(metrics: dict) -> str:
@@ -336,18 +332,25 @@ class Trainer:
         ``validation_metrics(...)["loss"]``, the language model's loss alone for an MoE model."""
         return self.validation_metrics(state, data, params)["loss"]
 
-    def validation_metrics(self, state: TrainState, data, params: str = "params") -> dict:
+    def validation_metrics(
+        self, state: TrainState, data, params: str = "params", batches: int | None = None
+    ) -> dict:
         """The objective's ``evaluation_metrics`` over ``data``'s validation batches, each a mean
         over the batches: ``"loss"`` (for an MoE model the cross-entropy alone, comparable with a
         dense model's) and, for an MoE model, the router losses and the dropped fraction beside
         it.
 
-        ``params="ema"`` evaluates the EMA weights instead. Forward only, with the same layout and
-        collectives as the step; every validation token counts once.
+        ``params="ema"`` evaluates the EMA weights instead; ``batches=K`` the first ``K``
+        validation batches only. Forward only, with the same layout and collectives as the step,
+        compiled at the first call (per batch size) and reused; every validation token counts
+        once.
         """
-        batches = data.validation(rows=self._process_rows(data.batch_size, data.seq_len + 1))
-        if not batches:
+        every = data.validation(rows=self._process_rows(data.batch_size, data.seq_len + 1))
+        if not every:
             raise ValueError("the data has no validation batches; load it with val_batches >= 1")
+        if batches is not None and not 1 <= batches <= len(every):
+            raise ValueError(f"batches must be from 1 to the data's {len(every)}, got {batches!r}")
+        batches = every[:batches]
         weights = {"params": state.params, "ema": state.ema}.get(params)
         if weights is None:
             raise ValueError(
@@ -408,6 +411,9 @@ class Trainer:
         log_every: int = 100,
         checkpoint_every: int | None = None,
         metrics: str | os.PathLike | None = None,
+        eval_every: int | None = None,
+        eval_batches: int | None = None,
+        trackers: Sequence[Tracker] = (),
     ) -> TrainState:
         """Trains until ``state.step == steps`` (resuming from the latest checkpoint, if any).
 
@@ -417,13 +423,33 @@ class Trainer:
           log_every: prints ``step N: loss L`` every this many steps, and at the last step.
           checkpoint_every: saves every this many steps (and always at the end, when checkpoints
             are on).
-          metrics: a file to append one JSON line per step to (``{"step", "loss", "step_time_s",
-            "tokens_per_s"}``, and for an MoE model ``"load_balance_loss"``, ``"router_z_loss"``
-            and ``"dropped_fraction"``), written by process 0 and flushed as each step ends; its
-            folder is created. ``step_time_s`` is the wall time from the step's dispatch to its
-            loss (the first step of a run includes compiling). A resumed run appends, so steps
-            trained again after the checkpoint it resumed from appear twice: the later line is the
-            run's.
+          metrics: a file to append one JSON line per step to (``dew.training.tracking.JsonLines``:
+            ``{"step", "loss", "step_time_s", "tokens_per_s", "model_tflops_per_device", "mfu"}``,
+            for an MoE model ``"load_balance_loss"``, ``"router_z_loss"`` and
+            ``"dropped_fraction"``, on a step that evaluated ``"val_loss"`` and ``"val_weights"``;
+            docs/metrics.md), written by process 0 and flushed as each step ends; its folder is
+            created. ``step_time_s`` is the wall time from the step's dispatch to its loss (the
+            first step of a run includes compiling); ``mfu`` only where the device's peak is known
+            (``dew.training.flops``). A resumed run appends, so steps trained again after the
+            checkpoint it resumed from appear twice: the later line is the run's.
+          eval_every: evaluates every this many steps, and at the last step: the mean loss over
+            ``data``'s validation batches (``validation_metrics``, compiled once, on the step's
+            layout) of the EMA weights when the objective keeps them (``ema_decay``), else of the
+            weights; prints ``step N: val_loss X`` and adds ``val_loss`` (and an MoE model's
+            ``val_`` router statistics) and ``val_weights`` (``"ema"`` or ``"params"``) to that
+            step's metrics. Needs ``data`` loaded with ``val_batches >= 1``.
+          eval_batches: evaluate on the first this many validation batches (default: all of
+            them); only with ``eval_every``.
+          trackers: where each step's metrics go besides ``metrics`` (``dew.training.tracking``:
+            ``TensorBoard(logdir)``, ``JsonLines(path)``, or anything with ``log(step, metrics)``
+            and ``close()``). Only process 0 calls ``log``; ``fit`` calls every tracker's ``close``
+            when it returns, or raises from its training loop.
+
+        SIGTERM or Ctrl-C stops the run after the step in flight, with a checkpoint of that step:
+        after SIGTERM (or a second Ctrl-C) ``fit`` prints ``Preempted at step N; checkpoint saved``
+        and raises ``dew.training.preemption.Preempted``, a ``SystemExit`` with code 143 (130 after
+        Ctrl-C); after one Ctrl-C it prints ``Interrupted at step N; checkpoint saved`` and returns
+        the state. Every process of a run stops after the same step (``dew.training.preemption``).
 
         Returns:
           the final ``TrainState``, laid out on the mesh.
@@ -437,9 +463,9 @@ class Trainer:
                     "checkpoint_every needs a Trainer built with checkpoints=Checkpoints(...)"
                 )
             positive_int("checkpoint_every", checkpoint_every)
-        metrics_path = None if metrics is None else Path(metrics)
-        if metrics_path is not None and metrics_path.is_dir():
-            raise ValueError(f"metrics={str(metrics)!r} is a folder; give a file name")
+        metrics_file = [JsonLines(metrics)] if metrics is not None else []
+        trackers = check_trackers([*metrics_file, *trackers])
+        check_evaluation(data, eval_every, eval_batches)
         self.check_batch(data.batch_size, data.seq_len)
         step_fn = self.train_step(data.batch_size)
 
@@ -450,6 +476,7 @@ class Trainer:
             print(
                 f"Already at step {start}; fit(steps={steps}) has nothing to train on {mesh_shape}"
             )
+            close_all(trackers)
             return state
         print(
             f"Training from step {start} to {steps} on {mesh_shape} "
@@ -458,14 +485,22 @@ class Trainer:
 
         next_batch = data.resume(position) if position is not None else start
         width = data.seq_len + 1
-        tokens = data.batch_size * data.seq_len
+        fit_log = FitLog(
+            trackers,
+            tokens=data.batch_size * data.seq_len,
+            flops_per_token=model_flops_per_token(self.objective.model, self.objective.seq_len),
+            devices=self.mesh.devices.size,
+            peak=peak_flops(self.mesh.devices.flat[0].device_kind),
+        )
+        weights = "ema" if self.objective.ema_decay is not None else "params"
         first_step_after = None
         in_steps = 0.0
         with (
             data.batches(
                 start=next_batch, rows=self._process_rows(data.batch_size, width)
             ) as batches,
-            _metrics_file(metrics_path) as metrics_file,
+            fit_log,
+            stop_signals() as stop,
         ):
             for step in range(start + 1, steps + 1):
                 index, rows = next(batches)
@@ -486,26 +521,28 @@ class Trainer:
                     first_step_after = ended - started
                 else:
                     in_steps += ended - began
-                if metrics_file is not None:
-                    seconds = ended - began
-                    record = dict(
-                        step=step, loss=loss, step_time_s=seconds, tokens_per_s=tokens / seconds
-                    )
-                    record.update((k, v) for k, v in step_metrics.items() if k != "loss")
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
                 if step % log_every == 0 or step == steps:
                     print(f"step {step}: loss {loss:.4f}{_router_line(step_metrics)}")
+                validation = None
+                if eval_every is not None and (step % eval_every == 0 or step == steps):
+                    validation = self.validation_metrics(state, data, weights, eval_batches)
+                    print(f"step {step}: val_loss {validation['loss']:.4f}")
+                fit_log.step(step, step_metrics, ended - began, validation, weights)
+                stopping = stop.agreed()  # SIGTERM or Ctrl-C, on any process
                 if checkpoint_every is not None and step % checkpoint_every == 0 and step != steps:
-                    self.save(state, data, index + 1)
-        if self.checkpoints is not None:
-            self.save(state, data, index + 1)
-            self.checkpoints.wait()
+                    if not stopping:
+                        self.save(state, data, index + 1)
+                if stopping:
+                    break
+            if self.checkpoints is not None:  # with the handlers on: a signal cannot cut it short
+                self.save(state, data, index + 1)
+                self.checkpoints.wait()
         wall = time.perf_counter() - started
         print(
             f"Goodput: first step after {first_step_after:.2f} s, "
             f"{100.0 * in_steps / wall:.1f}% of the wall time in steps"
         )
+        stop.finish(step, saved=self.checkpoints is not None, state=state)
         return state
 
     # ----------------------------------------------------------------------------- inspection

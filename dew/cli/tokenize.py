@@ -1,0 +1,190 @@
+"""``dew tokenize``: text files, ``.jsonl`` or ``.parquet`` into a token folder; and the rule by
+which ``dew train --data`` sizes the model's vocabulary from the folder.
+
+    dew tokenize books/ --tokenizer tokenizer.json --out data/books --workers 4
+    dew tokenize chats.jsonl --field content --tokenizer bytes --out data/chats --force
+
+The reading, splitting and writing are ``dew.data.text``'s; this module reads flags and prints.
+Nothing here starts JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from dew.cli.flags import add_seed_flag
+
+# dew train's example decoder takes the folder's vocabulary rounded up to a multiple of this
+# (Megatron's rule; GPT-2's 50257 becomes 50304), so that a tensor axis up to 128 divides it.
+VOCAB_MULTIPLE = 128
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    """Adds ``tokenize`` to the ``dew`` command's subparsers."""
+    parser = commands.add_parser(
+        "tokenize",
+        help="turn text files, .jsonl or .parquet into a token folder",
+        description="Tokenizes documents into a token folder (train.bin, val.bin, meta.json) that "
+        "dew train --data reads. A text file (.txt, .text, .md) is one document; a .jsonl file "
+        "one per line (its --field); a .parquet file one per row (column --field, needs "
+        "pyarrow); a folder, the files under it. Each document is followed by the end-of-text "
+        "id. The folder is written aside and renamed into place when complete.",
+    )
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files or folders to read")
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="T",
+        help="bytes (one token per UTF-8 byte), a tokenizer.json file, or a folder holding one "
+        "(needs pip install 'dew-ml[text]'); nothing is downloaded",
+    )
+    parser.add_argument("--out", required=True, metavar="FOLDER", help="the token folder to write")
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        metavar="F",
+        help="each document goes to val.bin with probability F (default 0.01)",
+    )
+    parser.add_argument(
+        "--field", default="text", help="the .jsonl field or .parquet column (default text)"
+    )
+    parser.add_argument(
+        "--eos",
+        default=None,
+        metavar="TOKEN",
+        help="the end-of-text token of a tokenizer.json (default: the first of <|endoftext|>, "
+        "<|end_of_text|>, </s>, <eos> it has)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokenize in N processes (default 1); the output is the same for every N",
+    )
+    add_seed_flag(parser, "the validation split")
+    parser.add_argument(
+        "--force", action="store_true", help="replace FOLDER if it is already a token folder"
+    )
+    parser.set_defaults(run=tokenize_command, setup=lambda: None)
+    return parser
+
+
+def _size(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1000 or unit == "GB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{count:.0f} B"
+        count /= 1000
+    raise AssertionError
+
+
+class Progress:
+    """One line on ``stream``: bytes read, tokens written, rates. Redrawn in place at most every
+    ``every`` seconds on a terminal; elsewhere (a log file) one line every ``every * 20`` seconds.
+    ``finish()`` writes the last state as a full line."""
+
+    def __init__(self, stream=None, every: float = 0.5):
+        self.stream = stream if stream is not None else sys.stderr
+        self.terminal = getattr(self.stream, "isatty", lambda: False)()
+        self.every = every if self.terminal else every * 20
+        self.start = time.perf_counter()
+        self.last = self.start
+        self.state = (0, 0)
+        self.open_line = False  # a line redrawn in place that no newline has ended yet
+        self.width = 0  # of the widest line drawn, which a shorter one must cover
+
+    def line(self) -> str:
+        bytes_read, tokens = self.state
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        return (
+            f"tokenize: {_size(bytes_read)} read, {tokens:,} tokens written, "
+            f"{_size(bytes_read / seconds)}/s, {tokens / seconds:,.0f} tokens/s"
+        )
+
+    def __call__(self, bytes_read: int, tokens: int) -> None:
+        self.state = (bytes_read, tokens)
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            self.stream.write(self._redraw() if self.terminal else self.line() + "\n")
+            self.stream.flush()
+            self.open_line = self.terminal
+
+    def _redraw(self) -> str:
+        text = self.line()
+        text, self.width = "\r" + text.ljust(self.width), max(self.width, len(text))
+        return text
+
+    def finish(self) -> None:
+        self.stream.write((self._redraw() if self.terminal else self.line()) + "\n")
+        self.stream.flush()
+        self.open_line = False
+
+    def abandon(self) -> None:
+        """Ends a line left open, so that an error message starts on its own line."""
+        if self.open_line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open_line = False
+
+
+def _documents(count: int) -> str:
+    return f"{count:,} document" + ("" if count == 1 else "s")
+
+
+def tokenize_command(args) -> int:
+    from dew.data.text import tokenize_files
+
+    progress = Progress()
+    try:
+        report = tokenize_files(
+            args.inputs,
+            args.out,
+            tokenizer=args.tokenizer,
+            eos=args.eos,
+            val_fraction=args.val_fraction,
+            field=args.field,
+            workers=args.workers,
+            seed=args.seed,
+            force=args.force,
+            progress=progress,
+        )
+    except BaseException:
+        progress.abandon()
+        raise
+    progress.finish()
+    meta = report.meta
+    print(
+        f"Wrote {os.fspath(args.out)}: {meta.train_tokens:,} train tokens "
+        f"({_documents(report.train_documents)}), {meta.val_tokens:,} val tokens "
+        f"({_documents(report.val_documents)}); vocab_size {meta.vocab_size}, dtype {meta.dtype}, "
+        f"eos_id {meta.eos_id}, in {report.seconds:.1f} s"
+    )
+    return 0
+
+
+def training_vocabulary(config: dict, preset: str | None, data_dir) -> int:
+    """The vocabulary ``dew train`` builds its model with for the token folder ``data_dir``.
+
+    The example decoder (no ``--model``) takes the folder's ``vocab_size`` from its ``meta.json``,
+    rounded up to a multiple of ``VOCAB_MULTIPLE`` (the extra rows are never a target); a preset
+    keeps its own, and one smaller than the folder's is a ValueError: ids it cannot embed."""
+    from dew.data import read_meta
+
+    meta = read_meta(data_dir)
+    if preset is None:
+        return -(-meta.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    vocab = config["vocab_size"]
+    if vocab < meta.vocab_size:
+        raise ValueError(
+            f"model {preset} has a vocabulary of {vocab}, smaller than the vocab_size "
+            f"{meta.vocab_size} of the token folder {os.fspath(data_dir)!r} (tokenizer "
+            f"{meta.tokenizer!r}): its ids up to {meta.vocab_size - 1} have no embedding. "
+            "Tokenize with that model's tokenizer, or leave out --model to size the example "
+            "decoder from the folder"
+        )
+    return vocab

@@ -1,0 +1,122 @@
+"""Model FLOPs per token, device peaks, and model FLOPs utilisation (MFU).
+
+The count is PaLM's (Chowdhery et al. 2022, "PaLM: Scaling Language Modeling with Pathways",
+appendix B, https://arxiv.org/abs/2204.02311): a training step costs, per token,
+
+    6 N + 12 L H Q T
+
+- ``N``: the weights each token is multiplied by, counted once: every weight but the input
+  embedding table (a lookup, no FLOPs), plus the output head (``vocab x width``: the tied table,
+  counted once as the head, or an untied ``lm_head``). For a tied model that is PaLM's ``N``, the
+  whole parameter count. ``2 N`` is the forward's multiply-adds, ``4 N`` the backward's (the
+  gradients of the activations and of the weights).
+- ``12 L H Q T``: attention's scores and weighted sums, ``L`` layers, ``H`` query heads of ``Q``
+  features (``H Q`` is the model's width), ``T`` positions per row: ``q.k`` and ``p.v`` are each
+  ``2 T H Q`` FLOPs per token forward, times 3 for the backward. Like PaLM, this counts every query
+  against all ``T`` keys: the causal mask's half is *not* taken off. Dew's XLA attention computes
+  the whole ``T x T`` square and masks it, as the count says; a kernel that skips masked blocks
+  does about half of this term's work.
+- Mixture of experts: each token runs ``k`` of an MoE layer's ``E`` experts, so ``N`` counts the
+  experts' weights times ``k / E`` (the active weights; the router counts whole). Copies a capacity
+  drops are not taken off: the count is the model's, not the run's luck.
+
+Model FLOPs leave out what a layout or a memory saving adds: Dew's layers run under
+``jax.checkpoint``, so the backward recomputes each layer's forward (all but its last matmul,
+the MLP's ``down``, whose output the backward does not need); XLA's count of the one-device step is
+about 1.25 times this one for that reason (tests/test_flops.py measures it, and docs/metrics.md
+says by how much). Norms, softmax, rotary and the cross-entropy's elementwise work are left out
+too (under 0.5% of XLA's count at width 256, 4.6% at width 32).
+
+MFU is model FLOPs per second per device over the device's peak dense bf16 FLOP/s
+(``peak_flops``): TPU generations from ``dew.targets.GENERATIONS``, NVIDIA GPUs from their data
+sheets (below). Nothing is guessed for other devices (a CPU): ``peak_flops`` returns ``None`` and
+the metrics carry no ``mfu``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from dew.targets import GENERATIONS
+
+# NVIDIA's peak dense BF16 tensor-core FLOP/s per GPU. The data sheets give the figure with 2:4
+# structured sparsity; the dense peak is half of it.
+# - A100 (SXM and PCIe, 40 and 80 GB): 312 TFLOPS, 624 with sparsity. NVIDIA A100 Tensor Core GPU
+#   data sheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
+#   nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+# - H100 SXM 1,979, H100 NVL 1,671 and H100 PCIe 1,513 TFLOPS with sparsity.
+#   https://www.nvidia.com/en-us/data-center/h100/ (data sheet tab; PCIe from the 2022 sheet)
+# - H200 SXM 1,979 and H200 NVL 1,671 TFLOPS with sparsity.
+#   https://www.nvidia.com/en-us/data-center/h200/
+# Matched against ``jax.Device.device_kind`` (CUDA's device name, e.g. "NVIDIA H100 80GB HBM3",
+# "NVIDIA A100-SXM4-80GB", "NVIDIA H200"): the first row whose words all appear wins, so the
+# PCIe and NVL rows come before the SXM one.
+GPU_PEAK_BF16_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("A100",), 312e12),
+    (("H100", "NVL"), 1671e12 / 2),
+    (("H100", "PCIE"), 1513e12 / 2),
+    (("H100",), 1979e12 / 2),
+    (("H200", "NVL"), 1671e12 / 2),
+    (("H200",), 1979e12 / 2),
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """The peak dense bf16 FLOP/s of one device of ``device_kind`` (``jax.Device.device_kind``), or
+    ``None`` when Dew does not know it (a CPU, an unlisted accelerator).
+
+    TPUs: ``dew.targets.GENERATIONS`` (one JAX device per chip: "TPU v4", "TPU v5 lite" (v5e),
+    "TPU v5" (v5p), "TPU v6 lite" (v6e)), matched exactly; NVIDIA GPUs: ``GPU_PEAK_BF16_FLOPS``.
+    """
+    kind = device_kind.strip()
+    for generation in GENERATIONS.values():
+        if kind.lower() == generation.device_kind.lower():
+            return generation.peak_bf16_flops
+    upper = kind.upper()
+    for words, flops in GPU_PEAK_BF16_FLOPS:
+        if all(word in upper for word in words):
+            return flops
+    return None
+
+
+def _size(tree) -> int:
+    return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def model_flops_per_token(model, seq_len: int) -> float | None:
+    """PaLM's ``6 N + 12 L H Q T`` for a ``CausalTransformer`` training on rows of ``seq_len``
+    positions (see the module's docstring for what ``N`` counts, the experts' ``k / E`` and the
+    causal mask); ``None`` for a model whose shapes this does not know.
+    """
+    try:
+        layers, heads, head_dim = model.num_layers, model.num_heads, model.head_dim
+        vocab, width = model.vocab_size, model.emb_features
+        experts, k = getattr(model, "num_experts", 0), getattr(model, "experts_per_token", 1)
+        params = jax.eval_shape(model.init, jax.random.key(0))["params"]
+        table = _size(params["embed_tokens"])
+    except (AttributeError, KeyError, TypeError):
+        return None
+    weights = _size(params) - table  # an untied lm_head is among them
+    if getattr(model, "tie_embeddings", True):
+        weights += vocab * width  # the table once more, as the output head
+    if experts:
+        expert_weights = _size(params["moe_layers"]["moe"]["experts"])
+        weights -= expert_weights * (experts - k) / experts
+    return 6.0 * weights + 12.0 * layers * heads * head_dim * seq_len
+
+
+def throughput(
+    tokens: int, seconds: float, flops_per_token: float | None, devices: int, peak: float | None
+) -> dict:
+    """A step's speed: ``tokens_per_s``; with a FLOP count, ``model_tflops_per_device`` (model
+    FLOPs per second per device, in units of 10^12); with a peak too, ``mfu`` (that over the
+    device's peak FLOP/s, a fraction)."""
+    metrics = {"tokens_per_s": tokens / seconds}
+    if flops_per_token is not None:
+        per_device = flops_per_token * tokens / seconds / devices
+        metrics["model_tflops_per_device"] = per_device / 1e12
+        if peak is not None:
+            metrics["mfu"] = per_device / peak
+    return metrics

@@ -1,0 +1,177 @@
+"""Where ``fit``'s metrics go: trackers.
+
+A tracker is anything with two methods:
+
+    log(step: int, metrics: dict) -> None   # one call per step, after the step
+    close() -> None                         # when fit returns or raises
+
+``metrics`` maps names to floats (``loss``, ``step_time_s``, ``tokens_per_s``, ...; see
+docs/metrics.md), and, on a step that evaluated, ``val_weights``: the string ``"params"`` or
+``"ema"``. ``fit`` calls trackers on process 0 only, so a tracker writes once per run whatever the
+process count. Two come with Dew: ``JsonLines`` (one JSON line per step, ``fit(metrics=FILE)``)
+and ``TensorBoard`` (event files, with the optional extra ``dew-ml[tensorboard]``). Both open
+their file at the first ``log`` and reopen after ``close``, so one tracker serves several ``fit``
+calls.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import jax
+
+from dew.checks import positive_int
+from dew.targets import MissingExtra
+from dew.training.flops import throughput
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    """What ``fit(trackers=[...])`` calls: ``log`` after every step, ``close`` at the end."""
+
+    def log(self, step: int, metrics: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonLines:
+    """Appends one JSON line per step to ``path`` (``{"step": N, **metrics}``), flushed as the step
+    ends, so a run that dies keeps every step it finished. The folder is created at the first line;
+    a ``path`` that is a folder is a ``ValueError`` here, before anything compiles."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"metrics={str(path)!r} is a folder; give a file name")
+        self._file = None
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoard:
+    """Writes each number of ``metrics`` as a TensorBoard scalar (its name the tag, ``step`` the
+    step) to event files in ``logdir``, through ``tensorboardX``'s ``SummaryWriter`` (no
+    TensorFlow): ``pip install 'dew-ml[tensorboard]'``. Strings (``val_weights``) are left out.
+    Flushed after every step. View with ``tensorboard --logdir DIR``."""
+
+    def __init__(self, logdir: str | os.PathLike):
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError:
+            raise MissingExtra(
+                "TensorBoard files need tensorboardX: pip install 'dew-ml[tensorboard]'"
+            ) from None
+        self.logdir = Path(logdir)
+        if self.logdir.exists() and not self.logdir.is_dir():
+            raise ValueError(f"tensorboard={str(logdir)!r} is a file; give a folder")
+        self._writer = None
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(logdir=str(self.logdir))
+        for name, value in metrics.items():
+            if isinstance(value, numbers.Real):
+                self._writer.add_scalar(name, float(value), global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def check_trackers(trackers) -> list:
+    """``trackers`` as a list, each checked to have ``log`` and ``close`` (``TypeError`` naming the
+    one that does not)."""
+    trackers = list(trackers)
+    for tracker in trackers:
+        if not isinstance(tracker, Tracker):
+            raise TypeError(
+                f"a tracker needs log(step, metrics) and close() methods; {tracker!r} does not "
+                "have both"
+            )
+    return trackers
+
+
+def close_all(trackers) -> None:
+    """Closes every tracker, even when one raises (the first error is raised after)."""
+    error = None
+    for tracker in trackers:
+        try:
+            tracker.close()
+        except Exception as e:  # the others are closed first
+            error = error or e
+    if error is not None:
+        raise error
+
+
+def check_evaluation(data, eval_every: int | None, eval_batches: int | None) -> None:
+    """``fit``'s evaluation settings against ``data``: ``ValueError`` for a cadence below 1, batches
+    without a cadence, a cadence without validation batches, or more batches than the data has."""
+    if eval_every is None:
+        if eval_batches is not None:
+            raise ValueError(
+                f"eval_batches={eval_batches} without eval_every: give eval_every=N to evaluate "
+                "every N steps"
+            )
+        return
+    positive_int("eval_every", eval_every)
+    if not data.val_batches:
+        raise ValueError(
+            f"eval_every={eval_every} needs validation batches; the data has none: load it with "
+            "val_batches >= 1 (TokenWindows(..., val_batches=K))"
+        )
+    if eval_batches is not None:
+        positive_int("eval_batches", eval_batches)
+        if eval_batches > data.val_batches:
+            raise ValueError(
+                f"eval_batches={eval_batches} is more than the data's {data.val_batches} "
+                "validation batches (TokenWindows(..., val_batches=K))"
+            )
+
+
+class FitLog:
+    """What ``fit`` reports after each step, handed to its trackers on process 0 (``with`` closes
+    them all at the end, on every process): ``loss``, ``step_time_s``, ``throughput`` (tokens/s,
+    model TFLOP/s per device, MFU), an MoE model's router statistics, and on a step that evaluated
+    the ``validation_metrics`` prefixed ``val_`` with ``val_weights``."""
+
+    def __init__(self, trackers, *, tokens, flops_per_token, devices, peak):
+        self.trackers = trackers
+        self.writes = jax.process_index() == 0
+        self.speed = dict(
+            tokens=tokens, flops_per_token=flops_per_token, devices=devices, peak=peak
+        )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        close_all(self.trackers)
+
+    def step(self, step: int, metrics: dict, seconds: float, validation=None, weights=None):
+        record = dict(loss=metrics["loss"], step_time_s=seconds)
+        record.update(throughput(seconds=seconds, **self.speed))
+        record.update((k, v) for k, v in metrics.items() if k != "loss")
+        if validation is not None:
+            record.update((f"val_{k}", v) for k, v in validation.items())
+            record["val_weights"] = weights
+        if self.writes:
+            for tracker in self.trackers:
+                tracker.log(step, record)
