@@ -62,6 +62,7 @@ case "$verb" in
     printf '{"name": "%s", "state": "%s", "health": "HEALTHY", "acceleratorType": "%s", ' \
       "$5" "$(get state)" "$(get type)"
     printf '"runtimeVersion": "%s", "networkEndpoints": [%s], ' "$(get version)" "$endpoints"
+    if [ -s "$S/disk" ]; then printf '"dataDisks": [{"sourceDisk": "%s"}], ' "$(get disk)"; fi
     echo '"schedulingConfig": {"spot": true}}' ;;
   scp)
     paths=()
@@ -513,7 +514,8 @@ def test_spot_restart_recreates_sets_up_and_trains_again(gcloud, capsys):
     write_config(
         gcloud.root / "config", 'project = "proj"\nzones = ["us-east5-a"]\nbucket = "gs://b"'
     )
-    gcloud.script(preempt_on="tail -n +1")  # the first follow: the slice is preempted
+    # The first follow: the slice is preempted. It had a data disk, which the new one gets too.
+    gcloud.script(preempt_on="tail -n +1", disk="projects/proj/zones/us-east5-a/disks/d1")
     code = 'echo "$DEW_RUN_DIR" >> "$HOME/starts.txt"; sleep 0.2'
     argv = ["train", "s1", "--job", "j", "--spot-restart", "--poll", "0", "--start-check", "0.1"]
     assert tpu.main([*argv, "--", "sh", "-c", code]) == 0
@@ -526,7 +528,8 @@ def test_spot_restart_recreates_sets_up_and_trains_again(gcloud, capsys):
         follow,  # preempted here
         D,  # PREEMPTED
         f"{G} delete s1 {P} --quiet",
-        f"{G} create s1 {P} --accelerator-type=v5p-16 --version=v2-alpha-tpuv5 --spot",
+        f"{G} create s1 {P} --accelerator-type=v5p-16 --version=v2-alpha-tpuv5 --spot "
+        "--data-disk=source=projects/proj/zones/us-east5-a/disks/d1,mode=read-write",
         D,  # CREATING
         D,  # READY
         ssh("all", INSTALL),

@@ -123,7 +123,8 @@ def train(gcloud: Gcloud, slice_: Slice, spec: TrainSpec) -> int:
 
 def recover(gcloud: Gcloud, slice_: Slice, now, recipe: dict, spec: TrainSpec) -> dict:
     """Waits out a transitional state; then re-creates the slice as ``recipe`` describes it (type,
-    runtime, spot, queued), waits for READY and runs setup again."""
+    runtime, spot, queued, its first data disk, read-write), waits for READY and runs setup
+    again."""
     waited = 0.0
     while now is not None and now.get("state") in slices.TRANSITIONAL and waited < spec.timeout:
         gcloud.sleep(spec.poll)
@@ -133,6 +134,9 @@ def recover(gcloud: Gcloud, slice_: Slice, now, recipe: dict, spec: TrainSpec) -
         return now
     scheduling = recipe.get("schedulingConfig") or {}
     queued = bool(recipe.get("queuedResource"))
+    # The data disk the slice had (describe's dataDisks), attached again: a re-created slice
+    # without it would start a run that cannot read its data.
+    disks = recipe.get("dataDisks") or [{}]
     if now is not None or queued:
         gcloud.run(slices.delete_argv(slice_, queued, yes=True), check=not queued)
     create = dict(
@@ -140,7 +144,7 @@ def recover(gcloud: Gcloud, slice_: Slice, now, recipe: dict, spec: TrainSpec) -
         version=recipe.get("runtimeVersion") or "auto",
         spot=bool(scheduling.get("spot") or scheduling.get("preemptible")),
         queued=queued,
-        disk=None,
+        disk=disks[0].get("sourceDisk"),
         timeout=spec.timeout,
         poll=spec.poll,
     )
