@@ -11,7 +11,6 @@ temporary memory. Random tests take the ``seed`` fixture (tests/conftest.py; rep
 """
 
 import importlib.util
-import math
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,8 @@ from dew.cli.flags import model_config
 from dew.cli.main import build_parser
 from dew.parallel import ONE_DEVICE, Shards, expert, ragged
 from tests.helpers import relative_error
-from tests.test_moe_reference import closest_call, continuous_part, route_reference
+from tests.test_moe_reference import POSITIONS, continuous_part, route_reference
+from tests.test_moe_reference import random_layer as reference_layer
 
 TOL = 1e-5
 
@@ -153,33 +153,18 @@ def test_the_emulation_does_what_ragged_all_to_all_documents(seed):
 
 EXPERTS, GROUPS, N = 8, 2, 4
 TOKENS = ("data", "expert")
-LAYER_ROWS, POSITIONS, EMBED, HIDDEN = 16, 16, 16, 24
+LAYER_ROWS = 16  # POSITIONS, the width and the hidden size are test_moe_reference's
 SHARDS = Shards(axis_sizes={"data": GROUPS, "expert": N})
 EXPERT_SPECS = {name: P("expert") for name in ("gate", "up", "down")}
 LAYER_SPECS = {"router": {"kernel": P()}, "experts": EXPERT_SPECS}
 
 
 def random_layer(seed, router_scale=1.0):
-    """Float32 ``(layer, x, cotangent)``, ``x`` ``[LAYER_ROWS, POSITIONS, EMBED]``; drawn again
-    while a token's best logits nearly tie (there float32 may fairly choose otherwise)."""
-    rng = np.random.default_rng(seed)
-
-    def normal(shape, std):
-        return jnp.asarray(rng.normal(0.0, std, shape), jnp.float32)
-
-    while True:
-        layer = {
-            "router": {"kernel": normal((EMBED, EXPERTS), router_scale / math.sqrt(EMBED))},
-            "experts": {
-                "gate": normal((EXPERTS, EMBED, HIDDEN), 1 / math.sqrt(EMBED)),
-                "up": normal((EXPERTS, EMBED, HIDDEN), 1 / math.sqrt(EMBED)),
-                "down": normal((EXPERTS, HIDDEN, EMBED), 1 / math.sqrt(HIDDEN)),
-            },
-        }
-        x = normal((LAYER_ROWS, POSITIONS, EMBED), 1.0)
-        _, logits = route_reference(layer["router"]["kernel"], x, 2)
-        if closest_call(logits, 2) > 1e-4:
-            return layer, x, normal(x.shape, 1.0)
+    """Float32 ``(layer, x, cotangent)``, ``x`` ``[LAYER_ROWS, POSITIONS, EMBED]``: the reference
+    tests' random layer (drawn again while a token's best logits nearly tie) and a cotangent."""
+    layer, x = reference_layer(seed, EXPERTS, 2, router_scale, rows=LAYER_ROWS)
+    cotangent = np.random.default_rng((seed, 1)).normal(0.0, 1.0, x.shape)
+    return layer, x, jnp.asarray(cotangent, jnp.float32)
 
 
 def objective(shards, k, exchange, buffer_factor):

@@ -175,8 +175,8 @@ def reference_gradients(layer, x, ids, keep, cotangent):
 # The layer on one device
 
 
-def random_layer(seed, num_experts, k, router_scale):
-    """Random weights and input: ``(layer, x)``, float32, ``x`` ``[ROWS, POSITIONS, EMBED]``.
+def random_layer(seed, num_experts, k, router_scale, rows=ROWS):
+    """Random weights and input: ``(layer, x)``, float32, ``x`` ``[rows, POSITIONS, EMBED]``.
 
     Drawn again (from the same seed's stream) while some token's ``k + 1`` best logits lie within
     1e-4 of each other (up to 3 draws in 100): there float32 rounding, not the code, could
@@ -195,7 +195,7 @@ def random_layer(seed, num_experts, k, router_scale):
                 "down": normal((num_experts, HIDDEN, EMBED), 1 / math.sqrt(HIDDEN)),
             },
         }
-        x = normal((ROWS, POSITIONS, EMBED), 1.0)
+        x = normal((rows, POSITIONS, EMBED), 1.0)
         _, logits = route_reference(layer["router"]["kernel"], x, k)
         if closest_call(logits, k) > 1e-4:
             return layer, x
