@@ -389,13 +389,22 @@ def test_train_step_reports_the_reference_router_metrics(seed):
     for i in range(2):
         batch = fresh_batch(rows, (seed, i))
         want = model_router_metrics(objective.model, state.params, batch[:, :-1], microbatches)
-        assert want["dropped_fraction"] > 0, (want, seed)
         if i == 0:
-            # Not vacuous: the load balance of the whole batch is another number.
-            whole = model_router_metrics(
-                objective.model, state.params, batch[:, :-1], [np.arange(rows)]
-            )
-            change = abs(whole["load_balance_loss"] / want["load_balance_loss"] - 1)
+            # Not vacuous: the load balance of the whole batch must be another number, which a
+            # step averaging over the whole batch would report. Now and then (1 seed in 150,
+            # measured) the two lie within 1e-4 of each other: draw the step's tokens again.
+            for redraw in range(1, 10):
+                whole = model_router_metrics(
+                    objective.model, state.params, batch[:, :-1], [np.arange(rows)]
+                )
+                change = abs(whole["load_balance_loss"] / want["load_balance_loss"] - 1)
+                if change > 10 * TOL:
+                    break
+                batch = fresh_batch(rows, (seed, i, redraw))
+                want = model_router_metrics(
+                    objective.model, state.params, batch[:, :-1], microbatches
+                )
             assert change > 10 * TOL, (whole, want, seed)
+        assert want["dropped_fraction"] > 0, (want, seed)
         state, metrics = step(state, trainer.device_batch(batch, rows))
         assert_metrics_match(metrics, want, f"step {i + 1}, seed {seed}")
