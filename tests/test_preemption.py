@@ -10,7 +10,6 @@ stop after the same step.
 import contextlib
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
@@ -205,17 +204,7 @@ def test_one_signalled_process_stops_every_process_after_the_same_step(tmp_path,
         *(sys.executable, ROOT / "tests" / "launch_train.py", folder, checkpoints, 100000),
     )
     # Both ranks are training (each prints every step), then only rank 1 gets the signal.
-    waiting, deadline = {"[0] step 2:", "[1] step 2:"}, time.monotonic() + BOUND_S
-    while waiting:
-        try:
-            line = run.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            run.abort()
-            pytest.fail(f"no {sorted(waiting)} in {BOUND_S} s; stderr: {run.stderr[-20:]}")
-        if line is None:
-            run.abort()
-            pytest.fail(f"dew launch ended first: {run.stderr[-20:]}")
-        waiting = {w for w in waiting if not line.startswith(w)}
+    run.wait_for_lines({"[0] step 2:", "[1] step 2:"}, BOUND_S)
     pid = int(next(line for line in run.stdout if line.startswith("[1] pid ")).split()[-1])
     os.kill(pid, signal.SIGTERM)
     code = run.finish(BOUND_S)
