@@ -13,9 +13,11 @@ whole mesh, on each device's local shards, and every byte between devices is a c
                          [rows, seq]-sized values, never the logits)
     sequence.attention   over a sequence axis, ring attention (ppermute of K/V blocks, and of
                          their gradients in the backward) or the all-to-all scheme
-    expert.moe_mlp       in each MoE layer, all_to_all of routed token copies over expert to the
-                         devices holding their experts and back (and the transposes), and a
-                         psum of the [E] expert counts over the token axes
+    expert.moe_mlp       in each MoE layer, routed token copies over expert to the devices
+                         holding their experts and back (and the transposes): ragged_all_to_all
+                         on TPU and GPU after an all_gather of the [E] counts, a padded
+                         all_to_all on CPU; and a psum of the [E] expert counts over the token
+                         axes
     pipeline             over a stage axis (each device then runs its stage by
                          ``pipeline_gradients``): per tick, a ppermute of one microbatch's
                          activations [rows / M, seq, embed] to the next stage and one of their
