@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dew.cli import tpu
+from dew.cli.tpu import gcloud as tpu_gcloud
 from dew.cli.tpu import remote, slices
 
 G = "gcloud compute tpus tpu-vm"
@@ -477,16 +478,37 @@ def test_train_follows_worker_0_to_its_exit(gcloud, capsys):
     log = gcloud.home(1) / "dew-runs" / "j" / "worker-1.log"
     assert log.read_text() == "step 1 on 1 in proj-repo\n"
     assert gcloud.calls()[-1] == ssh(0, remote.follow_script("j"))
-    # Its exit code is train's.
-    argv[-1] = "sleep 0.2; exit 7"
+    # Its exit code is train's. The command exits only once train follows worker 0's log (the
+    # follow script, which alone names worker-0.exit, is in gcloud's log; the pattern is not that
+    # text, which would find itself in the start call), so the start check always finds it
+    # running, however slowly this machine runs.
+    calls = gcloud.root / "gcloud.calls"
+    calls.write_bytes(b"")  # the first run's follow call is not this one's
+    argv[-1] = f"until grep -aq 'worker-0[.]exit' {calls}; do sleep 0.02; done; exit 7"
     assert tpu.main(argv) == 7
     assert "worker 0's command exited with 7" in capsys.readouterr().err
 
 
-def test_train_fails_when_a_worker_dies_at_once(gcloud, capsys):
+def test_train_fails_when_a_worker_dies_at_once(gcloud, capsys, monkeypatch):
     code = (
         'echo "loading on $DEW_TPU_WORKER"; echo "ValueError: no checkpoint on $DEW_TPU_WORKER"; '
-        '[ "$DEW_TPU_WORKER" = 1 ] && exit 3; sleep 5'
+        '[ "$DEW_TPU_WORKER" = 1 ] && exit 3; sleep 600'
+    )
+    # The start check's wait ends once worker 1 has exited (its exit file written), not after a
+    # time this machine might not keep; worker 0 runs until it is stopped.
+    exited = gcloud.home(1) / "dew-runs" / "j" / "worker-1.exit"
+
+    def wait_for_worker_1(seconds):
+        assert seconds == 0.5
+        deadline = time.monotonic() + 60
+        while not exited.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    real_init = tpu_gcloud.Gcloud.__init__
+    monkeypatch.setattr(
+        tpu_gcloud.Gcloud,
+        "__init__",
+        lambda self, dry_run=False: real_init(self, dry_run, sleep=wait_for_worker_1),
     )
     argv = ["train", "s1", "--job", "j", "--start-check", "0.5", "--", "sh", "-c", code]
     assert tpu.main(argv) == 1
