@@ -16,6 +16,7 @@ fixture, gets that same number from ``seed``, so each test depends on exactly on
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
 
 # Compiling for the CPU, not running, is most of this suite's time: it compiles hundreds of small
@@ -138,3 +139,25 @@ def pytest_collection_modifyitems(items):
     # others have nothing left to do. The order within each group, and of the other tests, is
     # kept.
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+
+
+@pytest.fixture
+def dew_here(capsys, monkeypatch):
+    """``dew_here(*args, cwd=...)``: ``dew ARGS`` run by ``main`` in this process (8 CPU devices
+    already), returned as ``dew`` returns it, with its exit code and what it printed. An error
+    ``main`` does not turn into a message (a user would see a traceback) raises here, failing
+    the test."""
+    from dew.cli.main import main
+
+    # main sets up its devices (the same 8 CPU devices): the variables it writes are restored.
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(name, os.environ[name])
+
+    def run(*args, cwd):
+        monkeypatch.chdir(cwd)
+        capsys.readouterr()
+        code = main(list(args))
+        printed = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, printed.out, printed.err)
+
+    return run

@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from dew.collectives import OPS
 from tests.helpers import child_env
 
@@ -30,28 +28,6 @@ def dew(*args, cwd):
         text=True,
         timeout=600,
     )
-
-
-@pytest.fixture
-def dew_here(capsys, monkeypatch):
-    """``dew_here(*args, cwd=...)``: ``dew ARGS`` run by ``main`` in this process (8 CPU devices
-    already), returned as ``dew`` returns it, with its exit code and what it printed. An error
-    ``main`` does not turn into a message (a user would see a traceback) raises here, failing
-    the test."""
-    from dew.cli.main import main
-
-    # main sets up its devices (the same 8 CPU devices): the variables it writes are restored.
-    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
-        monkeypatch.setenv(name, os.environ[name])
-
-    def run(*args, cwd):
-        monkeypatch.chdir(cwd)
-        capsys.readouterr()
-        code = main(list(args))
-        printed = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, printed.out, printed.err)
-
-    return run
 
 
 def test_dew_train_runs_and_resumes(tmp_path):
@@ -307,8 +283,8 @@ def test_a_flag_that_cannot_take_effect_is_a_clear_error(tmp_path, dew_here):
         assert message in bad.stderr, (args, bad.stderr)
 
 
-def test_dew_train_runs_a_pipeline_with_the_schedule_asked(tmp_path):
-    out = dew(
+def test_dew_train_runs_a_pipeline_with_the_schedule_asked(tmp_path, dew_here):
+    out = dew_here(
         "train",
         *("--pipeline-schedule", "1f1b_phased", "--mesh", "stage=2,microbatches=4"),
         *("--steps", "2", "--log-every", "1"),

@@ -5,12 +5,10 @@ import json
 
 import pytest
 
-from tests.test_cli import dew
 
-
-def test_dew_bench_runs_and_records_sequence_parallel(tmp_path):
+def test_dew_bench_runs_and_records_sequence_parallel(tmp_path, dew_here):
     # A one-step run of a tiny model: what is checked is what ran, not how fast.
-    out = dew(
+    out = dew_here(
         "bench",
         *("--mesh", "data=8", "tensor=2", "--engines", "shard_map", "--no-one-device"),
         *("--depth-check", "0", "--repeats", "1", "--warmup", "0", "--sequence-parallel"),
@@ -31,9 +29,9 @@ def test_dew_bench_runs_and_records_sequence_parallel(tmp_path):
     }, rows
 
 
-def test_dew_bench_runs_an_moe_model_on_the_expert_axis_against_gspmd(tmp_path):
+def test_dew_bench_runs_an_moe_model_on_the_expert_axis_against_gspmd(tmp_path, dew_here):
     # A one-step run of a tiny MoE model: what is checked is what ran, not how fast.
-    out = dew(
+    out = dew_here(
         "bench",
         *("--mesh", "expert=4", "--no-one-device", "--experts", "4"),
         *("--depth-check", "0", "--repeats", "1", "--warmup", "0", "--capacity-factor", "1.5"),
@@ -53,10 +51,10 @@ def test_dew_bench_runs_an_moe_model_on_the_expert_axis_against_gspmd(tmp_path):
     }, rows
 
 
-def test_dew_bench_runs_each_pipeline_schedule_and_measures_its_bubble(tmp_path):
+def test_dew_bench_runs_each_pipeline_schedule_and_measures_its_bubble(tmp_path, dew_here):
     # A one-step run of a tiny model on stage 2 (data 4): what is checked is what ran and what
     # was recorded, not how fast.
-    out = dew(
+    out = dew_here(
         "bench",
         *("--mesh", "stage=2,microbatches=2", "--no-one-device", "--depth-check", "0"),
         *("--pipeline-schedule", "1f1b", "1f1b_phased", "--repeats", "1", "--warmup", "0"),
@@ -100,9 +98,9 @@ def test_dew_bench_defaults_split_over_eight_tensor_devices():
     size.objective().model.check_split({"tensor": 8})
 
 
-def test_dew_bench_runs_each_sequence_scheme_against_one_gspmd_row(tmp_path):
+def test_dew_bench_runs_each_sequence_scheme_against_one_gspmd_row(tmp_path, dew_here):
     # A one-step run of a tiny model: what is checked is what ran, not how fast.
-    out = dew(
+    out = dew_here(
         "bench",
         *("--mesh", "sequence=2", "--sequence-scheme", "ring", "all_to_all"),
         *("--layers", "1", "--width", "32", "--heads", "4", "--seq-len", "16", "--batch", "8"),

@@ -97,7 +97,11 @@ LAYOUTS = {
     # --- sequence
     "sequence8": Layout({}, M(sequence=8)),
     "data2_sequence4_kv2": Layout({"num_kv_heads": 2}, M(sequence=4)),
-    "data2_sequence4_pallas": Layout({"attention_impl": "pallas", "num_layers": 1}, M(sequence=4)),
+    # The ring with the Pallas block kernels (interpret mode): a sequence axis of 2 runs each
+    # kind of block (the own causal one, the two c x c pairs), forward and backward, with 12
+    # kernels in the step's program where 4 would put 24, each compiled as a loop of its own; the
+    # ring's scanned steps are the same code for either block function (sequence8 runs them).
+    "data4_sequence2_pallas": Layout({"attention_impl": "pallas", "num_layers": 1}, M(sequence=2)),
     "sequence2_fsdp4_accumulation2": Layout({}, M(sequence=2, fsdp=4), {"accumulation": 2}),
     "sequence4_fsdp2_all_to_all_accumulation2": Layout(
         {}, M(sequence=4, fsdp=2), {**options(sequence_scheme="all_to_all"), "accumulation": 2}
@@ -166,19 +170,37 @@ def case(module_seed):
     return layout_case(module_seed)
 
 
+def reference_name(layout: Layout) -> tuple:
+    """What names ``layout``'s one-device run: its model (less what one device ignores: how
+    copies cross an expert axis, which one device does not have) and how its step cuts the
+    batch."""
+    model = {k: v for k, v in layout.model.items() if k not in ONE_DEVICE_SAME}
+    return (tuple(sorted(model.items())), *layout.batch_cut())
+
+
 def reference_for(case, layout: Layout):
     """The one-device run of ``layout``'s model, cut as its step cuts the batch; shared by every
     layout with the same model and cut."""
     objective = tiny_objective(**layout.model)
-    splits, count = layout.batch_cut()
+    _, splits, count = name = reference_name(layout)
     reference = objective if count == 1 else Microbatched(objective, splits, count)
-    # How copies cross an expert axis does not change what one device computes (it has none).
-    model = {k: v for k, v in layout.model.items() if k not in ONE_DEVICE_SAME}
-    name = (tuple(sorted(model.items())), splits, count)
     return cached_reference(case, reference, name)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+def rows():
+    """The table's rows for ``parametrize``. Rows sharing a one-device run form one xdist group
+    (one worker runs them, after computing that run once); the others go to any worker."""
+    names = [reference_name(layout) for layout in LAYOUTS.values()]
+    shared = [n for n in dict.fromkeys(names) if names.count(n) > 1]
+    return [
+        pytest.param(row, marks=pytest.mark.xdist_group(f"equivalence-{shared.index(n)}"))
+        if n in shared
+        else row
+        for row, n in zip(LAYOUTS, names, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("name", rows())
 def test_layout_matches_one_device(case, seed, name):
     layout = LAYOUTS[name]
     key, batches, _ = case
@@ -237,11 +259,13 @@ def test_the_table_covers_every_axis_and_the_combinations():
     assert moe_accumulation, "no MoE layout with accumulation"
 
 
+# With the plain model's rows, whose one-device run it shares.
+@pytest.mark.xdist_group("equivalence-0")
 def test_the_trainers_gradients_match_one_device(case, seed):
     # Trainer.gradients (the inspection entry point) computes what the step computes.
     key, batches, _ = case
     objective = tiny_objective()
-    reference = cached_reference(case, objective, ((), 1, 1))
+    reference = cached_reference(case, objective, reference_name(LAYOUTS["data8"]))
     trainer = dew.Trainer(
         objective,
         smooth_optimizer(),

@@ -131,6 +131,11 @@ def printed_pids(lines) -> dict[int, int]:
 # --------------------------------------------------------------------------- the launched run
 
 
+# The tests of the launched run go to one worker, which launches it once (a module fixture runs
+# once per worker that runs a test of its module).
+ON_THE_LAUNCHED_RUNS_WORKER = pytest.mark.xdist_group("launched-run")
+
+
 @pytest.fixture(scope="module")
 def launched_run(tmp_path_factory, module_seed):
     """Trains STEPS steps in two launched processes, then rank 1 dies (exit code 3) after the last
@@ -155,6 +160,7 @@ def rank_losses(lines, rank):
     return {int(m[1]): float(m[2]) for m in found if m}
 
 
+@ON_THE_LAUNCHED_RUNS_WORKER
 def test_launched_processes_train_like_one_process(launched_run, capsys, seed):
     """Two launched processes (data 2 x fsdp 4 over both, joined from the environment alone)
     print the losses one process of 8 devices prints, and their last checkpoint restores to its
@@ -181,6 +187,7 @@ def test_launched_processes_train_like_one_process(launched_run, capsys, seed):
     assert relative_error(restored.opt_state, state.opt_state) < 1e-5, f"seed {seed}"
 
 
+@ON_THE_LAUNCHED_RUNS_WORKER
 def test_every_output_line_carries_its_rank(launched_run):
     assert launched_run["stdout"] and launched_run["stderr"]
     for line in launched_run["stdout"]:
@@ -190,6 +197,7 @@ def test_every_output_line_carries_its_rank(launched_run):
     assert "[1] process 1 of 2" in launched_run["stderr"]
 
 
+@ON_THE_LAUNCHED_RUNS_WORKER
 def test_a_dying_rank_stops_the_others(launched_run):
     """Rank 1 exits with code 3; dew launch stops rank 0 (blocked for good, and deaf to the
     SIGTERM JAX catches as a preemption notice, so it takes the SIGKILL after --grace) and exits

@@ -69,7 +69,7 @@ def bpe(tmp_path_factory, module_seed):
 @pytest.fixture
 def dew_cli(capsys, monkeypatch):
     """``dew_cli(*args, **flags)``: ``dew ARGS --FLAG VALUE...`` run by ``main`` in this process,
-    returned as a CompletedProcess (tests/test_cli.py's ``dew_here``)."""
+    returned as a CompletedProcess (the ``dew_here`` fixture of tests/conftest.py)."""
     from dew.cli.main import main
 
     for name in ("XLA_FLAGS", "JAX_PLATFORMS"):

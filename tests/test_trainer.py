@@ -13,6 +13,8 @@ from tests.helpers import SEQ, random_token_folder, seeded_key, smooth_optimizer
 
 ROWS = 8
 MESH = dew.MeshSpec(fsdp=4)
+# One worker runs this module: its module fixtures (a compiled initial state) then run once.
+pytestmark = pytest.mark.xdist_group("trainer-edges")
 
 
 @pytest.fixture(scope="module")
