@@ -137,7 +137,8 @@ def pytest_runtest_makereport(item, call):
 def pytest_collection_finish(session):
     # What the session holds by now (JAX, Dew, the collected tests) lives until it ends: frozen,
     # the garbage collector no longer walks it on every full collection, which tracing's many
-    # short-lived objects trigger often (measured: 25% less time in the collector).
+    # short-lived objects trigger often (measured on the equivalence and MoE tests: 11 s in the
+    # collector against 15 s).
     gc.collect()
     gc.freeze()
 

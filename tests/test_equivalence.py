@@ -187,16 +187,20 @@ def reference_for(case, layout: Layout):
     return cached_reference(case, reference, name)
 
 
-def rows():
-    """The table's rows for ``parametrize``. Rows sharing a one-device run form one xdist group
-    (one worker runs them, after computing that run once); the others go to any worker."""
+def group_of(row: str) -> str | None:
+    """The xdist group of a row whose one-device run other rows share (one worker runs them all,
+    after computing that run once); ``None`` for a row with a run of its own."""
     names = [reference_name(layout) for layout in LAYOUTS.values()]
     shared = [n for n in dict.fromkeys(names) if names.count(n) > 1]
+    name = reference_name(LAYOUTS[row])
+    return f"equivalence-{shared.index(name)}" if name in shared else None
+
+
+def rows():
+    """The table's rows for ``parametrize``, each in its ``group_of``."""
     return [
-        pytest.param(row, marks=pytest.mark.xdist_group(f"equivalence-{shared.index(n)}"))
-        if n in shared
-        else row
-        for row, n in zip(LAYOUTS, names, strict=True)
+        pytest.param(row, marks=pytest.mark.xdist_group(group)) if (group := group_of(row)) else row
+        for row in LAYOUTS
     ]
 
 
@@ -260,7 +264,7 @@ def test_the_table_covers_every_axis_and_the_combinations():
 
 
 # With the plain model's rows, whose one-device run it shares.
-@pytest.mark.xdist_group("equivalence-0")
+@pytest.mark.xdist_group(group_of("data8"))
 def test_the_trainers_gradients_match_one_device(case, seed):
     # Trainer.gradients (the inspection entry point) computes what the step computes.
     key, batches, _ = case
