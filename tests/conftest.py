@@ -134,13 +134,48 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def ungrouped(items) -> list[str]:
+    """The node ids of ``items`` that carry an ``xdist_group`` mark but not the ``@group``
+    suffix by which ``--dist loadgroup`` sends a group to one worker: pytest 9.2 ignores the
+    suffix pytest-xdist 3.8 writes (pytest-dev/pytest-xdist#1386), and every worker that draws a
+    test of a group then runs that group's shared setup again, silently (measured: the suite's
+    CPU time +17%, the subprocess groups 2x)."""
+    lost = []
+    for item in items:
+        groups = {
+            m.args[0] if m.args else m.kwargs.get("name", "default")
+            for m in item.iter_markers("xdist_group")
+        }
+        if groups and not item.nodeid.endswith("@" + "_".join(sorted(map(str, groups)))):
+            lost.append(item.nodeid)
+    return lost
+
+
+# The node ids whose xdist group this worker's pytest dropped (``ungrouped``): they fail at once.
+_lost_groups: set[str] = set()
+
+
 def pytest_collection_finish(session):
+    if os.environ.get("PYTEST_XDIST_WORKER") and getattr(session.config.option, "loadgroup", False):
+        _lost_groups.update(ungrouped(session.items))
     # What the session holds by now (JAX, Dew, the collected tests) lives until it ends: frozen,
     # the garbage collector no longer walks it on every full collection, which tracing's many
     # short-lived objects trigger often (measured on the equivalence and MoE tests: 11 s in the
     # collector against 15 s).
     gc.collect()
     gc.freeze()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before the test's fixtures: a group's shared setup is what would run once per worker.
+    if item.nodeid in _lost_groups:
+        pytest.fail(
+            f"pytest {pytest.__version__} dropped this test's xdist_group "
+            "(pytest-dev/pytest-xdist#1386): every worker would rerun the group's shared setup. "
+            "Install the test extra's pytest: pip install -e '.[test]'",
+            pytrace=False,
+        )
 
 
 def pytest_collection_modifyitems(items):

@@ -1,0 +1,29 @@
+"""The suite's own machinery in tests/conftest.py: the check that pytest-xdist's groups hold."""
+
+import pytest
+
+from tests.conftest import ungrouped
+
+
+class Item:
+    """What ``ungrouped`` reads of a collected test: its node id and its marks."""
+
+    def __init__(self, nodeid, *groups):
+        self.nodeid = nodeid
+        self.marks = [pytest.mark.xdist_group(g).mark for g in groups]
+
+    def iter_markers(self, name):
+        return (m for m in self.marks if m.name == name)
+
+
+def test_a_group_without_its_suffix_is_found():
+    items = [
+        Item("t.py::a@x64", "x64"),  # the suffix pytest-xdist writes
+        Item("t.py::b", "x64"),  # the suffix pytest 9.2 drops
+        Item("t.py::c"),  # no group: nothing to keep
+        Item("t.py::d@a_b", "b", "a"),  # two groups: joined, sorted
+        Item("t.py::e@a", "a", "b"),
+        Item("t.py::f@y", "x64"),  # another group's suffix
+    ]
+    assert ungrouped(items) == ["t.py::b", "t.py::e@a", "t.py::f@y"]
+
