@@ -26,4 +26,3 @@ def test_a_group_without_its_suffix_is_found():
         Item("t.py::f@y", "x64"),  # another group's suffix
     ]
     assert ungrouped(items) == ["t.py::b", "t.py::e@a", "t.py::f@y"]
-
