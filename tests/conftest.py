@@ -140,15 +140,11 @@ def ungrouped(items) -> list[str]:
     suffix pytest-xdist 3.8 writes (pytest-dev/pytest-xdist#1386), and every worker that draws a
     test of a group then runs that group's shared setup again, silently (measured: the suite's
     CPU time +17%, the subprocess groups 2x)."""
-    lost = []
-    for item in items:
-        groups = {
-            m.args[0] if m.args else m.kwargs.get("name", "default")
-            for m in item.iter_markers("xdist_group")
-        }
-        if groups and not item.nodeid.endswith("@" + "_".join(sorted(map(str, groups)))):
-            lost.append(item.nodeid)
-    return lost
+    return [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rpartition("::")[2]
+    ]
 
 
 # The node ids whose xdist group this worker's pytest dropped (``ungrouped``): they fail at once.
