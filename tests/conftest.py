@@ -65,6 +65,8 @@ compile_only_environment()
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.xdist_groups import ungrouped  # noqa: E402
+
 assert jax.device_count() == 8, jax.devices()
 
 SEED_VARIABLE = "DEW_SEED"
@@ -132,19 +134,6 @@ def pytest_runtest_makereport(item, call):
             )
         )
     return report
-
-
-def ungrouped(items) -> list[str]:
-    """The node ids of ``items`` that carry an ``xdist_group`` mark but not the ``@group``
-    suffix by which ``--dist loadgroup`` sends a group to one worker: pytest 9.2 ignores the
-    suffix pytest-xdist 3.8 writes (pytest-dev/pytest-xdist#1386), and every worker that draws a
-    test of a group then runs that group's shared setup again, silently (measured: the suite's
-    CPU time +17%, the subprocess groups 2x)."""
-    return [
-        item.nodeid
-        for item in items
-        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rpartition("::")[2]
-    ]
 
 
 # The node ids whose xdist group this worker's pytest dropped (``ungrouped``): they fail at once.

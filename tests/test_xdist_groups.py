@@ -1,8 +1,8 @@
-"""The suite's own machinery in tests/conftest.py: the check that pytest-xdist's groups hold."""
+"""The suite's own machinery: the check that pytest-xdist's groups hold (tests/conftest.py)."""
 
 import pytest
 
-from tests.conftest import ungrouped
+from tests.xdist_groups import ungrouped
 
 
 class Item:
