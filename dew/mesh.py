@@ -49,6 +49,14 @@ TOKEN_AXES = ("data", "expert", "fsdp", "sequence")
 DEVICE_NESTING = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
 
 
+# Where the device count comes from, for an error that a layout does not fit it.
+DEVICE_COUNT_HINT = (
+    "simulated CPU devices are set before JAX starts (dew's --cpu-devices N, or "
+    "dew.training.runtime.prepare_process(cpu_devices=N) in Python); on accelerators, the "
+    "count is the devices JAX sees (jax.devices())"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
     """How many devices each mesh axis takes; ``data`` gets the rest.
@@ -106,7 +114,7 @@ class MeshSpec:
             named = " x ".join(f"{n} {getattr(self, n)}" for n in AXES[1:] if getattr(self, n) > 1)
             raise ValueError(
                 f"{named} = {self.model_devices} devices does not divide the {device_count} "
-                "devices available"
+                f"devices available; {DEVICE_COUNT_HINT}"
             )
         data = device_count // self.model_devices
         if self.data is not None and self.data != data:
@@ -129,6 +137,11 @@ class MeshSpec:
                 raise ValueError(
                     f"mesh entry {part!r} is not AXIS=SIZE with AXIS one of {', '.join(AXES)} "
                     "(or microbatches=M)"
+                )
+            if name in sizes:
+                raise ValueError(
+                    f"mesh {text!r} gives {name} twice ({name}={sizes[name]} and {part}); give "
+                    "each axis once, with the size it should have"
                 )
             try:
                 sizes[name] = int(value)

@@ -7,11 +7,13 @@ For each layout, the step (the same code that trains) is lowered on ``jax.ShapeD
 laid out over the slice's compile-only devices (``dew.targets``) and compiled by the TPU compiler
 in ``libtpu``; nothing runs. A ``PlanRow`` holds what the compiled executable says:
 
-- memory per device, from ``compiled.memory_analysis()``: ``state`` (the step's arguments: weights,
-  optimizer state, EMA, key and the batch), ``temp`` (everything the step allocates while it
-  runs) and ``total`` = arguments + outputs - donated (aliased) + temp + the program's code;
-  ``fits`` when it compiled: the TPU compiler checks the program against the chip's memory and
-  refuses one that does not fit, which makes the row ``over by X GiB`` by the compiler's count;
+- memory per device (``PlanRow`` says what each field means, the same in every row): ``state``
+  (the training state this layout gives a device: weights, optimizer state, EMA), ``temp``
+  (everything the step allocates while it runs, from ``compiled.memory_analysis()``), ``total``
+  (all the program needs: arguments + outputs - donated (aliased) + temp + the program's code)
+  and ``hbm``, the chip's memory; ``fits`` when it compiled: the TPU compiler checks the program
+  against the chip's memory and refuses one that does not fit, which makes the row ``over by X
+  GiB`` past what the compiler lets a program use (it states that figure when it refuses);
 - the collectives XLA kept, per device per step, read from the compiled HLO by
   ``dew.collectives.hlo_collectives`` with every loop's trip count (so no TPU row is
   approximate), as wire bytes under the ring formulas and counts per op;
@@ -63,8 +65,24 @@ def weight_count(model) -> int:
 class PlanRow:
     """One layout's compiled step on one target, per device. Bytes are exact (from XLA).
 
-    ``error`` is set (and the numbers are 0) when the layout was refused before compiling (a
-    ``ValueError`` naming the rule) or the compiler failed; such a row never ``fits``.
+    Each field means one thing in every row; a number the row cannot know is ``None``:
+
+    - ``state_bytes``: the training state one device holds in this layout (weights, optimizer
+      state, EMA, step), from the layout's shardings; known once the ``Trainer`` accepted it.
+    - ``argument_bytes``: everything the step takes, the state and this device's rows of the
+      batch (``memory_analysis()``); compiled rows only.
+    - ``temp_bytes``: what the step allocates while it runs; compiled rows only.
+    - ``total_bytes``: all the program needs on one device, by the compiler's count: arguments +
+      outputs - donated (aliased) + temporaries + code when it compiled, the need it stated when
+      it refused the step.
+    - ``hbm_bytes``: the chip's memory (the target's, in every row).
+    - ``usable_bytes``: the part of it the TPU compiler says a program may use, when it states
+      it (in a refusal; it keeps some for itself).
+    - ``wire_bytes``, ``collectives``: the collectives XLA kept; compiled rows only.
+
+    ``error`` is set when the layout was refused before compiling (a ``ValueError`` naming the
+    rule) or the compiler failed; ``refused`` when the TPU compiler refused the step for not
+    fitting the chip. Neither kind of row ``fits``.
     """
 
     target: str
@@ -72,33 +90,42 @@ class PlanRow:
     axis_sizes: dict
     engine: str
     options: str
-    state_bytes: int = 0
-    temp_bytes: int = 0
-    total_bytes: int = 0
-    hbm_bytes: int = 0
-    wire_bytes: int = 0
+    hbm_bytes: int
+    remat: str = ""  # the model's recompute policy (what each layer keeps for the backward)
+    state_bytes: int | None = None
+    argument_bytes: int | None = None
+    temp_bytes: int | None = None
+    total_bytes: int | None = None
+    usable_bytes: int | None = None
+    wire_bytes: int | None = None
     collectives: dict = dataclasses.field(default_factory=dict)  # op -> calls per step
     compile_s: float = 0.0
     approximate: bool = False
     error: str | None = None
-    # The TPU compiler's message when it refused the step for not fitting the chip (it checks
-    # while compiling): ``total_bytes`` and ``hbm_bytes`` are then the needed and available
-    # memory it states, ``state_bytes`` the state's shards, and nothing else is known.
+    # The TPU compiler's message when it refused the step for not fitting the chip.
     refused: str | None = None
 
     @property
     def fits(self) -> bool:
-        return self.error is None and self.refused is None and self.total_bytes <= self.hbm_bytes
+        """Compiled, and all the program needs (temporaries included) within the chip."""
+        return (
+            self.error is None
+            and self.refused is None
+            and self.total_bytes is not None
+            and self.total_bytes <= self.hbm_bytes
+        )
 
     @property
     def verdict(self) -> str:
-        """``fits``, ``over by X GiB`` (more than the chip has, by the compiler's count when it
-        refused the step), or ``error`` for a layout refused before compiling."""
+        """``fits``, ``over by X GiB`` (what the program needs past what the compiler lets it use
+        when it refused the step, else past the chip's memory), or ``error`` for a layout refused
+        before compiling."""
         if self.error is not None:
             return "error"
         if self.fits:
             return "fits"
-        return f"over by {(self.total_bytes - self.hbm_bytes) / GIB:.2f} GiB"
+        limit = self.usable_bytes if self.usable_bytes is not None else self.hbm_bytes
+        return f"over by {(self.total_bytes - limit) / GIB:.2f} GiB"
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -197,6 +224,7 @@ def plan_layout(
         engine=engine,
         options="",
         hbm_bytes=target.hbm_bytes,
+        remat=getattr(objective.model, "remat", ""),
     )
     try:
         row["axis_sizes"] = spec.shape(target.chips)
@@ -226,12 +254,12 @@ def plan_layout(
         over = _refused_for_memory(str(error))
         if over is None:
             return PlanRow(**row, error=f"{type(error).__name__}: {error}", compile_s=seconds)
-        needed, available = over
-        row["hbm_bytes"] = available
+        needed, usable = over
         return PlanRow(
             **row,
             state_bytes=_state_bytes(trainer),
             total_bytes=needed,
+            usable_bytes=usable,
             compile_s=seconds,
             refused=str(error).strip().splitlines()[0],
         )
@@ -250,7 +278,8 @@ def plan_layout(
     )
     return PlanRow(
         **row,
-        state_bytes=memory.argument_size_in_bytes,
+        state_bytes=_state_bytes(trainer),
+        argument_bytes=memory.argument_size_in_bytes,
         temp_bytes=memory.temp_size_in_bytes,
         total_bytes=total,
         wire_bytes=sum(r.wire_bytes for r in report.rows),
@@ -424,16 +453,27 @@ def search(
             options=step_options,
             accumulation=accumulation,
         )
-    return sorted(rows, key=lambda r: (not r.fits, r.wire_bytes, r.total_bytes))
+    return sorted(rows, key=_rank)
+
+
+def _rank(row: PlanRow) -> tuple:
+    """Those that fit first, then fewest wire bytes, then least memory; unknowns last."""
+    unknown = math.inf
+    return (
+        not row.fits,
+        unknown if row.wire_bytes is None else row.wire_bytes,
+        unknown if row.total_bytes is None else row.total_bytes,
+    )
 
 
 COLUMNS = (
     "layout",
     "engine",
+    "remat",
     "state",
     "temp",
     "total",
-    "memory",
+    "hbm",
     "verdict",
     "wire/step",
     "ops",
@@ -445,35 +485,28 @@ def _ops_text(counts: dict) -> str:
     return " ".join(f"{op}:{n}" for op, n in sorted(counts.items())) or "-"
 
 
+def _bytes(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
 def row_cells(row: PlanRow) -> tuple[str, ...]:
-    """One row of ``format_table``'s text."""
+    """One row of ``format_table``'s text: each column means the same in every row, ``-`` where
+    the row cannot know it (a step the compiler refused has no temporaries or collectives)."""
     layout = row.mesh + (f" ({row.options})" if row.options else "")
-    if row.error is not None:
-        return (layout, row.engine, *"---", format_bytes(row.hbm_bytes), "error", *"---")
-    if row.refused is not None:
-        return (
-            layout,
-            row.engine,
-            format_bytes(row.state_bytes),
-            "-",
-            format_bytes(row.total_bytes),
-            format_bytes(row.hbm_bytes),
-            row.verdict,
-            "-",
-            "-",
-            f"{row.compile_s:.0f} s",
-        )
+    wire = _bytes(row.wire_bytes) + ("*" if row.approximate else "")
+    compiled = row.error is None and row.refused is None
     return (
         layout,
         row.engine,
-        format_bytes(row.state_bytes),
-        format_bytes(row.temp_bytes),
-        format_bytes(row.total_bytes),
+        row.remat or "-",
+        _bytes(row.state_bytes),
+        _bytes(row.temp_bytes),
+        _bytes(row.total_bytes),
         format_bytes(row.hbm_bytes),
         row.verdict,
-        format_bytes(row.wire_bytes) + ("*" if row.approximate else ""),
-        _ops_text(row.collectives),
-        f"{row.compile_s:.0f} s",
+        wire,
+        _ops_text(row.collectives) if compiled else "-",
+        f"{row.compile_s:.0f} s" if row.error is None or row.compile_s else "-",
     )
 
 
@@ -488,7 +521,10 @@ def format_table(rows: Sequence[PlanRow]) -> str:
             lines.append(f"{r.mesh} ({r.engine}): {r.error}")
     for r in rows:
         if r.refused is not None:
-            lines.append(f"{r.mesh} ({r.engine}): the TPU compiler refused it: {r.refused}")
+            lines.append(
+                f"{r.mesh} ({r.engine}): the TPU compiler refused it (it lets a program use "
+                f"{_bytes(r.usable_bytes)} of the chip's {format_bytes(r.hbm_bytes)}): {r.refused}"
+            )
     if any(r.approximate for r in rows):
         lines.append("* approximate: a loop whose trip count the HLO does not give")
     return "\n".join(lines)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from . import backward as _backward
 from . import forward as _forward
@@ -432,6 +433,18 @@ def _run_backward(q, k, v, o, lse2, do, config: _Config, d_lse=None):
     )
 
 
+# The names the forward's residuals carry, so that a remat policy can save them
+# (``jax.checkpoint_policies.save_only_these_names``): with both saved, the backward does not run
+# the forward kernel again (dew.models.causal_transformer's ``remat="attention"``; the same strings
+# as dew.nn.attention.OUT_NAME and LSE_NAME, which this standalone package does not import).
+OUT_NAME = "attention_out"
+LSE_NAME = "attention_lse"
+
+
+def _named_residuals(o, lse):
+    return checkpoint_name(o, OUT_NAME), checkpoint_name(lse, LSE_NAME)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attention(q, k, v, config: _Config):
     return _run_forward(q, k, v, config)[0]
@@ -439,6 +452,7 @@ def _attention(q, k, v, config: _Config):
 
 def _attention_fwd(q, k, v, config: _Config):
     o, lse = _run_forward(q, k, v, config)
+    o, lse = _named_residuals(o, lse)
     return o, (q, k, v, o, lse)
 
 
@@ -457,6 +471,7 @@ def _attention_with_lse(q, k, v, config: _Config):
 
 def _attention_with_lse_fwd(q, k, v, config: _Config):
     o, lse2 = _run_forward(q, k, v, config)
+    o, lse2 = _named_residuals(o, lse2)
     return (o, _natural_lse(lse2)), (q, k, v, o, lse2)
 
 

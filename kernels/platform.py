@@ -136,18 +136,46 @@ def tpu_generation(device_kind: str) -> str:
     return UNKNOWN_TPU
 
 
+# Triton float32: the kernels' matmuls run at HIGHEST precision (kernels.forward.dot), which Pallas'
+# Triton lowering sends to tl.dot(input_precision="ieee"): no tensor core takes IEEE float32, so
+# Triton writes each [m, k] x [k, n] block matmul as m n k / (32 warps) fused multiply-adds per
+# thread, unrolled. At the bfloat16 tiles (128 x 64, head_dim 64, 4 warps) that is 4096 FMAs a
+# thread for every one of the forward's 2 and the backward's 5 block matmuls: the compile-time
+# blow-up issue 32 measured (17 s forward, 23 s forward+backward at q_len 300, head_dim 64, against
+# 0.7 s in bfloat16; software pipelining of those tiles multiplies the code again). So float32
+# gets tiles of at most FLOAT32_FMAS_PER_THREAD per matmul per thread (square, a power of two, at
+# least 16: 32 x 32 at head_dim 64, 16 x 16 at 128 and 256), 4 warps and one stage (no
+# software-pipelined copies: an FMA-bound loop does not wait on its loads). A diagnosis from the
+# code and Triton's FMA path; the compile time it gives was not measured (no GPU was lent).
+FLOAT32_FMAS_PER_THREAD = 512
+FLOAT32_WARPS = 4
+
+
+def triton_float32_blocks(head_dim: int) -> BlockConfig:
+    """The Triton kernels' float32 tiling and launch: square blocks of the largest power of two
+    ``b >= 16`` with ``b * b * head_dim <= FLOAT32_FMAS_PER_THREAD * 32 * FLOAT32_WARPS``."""
+    budget = FLOAT32_FMAS_PER_THREAD * 32 * FLOAT32_WARPS // head_dim
+    block = 16
+    while (2 * block) ** 2 <= budget:
+        block *= 2
+    return BlockConfig(block, block, num_warps=FLOAT32_WARPS, num_stages=1)
+
+
 def default_blocks(target: str, head_dim: int, dtype) -> BlockConfig:
     """Default block sizes of ``target`` (a name in ``TARGETS``).
 
-    Triton: a query block of at most 32 KiB (128 rows of bfloat16 up to head_dim 128; fewer rows
-    for float32 or head_dim 256) and key blocks half as long, two pipeline stages: the dk/dv
-    kernel then keeps its K/V block plus two stages of q and dO blocks within about 160 KiB of
-    shared memory (H100/H200 have 227 KiB). 4 warps up to head_dim 64, 8 above. This is the
-    FlashAttention-2 shape (128 x 64 for bfloat16), not yet tuned on a GPU of ours.
+    Triton, bfloat16: a query block of at most 32 KiB (128 rows up to head_dim 128, 64 at 256)
+    and key blocks half as long, two pipeline stages: the dk/dv kernel then keeps its K/V block
+    plus two stages of q and dO blocks within about 160 KiB of shared memory (H100/H200 have 227
+    KiB). 4 warps up to head_dim 64, 8 above. This is the FlashAttention-2 shape (128 x 64), not
+    yet tuned on a GPU of ours.
+    Triton, float32: ``triton_float32_blocks`` (the matmuls run on CUDA cores, not tensor cores).
     Mosaic (and TPU interpret mode): ``TPU_BLOCKS`` of the compiled-for device's generation.
     Interpret mode: 64 x 64, small enough to exercise several blocks on test-sized inputs, large
     enough to keep the emulated loops short.
     """
+    if target == "triton" and np.dtype(dtype) == np.dtype(np.float32):
+        return triton_float32_blocks(head_dim)
     if target == "triton":
         block_q = max(16, min(128, 32768 // (head_dim * np.dtype(dtype).itemsize)))
         return BlockConfig(

@@ -138,3 +138,40 @@ def assert_matches(run, reference, seed, what=""):
         assert error < TOL, (
             f"{part} after {len(run['losses'])} steps differ by {error:.3g}, {where}"
         )
+
+
+def layout_logits(trainer, params, tokens) -> np.ndarray:
+    """float32 logits ``[rows, seq, vocab]`` of ``tokens`` ``[rows, seq]`` computed on
+    ``trainer``'s mesh and layout, as its step computes them (``params`` laid out by it): inside
+    ``shard_map``, rows over the batch axes, positions over ``sequence`` in zigzag order, the
+    vocabulary of the output over ``tensor``; gathered and put back in order on the host."""
+    from jax.sharding import PartitionSpec as P
+
+    from dew.mesh import BATCH_AXES
+    from dew.parallel import sequence
+    from dew.training.step import POSITION_SPEC, TOKEN_SPEC
+
+    model, shards = trainer.objective.model, trainer.shards
+    seq = tokens.shape[1]
+    n = trainer.mesh.shape["sequence"]
+    order = np.arange(seq) if n == 1 else sequence.zigzag_positions(seq, n)
+
+    def local(params, tokens, positions):
+        params, local_shards = model.share_embedding(params, shards, tokens.size)
+        x = model.embed(params, tokens, local_shards)
+        x, _ = model.blocks(params, x, positions, local_shards)
+        return model.head(params, x, local_shards)
+
+    forward = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=trainer.mesh,
+            in_specs=(trainer.param_specs, TOKEN_SPEC, POSITION_SPEC),
+            out_specs=P(BATCH_AXES, "sequence", "tensor"),
+            check_vma=False,
+        )
+    )
+    shuffled = np.asarray(forward(params, tokens[:, order], jnp.asarray(order, jnp.int32)))
+    logits = np.empty_like(shuffled)
+    logits[:, order] = shuffled
+    return logits

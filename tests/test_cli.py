@@ -37,7 +37,11 @@ def test_dew_train_runs_and_resumes(tmp_path):
         cwd=tmp_path,
     )
     assert first.returncode == 0, first.stderr[-3000:]
-    lines = first.stdout.splitlines()
+    header, *lines = first.stdout.splitlines()
+    assert header == (
+        "dew train: example decoder: 2 layers, width 64, 4 heads, vocab 256, context 32; float32 "
+        "activations, float32 weights, remat full, attention xla; batch 16 x 32 tokens"
+    )
     # --metrics: one JSON line per step, the printed losses among them.
     metrics = [
         json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()
@@ -60,7 +64,7 @@ def test_dew_train_runs_and_resumes(tmp_path):
     )
     assert second.returncode == 0, second.stderr[-3000:]
     assert (
-        second.stdout.splitlines()[0]
+        second.stdout.splitlines()[1]
         == f"Resumed from step 4 in {(run_dir / 'checkpoints').resolve()}"
     )
     assert "Training from step 4 to 6 on {'data': 2, 'expert': 1, 'fsdp': 4," in second.stdout
@@ -79,7 +83,9 @@ def test_dew_train_bad_input_is_a_clear_error(tmp_path, dew_here):
 def test_dew_collectives_prints_the_table(tmp_path, dew_here):
     out = dew_here("collectives", "--mesh", "fsdp=8", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith(
+    header, table = out.stdout.split("\n", 1)
+    assert header.startswith("dew collectives: example decoder: 2 layers, width 64,")
+    assert table.startswith(
         "Collectives of one shard_map step on {'data': 1, 'expert': 1, 'fsdp': 8,"
     )
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line[:1].isalpha()}
@@ -117,10 +123,10 @@ def report_rows(stdout: str) -> dict:
 
 
 def test_dew_collectives_gspmd_prints_the_compiled_steps_rows(tmp_path, dew_here):
-    out = dew_here("collectives", "--mesh", "data=2,fsdp=4", "--engine", "gspmd", cwd=tmp_path)
+    out = dew_here("collectives", "--mesh", "data=2,fsdp=4", "--engines", "gspmd", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert lines[0].startswith(
+    assert lines[1].startswith(
         "Collectives of one gspmd step on {'data': 2, 'expert': 1, 'fsdp': 4,"
     ), out.stdout
     rows = report_rows(out.stdout)
@@ -151,7 +157,7 @@ def test_dew_collectives_sequence_parallel_moves_activations_by_gather_and_scatt
     # activations [4 rows, 32, 64] float32 are A = 32 KiB.
     out = dew_here("collectives", "--mesh", "tensor=2", "--sequence-parallel", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines()[0].endswith(
+    assert out.stdout.splitlines()[1].endswith(
         "'tensor': 2, 'sequence': 1, 'stage': 1}, batch 16 x 32 tokens, sequence_parallel=True:"
     ), out.stdout
     rows = report_rows(out.stdout)
@@ -209,7 +215,7 @@ def test_dew_collectives_sequence_scheme_picks_the_ring_or_the_all_to_all(tmp_pa
     rows, local, heads, head_dim = 8, 32 // 4, 4, 16
     ring = dew_here("collectives", "--mesh", "sequence=4", "--seq-len", "32", cwd=tmp_path)
     assert ring.returncode == 0, ring.stderr[-3000:]
-    assert ring.stdout.splitlines()[0].endswith(
+    assert ring.stdout.splitlines()[1].endswith(
         "'sequence': 4, 'stage': 1}, batch 16 x 32 tokens, sequence_scheme=ring:"
     ), ring.stdout
     rows_ring = report_rows(ring.stdout)
@@ -227,7 +233,7 @@ def test_dew_collectives_sequence_scheme_picks_the_ring_or_the_all_to_all(tmp_pa
         cwd=tmp_path,
     )
     assert ulysses.returncode == 0, ulysses.stderr[-3000:]
-    assert ulysses.stdout.splitlines()[0].endswith("sequence_scheme=all_to_all:"), ulysses.stdout
+    assert ulysses.stdout.splitlines()[1].endswith("sequence_scheme=all_to_all:"), ulysses.stdout
     rows_ulysses = report_rows(ulysses.stdout)
     # All-to-all: q, k, v and out [8, 8, 4, 16] float32 (16 KiB) each, 3/4 of it sent: 4 in the
     # forward, 4 recomputed, 4 transposed in the backward (lse's is dropped: nothing uses it).

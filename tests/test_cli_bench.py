@@ -18,8 +18,9 @@ def test_dew_bench_runs_and_records_sequence_parallel(tmp_path, dew_here):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith(
-        "dew bench: 1 layers, width 32, 2 heads, vocab 256, batch 8 x 8 tokens, min_shard 4096, "
-        "sequence_parallel True, on 8 cpu devices;"
+        "dew bench: example decoder: 1 layers, width 32, 2 heads, vocab 256, context 8; float32 "
+        "activations, float32 weights, remat full, attention xla; batch 8 x 8 tokens, "
+        "min_shard 4096, sequence_parallel True, on 8 cpu devices;"
     ), out.stdout
     rows = json.loads((tmp_path / "bench.json").read_text())
     # In effect only where there is a tensor group to split positions over.
@@ -41,8 +42,9 @@ def test_dew_bench_runs_an_moe_model_on_the_expert_axis_against_gspmd(tmp_path, 
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith(
-        "dew bench: 1 layers, width 32, 2 heads, vocab 256, capacity_factor 1.5, "
-        "experts_per_token 2, moe_every 1, num_experts 4, batch 8 x 8 tokens,"
+        "dew bench: example decoder: 1 layers, width 32, 2 heads, vocab 256, context 8, 4 "
+        "experts; float32 activations, float32 weights, remat full, attention xla; batch 8 x 8 "
+        "tokens, capacity_factor 1.5, experts_per_token 2, moe_every 1, num_experts 4,"
     ), out.stdout
     rows = json.loads((tmp_path / "bench.json").read_text())
     assert {(r["layout"], r["engine"]) for r in rows} == {
@@ -175,8 +177,8 @@ def test_bench_ratios_compare_each_sequence_scheme_with_the_layouts_gspmd_row():
 
 
 def test_dew_bench_flags_are_spelled_like_the_other_commands():
-    from dew.cli.flags import DEFAULT_MIN_SHARD
     from dew.cli.main import build_parser
+    from dew.layout import DEFAULT_MIN_SHARD
 
     parser = build_parser()
     args = parser.parse_args(["bench"])
@@ -196,15 +198,14 @@ def test_dew_bench_flags_are_spelled_like_the_other_commands():
 
 
 def test_bench_default_model_lays_out_alike_at_the_shared_and_the_old_min_shard():
-    # `dew bench`'s --min-shard default went from Layout()'s 65536 to the commands' shared 4096:
+    # The --min-shard default (Layout()'s and every command's) went from 65536 to 4096:
     # at width 256 every matrix has at least 65536 elements and the norms far fewer than 4096, so
     # the benchmarked default model's layout (and docs/benchmarks.md's numbers) stay as they were.
     import jax
     import optax
 
     from dew.benchmark import ModelSize
-    from dew.cli.flags import DEFAULT_MIN_SHARD
-    from dew.layout import Layout
+    from dew.layout import DEFAULT_MIN_SHARD, Layout
     from dew.mesh import MeshSpec
     from dew.training.trainer import Trainer
 

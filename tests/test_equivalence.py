@@ -34,6 +34,13 @@ from tests.helpers import fresh_batch, relative_error, seeded_key, smooth_optimi
 # these overrides.
 TENSOR = {"num_heads": 8}  # 8 heads of 4: tensor=8 splits them
 MOE = {"num_experts": 8, "experts_per_token": 2}
+# Llama 3's rotary settings, scaled at an original context of 8 (rows of 16 cross it): with 4
+# heads of 8, pair 0 is interpolated and pairs 1-3 stretched.
+LLAMA3_ROPE = {
+    "rope_theta": 500000.0,
+    "rope_scaling": dew.nn.rotary.Llama3Scaling(4.0, 1.0, 4.0, 8),
+    "rms_norm_eps": 1e-5,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +115,13 @@ LAYOUTS = {
     ),
     "sequence2_tensor2_fsdp2_sequence_parallel": Layout(
         {}, M(sequence=2, tensor=2, fsdp=2), options(sequence_parallel=True)
+    ),
+    # Llama 3's scaled rotary: each device rotates its zigzag positions by the same frequencies.
+    "llama3_rope_sequence4_kv2": Layout({**LLAMA3_ROPE, "num_kv_heads": 2}, M(sequence=4)),
+    "llama3_rope_sequence2_kv2_fsdp4_all_to_all": Layout(
+        {**LLAMA3_ROPE, "num_kv_heads": 2},
+        M(sequence=2, fsdp=4),
+        options(sequence_scheme="all_to_all"),
     ),
     # --- expert (mixture of experts)
     "moe_fsdp8": Layout(MOE, M(fsdp=8)),

@@ -219,7 +219,10 @@ def test_layout_of_an_undeclared_tree():
     shardings = dew.Layout(min_shard=1).shardings(mesh, tree)
     assert shardings["params"]["embed_tokens"]["embedding"].spec == P("fsdp")
     assert shardings["small"].spec == P()
-    assert dew.Layout().shardings(mesh, tree)["params"]["embed_tokens"]["embedding"].spec == P()
+    # The default min_shard, 4096 elements: (64, 64) is split, (63, 64) stays whole.
+    assert dew.Layout().min_shard == 4096
+    assert dew.Layout().shardings(mesh, {"w": np.ones((64, 64))})["w"].spec == P("fsdp")
+    assert dew.Layout().shardings(mesh, {"w": np.ones((63, 64))})["w"].spec == P()
 
 
 @pytest.mark.parametrize(

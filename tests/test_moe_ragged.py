@@ -283,17 +283,23 @@ def test_the_ragged_layer_equals_the_padded_one_and_one_device(seed):
         assert float(stats.dropped) == 0, (exchange, seed)
 
 
-@pytest.mark.parametrize("buffer_factor", [None, 1.5], ids=["worst_case", "overflow"])
-def test_a_skewed_router_fills_the_buffer_and_counts_what_overflows(seed, buffer_factor):
+@pytest.mark.parametrize(
+    "buffer_factor, rows",
+    # The buffer's rows by hand: N x 32 (the worst case), 1.5 x 32 = 48, and 1.41 x 32 = 45.12,
+    # whose 45 rows would drop a copy that ceil keeps.
+    [(None, 128), (1.5, 48), (1.41, 46)],
+    ids=["worst_case", "overflow", "fractional_overflow"],
+)
+def test_a_skewed_router_fills_the_buffer_and_counts_what_overflows(seed, buffer_factor, rows):
     # Every token's one copy goes to expert 0 (a zero router: all logits tie, top_k takes the
-    # lowest), on device 0 of each data group: N x 32 copies for a buffer of 128 (the worst case,
-    # None) or 48 (1.5 x the 32 copies a device routes). Overflow drops source 1's last 16 and all
-    # of sources 2 and 3: 80 of each group's 128, by the rule, counted with no code of Dew's.
+    # lowest), on device 0 of each data group: N x 32 copies for a buffer of ``rows``. Overflow
+    # drops what lies past it in the rule's order (for 48 rows: source 1's last 16 and all of
+    # sources 2 and 3), 128 - rows of each group's 128, counted with no code of Dew's.
     layer, x, cotangent = random_layer(seed)
     layer = {**layer, "router": {"kernel": jnp.zeros_like(layer["router"]["kernel"])}}
     ids = np.zeros((LAYER_ROWS, POSITIONS, 1), np.int64)
     copies = LAYER_ROWS * POSITIONS // (GROUPS * N)
-    rows = ragged.buffer_rows(copies, copies, N, buffer_factor)
+    assert copies == 32 and ragged.buffer_rows(copies, copies, N, buffer_factor) == rows
     keep = overflow_keep(ids, rows)
 
     y, stats, d_layer, _ = sharded(1, "ragged", buffer_factor)(layer, x, cotangent)
@@ -305,11 +311,44 @@ def test_a_skewed_router_fills_the_buffer_and_counts_what_overflows(seed, buffer
         assert_close(y, want[0], "the output", seed)
         assert_close(d_layer["experts"], want[2]["experts"], "the experts' gradients", seed)
     else:
-        assert np.sum(~keep) == GROUPS * 80
+        assert np.sum(~keep) == GROUPS * (128 - rows)
         # The dropped copies contribute nothing: the float64 reference with the rule's keep.
         layer64 = jax.tree_util.tree_map(lambda w: np.asarray(w, np.float64), layer)
         want, _, _ = continuous_part(np, layer64, np.asarray(x, np.float64), ids, keep)
         assert_close(y, want, "the output", seed)
+
+
+@pytest.mark.parametrize(
+    "copies, slots, expert_size, factor, rows",
+    [
+        (32, 32, 4, 2.0, 64),  # the default: 2 x a device's share
+        (10, 10, 4, 1.25, 13),  # 12.5 rounds up: a 13th copy still fits
+        (10, 10, 4, 0.35, 4),  # 3.5 -> 4
+        (3, 3, 8, 0.1, 1),  # 0.3 -> 1, never an empty buffer
+        (7, 7, 2, 1.01, 8),  # 7.07 -> 8: any fraction past a whole row takes a row
+        (10, 3, 4, 2.0, 12),  # 20 copies' room, but 4 devices can send only 3 each
+        (10, 10, 4, None, 40),  # the worst case
+    ],
+)
+def test_the_receive_buffer_rounds_up_and_stops_at_the_worst_case(
+    copies, slots, expert_size, factor, rows
+):
+    # Each value by hand: min(expert_size x slots, ceil(factor x copies)), at least 1.
+    assert ragged.buffer_rows(copies, slots, expert_size, factor) == rows
+
+
+def test_the_receive_buffer_holds_factor_times_the_share_whatever_the_fraction():
+    # Over a grid of fractional factors: the buffer holds at least factor x copies (or the worst
+    # case) and less than one row more; a row count found by counting up, not by rounding.
+    for copies in (1, 3, 7, 32, 100):
+        for tenths in range(1, 41):
+            factor = tenths / 10 + 0.03
+            worst = 4 * copies
+            need = 0
+            while need < factor * copies and need < worst:
+                need += 1
+            got = ragged.buffer_rows(copies, copies, 4, factor)
+            assert got == max(1, need), (copies, factor, got, need)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ One compile per behaviour, tiny models (the TPU compiler takes seconds on them, 
 sizes: those are measured in docs/planning.md). All in one worker, which loads libtpu once.
 """
 
+import dataclasses
 import json
 import re
 
@@ -45,7 +46,20 @@ def test_a_plan_row_holds_the_memory_of_an_independent_compile_to_the_byte():
         devices=v5e.devices(),
     )
     memory = trainer.compiled_step(16).memory_analysis()
-    assert row.state_bytes == memory.argument_size_in_bytes
+    assert row.argument_bytes == memory.argument_size_in_bytes
+    # The state by hand: fsdp=8 splits every weight matrix (each of 4096 elements or more) 8
+    # ways, norm scales (64) stay whole; AdamW keeps two float32 moments of each weight, plus
+    # its step count and the trainer's (int32 each), and the run's key (two uint32).
+    model = trainer.objective.model
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    elements = sum(
+        leaf.size // 8 if leaf.size >= 4096 else leaf.size
+        for leaf in jax.tree_util.tree_leaves(shapes)
+    )
+    assert row.state_bytes == 3 * 4 * elements + 4 + 4 + 8, (row.state_bytes, elements)
+    # The step's arguments are the state and this device's 2 of the 16 rows of 33 tokens, in the
+    # TPU's tiled layouts (a 64-element norm scale takes a whole tile), so at least that much.
+    assert row.argument_bytes >= row.state_bytes + 2 * (SEQ + 1) * 4
     assert row.temp_bytes == memory.temp_size_in_bytes
     assert row.total_bytes == (
         memory.argument_size_in_bytes
@@ -99,9 +113,45 @@ def test_a_layout_that_cannot_fit_is_over_by_what_the_compiler_states(tmp_path, 
     assert not row["fits"] and row["refused"] and row["error"] is None
     assert 12 * weights <= row["state_bytes"] <= 12 * weights + 2**20
     assert row["total_bytes"] > row["state_bytes"]  # the gradients come on top
-    assert 15 * GIB < row["hbm_bytes"] <= 16 * GIB  # what the compiler says it can use
-    over = (row["total_bytes"] - row["hbm_bytes"]) / GIB
+    assert row["hbm_bytes"] == 16 * GIB  # the chip's, as in a compiled row
+    assert 15 * GIB < row["usable_bytes"] < 16 * GIB  # what the compiler says a program may use
+    assert row["temp_bytes"] is None and row["wire_bytes"] is None  # nothing compiled to count
+    over = (row["total_bytes"] - row["usable_bytes"]) / GIB
     assert f"over by {over:.2f} GiB" in printed and over > 0.6
+
+
+def test_a_step_whose_temporaries_overflow_does_not_fit_though_its_state_does(capsys):
+    # GPT-2 small's shapes at 2 layers on v5e-8, fsdp=8, 1024 rows of 512 tokens: the state is
+    # 53M weights x 12 bytes / 8 = 76 MiB a chip, but the logits alone are 1024 x 512 x 50304
+    # float32 / 8 = 12.3 GiB a chip. The compiler refuses it; the row must not fit.
+    args = build_parser().parse_args(
+        ["plan", "--target", "v5e-8", "--model", "gpt2-small", "--layers", "2"]
+        + ["--mesh", "fsdp=8", "--batch", "1024", "--seq-len", "512"]
+    )
+    assert plan_command.run(args) == 0
+    printed = capsys.readouterr().out
+    row = planning.plan_layout(
+        target("v5e-8"), plan_command._objective(args), "fsdp=8", 1024, layout=LAYOUT
+    )
+    assert row.state_bytes < 100 * 2**20 < 12 * GIB < row.total_bytes, row
+    assert row.refused and not row.fits and row.verdict.startswith("over by"), row
+    assert "fits" not in printed.split("layout")[-1]
+
+
+def test_fits_takes_the_whole_program_and_the_compiler_s_word():
+    # Rows as plan_layout fills them, by hand: a small state never makes a row fit by itself.
+    base = dict(target="v5e-8", mesh="fsdp=8", axis_sizes={}, engine="shard_map", options="")
+    chip = 16 * GIB
+    compiled = planning.PlanRow(**base, hbm_bytes=chip, state_bytes=GIB, total_bytes=15 * GIB)
+    assert compiled.fits and compiled.verdict == "fits"
+    too_big = dataclasses.replace(compiled, total_bytes=17 * GIB)  # temporaries past the chip
+    assert not too_big.fits and too_big.verdict == "over by 1.00 GiB"
+    refused = dataclasses.replace(
+        compiled, total_bytes=15 * GIB, usable_bytes=14 * GIB, refused="RESOURCE_EXHAUSTED"
+    )
+    assert not refused.fits and refused.verdict == "over by 1.00 GiB"
+    error = planning.PlanRow(**base, hbm_bytes=chip, error="batch 12 does not split")
+    assert not error.fits and error.verdict == "error"
 
 
 def test_search_compiles_only_layouts_the_trainer_accepts():

@@ -103,3 +103,13 @@ def test_names_must_match_the_files(tmp_path, capsys, seed):
     path = write_metrics(tmp_path / "m.jsonl", records(seed, 2))
     assert main(["plot", str(path), "--name", "a", "--name", "b"]) == 2
     assert "2 --name for 1 files" in capsys.readouterr().err
+
+
+def test_dew_plot_without_o_says_where_it_wrote(tmp_path, capsys, monkeypatch, seed):
+    path = write_metrics(tmp_path / "one.jsonl", records(seed, 3))
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert main(["plot", str(path)]) == 0
+    written = tmp_path / "here" / "curves.png"
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"Wrote {written}: 1 run(s), 3 steps" in capsys.readouterr().out

@@ -159,8 +159,11 @@ def test_sigterm_to_dew_train_saves_a_checkpoint_that_resumes_like_a_straight_ru
     stopped = int(
         re.fullmatch(r"Preempted at step (\d+); checkpoint saved", out.splitlines()[-1])[1]
     )
-    # Every step it trained is in the metrics, the last one is the checkpoint's.
+    # Every step it trained is in the metrics, the last one is the checkpoint's, and the run
+    # printed that step's loss (though --log-every is far off) before it stopped.
     assert sorted(losses(metrics)) == list(range(1, stopped + 1)), (seed, out)
+    last = [line for line in out.splitlines() if line.startswith("step ")][-1]
+    assert last == f"step {stopped}: loss {losses(metrics)[stopped]:.4f}", (seed, out)
 
     final = stopped + 2
     resumed = subprocess.run(
@@ -172,7 +175,9 @@ def test_sigterm_to_dew_train_saves_a_checkpoint_that_resumes_like_a_straight_ru
         timeout=BOUND_S,
     )
     assert resumed.returncode == 0, (seed, resumed.stderr[-3000:])
-    assert resumed.stdout.startswith(f"Resumed from step {stopped} in "), resumed.stdout
+    assert resumed.stdout.splitlines()[1].startswith(f"Resumed from step {stopped} in "), (
+        resumed.stdout
+    )
 
     # The straight run in this process (8 CPU devices, as dew train's): main, as the console
     # script calls it.

@@ -326,7 +326,8 @@ def trace(scheme, n, seq_len, heads, kv_heads, impl="xla"):
             4,
             4,
             "flash",
-            r"impl must be one of \['pallas', 'pallas_tpu_interpret', 'xla'\], got 'flash'",
+            r"impl must be one of \['cudnn', 'pallas', 'pallas_tpu_interpret', 'xla'\], got "
+            "'flash'",
         ),
     ],
 )

@@ -162,7 +162,8 @@ def test_model_flag_takes_a_preset_and_the_size_flags_override_it():
         ["train", "--model", "llama-3.1-8b", "--layers", "2", "--seq-len", "64"]
     )
     config = model_config(args)
-    expected = {**PRESETS["llama-3.1-8b"], "num_layers": 2, "max_seq_len": 64}
+    # The preset keeps its context: --seq-len is the rows' length, not the model's limit.
+    expected = {**PRESETS["llama-3.1-8b"], "num_layers": 2, "max_seq_len": 8192}
     assert config == expected
     plain = model_config(build_parser().parse_args(["train"]))
     assert (plain["vocab_size"], plain["num_layers"], plain["emb_features"]) == (256, 2, 64)

@@ -411,7 +411,8 @@ def test_dew_tokenize_bad_inputs_are_clear_errors(bpe, tmp_path, dew_cli):
     except ImportError:
         cases.append(((tmp_path / "c.parquet",), "needs pyarrow, which is not installed"))
     for args, message in cases:
-        run = dew_cli("tokenize", *out, *args)
+        given = out if "--tokenizer" not in args else out[2:]  # a flag given twice is refused
+        run = dew_cli("tokenize", *given, *args)
         assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
         assert not (tmp_path / "out").exists()
 

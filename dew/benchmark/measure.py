@@ -12,7 +12,10 @@ turn comes (``run``); ``result`` turns what it measured into a ``Result``:
 - ``temp_bytes_per_device``: the compiled step's temporary memory (``memory_analysis()``);
 - ``wire_bytes``: bytes one device sends per step, read from the compiled step's HLO by
   ``dew.collectives.hlo_collectives`` (the same reader for every engine, so they compare byte for
-  byte); ``collectives``: the collective calls the compiled step runs.
+  byte); ``collectives``: the collective calls the compiled step runs;
+- ``tokens_per_s`` (the batch's tokens over ``step_ms``) and ``mfu``: the model's FLOPs per second
+  per device (PaLM's count, ``dew.training.flops``) over the device's peak, where Dew knows the
+  device (an NVIDIA GPU or a TPU; ``None`` on a CPU).
 
 Which contestants run, and in what order, is ``dew.benchmark.rounds``'s business.
 """
@@ -34,6 +37,7 @@ from dew.layout import Layout
 from dew.mesh import MeshSpec
 from dew.parallel import pipeline
 from dew.parallel.options import StepOptions
+from dew.training import flops
 from dew.training.trainer import Trainer
 
 # The engine name of the one-device row: the model and global batch on one device, a plain
@@ -72,15 +76,17 @@ class ModelSize:
         object.__setattr__(self, "shape", tuple(sorted(dict(self.shape).items())))
 
     @classmethod
-    def of(cls, config: dict, batch: int) -> "ModelSize":
+    def of(cls, config: dict, batch: int, seq_len: int | None = None) -> "ModelSize":
         """The size of ``build("causal_transformer", **config)`` (``dew.cli.flags.model_config``)
-        on global batches of ``batch`` rows."""
+        on global batches of ``batch`` rows of ``seq_len`` tokens (default: the model's
+        ``max_seq_len``)."""
         config = dict(config)
+        context = config.pop("max_seq_len")
         sizes = dict(
             layers=config.pop("num_layers"),
             width=config.pop("emb_features"),
             heads=config.pop("num_heads"),
-            seq_len=config.pop("max_seq_len"),
+            seq_len=context if seq_len is None else seq_len,
             vocab=config.pop("vocab_size"),
         )
         moe_keys = (
@@ -138,6 +144,10 @@ class Result:
     bubble_formula: float | None = None
     bubble_measured: float | None = None
     double_step_ms: float | None = None
+    # The step's speed (``dew.training.flops.throughput``): tokens per second, and the model
+    # FLOPs per second over the devices' peak where Dew knows the device (None on a CPU).
+    tokens_per_s: float | None = None
+    mfu: float | None = None
 
     @property
     def name(self) -> str:
@@ -301,10 +311,19 @@ class Contestant:
                 measured_bubble(one, two) for one, two in zip(self.rounds, self.twin.rounds)
             )
             bubble["double_step_ms"] = 1e3 * statistics.median(self.twin.times)
+        step_s = statistics.median(self.times)
+        devices = self.trainer.mesh.devices.size
+        speed = flops.throughput(
+            self.size.batch * self.size.seq_len,
+            step_s,
+            flops.model_flops_per_token(self.trainer.objective.model, self.size.seq_len),
+            devices,
+            flops.peak_flops(self.trainer.mesh.devices.flat[0].device_kind),
+        )
         return Result(
             layout=self.layout,
             engine=self.engine,
-            step_ms=1e3 * statistics.median(self.times),
+            step_ms=1e3 * step_s,
             compile_s=self.compile_s,
             state_bytes_per_device=self.state_bytes,
             temp_bytes_per_device=self.temp_bytes,
@@ -316,6 +335,8 @@ class Contestant:
             sequence_scheme=self.sequence_scheme,
             microbatches=self.microbatches,
             pipeline_schedule=self.pipeline_schedule,
+            tokens_per_s=speed["tokens_per_s"],
+            mfu=speed.get("mfu"),
             **bubble,
         )
 

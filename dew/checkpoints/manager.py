@@ -10,6 +10,7 @@ The format is specified in docs/checkpoint-format.md.
 """
 
 import atexit
+import dataclasses
 import json
 import sys
 import threading
@@ -238,8 +239,12 @@ class Checkpoints:
         step = self._complete(step)
         return self._location.read_index(step).metadata
 
-    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
+    def restore(self, target: Any, step: int | None = None, *, under: str = "") -> tuple[Any, dict]:
         """Read step `step` laid out as `target` asks; returns (tree, metadata).
+
+        `under`: read only the saved arrays whose path starts with this prefix (as
+        `jax.tree_util.keystr` spells it: `".params"` for the weights of a saved `TrainState`),
+        into a `target` whose paths are the rest of theirs.
 
         `target` has the saved tree's structure; its leaves are jax.ShapeDtypeStruct with a
         `sharding` (any mesh, layout and process count) or jax.Arrays (their sharding is used), or
@@ -255,7 +260,7 @@ class Checkpoints:
         self.wait()
         if step is not None:
             step = self._complete(step)
-            tree, metadata = self._restore_agreed(step, target)
+            tree, metadata = self._restore_agreed(step, target, under)
             self.restored_step = step
             return tree, metadata
         # Locally, every step folder, complete or not: a committed folder never lacks its index,
@@ -268,7 +273,7 @@ class Checkpoints:
         for position in range(len(steps) - 1, -1, -1):
             candidate = steps[position]
             try:
-                tree, metadata = self._restore_agreed(candidate, target)
+                tree, metadata = self._restore_agreed(candidate, target, under)
             except CorruptCheckpointError as error:
                 problems.append(str(error))
                 then = (
@@ -285,7 +290,7 @@ class Checkpoints:
             f"every checkpoint in {self._directory} is damaged: " + "; ".join(problems)
         )
 
-    def _restore_agreed(self, step: int, target: Any) -> tuple[Any, dict]:
+    def _restore_agreed(self, step: int, target: Any, under: str = "") -> tuple[Any, dict]:
         """Restore one step; with several processes, all agree on whether it was damaged (each
         reads different pieces), so that they all fall back together or none does."""
         processes = Processes.current(self._barrier_timeout_s)
@@ -293,6 +298,13 @@ class Checkpoints:
         problem, result = None, None
         try:
             index = self._location.read_index(step)
+            if under:
+                arrays = tuple(
+                    dataclasses.replace(record, path=record.path[len(under) :])
+                    for record in index.arrays
+                    if record.path.startswith(under)
+                )
+                index = dataclasses.replace(index, arrays=arrays)
             result = self._location.restore(step, index, target, self._read_workers), index.metadata
         except CorruptCheckpointError as error:
             if processes.count == 1:

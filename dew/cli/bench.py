@@ -30,6 +30,8 @@ from dew.cli.flags import (
     add_sequence_scheme_flag,
     engine_names,
     model_config,
+    moe_config,
+    sizes_text,
 )
 
 # ``dew bench --check``'s exit status when a target is missed (2 is a refused input, as for every
@@ -132,7 +134,7 @@ def _check_json_target(path: str | None) -> Path | None:
     return target
 
 
-def _header(args, size, specs) -> str:
+def _header(args, config, specs) -> str:
     import jax
 
     variants = ""
@@ -141,11 +143,9 @@ def _header(args, size, specs) -> str:
     if any(spec.stage > 1 for spec in specs):
         variants += f"pipeline schedules {' '.join(args.pipeline_schedule)}, "
     return (
-        "dew bench: "
-        + (f"{args.model} shapes, " if args.model else "")
-        + f"{size.layers} layers, width {size.width}, {size.heads} heads, vocab {size.vocab}, "
-        + "".join(f"{name} {value}, " for name, value in (*size.shape, *size.moe))
-        + f"batch {size.batch} x {size.seq_len} tokens, min_shard {args.min_shard}, "
+        f"dew bench: {sizes_text(config, args)}, "
+        + "".join(f"{name} {value}, " for name, value in sorted(moe_config(args).items()))
+        + f"min_shard {args.min_shard}, "
         f"sequence_parallel {args.sequence_parallel}, {variants}"
         f"on {jax.device_count()} {jax.devices()[0].platform} devices; "
         f"{args.repeats} timed rounds of {args.steps} step(s)"
@@ -163,9 +163,10 @@ def run(args) -> int:
         raise ValueError(
             f"--depth-check must be 0 (skip) or a number of layers, got {args.depth_check}"
         )
-    size = benchmark.ModelSize.of(model_config(args), batch=args.batch)
+    config = model_config(args)
+    size = benchmark.ModelSize.of(config, batch=args.batch, seq_len=args.seq_len)
     specs = [MeshSpec.parse(text) for text in args.mesh]
-    print(_header(args, size, specs), flush=True)
+    print(_header(args, config, specs), flush=True)
     results = benchmark.compare(
         size,
         specs,

@@ -6,6 +6,45 @@ Nothing here imports JAX's backends: the device flags must be read before any de
 from __future__ import annotations
 
 import argparse
+import dataclasses
+
+
+class _GivenOnce(argparse._StoreAction):
+    """``store``, except that a flag given twice is refused, or added up when it takes several
+    values: ``--mesh fsdp=8 --mesh tensor=2`` is two layouts where a command compares several,
+    and an error where it runs one (argparse would silently keep the last)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given_flags", set())
+        if option_string is not None and self.dest in given:
+            if self.nargs in ("+", "*"):
+                values = [*getattr(namespace, self.dest), *values]
+            else:
+                before = getattr(namespace, self.dest)
+                hint = REPEAT_HINTS.get(self.dest, "")
+                parser.error(
+                    f"{option_string} given twice ({before} and {values}); it takes one value"
+                    + (f": {hint}" if hint else "")
+                )
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
+# What to write instead of repeating a flag that takes one value.
+REPEAT_HINTS = {
+    "mesh": "a command that runs one layout takes its axes in one --mesh, e.g. fsdp=8,tensor=2 "
+    "(dew bench and dew plan compare several: --mesh fsdp=8 tensor=2)",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """The ``dew`` command's parser (and its subcommands'): a flag given twice is an error, or
+    adds up where the flag takes several values (``_GivenOnce``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _GivenOnce)
+        self.register("action", "store", _GivenOnce)
 
 
 def engine_names() -> tuple[str, ...]:
@@ -47,10 +86,19 @@ def add_model_flags(
     layers: int,
     width: int,
     heads: int,
+    several_remat: bool = False,
 ) -> None:
-    """The decoder's size and its batch: a ``--model`` preset (``dew.models.presets``) or the
-    example decoder (a byte vocabulary) of ``layers``, ``width`` and ``heads``; ``--layers``,
-    ``--width`` and ``--heads`` override either. Read them with ``model_config``."""
+    """The decoder, its precision, recompute and attention, and its batch: a ``--model`` preset
+    (``dew.models.presets``) or the example decoder (a byte vocabulary) of ``layers``, ``width``
+    and ``heads``; ``--layers``, ``--width`` and ``--heads`` override either. ``--dtype``,
+    ``--param-dtype``, ``--remat`` and ``--attention`` default to the model's own (a preset's:
+    bfloat16 activations and the fastest attention for the devices; the example decoder's:
+    float32 and XLA attention). ``several_remat=True``: ``--remat`` takes one or more policies,
+    each a contestant (``model_config`` then reads one at a time). Read them with
+    ``model_config``."""
+    from dew.models.causal_transformer import DTYPES, REMAT_CHOICES
+    from dew.nn.attention import CHOICES as ATTENTION_CHOICES
+
     parser.add_argument(
         "--model",
         default=None,
@@ -63,7 +111,11 @@ def add_model_flags(
         "--batch", type=int, default=batch, help=f"global batch rows (default {batch})"
     )
     parser.add_argument(
-        "--seq-len", type=int, default=seq_len, help=f"tokens per row (default {seq_len})"
+        "--seq-len",
+        type=int,
+        default=seq_len,
+        help=f"tokens per row (default {seq_len}); a preset keeps its own context "
+        "(max_seq_len), which --seq-len may not pass",
     )
     parser.add_argument(
         "--layers", type=int, default=None, help=f"decoder layers (default {layers})"
@@ -74,6 +126,39 @@ def add_model_flags(
     parser.add_argument(
         "--heads", type=int, default=None, help=f"attention heads (default {heads})"
     )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=tuple(DTYPES),
+        help="activations' dtype (default: the model's own, bfloat16 for a preset and float32 "
+        "for the example decoder); softmax, norms and the loss run in float32 regardless",
+    )
+    parser.add_argument(
+        "--param-dtype",
+        default=None,
+        choices=tuple(DTYPES),
+        help="the weights' dtype (default float32; the optimizer's moments follow it)",
+    )
+    parser.add_argument(
+        "--remat",
+        default=None,
+        nargs="+" if several_remat else None,
+        choices=REMAT_CHOICES,
+        metavar="POLICY",
+        help="what each layer keeps for the backward (default: the model's own): full "
+        "(nothing: the layer is recomputed), dots (the matmul outputs), attention (those and "
+        "the attention output), none (everything)"
+        + ("; several: one contestant each, e.g. --remat full dots" if several_remat else ""),
+    )
+    parser.add_argument(
+        "--attention",
+        default=None,
+        choices=ATTENTION_CHOICES,
+        help="the attention kernel (default: the model's own, auto for a preset, xla for the "
+        "example decoder): auto (Pallas on TPU, cuDNN on GPU where it takes the shapes, else "
+        "Pallas, XLA on CPU, by the devices the step is compiled for), xla, pallas, cudnn (GPU "
+        "only), pallas_tpu_interpret (the TPU kernels interpreted, for tests)",
+    )
     parser.set_defaults(
         example_model=dict(
             vocab_size=EXAMPLE_VOCAB, num_layers=layers, emb_features=width, num_heads=heads
@@ -83,21 +168,78 @@ def add_model_flags(
 
 # The example decoder reads bytes.
 EXAMPLE_VOCAB = 256
+# The sizes ``dew train``, ``collectives`` and ``plan`` give the example decoder (``dew bench``
+# times a larger one by default: ``dew.benchmark.ModelSize``, named in its header).
+EXAMPLE_SIZES = dict(batch=16, seq_len=32, layers=2, width=64, heads=4)
+
+
+def add_accumulation_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--accumulation",
+        type=int,
+        default=1,
+        metavar="K",
+        help="microbatches per step, their gradients summed before one update (default 1); "
+        "the batch must split into K microbatches over the batch's devices",
+    )
+
+
+# ``model_config``'s arguments from the flags that set one model field each, when given.
+_MODEL_CHOICE_FLAGS = {
+    "dtype": "dtype",
+    "param_dtype": "param_dtype",
+    "remat": "remat",
+    "attention": "attention_impl",
+}
 
 
 def model_config(args) -> dict:
     """``models.build("causal_transformer", ...)``'s arguments from ``add_model_flags``' and
     ``add_moe_flags``' flags: the ``--model`` preset's shapes or the example decoder's, with
-    ``--layers``/``--width``/``--heads`` applied, ``max_seq_len`` set to ``--seq-len`` and the MoE
-    flags (``moe_config``)."""
+    ``--layers``/``--width``/``--heads``, ``--dtype``, ``--param-dtype``, ``--remat`` and
+    ``--attention`` applied where given, and the MoE flags (``moe_config``).
+
+    A preset keeps its own context (``max_seq_len``); ``--seq-len`` above it is a ``ValueError``.
+    The example decoder's ``max_seq_len`` is ``--seq-len``.
+    """
     from dew.models.presets import preset
 
     config = preset(args.model) if args.model else dict(args.example_model)
     given = dict(num_layers=args.layers, emb_features=args.width, num_heads=args.heads)
+    given.update({field: getattr(args, flag, None) for flag, field in _MODEL_CHOICE_FLAGS.items()})
     config.update({k: v for k, v in given.items() if v is not None})
-    config["max_seq_len"] = args.seq_len
+    if not args.model:
+        config["max_seq_len"] = args.seq_len
+    elif args.seq_len > config["max_seq_len"]:
+        raise ValueError(
+            f"--seq-len {args.seq_len} is above {args.model}'s context of "
+            f"{config['max_seq_len']} tokens"
+        )
     config.update(moe_config(args))
     return config
+
+
+def sizes_text(config: dict, args, name: str | None = None) -> str:
+    """What a command runs, for its header: ``"llama-3.2-1b: 16 layers, width 2048, 32 heads
+    (8 kv), vocab 128256, context 8192; bfloat16 activations, float32 weights, remat full,
+    attention auto; batch 16 x 32 tokens"``, from ``model_config``'s ``config`` (or a model's
+    fields); ``name`` says where the model comes from when it is neither a preset nor the
+    example decoder (``--init-from``)."""
+    from dew.models.causal_transformer import CausalTransformer
+
+    defaults = {f.name: f.default for f in dataclasses.fields(CausalTransformer)}
+    value = {**defaults, **config}
+    kv = value["num_kv_heads"]
+    return (
+        f"{name or args.model or 'example decoder'}: {value['num_layers']} layers, width "
+        f"{value['emb_features']}, {value['num_heads']} heads"
+        + (f" ({kv} kv)" if kv not in (None, value["num_heads"]) else "")
+        + f", vocab {value['vocab_size']}, context {value['max_seq_len']}"
+        + (f", {value['num_experts']} experts" if value.get("num_experts") else "")
+        + f"; {value['dtype']} activations, {value['param_dtype']} weights, remat "
+        f"{value['remat']}, attention {value['attention_impl']}; batch {args.batch} x "
+        f"{args.seq_len} tokens"
+    )
 
 
 # The MoE flags' defaults when --experts is given; without it, giving any of them is an error.
@@ -176,20 +318,16 @@ def moe_config(args) -> dict:
     return dict(num_experts=args.experts, **{**MOE_DEFAULTS, **given})
 
 
-# One default for every command, so that "fsdp=8" lays weights out alike in train, collectives
-# and bench: every weight matrix of the example model (width 64) and of the benchmarked one is
-# split, norm scales (width elements) stay whole. ``Layout()``'s own default, 65536, suits real
-# model sizes.
-DEFAULT_MIN_SHARD = 4096
-
-
 def add_min_shard_flag(parser: argparse.ArgumentParser) -> None:
+    """``--min-shard``, whose default is ``Layout()``'s: one default from Python and the CLI."""
+    from dew.layout import DEFAULT_MIN_SHARD
+
     parser.add_argument(
         "--min-shard",
         type=int,
         default=DEFAULT_MIN_SHARD,
         help="weights with fewer elements are not split over fsdp; tensor splits always apply "
-        f"(default {DEFAULT_MIN_SHARD})",
+        f"(default {DEFAULT_MIN_SHARD}, as Layout())",
     )
 
 

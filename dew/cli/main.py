@@ -7,6 +7,7 @@
     dew launch       start the processes of one multi-process run, here or over ssh
     dew tokenize     turn text files, .jsonl or .parquet into a token folder
     dew plot         draw the curves of metrics files (loss, val loss, tokens/s, MFU)
+    dew convert      a Hugging Face Llama folder to a Dew checkpoint, or back (--to hf)
 
 JAX is configured (device count, platform) before anything asks it for a device, so this module
 imports nothing of Dew at the top.
@@ -17,8 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dew.cli import bench, launch, plan, plot, tokenize
+from dew.cli import bench, convert, launch, plan, plot, tokenize
 from dew.cli.flags import (
+    EXAMPLE_SIZES,
+    Parser,
+    add_accumulation_flag,
     add_device_flag,
     add_mesh_flag,
     add_min_shard_flag,
@@ -30,6 +34,7 @@ from dew.cli.flags import (
     add_sequence_scheme_flag,
     engine_names,
     model_config,
+    sizes_text,
     step_options,
 )
 from dew.targets import MissingExtra
@@ -38,22 +43,17 @@ from dew.targets import MissingExtra
 def _common(parser: argparse.ArgumentParser) -> None:
     add_mesh_flag(parser)
     add_device_flag(parser)
-    add_model_flags(parser, batch=16, seq_len=32, layers=2, width=64, heads=4)
+    add_model_flags(parser, **EXAMPLE_SIZES)
     add_moe_flags(parser)
     add_min_shard_flag(parser)
     add_sequence_parallel_flag(parser)
     add_sequence_scheme_flag(parser)
     add_pipeline_schedule_flag(parser)
-    parser.add_argument(
-        "--attention", default="xla", choices=("xla", "pallas", "pallas_tpu_interpret")
-    )
-    parser.add_argument("--accumulation", type=int, default=1, help="microbatches per step")
+    add_accumulation_flag(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dew", description="Dew: train one model across many devices."
-    )
+    parser = Parser(prog="dew", description="Dew: train one model across many devices.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train the example model")
@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"{EVAL_BATCHES}; with --eval-every)",
     )
     add_seed_flag(train, "the initial weights")
+    train.add_argument(
+        "--init-from",
+        default=None,
+        metavar="PATH",
+        help="start from the weights (and model) of a Hugging Face Llama folder or a Dew "
+        "checkpoint directory, instead of --model and --seed (see docs/hf.md)",
+    )
     train.set_defaults(run=train_command)
 
     coll = commands.add_parser(
@@ -117,10 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(coll)
     coll.add_argument(
-        "--engine",
-        default="shard_map",
+        "--engines",
+        nargs="+",
+        default=["shard_map"],
         choices=engine_names(),
-        help="shard_map (default; read from the jaxpr) or a GSPMD baseline (read from the HLO)",
+        help="step engines, each printed in turn (default shard_map, read from the jaxpr; gspmd: "
+        "the pinned GSPMD baseline, read from the compiled HLO)",
     )
     coll.set_defaults(run=collectives_command)
 
@@ -129,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(commands)
     launch.add_parser(commands)
     tokenize.add_parser(commands)
+    convert.add_parser(commands)
     return parser
 
 
@@ -164,7 +174,7 @@ def _example(args, data_dir):
     config = model_config(args)
     # The vocabulary from the folder's meta.json (a preset's own must hold it).
     config["vocab_size"] = tokenize.training_vocabulary(config, args.model, data_dir)
-    model = models.build("causal_transformer", attention_impl=args.attention, **config)
+    model = models.build("causal_transformer", **config)
     data = TokenWindows(
         path=data_dir,
         seq_len=args.seq_len,
@@ -193,6 +203,15 @@ def _trainer(args, objective, checkpoints=None, engine="shard_map", lr=1e-3, see
     )
 
 
+def _print_header(args, model, name=None) -> None:
+    """The command's first line: the model it runs (``name``: where its weights come from, when
+    not a preset), its choices and the batch."""
+    import dataclasses
+
+    config = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    print(f"dew {args.command}: {sizes_text(config, args, name=name)}", flush=True)
+
+
 def _example_corpus(path):
     from dew.data import write_example_corpus
 
@@ -208,21 +227,34 @@ def train_command(args) -> int:
     run_dir = Path(args.run_dir)
     data_dir = args.data or _example_corpus(run_dir / "corpus")
     objective, data = _example(args, data_dir)
+    if args.init_from:
+        objective = convert.init_objective(objective, args.init_from)
+    _print_header(args, objective.model, name=args.init_from)
     trainer = _trainer(
         args, objective, Checkpoints(run_dir / "checkpoints"), lr=args.lr, seed=args.seed
     )
+    if args.init_from:
+        convert.init_from(trainer, args.init_from)
+    from dew.checkpoints.errors import CheckpointMismatchError
     from dew.training.tracking import TensorBoard
 
-    state = trainer.fit(
-        data,
-        steps=args.steps,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-        metrics=args.metrics,
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        trackers=[TensorBoard(args.tensorboard)] if args.tensorboard else [],
-    )
+    try:
+        state = trainer.fit(
+            data,
+            steps=args.steps,
+            log_every=args.log_every,
+            checkpoint_every=args.checkpoint_every,
+            metrics=args.metrics,
+            eval_every=args.eval_every,
+            eval_batches=args.eval_batches,
+            trackers=[TensorBoard(args.tensorboard)] if args.tensorboard else [],
+        )
+    except CheckpointMismatchError as error:
+        raise CheckpointMismatchError(
+            f"{error}. The run in {run_dir} was trained with another model (the flags that set "
+            "its sizes or dtypes differ): give another --run-dir to start this one, or the "
+            "flags that run was started with to resume it"
+        ) from None
     from dew.training.preemption import INTERRUPTED_EXIT_CODE
 
     # SIGTERM exits from fit with 143 (dew.training.preemption); a first Ctrl-C returns early.
@@ -234,17 +266,19 @@ def collectives_command(args) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         objective, data = _example(args, _example_corpus(f"{tmp}/corpus"))
-        trainer = _trainer(args, objective, engine=args.engine)
-        print(
-            f"Collectives of one {args.engine} step on {dict(trainer.mesh.shape)}, "
-            f"batch {args.batch} x {args.seq_len} tokens"
-            + "".join(
-                f", {name}={value}"
-                for name, value in trainer.options.in_effect(dict(trainer.mesh.shape)).items()
+        _print_header(args, objective.model)
+        for engine in args.engines:
+            trainer = _trainer(args, objective, engine=engine)
+            print(
+                f"Collectives of one {engine} step on {dict(trainer.mesh.shape)}, "
+                f"batch {args.batch} x {args.seq_len} tokens"
+                + "".join(
+                    f", {name}={value}"
+                    for name, value in trainer.options.in_effect(dict(trainer.mesh.shape)).items()
+                )
+                + ":"
             )
-            + ":"
-        )
-        print(trainer.collectives(data))
+            print(trainer.collectives(data))
     return 0
 
 

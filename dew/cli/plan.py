@@ -12,10 +12,13 @@ reading are ``dew.planning``'s; this module reads flags and prints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 from dew.cli.flags import (
+    EXAMPLE_SIZES,
+    add_accumulation_flag,
     add_mesh_flag,
     add_min_shard_flag,
     add_model_flags,
@@ -25,6 +28,7 @@ from dew.cli.flags import (
     add_sequence_scheme_flag,
     engine_names,
     model_config,
+    sizes_text,
     step_options,
 )
 
@@ -58,22 +62,18 @@ def add_parser(commands) -> argparse.ArgumentParser:
         choices=engine_names(),
         help="step engines per layout (default shard_map; add gspmd for the pinned baseline)",
     )
+    # Several recompute policies: one row each, so a user picks by the memory each costs.
     add_model_flags(
-        parser, batch=DEFAULT_BATCH, seq_len=DEFAULT_SEQ_LEN, layers=2, width=64, heads=4
+        parser,
+        **{**EXAMPLE_SIZES, "batch": DEFAULT_BATCH, "seq_len": DEFAULT_SEQ_LEN},
+        several_remat=True,
     )
     add_moe_flags(parser)
-    parser.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=("bfloat16", "float32"),
-        help="activations' dtype (default bfloat16, as TPU training runs); weights and optimizer "
-        "state stay float32",
-    )
     add_min_shard_flag(parser)
     add_sequence_parallel_flag(parser)
     add_sequence_scheme_flag(parser)
     add_pipeline_schedule_flag(parser)
-    parser.add_argument("--accumulation", type=int, default=1, help="microbatches per step")
+    add_accumulation_flag(parser)
     parser.add_argument(
         "--search",
         action="store_true",
@@ -102,12 +102,14 @@ def setup() -> None:
     compile_only_environment()
 
 
-def _objective(args):
+def _objective(args, remat: str | None = None):
+    """The objective of ``args``' model, with the recompute policy ``remat`` (one of
+    ``--remat``'s; ``None``: the model's own)."""
     from dew import models
     from dew.objectives.lm import LMObjective
 
-    model = models.build("causal_transformer", dtype=args.dtype, **model_config(args))
-    return LMObjective(model, args.seq_len)
+    config = model_config(argparse.Namespace(**{**vars(args), "remat": remat}))
+    return LMObjective(models.build("causal_transformer", **config), args.seq_len)
 
 
 def _count(n: int) -> str:
@@ -122,15 +124,12 @@ def _header(args, target, objective) -> str:
     from dew.planning import weight_count
 
     model = objective.model
-    weights = weight_count(model)
-    name = args.model or "example decoder"
+    remats = " ".join(args.remat) if args.remat else model.remat
+    config = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
     return (
         f"dew plan: {target.describe()}\n"
-        f"  model {name}: {model.num_layers} layers, width {model.emb_features}, "
-        f"{model.num_heads} heads ({model.kv_heads} kv), MLP {model.hidden}, "
-        f"vocab {model.vocab_size}"
-        + f", {_count(weights)} weights"
-        + f"; batch {args.batch} x {args.seq_len} tokens, {args.dtype} activations, AdamW"
+        f"  model {sizes_text({**config, 'remat': remats}, args)}; "
+        f"MLP {model.hidden}, {_count(weight_count(model))} weights, AdamW"
     )
 
 
@@ -152,12 +151,14 @@ def run(args) -> int:
         raise FileNotFoundError(
             f"--json {args.json}: the folder {str(json_path.parent)!r} does not exist"
         )
-    objective = _objective(args)
-    print(_header(args, tpu, objective), flush=True)
+    objectives = [_objective(args, remat) for remat in args.remat or [None]]
+    print(_header(args, tpu, objectives[0]), flush=True)
     settings = dict(layout=Layout(min_shard=args.min_shard), accumulation=args.accumulation)
 
     def show(row):
-        what = f"{row.mesh} ({row.engine}" + (f", {row.options})" if row.options else ")")
+        what = f"{row.mesh} ({row.engine}, remat {row.remat}" + (
+            f", {row.options})" if row.options else ")"
+        )
         if row.error is not None:
             print(f"  {what}: refused: {row.error}", flush=True)
             return
@@ -165,7 +166,8 @@ def run(args) -> int:
             print(
                 f"  {what}: the TPU compiler refused it after {row.compile_s:.0f} s: it needs "
                 f"{planning.format_bytes(row.total_bytes)} of the "
-                f"{planning.format_bytes(row.hbm_bytes)} a chip has for it, {row.verdict}",
+                f"{planning.format_bytes(row.usable_bytes)} it lets a program use (the chip "
+                f"has {planning.format_bytes(row.hbm_bytes)}), {row.verdict}",
                 flush=True,
             )
             return
@@ -186,29 +188,33 @@ def run(args) -> int:
                 flush=True,
             )
 
-        rows = planning.search(
-            tpu,
-            objective,
-            args.batch,
-            max_layouts=args.max_layouts,
-            engines=args.engines,
-            options=step_options(args),
-            on_row=show,
-            on_candidates=listed,
-            **settings,
-        )
+        rows = []
+        for objective in objectives:
+            rows += planning.search(
+                tpu,
+                objective,
+                args.batch,
+                max_layouts=args.max_layouts,
+                engines=args.engines,
+                options=step_options(args),
+                on_row=show,
+                on_candidates=listed,
+                **settings,
+            )
     else:
         specs = [MeshSpec.parse(text) for text in args.mesh]
-        rows = planning.plan(
-            tpu,
-            objective,
-            specs,
-            args.batch,
-            engines=args.engines,
-            options=step_options(args),
-            on_row=show,
-            **settings,
-        )
+        rows = []
+        for objective in objectives:
+            rows += planning.plan(
+                tpu,
+                objective,
+                specs,
+                args.batch,
+                engines=args.engines,
+                options=step_options(args),
+                on_row=show,
+                **settings,
+            )
     print()
     print(planning.format_table(rows))
     if json_path is not None:

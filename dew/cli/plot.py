@@ -178,5 +178,5 @@ def plot_command(args) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=100)
     steps = sum(len(records) for _, records in runs)
-    print(f"Wrote {output}: {len(runs)} run(s), {steps} steps")
+    print(f"Wrote {output.resolve()}: {len(runs)} run(s), {steps} steps")
     return 0

@@ -8,9 +8,12 @@ With ``num_experts`` set, the MLP of every ``moe_every``-th layer is a mixture o
 
 The layers' weights are stacked on a leading ``layers`` dimension, one stack per kind
 (``layers`` for dense layers, ``moe_layers`` for MoE ones), and run under ``lax.scan``, so
-compile time does not grow with depth. Each layer body runs under ``jax.checkpoint`` saving nothing:
-the backward recomputes the layer, gathers of fsdp-split weights included, so only one layer's whole
-weights are ever alive (gather forward, gather again backward, scatter the gradients).
+compile time does not grow with depth. Each layer body runs under ``jax.checkpoint`` with the
+``remat`` policy: by default (``"full"``) saving nothing, so the backward recomputes the layer;
+``"dots"`` keeps the weight matmuls' outputs, ``"attention"`` the attention output (and the kernels'
+lse) too, ``"none"`` everything. In every policy the gathers of fsdp-split weights run again in the
+backward (a gather is never saved), so only one layer's whole weights are ever alive (gather
+forward, gather again backward, scatter the gradients).
 
 The model is three parts a layout can run apart, ``embed``, ``blocks`` and ``head``; ``apply`` is
 their composition (tokens -> logits).
@@ -29,7 +32,6 @@ device every one of those is the identity or the plain operation.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +40,41 @@ from jax.sharding import PartitionSpec as P
 
 from dew.checks import positive_int
 from dew.layout import path_names
-from dew.nn import attention, embed, mlp, moe, norm
+from dew.nn import attention, embed, mlp, moe, norm, rotary
 from dew.nn.param import Param, init_params, logical_axes, normal
 from dew.parallel import ONE_DEVICE, Shards, expert, fsdp, ragged, sequence, tensor, vocabulary
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# What each layer keeps from its forward for the backward (``remat``), named by what is saved.
+# "dots" is jax's dots_with_no_batch_dims_saveable: the outputs of the matmuls against weights
+# (q, k, v, o, the MLP's three), not attention's q.k and p.v, whose batch dimensions (rows, heads)
+# mark them as the seq x seq products a layer must not keep (checkpoint_dots would keep them).
+_SAVE_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": _SAVE_DOTS,
+    "attention": jax.checkpoint_policies.save_from_both_policies(
+        _SAVE_DOTS,
+        jax.checkpoint_policies.save_only_these_names(attention.OUT_NAME, attention.LSE_NAME),
+    ),
+    "none": None,
+}
+REMAT_CHOICES = tuple(REMAT_POLICIES)
+
+
+def remat_layer(layer, policy: str):
+    """``layer`` under ``jax.checkpoint`` with the policy ``policy`` names (``REMAT_POLICIES``);
+    ``"none"``: ``layer`` itself, every intermediate kept for the backward."""
+    if policy not in REMAT_POLICIES:
+        raise ValueError(
+            f"unknown remat policy {policy!r}; expected one of {', '.join(REMAT_CHOICES)}"
+        )
+    if policy == "none":
+        return layer
+    # prevent_cse=False: the layers run under lax.scan, which already keeps XLA from merging the
+    # recomputation into the forward (jax.checkpoint's documented exception).
+    return jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
 
 
 def resolve_dtype(name: str):
@@ -61,8 +93,16 @@ class CausalTransformer:
         the loss run in float32 regardless.
       attention_impl: ``"xla"`` (plain JAX), ``"pallas"`` (``dew.kernels.flash_attention``:
         Mosaic on TPU, Triton on GPU, the Pallas interpreter on CPU, by the devices the step is
-        compiled for) or ``"pallas_tpu_interpret"`` (its Mosaic kernels in TPU interpret mode, on
-        any backend: for tests).
+        compiled for), ``"pallas_tpu_interpret"`` (its Mosaic kernels in TPU interpret mode, on
+        any backend: for tests), ``"cudnn"`` (cuDNN's fused attention: GPU, bfloat16 or float16;
+        refused on a ring) or ``"auto"``: Mosaic on TPU, cuDNN on GPU where it takes the shapes
+        (else Triton), XLA on CPU, by the devices the step is compiled for
+        (``dew.nn.attention.resolve``; ``attention_for`` tells ahead of compiling).
+      remat: what each layer saves for the backward (``REMAT_CHOICES``): ``"full"`` nothing (the
+        backward recomputes the layer; least memory), ``"dots"`` the outputs of its weight
+        matmuls, ``"attention"`` those and attention's output (and the Pallas kernels' and the
+        ring's lse, so the backward does not rerun the forward kernel), ``"none"`` everything (no
+        ``jax.checkpoint``). Memory grows and recompute shrinks in that order.
       num_kv_heads: heads of K and V (grouped-query attention); default ``num_heads``.
       mlp_features: hidden width of the SwiGLU MLP; default ``4 * emb_features``.
       tie_embeddings: the output head is the embedding table transposed (default) or a weight of
@@ -84,6 +124,11 @@ class CausalTransformer:
         ``dropped_fraction``. ``None``: the worst case, which never drops.
       router_aux_weight, router_z_weight: the weights of the load-balancing loss and the router
         z-loss (each averaged over the MoE layers) in the objective's loss.
+      rope_theta: the base of the rotary frequencies (Llama 3: 500000).
+      rope_scaling: Llama 3's frequency scaling, a ``dew.nn.rotary.Llama3Scaling`` or a dict of
+        its fields (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+        ``original_max_position_embeddings``), or ``None`` for none.
+      rms_norm_eps: the epsilon every RMSNorm adds to the mean square (Llama 3: 1e-5).
     """
 
     vocab_size: int
@@ -93,6 +138,7 @@ class CausalTransformer:
     max_seq_len: int
     dtype: str = "float32"
     attention_impl: str = "xla"
+    remat: str = "full"
     num_kv_heads: int | None = None
     mlp_features: int | None = None
     tie_embeddings: bool = True
@@ -105,17 +151,30 @@ class CausalTransformer:
     expert_buffer_factor: float | None = ragged.DEFAULT_BUFFER_FACTOR
     router_aux_weight: float = 0.01
     router_z_weight: float = 0.001
+    rope_theta: float = rotary.DEFAULT_THETA
+    rope_scaling: rotary.Llama3Scaling | None = None
+    rms_norm_eps: float = 1e-6
 
     def __post_init__(self):
+        # A dict (a preset's, a config.json's) becomes the frozen, hashable Llama3Scaling.
+        object.__setattr__(self, "rope_scaling", rotary.Llama3Scaling.of(self.rope_scaling))
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number above 0, got {value!r}")
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "max_seq_len"):
             value = getattr(self, name)
             positive_int(name, value)
         resolve_dtype(self.dtype)
         resolve_dtype(self.param_dtype)
-        if self.attention_impl not in attention.IMPLEMENTATIONS:
+        if self.attention_impl not in attention.CHOICES:
             raise ValueError(
                 f"unknown attention_impl {self.attention_impl!r}; expected one of "
-                f"{', '.join(attention.IMPLEMENTATIONS)}"
+                f"{', '.join(attention.CHOICES)}"
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"unknown remat policy {self.remat!r}; expected one of {', '.join(REMAT_CHOICES)}"
             )
         if self.emb_features % self.num_heads:
             raise ValueError(
@@ -219,6 +278,20 @@ class CausalTransformer:
 
     def logical_axes(self) -> dict:
         return logical_axes(self.declare())
+
+    def attention_for(
+        self, platform: str, axis_sizes: dict | None = None, sequence_scheme: str = "ring"
+    ) -> str:
+        """The attention implementation a step compiled for ``platform`` devices (``"cpu"``,
+        ``"gpu"``, ``"tpu"``) on a mesh of ``axis_sizes`` runs: ``attention_impl`` resolved
+        (``dew.nn.attention.resolve``) for this model's dtype and head_dim, and for a ring when
+        the ``sequence`` axis is above 1 under the ring scheme. ``ValueError`` for ``"cudnn"``
+        where cuDNN cannot run (not a GPU, float32, a ring): what the step raises while tracing,
+        for callers that want to say so before building anything."""
+        ring = (axis_sizes or {}).get(sequence.AXIS, 1) > 1 and sequence_scheme == "ring"
+        return attention.resolve(
+            self.attention_impl, platform, resolve_dtype(self.dtype), self.head_dim, ring
+        )
 
     def check_split(self, axis_sizes: dict, sequence_scheme: str = "ring") -> None:
         """Raises ``ValueError``, naming the numbers, when this model cannot run on a mesh of
@@ -378,14 +451,20 @@ class CausalTransformer:
         (rotary positions; ``jnp.arange(seq)`` for a whole sequence). The layers run under
         ``lax.scan`` (dense and MoE layers interleaved: a scan over groups of ``moe_every``
         layers, each ``moe_every - 1`` dense layers then one MoE layer), each under
-        ``jax.checkpoint`` saving nothing; ``shards.pin`` constrains each layer's input and the
-        output (the GSPMD baseline's activation pinning; a no-op otherwise).
+        ``jax.checkpoint`` with the ``remat`` policy; ``shards.pin`` constrains each layer's input
+        and the output (the GSPMD baseline's activation pinning; a no-op otherwise).
         """
 
         shared_kv = self.kv_heads < shards.size(tensor.AXIS)
+        # "auto" (and the checks of "cudnn") by the devices this step is compiled for.
+        impl = self.attention_for(
+            ragged.compiled_platform(),
+            {sequence.AXIS: shards.size(sequence.AXIS)},
+            shards.options.sequence_scheme,
+        )
         # Over a sequence axis, attention spans every device's positions (ring or all-to-all);
         # elsewhere it is the plain call.
-        attend = sequence.attention(shards, self.attention_impl)
+        attend = sequence.attention(shards, impl)
 
         def attention_half(x, w):
             attn = w["attn"]
@@ -398,15 +477,22 @@ class CausalTransformer:
             # Two Megatron regions per layer. Each enters with the normalized activations (whole on
             # every device of the tensor group, or gathered from its positions under sequence
             # parallelism) and leaves by summing the devices' partial outputs.
-            h = tensor.enter(norm.rms_norm(w["attn_norm"], x), shards)
-            h = attention.self_attention(attn, h, positions, attend)
+            h = tensor.enter(norm.rms_norm(w["attn_norm"], x, self.rms_norm_eps), shards)
+            h = attention.self_attention(
+                attn,
+                h,
+                positions,
+                attend,
+                rope_theta=self.rope_theta,
+                rope_scaling=self.rope_scaling,
+            )
             return x + tensor.leave(h, shards)
 
         def dense_layer(x, layer_shards):
             x = shards.pin(x)
             w = shards.gather(layer_shards, "params", "layers", stacked=True)
             x = attention_half(x, w)
-            h = tensor.enter(norm.rms_norm(w["mlp_norm"], x), shards)
+            h = tensor.enter(norm.rms_norm(w["mlp_norm"], x, self.rms_norm_eps), shards)
             return x + tensor.leave(mlp.swiglu(w["mlp"], h), shards), None
 
         def moe_layer(x, layer_shards):
@@ -416,7 +502,7 @@ class CausalTransformer:
             # The MoE region enters and leaves inside expert.moe_mlp, around its router.
             out, stats = expert.moe_mlp(
                 w["moe"],
-                norm.rms_norm(w["mlp_norm"], x),
+                norm.rms_norm(w["mlp_norm"], x, self.rms_norm_eps),
                 shards,
                 num_experts=self.num_experts,
                 k=self.experts_per_token,
@@ -426,10 +512,8 @@ class CausalTransformer:
             )
             return x + out, stats
 
-        remat = functools.partial(
-            jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
-        )
-        dense_layer, moe_layer = remat(dense_layer), remat(moe_layer)
+        dense_layer = remat_layer(dense_layer, self.remat)
+        moe_layer = remat_layer(moe_layer, self.remat)
         p = params["params"]
         if not self.num_moe_layers:
             x, _ = lax.scan(dense_layer, x, p["layers"])
@@ -463,7 +547,9 @@ class CausalTransformer:
         slice of the vocabulary once it is split over ``tensor``): the final norm, then the
         embedding table transposed (tied) or ``lm_head``."""
         p = params["params"]
-        x = norm.rms_norm(shards.gather(p["final_norm"], "params", "final_norm"), x)
+        x = norm.rms_norm(
+            shards.gather(p["final_norm"], "params", "final_norm"), x, self.rms_norm_eps
+        )
         if self.tie_embeddings:
             table = shards.gather(p["embed_tokens"], "params", "embed_tokens")["embedding"]
         else:
@@ -480,7 +566,9 @@ class CausalTransformer:
         weight, spec, dim = self._output_table(params, shards)
         if vocabulary.moves_tokens(spec, dim, weight.shape[dim], targets.size, shards):
             p = params["params"]
-            x = norm.rms_norm(shards.gather(p["final_norm"], "params", "final_norm"), x)
+            x = norm.rms_norm(
+                shards.gather(p["final_norm"], "params", "final_norm"), x, self.rms_norm_eps
+            )
             table = weight if dim == 0 else weight.T
             return vocabulary.loss_sum(x, table.astype(resolve_dtype(self.dtype)), targets)
         logits = self.head(params, x, shards)

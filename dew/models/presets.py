@@ -9,8 +9,11 @@ preset's weight count to it within 1%.
 - Llama 3.x: the model cards and ``config.json`` of meta-llama/Llama-3.2-1B, Llama-3.1-8B and
   Llama-3.1-70B (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
   num_key_value_heads, vocab_size 128256, tie_word_embeddings). Dew's decoder is Llama's block,
-  so these are the models' own weights, shape for shape. ``max_seq_len`` is 8192, the length they
-  were pretrained at before their context was extended.
+  so these are the models' own weights, shape for shape, and the presets carry their position and
+  norm settings (``LLAMA_3_2_ROPE``, ``LLAMA_3_1_ROPE``: ``rope_theta``, the ``llama3``
+  ``rope_scaling`` and ``rms_norm_eps`` of the same ``config.json``), so that their published
+  weights (``dew.models.hf``) compute the published model. ``max_seq_len`` is 8192, the length
+  they were pretrained at before their context was extended.
 - GPT-2 small and medium (Radford et al. 2019; the released 124M and 355M checkpoints): widths,
   depths, heads and the 1024-token context are GPT-2's. Dew's block differs: its SwiGLU MLP has
   three matrices where GPT-2's GELU MLP has two, so its width is 2/3 of GPT-2's 4 x width (rounded
@@ -22,6 +25,25 @@ preset's weight count to it within 1%.
 from __future__ import annotations
 
 LLAMA_VOCAB = 128256
+
+
+def _llama3_rope(factor: float) -> dict:
+    """Llama 3's rotary and norm settings (config.json: rope_theta, rope_scaling with rope_type
+    "llama3", rms_norm_eps); the scaling ``factor`` is 32 for 3.2 and 8 for 3.1."""
+    return dict(
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            factor=factor,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        rms_norm_eps=1e-5,
+    )
+
+
+LLAMA_3_2_ROPE = _llama3_rope(32.0)
+LLAMA_3_1_ROPE = _llama3_rope(8.0)
 
 PRESETS: dict[str, dict] = {
     "gpt2-small": dict(
@@ -51,6 +73,7 @@ PRESETS: dict[str, dict] = {
         mlp_features=8192,
         tie_embeddings=True,
         max_seq_len=8192,
+        **LLAMA_3_2_ROPE,
     ),
     "llama-3.1-8b": dict(
         vocab_size=LLAMA_VOCAB,
@@ -61,6 +84,7 @@ PRESETS: dict[str, dict] = {
         mlp_features=14336,
         tie_embeddings=False,
         max_seq_len=8192,
+        **LLAMA_3_1_ROPE,
     ),
     "llama-3.1-70b": dict(
         vocab_size=LLAMA_VOCAB,
@@ -71,8 +95,32 @@ PRESETS: dict[str, dict] = {
         mlp_features=28672,
         tie_embeddings=False,
         max_seq_len=8192,
+        **LLAMA_3_1_ROPE,
     ),
 }
+
+# How each preset trains unless told otherwise (``dew.models.causal_transformer``'s fields; the
+# example decoder and the tests' models keep the float32, XLA, full-recompute defaults):
+# - bfloat16 activations, as the models' authors trained them (weights and optimizer state stay
+#   float32: ``param_dtype``); softmax, norms and the loss run in float32 regardless.
+# - attention "auto": the Mosaic kernels on TPU, cuDNN on GPU (Triton where cuDNN does not take the
+#   shapes), XLA on CPU.
+# - remat "dots" (keep the weight matmuls' outputs) for the models up to 1B weights: on one H200
+#   (issue 32) Llama-3.2-1B at 8 x 2048 tokens stepped in 295 ms against full recompute's 329 ms
+#   with the Pallas kernels, well within memory. "full" for 8B and 70B: "dots" keeps about 11 times
+#   the activations of "full" there (2 e + q + k + v + 2 mlp = 43k values a token a layer for 8B,
+#   against e = 4k), 22 GiB of bfloat16 a device at 8k tokens for 8B; not measured, so the
+#   memory-safe choice stays until a plan or a run says otherwise.
+TRAINING_DEFAULTS = dict(dtype="bfloat16", attention_impl="auto")
+REMAT_DEFAULTS = {
+    "gpt2-small": "dots",
+    "gpt2-medium": "dots",
+    "llama-3.2-1b": "dots",
+    "llama-3.1-8b": "full",
+    "llama-3.1-70b": "full",
+}
+for _name, _config in PRESETS.items():
+    _config.update(TRAINING_DEFAULTS, remat=REMAT_DEFAULTS[_name])
 
 # The weight counts the models' authors publish (GPT-2's include its position table and biases).
 PUBLISHED_PARAMETERS: dict[str, int] = {

@@ -1,7 +1,15 @@
 """Causal multi-head self-attention with grouped queries, and the attention functions it can use.
 
 Attention functions take ``(q, k, v, *, causal)`` and return ``(out, lse)``: the output and the
-log-sum-exp of each query's logits, so that partial softmaxes over blocks of keys can be merged.
+log-sum-exp of each query's logits, so that partial softmaxes over blocks of keys can be merged
+(``"cudnn"`` returns ``lse=None``: cuDNN's statistics have no gradient path, see ``resolve``).
+
+``CHOICES`` are the values of a model's ``attention_impl``: the functions of ``IMPLEMENTATIONS`` and
+``"auto"``, which ``resolve`` turns into one of them for the devices a step is compiled for.
+
+Each function names its output ``OUT_NAME`` (and the Pallas kernels their lse ``LSE_NAME``) with
+``jax.ad_checkpoint.checkpoint_name``, so that a remat policy can save them (the model's
+``remat="attention"``).
 
 Weights: ``q`` ``[embed, heads, head_dim]``, ``k`` and ``v`` ``[embed, kv_heads, head_dim]``,
 ``o`` ``[heads, head_dim, embed]``. Heads are a dimension of their own so a layout can split them.
@@ -13,9 +21,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from dew.nn import rotary
 from dew.nn.param import Param, normal
+
+# The residuals' names (the Pallas kernels and the ring use the same strings).
+OUT_NAME = "attention_out"
+LSE_NAME = "attention_lse"
 
 
 def xla_attention(q, k, v, *, causal: bool = True):
@@ -47,7 +61,8 @@ def xla_attention(q, k, v, *, causal: bool = True):
     weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v, preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1).reshape(b, h, s)
-    return out.reshape(b, s, h, d).astype(q.dtype), lse
+    out = out.reshape(b, s, h, d).astype(q.dtype)
+    return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
 
 
 def pallas_attention(q, k, v, *, causal: bool = True, interpret=None):
@@ -66,11 +81,89 @@ def pallas_tpu_interpret_attention(q, k, v, *, causal: bool = True):
     return pallas_attention(q, k, v, causal=causal, interpret="tpu")
 
 
+def cudnn_attention(q, k, v, *, causal: bool = True):
+    """cuDNN's fused flash attention, ``jax.nn.dot_product_attention(..., implementation="cudnn")``:
+    GPU only, bfloat16 or float16, head_dim a multiple of 8 up to ``CUDNN_MAX_HEAD_DIM``.
+
+    Returns ``(out, None)``: cuDNN's softmax statistics come without a gradient path for them, so
+    a caller that needs the lse (ring attention, which merges blocks) cannot use it; ``resolve``
+    refuses that pairing before anything is compiled."""
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    return checkpoint_name(out, OUT_NAME), None
+
+
 IMPLEMENTATIONS = {
     "xla": xla_attention,
     "pallas": pallas_attention,
     "pallas_tpu_interpret": pallas_tpu_interpret_attention,
+    "cudnn": cudnn_attention,
 }
+# What ``attention_impl`` takes: an implementation, or "auto" (``resolve``).
+CHOICES = (*IMPLEMENTATIONS, "auto")
+
+# What cuDNN's flash attention takes through JAX (jax._src.cudnn.fused_attention_stablehlo:
+# half-precision inputs, head_dim a multiple of 8, at most 128 before Hopper and 256 from it; 128
+# here, which every cuDNN-capable GPU takes, so the rule needs no device kind).
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def cudnn_refusal(platform: str, dtype, head_dim: int, needs_lse: bool = False) -> str | None:
+    """Why cuDNN attention cannot run this call (a sentence naming the values), or ``None``."""
+    if platform != "gpu":
+        return f"it runs on GPU only, and this step is compiled for {platform!r} devices"
+    name = np.dtype(dtype).name
+    if name not in CUDNN_DTYPES:
+        return f"it takes {' or '.join(CUDNN_DTYPES)} activations, not {name}"
+    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+        return f"it takes head_dim a multiple of 8 up to {CUDNN_MAX_HEAD_DIM}, not {head_dim}"
+    if needs_lse:
+        return (
+            "ring attention merges blocks by their log-sum-exp, which cuDNN attention does not "
+            "give a gradient for (use sequence_scheme='all_to_all', or attention 'pallas' or "
+            "'auto', which runs the Pallas kernels on a ring)"
+        )
+    return None
+
+
+def _pallas_fits(platform: str, dtype, head_dim: int) -> bool:
+    from dew.kernels.attention import SUPPORTED_DTYPES, TRITON_HEAD_DIMS
+
+    if np.dtype(dtype) not in SUPPORTED_DTYPES:
+        return False
+    return platform != "gpu" or head_dim in TRITON_HEAD_DIMS
+
+
+def resolve(impl: str, platform: str, dtype, head_dim: int, needs_lse: bool = False) -> str:
+    """The implementation (a key of ``IMPLEMENTATIONS``) a choice runs as; pure, for tests.
+
+    Args:
+      impl: a name in ``CHOICES``.
+      platform: what the step is compiled for: ``"cpu"``, ``"gpu"`` or ``"tpu"``
+        (``dew.parallel.ragged.compiled_platform()`` inside the step).
+      dtype: the activations' (q, k, v's) dtype; head_dim: their last dimension.
+      needs_lse: the call merges blocks by their log-sum-exp (ring attention over a sequence
+        axis above 1).
+
+    ``"auto"``: on TPU the Mosaic Pallas kernels; on GPU cuDNN where it takes the call
+    (``cudnn_refusal`` is ``None``), else the Triton Pallas kernels where they take it (float32 or
+    bfloat16, head_dim a power of two from 16 to 256), else XLA; XLA on CPU (and wherever the
+    kernels do not take the dtype). Any other name is returned as is, except ``"cudnn"`` where
+    cuDNN cannot run the call: a ``ValueError`` saying why, raised while tracing, before anything
+    is compiled.
+    """
+    if impl not in CHOICES:
+        raise ValueError(f"unknown attention_impl {impl!r}; expected one of {', '.join(CHOICES)}")
+    refusal = cudnn_refusal(platform, dtype, head_dim, needs_lse)
+    if impl == "cudnn" and refusal is not None:
+        raise ValueError(f"attention_impl 'cudnn' cannot run this step: {refusal}")
+    if impl != "auto":
+        return impl
+    if platform == "gpu" and refusal is None:
+        return "cudnn"
+    if platform in ("gpu", "tpu") and _pallas_fits(platform, dtype, head_dim):
+        return "pallas"
+    return "xla"
 
 
 def attention_params(
@@ -89,15 +182,26 @@ def attention_params(
     }
 
 
-def self_attention(p: dict, x: jax.Array, positions: jax.Array, attend=xla_attention) -> jax.Array:
+def self_attention(
+    p: dict,
+    x: jax.Array,
+    positions: jax.Array,
+    attend=xla_attention,
+    *,
+    rope_theta: float = rotary.DEFAULT_THETA,
+    rope_scaling: rotary.Llama3Scaling | None = None,
+) -> jax.Array:
     """``x``: ``[batch, seq, embed]`` -> ``[batch, seq, embed]``, causal, rotary positions.
 
     ``positions``: ``[seq]``, the global positions of ``x``'s tokens. ``attend``: an attention
     function ``(q, k, v, *, causal) -> (out, lse)`` (``IMPLEMENTATIONS``, or one spanning a
-    sequence axis, ``dew.parallel.sequence.attention``).
+    sequence axis, ``dew.parallel.sequence.attention``). ``rope_theta``, ``rope_scaling``: the
+    rotary frequencies (``dew.nn.rotary``); q and k are rotated here, before ``attend``, so a
+    sequence split rotates each device's positions by the same frequencies.
     """
-    q = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["q"].astype(x.dtype)), positions)
-    k = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["k"].astype(x.dtype)), positions)
+    rope = dict(base=rope_theta, scaling=rope_scaling)
+    q = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["q"].astype(x.dtype)), positions, **rope)
+    k = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["k"].astype(x.dtype)), positions, **rope)
     v = jnp.einsum("bse,ehd->bshd", x, p["v"].astype(x.dtype))
     out, _ = attend(q, k, v, causal=True)
     return jnp.einsum("bshd,hde->bse", out, p["o"].astype(x.dtype))

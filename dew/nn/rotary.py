@@ -1,17 +1,122 @@
-"""Rotary position embedding (RoPE), rotating pairs ``(x[i], x[i + d/2])`` of each head."""
+"""Rotary position embedding (RoPE), rotating pairs ``(x[i], x[i + d/2])`` of each head.
+
+This is the "rotate half" convention of Hugging Face's Llama (``rotate_half``), not the interleaved
+pairs ``(x[2i], x[2i + 1])`` of Meta's original code: pair ``i`` turns by ``position * freq[i]``
+with ``freq[i] = theta ** (-i / (d/2))``.
+
+Llama 3 rescales the low frequencies (``Llama3Scaling``, the ``"llama3"`` rope type of
+Hugging Face's ``config.json``): wavelengths longer than ``original_max_position_embeddings /
+low_freq_factor`` are stretched by ``factor``, those shorter than ``original / high_freq_factor``
+kept, and the ones between interpolated smoothly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
+DEFAULT_THETA = 10000.0
 
-def rotate(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3's frequency scaling (``rope_scaling`` with ``rope_type: "llama3"`` in
+    ``config.json``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"rope scaling {name} must be a number above 0, got {value!r}")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"rope scaling high_freq_factor {self.high_freq_factor} must be above "
+                f"low_freq_factor {self.low_freq_factor}"
+            )
+        original = self.original_max_position_embeddings
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise ValueError(
+                f"rope scaling original_max_position_embeddings must be a positive integer, "
+                f"got {original!r}"
+            )
+
+    @classmethod
+    def of(cls, value) -> Llama3Scaling | None:
+        """``value`` as a ``Llama3Scaling``: one already, a dict of its four fields (a
+        ``rope_type``/``type`` key, if present, must be ``"llama3"``), or ``None``."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"rope_scaling must be None, a Llama3Scaling or a dict of its fields, got "
+                f"{type(value).__name__}"
+            )
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kind = value.get("rope_type", value.get("type", "llama3"))
+        if kind != "llama3":
+            raise ValueError(f"rope_scaling rope_type {kind!r} is not supported; Dew has 'llama3'")
+        unknown = sorted(set(value) - fields - {"rope_type", "type"})
+        missing = sorted(fields - set(value))
+        if unknown or missing:
+            raise ValueError(
+                f"rope_scaling needs exactly {', '.join(sorted(fields))}"
+                + (f"; missing {', '.join(missing)}" if missing else "")
+                + (f"; unknown {', '.join(unknown)}" if unknown else "")
+            )
+        return cls(**{name: value[name] for name in fields})
+
+    def as_config(self) -> dict:
+        """The ``rope_scaling`` entry of a Hugging Face ``config.json``."""
+        return {"rope_type": "llama3", **dataclasses.asdict(self)}
+
+
+def frequencies(
+    head_dim: int, theta: float = DEFAULT_THETA, scaling: Llama3Scaling | None = None
+) -> jax.Array:
+    """float32 ``[head_dim / 2]``: the angle per position of each rotated pair.
+
+    Computed in float32 in the order Hugging Face's ``_compute_llama3_parameters`` uses, so that
+    a converted model turns by the same angles."""
+    half = head_dim // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return freqs
+    original = scaling.original_max_position_embeddings
+    low_wavelen = original / scaling.low_freq_factor
+    high_wavelen = original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    # Long wavelengths (low frequencies) are stretched by `factor`; short ones are kept.
+    scaled = jnp.where(wavelen > low_wavelen, freqs / scaling.factor, freqs)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rotate(
+    x: jax.Array,
+    positions: jax.Array,
+    base: float = DEFAULT_THETA,
+    scaling: Llama3Scaling | None = None,
+) -> jax.Array:
     """``x``: ``[batch, seq, heads, head_dim]`` (head_dim even); ``positions``: ``[seq]`` integers.
+    ``base``: theta of the frequencies; ``scaling``: Llama 3's frequency scaling, or ``None``.
 
     Positions are explicit so that a device holding a slice of the sequence rotates by its own
     offsets.
     """
     half = x.shape[-1] // 2
-    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freqs = frequencies(x.shape[-1], base, scaling)
     angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [seq, half]
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)

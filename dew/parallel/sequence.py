@@ -96,6 +96,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
 from dew.checks import positive_int
@@ -414,6 +415,8 @@ def _ring_fwd(q, k, v, n, impl):
     # lse) arrives as a SymbolicZero, and the backward passes d_lse=None (nothing to subtract).
     q, k, v = q.value, k.value, v.value
     out, lse = _ring_forward(q, k, v, n, impl)
+    # Named so that remat="attention" saves them and the backward does not run the ring again.
+    out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
     return (out, lse), (q, k, v, out, lse)
 
 
@@ -451,6 +454,11 @@ def ring_attention(q, k, v, shards, impl: str = "xla"):
     """
     _check_impl("ring_attention", impl)
     n = _size(shards)
+    if impl not in _BLOCK_FORWARD and n > 1:
+        raise ValueError(
+            f"ring_attention: impl {impl!r} gives no log-sum-exp to merge blocks by; use one of "
+            f"{', '.join(_BLOCK_FORWARD)} on a ring (or the all_to_all scheme)"
+        )
     _check_shapes("ring_attention", q, k, v, n)
     if n == 1:
         return IMPLEMENTATIONS[impl](q, k, v, causal=True)
@@ -505,6 +513,8 @@ def all_to_all_attention(q, k, v, shards, impl: str = "xla"):
     q, k, v = (_positions_to_heads(x, n) for x in (q, k, v))
     out, lse = attend(q, k, v, causal=True)
     out = _heads_to_positions(out, n, positions_axis=1, heads_axis=2)
+    if lse is None:  # "cudnn" gives none
+        return out, None
     return out, _heads_to_positions(lse, n, positions_axis=2, heads_axis=1)
 
 

@@ -26,12 +26,14 @@ Without checkpoints (``Trainer(checkpoints=None)``) the stop is the same and the
 ``not saved``; ``Preempted.state`` holds the state for a caller that catches it.
 
 Several processes: each process's handler sets its own flag, so every process contributes it to a
-tiny all-reduce (the maximum of one int32 per process, ``multihost_utils.process_allgather``) after
-every step, and all stop after the same step, saving the same checkpoint, even when only one got
-the signal. The all-reduce runs after the step's loss is read (``fit`` waits for that anyway), so
-it never overlaps the step's own collectives; it costs one tiny compiled program (an all-gather of
-one int32 per process) per step, not yet measured on accelerators. One process alone reads its
-flag: no collective.
+tiny all-reduce (the maximum of one int32 per process, ``multihost_utils.process_allgather``), and
+all stop after the same step, saving the same checkpoint, even when only one got the signal. The
+all-reduce's answer waits for the step in flight, so ``fit`` does not ask it after every step (its
+steps are dispatched ahead of the host, ``Trainer.fit``): it asks every
+``dew.training.trainer.STOP_AGREE_EVERY`` (10) steps and at the steps where it waits anyway (saving,
+evaluating, the last), after that step's loss is read, so it never overlaps the step's own
+collectives. A signal therefore stops a run of several processes within 10 steps. One process
+alone reads its flag after every step: no collective, no wait.
 
 Handlers are installed only in the main thread (Python delivers signals there alone); elsewhere
 ``stop_signals`` installs nothing and never asks to stop. A handler installed outside Python (JAX's

@@ -13,6 +13,8 @@ loop. Each piece of computation it compiles lives elsewhere, in ``dew.training.s
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import time
@@ -32,7 +34,7 @@ from dew.mesh import BATCH_AXES, MeshSpec, build_mesh
 from dew.parallel import Shards, expert, pipeline, sequence, tensor
 from dew.parallel.options import StepOptions
 from dew.training.flops import model_flops_per_token, peak_flops
-from dew.training.preemption import stop_signals
+from dew.training.preemption import RUN, stop_signals
 from dew.training.state import TrainState
 from dew.training.step import (
     BATCH_SPEC,
@@ -54,6 +56,10 @@ from dew.training.tracking import (
 @jax.jit
 def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+
+
+# Across processes, fit agrees on a stop request (SIGTERM, Ctrl-C) every this many steps.
+STOP_AGREE_EVERY = 10
 
 
 def _router_line(metrics: dict) -> str:
@@ -145,6 +151,14 @@ class Trainer:
         sequence.check_seq_len(objective.seq_len, mesh_shape["sequence"])
         if engine == "shard_map":
             options.check(mesh_shape, objective.seq_len)
+        if hasattr(objective.model, "attention_for"):
+            # An attention kernel that cannot run on these devices (cuDNN off a GPU, or on a
+            # ring) is refused here, before anything is traced, not by the first step.
+            objective.model.attention_for(
+                self.mesh.devices.flat[0].platform,
+                mesh_shape if engine == "shard_map" else None,
+                options.sequence_scheme,
+            )
         axes = objective.model.logical_axes()
         abstract_state = jax.eval_shape(self._fresh_state, self.key)
         self.param_specs = layout.specs(self.mesh, abstract_state.params, axes)
@@ -229,6 +243,16 @@ class Trainer:
             "layout": self.layout.describe(),
             "engine": self.engine,
         }
+        if dataclasses.is_dataclass(self.objective.model):
+            # The model's configuration, so that the checkpoint converts (dew convert --to hf)
+            # and starts a run (dew train --init-from) on its own.
+            model = self.objective.model
+            described = {"name": type(model).__name__, "config": dataclasses.asdict(model)}
+            try:
+                json.dumps(described, allow_nan=False)
+                metadata["model"] = described
+            except (TypeError, ValueError):  # a model field JSON cannot hold: left out
+                pass
         if self.options != StepOptions():
             metadata["options"] = self.options.describe()
         if self.mesh.shape["stage"] > 1:
@@ -428,7 +452,8 @@ class Trainer:
             for an MoE model ``"load_balance_loss"``, ``"router_z_loss"`` and
             ``"dropped_fraction"``, on a step that evaluated ``"val_loss"`` and ``"val_weights"``;
             docs/metrics.md), written by process 0 and flushed as each step ends; its folder is
-            created. ``step_time_s`` is the wall time from the step's dispatch to its loss (the
+            created. ``step_time_s`` is the wall time from the step's start (its dispatch, or the
+            end of the step before when later: steps queue on the devices) to its loss (the
             first step of a run includes compiling); ``mfu`` only where the device's peak is known
             (``dew.training.flops``). A resumed run appends, so steps trained again after the
             checkpoint it resumed from appear twice: the later line is the run's.
@@ -444,6 +469,13 @@ class Trainer:
             ``TensorBoard(logdir)``, ``JsonLines(path)``, or anything with ``log(step, metrics)``
             and ``close()``). Only process 0 calls ``log``; ``fit`` calls every tracker's ``close``
             when it returns, or raises from its training loop.
+
+        The host never waits for a step before dispatching the next: each step's metrics are read
+        (and its loss checked finite) once the next step is dispatched, so printing, logging and a
+        non-finite loss come one step late. fit waits for a step where it must: to evaluate or
+        save the state it leaves (after checking its loss: a saved state always comes from a
+        finite-loss step), at the last step, and, in a run of several processes, every
+        ``STOP_AGREE_EVERY`` steps to agree on a stop.
 
         SIGTERM or Ctrl-C stops the run after the step in flight, with a checkpoint of that step:
         after SIGTERM (or a second Ctrl-C) ``fit`` prints ``Preempted at step N; checkpoint saved``
@@ -493,8 +525,50 @@ class Trainer:
             peak=peak_flops(self.mesh.devices.flat[0].device_kind),
         )
         weights = "ema" if self.objective.ema_decay is not None else "params"
-        first_step_after = None
-        in_steps = 0.0
+        timing = dict(first_step_after=None, in_steps=0.0, last_end=None)
+        # A stop request (SIGTERM, Ctrl-C) is seen after every step by one process, which reads
+        # its own flag (no wait); several processes agree on it every STOP_AGREE_EVERY steps and
+        # wherever fit waits anyway: the agreement is a collective, whose answer waits for the step
+        # in flight.
+        one_process = jax.process_count() == 1
+
+        def report(
+            step: int, step_metrics: dict, began: float, state=None, last: bool = False
+        ) -> None:
+            """Reads step ``step``'s metrics (waiting for it), stops on a non-finite loss, prints
+            and logs them; ``state``: the state after ``step``, to evaluate when it is due;
+            ``last``: the run stops after it (a signal), so its loss is printed whatever
+            ``log_every`` says."""
+            step_metrics = {name: float(v) for name, v in step_metrics.items()}  # waits
+            loss = step_metrics["loss"]
+            ended = time.perf_counter()
+            if not math.isfinite(loss):
+                # Stop before this state (or the one after it, already dispatched) can be saved
+                # over (and rotate out) good checkpoints.
+                raise FloatingPointError(
+                    f"step {step}: the loss is {loss}; stopping without saving this state "
+                    "(latest checkpoint: "
+                    f"{self.checkpoints.latest if self.checkpoints else None})"
+                )
+            # The device starts a step once it has dispatched and the step before has ended.
+            seconds = ended - max(began, timing["last_end"] or began)
+            timing["last_end"] = ended
+            if timing["first_step_after"] is None:
+                timing["first_step_after"] = ended - started
+            else:
+                timing["in_steps"] += seconds
+            if step % log_every == 0 or step == steps or last:
+                print(f"step {step}: loss {loss:.4f}{_router_line(step_metrics)}")
+            validation = None
+            if (
+                state is not None
+                and eval_every is not None
+                and (step % eval_every == 0 or step == steps)
+            ):
+                validation = self.validation_metrics(state, data, weights, eval_batches)
+                print(f"step {step}: val_loss {validation['loss']:.4f}")
+            fit_log.step(step, step_metrics, seconds, validation, weights)
+
         with (
             data.batches(
                 start=next_batch, rows=self._process_rows(data.batch_size, width)
@@ -502,36 +576,34 @@ class Trainer:
             fit_log,
             stop_signals() as stop,
         ):
+            # The step before this one, dispatched and not yet read: (step, metrics, began). Its
+            # metrics are read once the next step is dispatched, so the device never waits for the
+            # host between steps. fit waits for a step only where it must: to evaluate or save
+            # the state the step leaves (the step's loss is checked finite first, so a saved state
+            # always comes from a checked step), at the last step, and to agree on a stop.
+            pending = None
             for step in range(start + 1, steps + 1):
                 index, rows = next(batches)
                 batch = self.device_batch(rows, data.batch_size)
                 began = time.perf_counter()
-                state, step_metrics = step_fn(state, batch)
-                step_metrics = {name: float(v) for name, v in step_metrics.items()}  # waits
-                loss = step_metrics["loss"]
-                ended = time.perf_counter()
-                if not math.isfinite(loss):
-                    # Stop before this state can be saved over (and rotate out) good checkpoints.
-                    raise FloatingPointError(
-                        f"step {step}: the loss is {loss}; stopping without saving this state "
-                        "(latest checkpoint: "
-                        f"{self.checkpoints.latest if self.checkpoints else None})"
-                    )
-                if first_step_after is None:
-                    first_step_after = ended - started
+                state, step_metrics = step_fn(state, batch)  # dispatched; runs on its own
+                if pending is not None:
+                    report(*pending)  # the step before: read while this one runs
+                pending = (step, step_metrics, began)
+                saves = checkpoint_every is not None and step % checkpoint_every == 0
+                evaluates = eval_every is not None and step % eval_every == 0
+                waits = saves or evaluates or step == steps
+                if one_process:
+                    waits = waits or stop.agreed() != RUN  # its own flag: no collective
                 else:
-                    in_steps += ended - began
-                if step % log_every == 0 or step == steps:
-                    print(f"step {step}: loss {loss:.4f}{_router_line(step_metrics)}")
-                validation = None
-                if eval_every is not None and (step % eval_every == 0 or step == steps):
-                    validation = self.validation_metrics(state, data, weights, eval_batches)
-                    print(f"step {step}: val_loss {validation['loss']:.4f}")
-                fit_log.step(step, step_metrics, ended - began, validation, weights)
+                    waits = waits or step % STOP_AGREE_EVERY == 0
+                if not waits:
+                    continue
                 stopping = stop.agreed()  # SIGTERM or Ctrl-C, on any process
-                if checkpoint_every is not None and step % checkpoint_every == 0 and step != steps:
-                    if not stopping:
-                        self.save(state, data, index + 1)
+                report(*pending, state=state, last=bool(stopping))  # this step: waits for it
+                pending = None
+                if saves and step != steps and not stopping:
+                    self.save(state, data, index + 1)
                 if stopping:
                     break
             if self.checkpoints is not None:  # with the handlers on: a signal cannot cut it short
@@ -539,8 +611,8 @@ class Trainer:
                 self.checkpoints.wait()
         wall = time.perf_counter() - started
         print(
-            f"Goodput: first step after {first_step_after:.2f} s, "
-            f"{100.0 * in_steps / wall:.1f}% of the wall time in steps"
+            f"Goodput: first step after {timing['first_step_after']:.2f} s, "
+            f"{100.0 * timing['in_steps'] / wall:.1f}% of the wall time in steps"
         )
         stop.finish(step, saved=self.checkpoints is not None, state=state)
         return state

@@ -1,0 +1,152 @@
+"""The ``dew`` command's flags mean one thing everywhere: a repeated flag adds up where it takes
+several values and is refused where it takes one, a repeated axis in one mesh is refused, one
+``min_shard`` default from Python and every command, a preset keeps its own context, and every
+command that builds a model says what it runs in its first line.
+
+Parsing only (no compile), except the header checks, which run ``dew collectives`` on a tiny
+model."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+import dew
+from dew.cli.flags import model_config, sizes_text
+from dew.cli.main import build_parser
+from dew.layout import DEFAULT_MIN_SHARD
+from dew.mesh import MeshSpec
+
+# Each command that builds a model, with what it needs besides the flags under test.
+COMMANDS = {
+    "train": [],
+    "collectives": [],
+    "bench": [],
+    "plan": ["--target", "v5e-8"],
+}
+
+
+def parse(command, *flags):
+    return build_parser().parse_args([command, *COMMANDS[command], *flags])
+
+
+@pytest.mark.parametrize("command", ["train", "collectives"])
+def test_a_second_mesh_where_one_layout_runs_exits_2_naming_both(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(command, "--mesh", "fsdp=8", "--mesh", "tensor=2")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--mesh given twice (fsdp=8 and tensor=2); it takes one value" in err
+    assert "fsdp=8,tensor=2" in err  # what to write instead
+
+
+@pytest.mark.parametrize("command", ["bench", "plan"])
+def test_a_second_mesh_where_layouts_are_compared_adds_up(command):
+    args = parse(command, "--mesh", "fsdp=8", "--mesh", "tensor=2", "data=2,fsdp=4")
+    assert args.mesh == ["fsdp=8", "tensor=2", "data=2,fsdp=4"]
+    assert parse(command, "--mesh", "fsdp=8").mesh == ["fsdp=8"]  # one given: only it
+
+
+def test_repeats_of_other_flags_add_up_or_are_refused(capsys):
+    assert parse(
+        "plan", "--mesh", "fsdp=8", "--engines", "shard_map", "--engines", "gspmd"
+    ).engines == [
+        "shard_map",
+        "gspmd",
+    ]
+    assert parse("plan", "--mesh", "fsdp=8", "--remat", "full", "--remat", "dots").remat == [
+        "full",
+        "dots",
+    ]
+    for command in COMMANDS:
+        with pytest.raises(SystemExit) as exit_:
+            parse(command, "--batch", "8", "--batch", "16")
+        assert exit_.value.code == 2, command
+        assert "--batch given twice (8 and 16); it takes one value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_repeated_axis_in_one_mesh_is_refused(command):
+    with pytest.raises(ValueError, match=r"mesh 'fsdp=4,fsdp=2' gives fsdp twice"):
+        MeshSpec.parse("fsdp=4,fsdp=2")
+    # Through the command: exit 2, the message on stderr, before any compile.
+    argv = ["dew", command, *COMMANDS[command], "--mesh", "fsdp=4,fsdp=2", "--cpu-devices", "8"]
+    if command == "plan":
+        argv.remove("--cpu-devices")
+        argv.remove("8")
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from dew.cli.main import main; sys.exit(main())"]
+        + argv[1:],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "gives fsdp twice (fsdp=4 and fsdp=2)" in done.stderr
+
+
+def test_one_min_shard_default_from_python_and_every_command():
+    assert dew.Layout().min_shard == DEFAULT_MIN_SHARD == 4096
+    for command in COMMANDS:
+        assert parse(command).min_shard == dew.Layout().min_shard, command
+
+
+def test_a_preset_keeps_its_context_and_refuses_rows_longer_than_it():
+    for command in COMMANDS:
+        config = model_config(parse(command, "--model", "llama-3.2-1b", "--seq-len", "64"))
+        assert config["max_seq_len"] == 8192, command  # Llama 3's pretraining context
+        config = model_config(parse(command, "--model", "gpt2-small"))
+        assert config["max_seq_len"] == 1024, command
+    with pytest.raises(ValueError, match="--seq-len 2048 is above gpt2-small's context of 1024"):
+        model_config(parse("train", "--model", "gpt2-small", "--seq-len", "2048"))
+    # The example decoder has no context of its own: it is the rows' length.
+    assert model_config(parse("train", "--seq-len", "48"))["max_seq_len"] == 48
+
+
+def test_precision_recompute_and_attention_reach_the_model_on_every_command():
+    flags = ["--dtype", "bfloat16", "--param-dtype", "bfloat16", "--remat", "dots"]
+    flags += ["--attention", "pallas"]
+    for command in COMMANDS:
+        config = model_config(parse(command, *flags))
+        if command == "plan":  # plan's --remat takes several, and model_config reads one
+            assert config["remat"] == ["dots"]
+            continue
+        model = dew.models.build("causal_transformer", **config)
+        got = (model.dtype, model.param_dtype, model.remat, model.attention_impl)
+        assert got == ("bfloat16", "bfloat16", "dots", "pallas"), command
+    # Not given: the model's own.
+    example = dew.models.build("causal_transformer", **model_config(parse("train")))
+    assert (example.dtype, example.attention_impl) == ("float32", "xla")
+
+
+def test_the_header_names_every_size_and_choice():
+    args = parse("train", "--model", "llama-3.2-1b", "--layers", "2", "--seq-len", "64")
+    config = model_config(args)
+    text = sizes_text(config, args)
+    model = dew.models.build("causal_transformer", **config)
+    for field in ("num_layers", "emb_features", "num_heads", "num_kv_heads", "vocab_size"):
+        assert str(getattr(model, field)) in text, field
+    assert "context 8192" in text and "batch 16 x 64 tokens" in text
+    for field in ("dtype", "param_dtype", "remat", "attention_impl"):
+        assert str(getattr(model, field)) in text, field
+    assert dataclasses.is_dataclass(model)
+
+
+def test_help_shows_every_default_of_attention_and_accumulation(capsys):
+    for command in COMMANDS:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        if command != "bench":  # bench times one step of the whole batch
+            assert "--accumulation K microbatches per step" in text, command
+            assert "before one update (default 1)" in text, command
+        assert "--attention {" in text and "(default: the model's own" in text, command
+
+
+def test_collectives_spells_engines_as_bench_and_plan_do():
+    for command in COMMANDS:
+        if command == "train":
+            continue
+        args = parse(command, "--engines", "shard_map", "gspmd")
+        assert args.engines == ["shard_map", "gspmd"], command
