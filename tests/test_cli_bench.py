@@ -30,6 +30,33 @@ def test_dew_bench_runs_and_records_sequence_parallel(tmp_path, dew_here):
     }, rows
 
 
+def test_dew_bench_runs_each_model_choice_as_contestants_of_its_own(tmp_path, dew_here):
+    # --remat full dots --dtype float32 bfloat16: four models, each on fsdp=8 with both engines
+    # and on one device; each shard_map row compared with the rows of its own model.
+    out = dew_here(
+        "bench",
+        *("--mesh", "fsdp=8", "--remat", "full", "dots", "--dtype", "float32", "bfloat16"),
+        *("--depth-check", "0", "--repeats", "1", "--warmup", "0"),
+        *("--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "8"),
+        *("--json", "bench.json"),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    models = [
+        f"dtype={dtype}, remat={remat}"
+        for dtype in ("float32", "bfloat16")
+        for remat in ("full", "dots")
+    ]
+    assert "models " + " | ".join(models) + ", " in out.stdout.splitlines()[0], out.stdout
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    ran = sorted((r["variant"], r["engine"]) for r in rows)
+    assert ran == sorted((m, e) for m in models for e in ("shard_map", "gspmd", "one_device"))
+    # One ratios row per model, each against its own GSPMD and one-device rows.
+    ratios = [line.split("  ")[0] for line in out.stdout.splitlines() if "]  " in line]
+    for m in models:
+        assert f"fsdp=8 [{m}]" in ratios, out.stdout
+
+
 def test_dew_bench_runs_an_moe_model_on_the_expert_axis_against_gspmd(tmp_path, dew_here):
     # A one-step run of a tiny MoE model: what is checked is what ran, not how fast.
     out = dew_here(

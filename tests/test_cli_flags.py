@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import dew
-from dew.cli.flags import model_config, sizes_text
+from dew.cli.flags import model_config, model_variants, sizes_text
 from dew.cli.main import build_parser
 from dew.layout import DEFAULT_MIN_SHARD
 from dew.mesh import MeshSpec
@@ -108,11 +108,10 @@ def test_precision_recompute_and_attention_reach_the_model_on_every_command():
     flags = ["--dtype", "bfloat16", "--param-dtype", "bfloat16", "--remat", "dots"]
     flags += ["--attention", "pallas"]
     for command in COMMANDS:
-        config = model_config(parse(command, *flags))
-        if command == "plan":  # plan's --remat takes several, and model_config reads one
-            assert config["remat"] == ["dots"]
-            continue
-        model = dew.models.build("causal_transformer", **config)
+        # bench's --dtype, --remat and --attention take several values (plan's --remat): each a
+        # variant of the model, here one.
+        config, (variant,) = model_variants(parse(command, *flags))
+        model = dew.models.build("causal_transformer", **{**config, **variant})
         got = (model.dtype, model.param_dtype, model.remat, model.attention_impl)
         assert got == ("bfloat16", "bfloat16", "dots", "pallas"), command
     # Not given: the model's own.
@@ -150,3 +149,26 @@ def test_collectives_spells_engines_as_bench_and_plan_do():
             continue
         args = parse(command, "--engines", "shard_map", "gspmd")
         assert args.engines == ["shard_map", "gspmd"], command
+
+
+def test_bench_takes_several_model_choices_and_builds_each():
+    from dew.benchmark import ModelSize
+
+    args = parse("bench", "--remat", "full", "dots", "--attention", "xla", "--dtype", "bfloat16")
+    config, variants = model_variants(args)
+    assert variants == [
+        {"remat": "full", "attention_impl": "xla", "dtype": "bfloat16"},
+        {"remat": "dots", "attention_impl": "xla", "dtype": "bfloat16"},
+    ]
+    assert "remat" not in config and "attention_impl" not in config  # left to each variant
+    size = ModelSize.of(config, batch=args.batch, seq_len=args.seq_len)
+    for variant in variants:
+        model = size.objective(**variant).model
+        assert (model.remat, model.attention_impl, model.dtype) == (
+            variant["remat"],
+            "xla",
+            "bfloat16",
+        )
+    # Given once each, a choice is the model's, and there is one variant: the model.
+    config, variants = model_variants(parse("bench", "--param-dtype", "bfloat16"))
+    assert variants == [{}] and config["param_dtype"] == "bfloat16"

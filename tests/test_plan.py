@@ -193,3 +193,20 @@ def test_plan_refuses_what_it_cannot_plan_before_compiling(argv, says):
     args = build_parser().parse_args(["plan", *argv])
     with pytest.raises(ValueError, match=re.escape(says)):
         plan_command.run(args)
+
+
+def test_plan_gives_a_row_per_recompute_policy(tmp_path, capsys):
+    # The example decoder at 4 layers, 16 x 512 tokens on v5e-8, fsdp=8: keeping the matmul
+    # outputs for the backward ("dots") needs more memory than recomputing them ("full").
+    out = tmp_path / "plan.json"
+    args = build_parser().parse_args(
+        ["plan", "--target", "v5e-8", "--mesh", "fsdp=8", "--layers", "4"]
+        + ["--remat", "full", "dots", "--json", str(out)]
+    )
+    assert plan_command.run(args) == 0
+    rows = {row["remat"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == {"full", "dots"} and all(r["fits"] for r in rows.values())
+    assert rows["dots"]["state_bytes"] == rows["full"]["state_bytes"]  # the same weights
+    assert rows["dots"]["total_bytes"] > rows["full"]["total_bytes"], rows
+    table = capsys.readouterr().out.split("layout  engine")[-1]
+    assert "  full  " in table and "  dots  " in table

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Sequence
 
-from dew.benchmark.measure import Result
+from dew.benchmark.measure import Result, row_name
 from dew.benchmark.ratios import layout_ratios
 from dew.benchmark.rounds import DepthCheck
 
@@ -158,12 +158,12 @@ def missed(found: Sequence[Target]) -> list[Target]:
 def _fsdp_state_ratios(results: Sequence[Result]) -> Iterator[tuple[str, int, float]]:
     """``(layout, n, state(fsdp=n) / (state(data=n) / n))`` for each fully sharded layout
     (``fsdp=n``, nothing else) run beside ``data=n``: at most 1 plus what stays whole."""
-    state: dict[str, int] = {}
+    state: dict[tuple[str, str], int] = {}
     for r in results:
-        state.setdefault(r.layout, r.state_bytes_per_device)
-    for layout, fsdp_bytes in state.items():
+        state.setdefault((r.layout, r.variant), r.state_bytes_per_device)
+    for (layout, variant), fsdp_bytes in state.items():
         if layout.startswith("fsdp=") and "," not in layout:
             n = int(layout.split("=")[1])
-            data_bytes = state.get(f"data={n}")
+            data_bytes = state.get((f"data={n}", variant))
             if data_bytes:
-                yield layout, n, fsdp_bytes / (data_bytes / n)
+                yield row_name(layout, None, None, variant), n, fsdp_bytes / (data_bytes / n)

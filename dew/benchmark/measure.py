@@ -100,8 +100,9 @@ class ModelSize:
         moe = {k: config.pop(k) for k in moe_keys if k in config}
         return cls(**sizes, batch=batch, moe=moe, shape=config)
 
-    def objective(self):
-        """The ``LMObjective`` of this model (raises ``ValueError`` on sizes the model refuses)."""
+    def objective(self, **overrides):
+        """The ``LMObjective`` of this model, with ``overrides`` of ``build``'s arguments (a
+        variant: ``remat="dots"``); raises ``ValueError`` on sizes the model refuses."""
         from dew import models
         from dew.objectives.lm import LMObjective
 
@@ -112,8 +113,7 @@ class ModelSize:
             num_layers=self.layers,
             num_heads=self.heads,
             max_seq_len=self.seq_len,
-            **dict(self.moe),
-            **dict(self.shape),
+            **{**dict(self.moe), **dict(self.shape), **overrides},
         )
         return LMObjective(model, self.seq_len)
 
@@ -148,12 +148,15 @@ class Result:
     # FLOPs per second over the devices' peak where Dew knows the device (None on a CPU).
     tokens_per_s: float | None = None
     mfu: float | None = None
+    # The model's choices this row ran with where several were compared (``dew bench --attention
+    # xla cudnn``): ``"attention_impl=cudnn"``; empty when one model ran.
+    variant: str = ""
 
     @property
     def name(self) -> str:
         """The layout, and the sequence scheme and pipeline schedule where there are:
         ``row_name``."""
-        return row_name(self.layout, self.sequence_scheme, self.pipeline_schedule)
+        return row_name(self.layout, self.sequence_scheme, self.pipeline_schedule, self.variant)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -168,13 +171,24 @@ def layout_name(mesh_shape: dict, microbatches: int | None = None) -> str:
     return ",".join(parts) or "data=1"
 
 
-def row_name(layout: str, sequence_scheme: str | None, pipeline_schedule: str | None = None) -> str:
+def row_name(
+    layout: str,
+    sequence_scheme: str | None,
+    pipeline_schedule: str | None = None,
+    variant: str = "",
+) -> str:
     """``("sequence=8", "all_to_all")`` -> ``"sequence=8 (all_to_all)"``, ``("stage=4,
     microbatches=8", None, "1f1b")`` -> ``"stage=4,microbatches=8 (1f1b)"``; the layout alone when
-    both are ``None``. Tells a layout's shard_map contestants apart in the table and the
-    targets."""
+    both are ``None``; the model's ``variant`` after it in brackets (``"fsdp=8
+    [remat=dots]"``). Tells a layout's contestants apart in the table and the targets."""
     variants = [v for v in (sequence_scheme, pipeline_schedule) if v is not None]
-    return f"{layout} ({', '.join(variants)})" if variants else layout
+    name = f"{layout} ({', '.join(variants)})" if variants else layout
+    return f"{name} [{variant}]" if variant else name
+
+
+def variant_text(overrides: dict) -> str:
+    """``{"remat": "dots", "attention_impl": "xla"}`` -> ``"attention_impl=xla, remat=dots"``."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(overrides.items()))
 
 
 def state_bytes_per_device(state) -> int:
@@ -221,6 +235,7 @@ class Contestant:
         min_shard: int = Layout().min_shard,
         seed: int = 0,
         options: StepOptions = StepOptions(),
+        variant: str = "",
     ):
         one_device = engine == ONE_DEVICE
         self.trainer = Trainer(
@@ -242,7 +257,7 @@ class Contestant:
         self.microbatches = self.trainer.microbatches if mesh_shape["stage"] > 1 else None
         self.layout = layout_name(mesh_shape, self.microbatches)
         # Contestants of one group (a mesh, whatever its microbatches) run back to back.
-        self.group = (layout_name(mesh_shape), one_device)
+        self.group = (layout_name(mesh_shape), one_device, variant)
         # What the row records: the Trainer took the options only where they take effect, so
         # sequence_parallel is in effect as given; the scheme and schedule are named only where
         # there is an axis for them.
@@ -254,7 +269,8 @@ class Contestant:
         self.pipeline_schedule = (
             options.pipeline_schedule if shard_map and mesh_shape["stage"] > 1 else None
         )
-        self.name = row_name(self.layout, self.sequence_scheme, self.pipeline_schedule)
+        self.variant = variant
+        self.name = row_name(self.layout, self.sequence_scheme, self.pipeline_schedule, variant)
         # The shard_map pipeline's twin at twice the microbatches and batch (set by
         # ``dew.benchmark.rounds``), whose step time gives ``bubble_measured``.
         self.twin: Contestant | None = None
@@ -337,6 +353,7 @@ class Contestant:
             pipeline_schedule=self.pipeline_schedule,
             tokens_per_s=speed["tokens_per_s"],
             mfu=speed.get("mfu"),
+            variant=self.variant,
             **bubble,
         )
 

@@ -39,16 +39,18 @@ def layout_ratios(results: Sequence[Result]) -> dict[str, dict[str, float]]:
     - against the one-device row: ``time_vs_one_device`` (shard_map / one device), and with both,
       ``gspmd_vs_one_device``.
 
-    Every scheme and schedule of a layout is compared with the layout's one GSPMD row.
+    Every scheme and schedule of a layout is compared with the layout's one GSPMD row, and each
+    model variant with the rows of the same variant.
     """
-    gspmd_rows = {r.layout: r for r in results if r.engine == "gspmd"}
-    one = next((r for r in results if r.engine == ONE_DEVICE), None)
+    gspmd_rows = {(r.layout, r.variant): r for r in results if r.engine == "gspmd"}
+    one_rows = {r.variant: r for r in results if r.engine == ONE_DEVICE}
     ratios: dict[str, dict[str, float]] = {}
     for r in results:
         if r.engine != "shard_map":
             continue
         found = ratios.setdefault(r.name, {})
-        gspmd = gspmd_rows.get(r.layout)
+        gspmd = gspmd_rows.get((r.layout, r.variant))
+        one = one_rows.get(r.variant)
         if gspmd is not None:
             found["time_vs_gspmd"] = time_ratio(r, gspmd)
             found["wire"] = ratio(r.wire_bytes, gspmd.wire_bytes)

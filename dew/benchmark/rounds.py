@@ -36,7 +36,7 @@ import dataclasses
 import statistics
 from typing import Callable, Sequence
 
-from dew.benchmark.measure import ONE_DEVICE, Contestant, ModelSize, Result
+from dew.benchmark.measure import ONE_DEVICE, Contestant, ModelSize, Result, variant_text
 from dew.checks import nonnegative_int, positive_int
 from dew.layout import Layout
 from dew.mesh import MeshSpec
@@ -121,6 +121,7 @@ def _twin(c: Contestant, objective, min_shard: int, seed: int) -> Contestant:
         min_shard,
         seed,
         c.options,
+        c.variant,
     )
     twin.group = c.group
     c.twin = twin
@@ -152,6 +153,7 @@ def compare(
     sequence_parallel: bool = False,
     sequence_schemes: Sequence[str] = ("ring",),
     pipeline_schedules: Sequence[str] = ("1f1b",),
+    variants: Sequence[dict] = ({},),
     log: Callable[[str], None] | None = print,
 ) -> list[Result]:
     """Measures every layout with every engine: one ``Result`` each (for the shard_map engine, one
@@ -178,7 +180,10 @@ def compare(
         layout with ``stage > 1`` (which must give ``microbatches``), one shard_map contestant
         per schedule, each with its twin at twice the microbatches and batch
         (``Result.bubble_measured``; the twins are not rows of their own).
-      log: called with a line of progress; ``None`` for quiet.
+      variants: the model's choices to compare, each a dict of ``build`` arguments
+        (``{"remat": "dots"}``, ``{"attention_impl": "cudnn", "dtype": "bfloat16"}``): every
+        layout, engine and the one-device row once per variant (``Result.variant``); ratios
+        compare rows of the same variant. Default: the model as ``size`` gives it.
 
     Every argument is checked (sizes, layouts against the device count, each contestant's options
     against its mesh, the batch against each layout's batch split) before anything is compiled.
@@ -194,19 +199,29 @@ def compare(
     asked = _asked_options(sequence_parallel, sequence_schemes, pipeline_schedules)
     specs = _mesh_specs(layouts)
     log = log or (lambda line: None)
-    objective = size.objective()
-    contestants = [
-        Contestant(objective, size, spec, engine, min_shard, seed, options)
-        for spec in specs
-        for engine in engines
-        # Each distinct set of options once: a scheme asked does nothing without a sequence axis.
-        for options in dict.fromkeys(options_for(a, spec, engine) for a in asked)
-    ]
-    twins = [
-        _twin(c, objective, min_shard, seed) for c in contestants if c.pipeline_schedule is not None
-    ]
-    if one_device:
-        contestants.append(Contestant(objective, size, MeshSpec(), ONE_DEVICE, min_shard, seed))
+    if not variants:
+        raise ValueError("no model variants to compare; give at least one ({} is the model)")
+    contestants, twins = [], []
+    for overrides in variants:
+        objective = size.objective(**overrides)
+        variant = variant_text(overrides) if len(variants) > 1 else ""
+        these = [
+            Contestant(objective, size, spec, engine, min_shard, seed, options, variant)
+            for spec in specs
+            for engine in engines
+            # Each distinct set of options once: a scheme does nothing without a sequence axis.
+            for options in dict.fromkeys(options_for(a, spec, engine) for a in asked)
+        ]
+        twins += [
+            _twin(c, objective, min_shard, seed) for c in these if c.pipeline_schedule is not None
+        ]
+        if one_device:
+            these.append(
+                Contestant(
+                    objective, size, MeshSpec(), ONE_DEVICE, min_shard, seed, variant=variant
+                )
+            )
+        contestants += these
     names = [(c.name, c.engine) for c in contestants]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

@@ -8,6 +8,8 @@
     dew bench --mesh expert=8 fsdp=8 --experts 8 --experts-per-token 2
     dew bench --mesh stage=4,microbatches=8 --pipeline-schedule 1f1b 1f1b_phased
     dew bench --check                          # exit 1 when a target is MISSED
+    dew bench --cpu-devices 0 --model gpt2-small --mesh data=1 --attention cudnn pallas \
+        --remat full dots                      # one GPU: four models, each with its MFU
 
 The measurements and the targets are ``dew.benchmark``'s; this module only reads flags and prints.
 """
@@ -29,7 +31,7 @@ from dew.cli.flags import (
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     engine_names,
-    model_config,
+    model_variants,
     moe_config,
     sizes_text,
 )
@@ -76,6 +78,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         layers=size.layers,
         width=size.width,
         heads=size.heads,
+        several=("dtype", "remat", "attention"),
     )
     add_moe_flags(parser)
     parser.add_argument(
@@ -134,10 +137,14 @@ def _check_json_target(path: str | None) -> Path | None:
     return target
 
 
-def _header(args, config, specs) -> str:
+def _header(args, config, specs, models) -> str:
     import jax
 
+    from dew.benchmark.measure import variant_text
+
     variants = ""
+    if len(models) > 1:
+        variants += "models " + " | ".join(variant_text(m) for m in models) + ", "
     if any(spec.sequence > 1 for spec in specs):
         variants += f"sequence schemes {' '.join(args.sequence_scheme)}, "
     if any(spec.stage > 1 for spec in specs):
@@ -163,10 +170,10 @@ def run(args) -> int:
         raise ValueError(
             f"--depth-check must be 0 (skip) or a number of layers, got {args.depth_check}"
         )
-    config = model_config(args)
+    config, models = model_variants(args)
     size = benchmark.ModelSize.of(config, batch=args.batch, seq_len=args.seq_len)
     specs = [MeshSpec.parse(text) for text in args.mesh]
-    print(_header(args, config, specs), flush=True)
+    print(_header(args, config, specs, models), flush=True)
     results = benchmark.compare(
         size,
         specs,
@@ -180,6 +187,7 @@ def run(args) -> int:
         sequence_parallel=args.sequence_parallel,
         sequence_schemes=args.sequence_scheme,
         pipeline_schedules=args.pipeline_schedule,
+        variants=models,
         log=lambda line: print("  " + line, flush=True),
     )
     depth = None
@@ -188,7 +196,7 @@ def run(args) -> int:
         # first; with the first scheme and schedule asked, where it has the axis for them.
         spec = next((s for s in specs if s.fsdp > 1 and s.model_devices == s.fsdp), specs[0])
         depth = benchmark.compile_depth(
-            size,
+            benchmark.ModelSize.of({**config, **models[0]}, args.batch, args.seq_len),
             spec,
             args.depth_check,
             min_shard=args.min_shard,

@@ -86,16 +86,16 @@ def add_model_flags(
     layers: int,
     width: int,
     heads: int,
-    several_remat: bool = False,
+    several: tuple[str, ...] = (),
 ) -> None:
     """The decoder, its precision, recompute and attention, and its batch: a ``--model`` preset
     (``dew.models.presets``) or the example decoder (a byte vocabulary) of ``layers``, ``width``
     and ``heads``; ``--layers``, ``--width`` and ``--heads`` override either. ``--dtype``,
     ``--param-dtype``, ``--remat`` and ``--attention`` default to the model's own (a preset's:
     bfloat16 activations and the fastest attention for the devices; the example decoder's:
-    float32 and XLA attention). ``several_remat=True``: ``--remat`` takes one or more policies,
-    each a contestant (``model_config`` then reads one at a time). Read them with
-    ``model_config``."""
+    float32 and XLA attention). ``several`` names those of ``dtype``, ``remat`` and
+    ``attention`` that take one or more values, each a contestant of its own (read them with
+    ``model_variants``); read the rest with ``model_config``."""
     from dew.models.causal_transformer import DTYPES, REMAT_CHOICES
     from dew.nn.attention import CHOICES as ATTENTION_CHOICES
 
@@ -126,12 +126,21 @@ def add_model_flags(
     parser.add_argument(
         "--heads", type=int, default=None, help=f"attention heads (default {heads})"
     )
+
+    def takes(name: str) -> dict:
+        """``--name``'s nargs and the words its help ends with."""
+        if name in several:
+            return dict(nargs="+"), "; several: one contestant each"
+        return {}, ""
+
+    nargs, more = takes("dtype")
     parser.add_argument(
         "--dtype",
         default=None,
         choices=tuple(DTYPES),
         help="activations' dtype (default: the model's own, bfloat16 for a preset and float32 "
-        "for the example decoder); softmax, norms and the loss run in float32 regardless",
+        "for the example decoder); softmax, norms and the loss run in float32 regardless" + more,
+        **nargs,
     )
     parser.add_argument(
         "--param-dtype",
@@ -139,17 +148,18 @@ def add_model_flags(
         choices=tuple(DTYPES),
         help="the weights' dtype (default float32; the optimizer's moments follow it)",
     )
+    nargs, more = takes("remat")
     parser.add_argument(
         "--remat",
         default=None,
-        nargs="+" if several_remat else None,
         choices=REMAT_CHOICES,
         metavar="POLICY",
         help="what each layer keeps for the backward (default: the model's own): full "
         "(nothing: the layer is recomputed), dots (the matmul outputs), attention (those and "
-        "the attention output), none (everything)"
-        + ("; several: one contestant each, e.g. --remat full dots" if several_remat else ""),
+        "the attention output), none (everything)" + more,
+        **nargs,
     )
+    nargs, more = takes("attention")
     parser.add_argument(
         "--attention",
         default=None,
@@ -157,7 +167,8 @@ def add_model_flags(
         help="the attention kernel (default: the model's own, auto for a preset, xla for the "
         "example decoder): auto (Pallas on TPU, cuDNN on GPU where it takes the shapes, else "
         "Pallas, XLA on CPU, by the devices the step is compiled for), xla, pallas, cudnn (GPU "
-        "only), pallas_tpu_interpret (the TPU kernels interpreted, for tests)",
+        "only), pallas_tpu_interpret (the TPU kernels interpreted, for tests)" + more,
+        **nargs,
     )
     parser.set_defaults(
         example_model=dict(
@@ -217,6 +228,29 @@ def model_config(args) -> dict:
         )
     config.update(moe_config(args))
     return config
+
+
+def model_variants(args) -> tuple[dict, list[dict]]:
+    """``(config, variants)`` for a command whose model choices take several values
+    (``add_model_flags(several=...)``): ``model_config`` of the flags with those choices left to
+    the model, and one dict of ``build`` arguments per combination of the values given
+    (``--remat full dots --attention xla pallas``: four), ``[{}]`` when none was given."""
+    import itertools
+
+    several = {
+        field: values
+        for flag, field in _MODEL_CHOICE_FLAGS.items()
+        if isinstance(values := getattr(args, flag, None), list)
+    }
+    plain = argparse.Namespace(**{**vars(args), **{f: None for f in _MODEL_CHOICE_FLAGS}})
+    config = model_config(plain)
+    for flag, field in _MODEL_CHOICE_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None and not isinstance(value, list):
+            config[field] = value
+    fields = list(several)
+    variants = [dict(zip(fields, combo)) for combo in itertools.product(*several.values())]
+    return config, variants
 
 
 def sizes_text(config: dict, args, name: str | None = None) -> str:

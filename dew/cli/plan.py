@@ -27,7 +27,7 @@ from dew.cli.flags import (
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     engine_names,
-    model_config,
+    model_variants,
     sizes_text,
     step_options,
 )
@@ -66,7 +66,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     add_model_flags(
         parser,
         **{**EXAMPLE_SIZES, "batch": DEFAULT_BATCH, "seq_len": DEFAULT_SEQ_LEN},
-        several_remat=True,
+        several=("remat",),
     )
     add_moe_flags(parser)
     add_min_shard_flag(parser)
@@ -102,14 +102,22 @@ def setup() -> None:
     compile_only_environment()
 
 
-def _objective(args, remat: str | None = None):
-    """The objective of ``args``' model, with the recompute policy ``remat`` (one of
-    ``--remat``'s; ``None``: the model's own)."""
+def _objectives(args) -> list:
+    """The objective of ``args``' model, one per ``--remat`` policy given (one: the model's
+    own policy, when none is)."""
     from dew import models
     from dew.objectives.lm import LMObjective
 
-    config = model_config(argparse.Namespace(**{**vars(args), "remat": remat}))
-    return LMObjective(models.build("causal_transformer", **config), args.seq_len)
+    config, variants = model_variants(args)
+    return [
+        LMObjective(models.build("causal_transformer", **config, **variant), args.seq_len)
+        for variant in variants
+    ]
+
+
+def _objective(args):
+    """The objective of ``args``' model, of its first ``--remat`` policy."""
+    return _objectives(args)[0]
 
 
 def _count(n: int) -> str:
@@ -124,7 +132,7 @@ def _header(args, target, objective) -> str:
     from dew.planning import weight_count
 
     model = objective.model
-    remats = " ".join(args.remat) if args.remat else model.remat
+    remats = " ".join(args.remat or [model.remat])
     config = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
     return (
         f"dew plan: {target.describe()}\n"
@@ -151,7 +159,7 @@ def run(args) -> int:
         raise FileNotFoundError(
             f"--json {args.json}: the folder {str(json_path.parent)!r} does not exist"
         )
-    objectives = [_objective(args, remat) for remat in args.remat or [None]]
+    objectives = _objectives(args)
     print(_header(args, tpu, objectives[0]), flush=True)
     settings = dict(layout=Layout(min_shard=args.min_shard), accumulation=args.accumulation)
 
