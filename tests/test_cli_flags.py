@@ -172,3 +172,13 @@ def test_bench_takes_several_model_choices_and_builds_each():
     # Given once each, a choice is the model's, and there is one variant: the model.
     config, variants = model_variants(parse("bench", "--param-dtype", "bfloat16"))
     assert variants == [{}] and config["param_dtype"] == "bfloat16"
+
+
+def test_several_policies_replace_a_preset_s_own():
+    # llama-3.2-1b's own remat is "dots": plan --remat full dots plans both, each once.
+    config, variants = model_variants(
+        parse("plan", "--model", "llama-3.2-1b", "--remat", "full", "dots")
+    )
+    assert "remat" not in config and variants == [{"remat": "full"}, {"remat": "dots"}]
+    models = [dew.models.build("causal_transformer", **config, **v) for v in variants]
+    assert [m.remat for m in models] == ["full", "dots"]

@@ -248,6 +248,8 @@ def model_variants(args) -> tuple[dict, list[dict]]:
         value = getattr(args, flag, None)
         if value is not None and not isinstance(value, list):
             config[field] = value
+    for field in several:  # a preset's own choice gives way to the values given
+        config.pop(field, None)
     fields = list(several)
     variants = [dict(zip(fields, combo)) for combo in itertools.product(*several.values())]
     return config, variants

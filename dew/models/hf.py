@@ -20,12 +20,14 @@ split). No permutation of q and k: Hugging Face's checkpoints are already permut
 ``rotate_half`` rotary, pairs ``(x[i], x[i + d/2])``, which is Dew's (``dew.nn.rotary``).
 
 Loading reads, for each parameter, only the slices that this process's devices hold: each slice
-is read from the safetensors files by positioned reads of the rows it needs (through a bounded
-scratch buffer when it needs a part of each row), converted to the parameter's dtype and sent to
-its devices before the next is read (``dew.checkpoints.reader``'s placement), so no host ever
-holds the whole model. Everything that can be checked before reading is checked first (the
-config, the names, shapes and dtypes of every tensor, the files' sizes): a ``ValueError`` naming
-the problem, and no parameters.
+is filled, in the parameter's dtype, from the safetensors files by positioned reads of the rows it
+needs, a few rows at a time (at most ``safetensors.SCRATCH_BYTES`` of whole rows, and the part of
+them kept), and sent to its devices before the next is read (``dew.checkpoints.reader``'s
+placement). Its host buffer is 64-byte aligned, so the CPU backend adopts it as the device buffer
+instead of copying it. No host ever holds the whole model: a process holds its devices' share
+and two scratch-sized buffers (measured in docs/benchmarks.md, "Hugging Face load: host memory").
+Everything that can be checked before reading is checked first (the config, the names, shapes and
+dtypes of every tensor, the files' sizes): a ``ValueError`` naming the problem, and no parameters.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import jax
 import numpy as np
 
 from dew.checkpoints import reader
+from dew.checkpoints.memory import aligned_empty
 from dew.models import safetensors
 from dew.models.causal_transformer import CausalTransformer, resolve_dtype
 from dew.nn import rotary
@@ -351,29 +354,51 @@ class _Reader:
         self.model, self.tensors = model, tensors
 
     def box(self, m: Mapping, start, stop, dtype) -> np.ndarray:
-        out = np.empty(tuple(b - a for a, b in zip(start, stop)), dtype)
+        """The box ``[start, stop)`` of ``m``'s parameter in ``dtype``: a new array, 64-byte
+        aligned so that the CPU backend adopts it as a device buffer instead of copying it."""
+        out = aligned_empty(tuple(b - a for a, b in zip(start, stop)), dtype)
         if m.stacked:
             for j, layer in enumerate(range(start[0], stop[0])):
-                out[j] = self.layer(m, layer, start[1:], stop[1:])
+                self.fill(out[j], m, layer, start[1:], stop[1:])
         else:
-            out[...] = self.layer(m, None, start, stop)
+            self.fill(out, m, None, start, stop)
         return out
 
-    def layer(self, m: Mapping, layer, start, stop) -> np.ndarray:
+    def fill(self, out: np.ndarray, m: Mapping, layer, start, stop) -> None:
+        """Writes one layer's box ``[start, stop)`` of ``m``'s parameter into ``out``, reading
+        the Hugging Face tensor a few rows at a time (at most ``safetensors.SCRATCH_BYTES`` of
+        them): besides ``out``, nothing as large as the box is ever held."""
         tensor = self.tensors[m.name.format(layer) if m.stacked else m.name]
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.dtype.itemsize
         head_dim = self.model.head_dim
-        if m.kind == IN_HEADS:
+        if m.kind == IN_HEADS:  # HF rows: heads x head_dim (Dew's axes 1, 2); columns: embed
             (e0, h0, d0), (e1, h1, d1) = start, stop
-            rows = safetensors.read_block(tensor, (h0 * head_dim, h1 * head_dim), (e0, e1))
-            return rows.reshape(h1 - h0, head_dim, e1 - e0)[:, d0:d1].transpose(2, 0, 1)
-        if m.kind == OUT_HEADS:
+            for a, b in _chunks(h0, h1, head_dim * row_bytes):
+                rows = safetensors.read_block(tensor, (a * head_dim, b * head_dim), (e0, e1))
+                block = rows.reshape(b - a, head_dim, e1 - e0)[:, d0:d1]
+                out[:, a - h0 : b - h0] = block.transpose(2, 0, 1)
+        elif m.kind == OUT_HEADS:  # HF rows: embed (Dew's axis 2); columns: heads x head_dim
             (h0, d0, e0), (h1, d1, e1) = start, stop
-            cols = safetensors.read_block(tensor, (e0, e1), (h0 * head_dim, h1 * head_dim))
-            return cols.reshape(e1 - e0, h1 - h0, head_dim)[:, :, d0:d1].transpose(1, 2, 0)
-        if m.kind == TRANSPOSED:
-            return safetensors.read_block(tensor, (start[1], stop[1]), (start[0], stop[0])).T
-        cols = (start[1], stop[1]) if len(start) == 2 else None
-        return safetensors.read_block(tensor, (start[0], stop[0]), cols)
+            for a, b in _chunks(e0, e1, row_bytes):
+                cols = safetensors.read_block(tensor, (a, b), (h0 * head_dim, h1 * head_dim))
+                block = cols.reshape(b - a, h1 - h0, head_dim)[:, :, d0:d1]
+                out[:, :, a - e0 : b - e0] = block.transpose(1, 2, 0)
+        elif m.kind == TRANSPOSED:  # HF rows: Dew's axis 1
+            for a, b in _chunks(start[1], stop[1], row_bytes):
+                block = safetensors.read_block(tensor, (a, b), (start[0], stop[0]))
+                out[:, a - start[1] : b - start[1]] = block.T
+        else:  # SAME: HF rows are Dew's axis 0
+            cols = (start[1], stop[1]) if len(start) == 2 else None
+            for a, b in _chunks(start[0], stop[0], row_bytes):
+                out[a - start[0] : b - start[0]] = safetensors.read_block(tensor, (a, b), cols)
+
+
+def _chunks(first: int, last: int, unit_bytes: int):
+    """``[a, b)`` ranges covering ``[first, last)``, each of at most
+    ``safetensors.SCRATCH_BYTES`` of units of ``unit_bytes`` (at least one unit)."""
+    step = max(1, safetensors.SCRATCH_BYTES // max(unit_bytes, 1))
+    for a in range(first, last, step):
+        yield a, min(last, a + step)
 
 
 def _place(shape, dtype, sharding, fill: Callable) -> jax.Array:
