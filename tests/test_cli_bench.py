@@ -204,12 +204,16 @@ def test_bench_ratios_compare_each_sequence_scheme_with_the_layouts_gspmd_row():
 
 
 def test_dew_bench_flags_are_spelled_like_the_other_commands():
+    from dew.cli.flags import default_layouts
     from dew.cli.main import build_parser
     from dew.layout import DEFAULT_MIN_SHARD
 
     parser = build_parser()
     args = parser.parse_args(["bench"])
-    assert args.mesh == ["data=8", "fsdp=8", "data=2,fsdp=4"]
+    assert args.mesh is None  # the device count's layouts:
+    assert default_layouts(8) == ["data=8", "fsdp=8", "data=2,fsdp=4"]
+    assert default_layouts(4) == ["data=4", "fsdp=4", "data=2,fsdp=2"]
+    assert default_layouts(2) == ["data=2", "fsdp=2"] and default_layouts(1) == ["data=1"]
     assert (args.sequence_scheme, args.pipeline_schedule) == (["ring"], ["1f1b"])
     assert (args.min_shard, args.check) == (DEFAULT_MIN_SHARD, False)
     args = parser.parse_args(

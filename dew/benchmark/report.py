@@ -60,7 +60,8 @@ def table(results: Sequence[Result]) -> str:
         for r in results
     ]
     lines = _render(header, body, right_from=2)
-    ratios = layout_ratios(results)
+    # Rows with something to compare against (a shard_map row alone has no ratio).
+    ratios = {name: r for name, r in layout_ratios(results).items() if r}
     if ratios:
         lines += [
             "",

@@ -30,6 +30,7 @@ from dew.cli.flags import (
     add_seed_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
+    default_layouts,
     engine_names,
     model_variants,
     moe_config,
@@ -172,13 +173,17 @@ def run(args) -> int:
         )
     config, models = model_variants(args)
     size = benchmark.ModelSize.of(config, batch=args.batch, seq_len=args.seq_len)
-    specs = [MeshSpec.parse(text) for text in args.mesh]
+    import jax
+
+    specs = [MeshSpec.parse(text) for text in args.mesh or default_layouts(jax.device_count())]
+    # On one device the one-device row is the data=1 layout's GSPMD row again.
+    one_device = args.one_device and jax.device_count() > 1
     print(_header(args, config, specs, models), flush=True)
     results = benchmark.compare(
         size,
         specs,
         args.engines,
-        one_device=args.one_device,
+        one_device=one_device,
         steps=args.steps,
         repeats=args.repeats,
         warmup=args.warmup,

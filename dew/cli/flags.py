@@ -380,11 +380,12 @@ def add_mesh_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> 
         parser.add_argument(
             "--mesh",
             nargs="+",
-            default=["data=8", "fsdp=8", "data=2,fsdp=4"],
+            default=None,
             metavar="MESH",
             help="one or more layouts to compare, each axis sizes such as "
             + MESH_EXAMPLES
-            + "; default: data=8 fsdp=8 data=2,fsdp=4",
+            + "; default: data=N fsdp=N data=2,fsdp=N/2 on N devices (data=8 fsdp=8 "
+            "data=2,fsdp=4 on 8), data=1 on one",
         )
     else:
         parser.add_argument(
@@ -392,6 +393,18 @@ def add_mesh_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> 
             default="",
             help="axis sizes, e.g. " + MESH_EXAMPLES + "; default: all data parallel",
         )
+
+
+def default_layouts(devices: int) -> list[str]:
+    """The layouts a command that compares several runs when ``--mesh`` is not given, on
+    ``devices`` devices: all data parallel, fully sharded, and both (where the count is even
+    and above 2); ``data=1`` alone on one device."""
+    if devices == 1:
+        return ["data=1"]
+    layouts = [f"data={devices}", f"fsdp={devices}"]
+    if devices > 2 and devices % 2 == 0:
+        layouts.append(f"data=2,fsdp={devices // 2}")
+    return layouts
 
 
 def add_sequence_parallel_flag(parser: argparse.ArgumentParser) -> None:

@@ -54,7 +54,6 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "(v5p:4x4x4); in v4-N and v5p-N, N counts TensorCores (two per chip)",
     )
     add_mesh_flag(parser, several=True)
-    parser.set_defaults(mesh=None)
     parser.add_argument(
         "--engines",
         nargs="+",
