@@ -14,6 +14,8 @@
 # sizes on the CPU, to check the script itself; its numbers mean nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Dew itself, over the machine's own JAX (kernels/ installs as dew.kernels); nothing downloaded.
+python -c "import dew.kernels" 2>/dev/null || python -m pip install -q --no-deps -e . || exit 1
 out="${1:-bench-gpu}"
 mkdir -p "$out"
 status=0
