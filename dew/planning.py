@@ -16,7 +16,9 @@ in ``libtpu``; nothing runs. A ``PlanRow`` holds what the compiled executable sa
   GiB`` past what the compiler lets a program use (it states that figure when it refuses);
 - the collectives XLA kept, per device per step, read from the compiled HLO by
   ``dew.collectives.hlo_collectives`` with every loop's trip count (so no TPU row is
-  approximate), as wire bytes under the ring formulas and counts per op;
+  approximate), as wire bytes under the ring formulas and counts per op, and those bytes split
+  into overlapped (compute scheduled beside the collective) and exposed
+  (``dew.collectives.overlap.hlo_overlap``);
 - how long the compile took.
 
 ``search`` enumerates the layouts a model and a slice allow and compiles the most promising first
@@ -79,6 +81,10 @@ class PlanRow:
     - ``usable_bytes``: the part of it the TPU compiler says a program may use, when it states
       it (in a refusal; it keeps some for itself).
     - ``wire_bytes``, ``collectives``: the collectives XLA kept; compiled rows only.
+    - ``overlapped_wire_bytes``, ``exposed_wire_bytes``: ``wire_bytes`` split by what the TPU
+      compiler scheduled beside each collective (``dew.collectives.overlap.hlo_overlap``):
+      compute between its start and its done, or nothing; the two add up to ``wire_bytes``.
+      Compiled rows only.
 
     ``error`` is set when the layout was refused before compiling (a ``ValueError`` naming the
     rule) or the compiler failed; ``refused`` when the TPU compiler refused the step for not
@@ -98,6 +104,8 @@ class PlanRow:
     total_bytes: int | None = None
     usable_bytes: int | None = None
     wire_bytes: int | None = None
+    overlapped_wire_bytes: int | None = None
+    exposed_wire_bytes: int | None = None
     collectives: dict = dataclasses.field(default_factory=dict)  # op -> calls per step
     compile_s: float = 0.0
     approximate: bool = False
@@ -214,6 +222,7 @@ def plan_layout(
     mesh gives no axis for) gives a row with its ``error`` rather than raising.
     """
     from dew.collectives import hlo_collectives
+    from dew.collectives.overlap import hlo_overlap
 
     spec = _as_spec(mesh)
     optimizer = optax.adamw(1e-3) if optimizer is None else optimizer
@@ -266,6 +275,7 @@ def plan_layout(
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     report = hlo_collectives(compiled, trainer.mesh)
+    overlap = hlo_overlap(compiled, trainer.mesh)
     counts: dict[str, int] = {}
     for r in report.rows:
         counts[r.op] = counts.get(r.op, 0) + r.count
@@ -283,6 +293,8 @@ def plan_layout(
         temp_bytes=memory.temp_size_in_bytes,
         total_bytes=total,
         wire_bytes=sum(r.wire_bytes for r in report.rows),
+        overlapped_wire_bytes=overlap.overlapped_wire_bytes,
+        exposed_wire_bytes=overlap.exposed_wire_bytes,
         collectives=counts,
         compile_s=seconds,
         approximate=any(r.approximate for r in report.rows),
@@ -476,6 +488,7 @@ COLUMNS = (
     "hbm",
     "verdict",
     "wire/step",
+    "overlapped/exposed",
     "ops",
     "compile",
 )
@@ -487,6 +500,13 @@ def _ops_text(counts: dict) -> str:
 
 def _bytes(n: int | None) -> str:
     return "-" if n is None else format_bytes(n)
+
+
+def _overlap_text(row: PlanRow) -> str:
+    """``"3.9 GiB / 2.6 GiB"``: the wire bytes run beside compute, then those run alone."""
+    if row.overlapped_wire_bytes is None or row.exposed_wire_bytes is None:
+        return "-"
+    return f"{_bytes(row.overlapped_wire_bytes)} / {_bytes(row.exposed_wire_bytes)}"
 
 
 def row_cells(row: PlanRow) -> tuple[str, ...]:
@@ -505,6 +525,7 @@ def row_cells(row: PlanRow) -> tuple[str, ...]:
         format_bytes(row.hbm_bytes),
         row.verdict,
         wire,
+        _overlap_text(row),
         _ops_text(row.collectives) if compiled else "-",
         f"{row.compile_s:.0f} s" if row.error is None or row.compile_s else "-",
     )

@@ -71,6 +71,8 @@ def test_a_plan_row_holds_the_memory_of_an_independent_compile_to_the_byte():
     assert row.fits and row.verdict == "fits" and row.hbm_bytes == 16 * GIB
     assert row.axis_sizes["fsdp"] == 8 and row.axis_sizes["data"] == 1
     assert not row.approximate and row.wire_bytes > 0 and row.collectives["all_gather"] > 0
+    # Every wire byte is either beside compute or alone (tests/test_overlap.py reads the split).
+    assert row.overlapped_wire_bytes + row.exposed_wire_bytes == row.wire_bytes
 
 
 def test_the_tpu_hlo_counts_every_layer_as_the_jaxpr_does():
@@ -116,6 +118,7 @@ def test_a_layout_that_cannot_fit_is_over_by_what_the_compiler_states(tmp_path, 
     assert row["hbm_bytes"] == 16 * GIB  # the chip's, as in a compiled row
     assert 15 * GIB < row["usable_bytes"] < 16 * GIB  # what the compiler says a program may use
     assert row["temp_bytes"] is None and row["wire_bytes"] is None  # nothing compiled to count
+    assert row["overlapped_wire_bytes"] is None and row["exposed_wire_bytes"] is None
     over = (row["total_bytes"] - row["usable_bytes"]) / GIB
     assert f"over by {over:.2f} GiB" in printed and over > 0.6
 

@@ -9,6 +9,8 @@ compare byte for byte:
 - ``hlo_collectives(compiled, mesh)`` (``hlo.py``) reads the collectives XLA put in a compiled
   executable (the GSPMD baseline, where the partitioner invents the communication) and maps their
   replica groups back to mesh axes.
+- ``hlo_overlap(compiled, mesh)`` (``overlap.py``) splits those bytes by what the scheduled HLO
+  runs beside each collective: compute (overlapped) or nothing (exposed).
 
 The names JAX and XLA give each collective are in one table, ``primitives.py``.
 
@@ -24,6 +26,7 @@ import types
 
 from dew.collectives.hlo import hlo_collectives
 from dew.collectives.jaxpr import collectives
+from dew.collectives.overlap import hlo_overlap
 from dew.collectives.primitives import OPS
 from dew.collectives.report import CollectiveReport, CollectiveRow, format_bytes
 
@@ -34,6 +37,7 @@ __all__ = [
     "collectives",
     "format_bytes",
     "hlo_collectives",
+    "hlo_overlap",
 ]
 
 

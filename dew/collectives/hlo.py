@@ -38,13 +38,23 @@ def hlo_collectives(compiled, mesh) -> CollectiveReport:
     ``known_trip_count`` and may widen a loop's body). A loop whose count neither gives counts
     once and marks its rows approximate.
     """
+    text, groups = read_compiled(compiled, mesh, "hlo_collectives")
+    reader = _HloReader(text, groups)
+    tallies = reader.entry_tallies()
+    sizes = dict(mesh.shape)
+    return to_report(tallies, mesh.axis_names, [sizes[a] for a in mesh.axis_names])
+
+
+def read_compiled(compiled, mesh, reader: str) -> tuple[str, _MeshGroups]:
+    """The HLO text of ``compiled`` (a jax ``Compiled`` or HLO text) and the map from its replica
+    groups to ``mesh``'s axes; a ``ValueError`` naming ``reader`` for anything else."""
     if not (hasattr(mesh, "devices") and hasattr(mesh, "axis_names")):
-        raise ValueError(f"hlo_collectives needs a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise ValueError(f"{reader} needs a jax.sharding.Mesh, got {type(mesh).__name__}")
     if isinstance(compiled, str):
         text, logical_devices = compiled, None
     elif hasattr(compiled, "compile") and not hasattr(compiled, "runtime_executable"):
         raise ValueError(
-            "hlo_collectives reads a compiled executable: XLA inserts GSPMD's "
+            f"{reader} reads a compiled executable: XLA inserts GSPMD's "
             "collectives while compiling, so call .compile() on the lowered function"
         )
     elif hasattr(compiled, "as_text"):
@@ -52,17 +62,11 @@ def hlo_collectives(compiled, mesh) -> CollectiveReport:
         logical_devices = _logical_devices(compiled)
     else:
         raise ValueError(
-            f"hlo_collectives needs a jax Compiled object or HLO text, got "
-            f"{type(compiled).__name__}"
+            f"{reader} needs a jax Compiled object or HLO text, got {type(compiled).__name__}"
         )
     if not isinstance(text, str) or "ENTRY" not in text:
-        raise ValueError(
-            "no HLO module in the text given to hlo_collectives (no ENTRY computation)"
-        )
-    reader = _HloReader(text, _MeshGroups(mesh, logical_devices))
-    tallies = reader.entry_tallies()
-    sizes = dict(mesh.shape)
-    return to_report(tallies, mesh.axis_names, [sizes[a] for a in mesh.axis_names])
+        raise ValueError(f"no HLO module in the text given to {reader} (no ENTRY computation)")
+    return text, _MeshGroups(mesh, logical_devices)
 
 
 def _logical_devices(compiled) -> list[int] | None:

@@ -112,6 +112,18 @@ HLO_WAIT_HALVES = frozenset(
     }
 )
 
+# Asynchronous collectives in scheduled HLO: start opcode -> the done that ends it (an
+# `async-start` wraps a computation holding the collective, and may be followed by
+# `async-update`s before its `async-done`). What runs between the two runs beside the collective.
+HLO_ASYNC_WRAPPER = "async-start"
+HLO_ASYNC_UPDATE = "async-update"
+HLO_ASYNC_PAIRS = {
+    "all-gather-start": "all-gather-done",
+    "all-reduce-start": "all-reduce-done",
+    "collective-permute-start": "collective-permute-done",
+    HLO_ASYNC_WRAPPER: "async-done",
+}
+
 # HLO control flow the reader follows (dashed spelling): loops multiply by their known trip count,
 # conditionals take the larger branch, calls are walked once.
 HLO_WHILE = "while"

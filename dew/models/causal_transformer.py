@@ -366,6 +366,18 @@ class CausalTransformer:
             partial, self.declare(), is_leaf=lambda x: isinstance(x, Param)
         )
 
+    def in_layer_loop(self) -> dict:
+        """A tree of bools shaped like the parameters: the stacked layers' weights (``layers``,
+        ``moe_layers``), which ``blocks`` gathers inside its layer loop (``Shards.gather(...,
+        stacked=True)``), for ``dew.parallel.gradients.sum_axes``'s ``summed_in_loop``."""
+
+        def stacked(path, _):
+            return path_names(path)[1] in ("layers", "moe_layers")
+
+        return jax.tree_util.tree_map_with_path(
+            stacked, self.declare(), is_leaf=lambda x: isinstance(x, Param)
+        )
+
     def init(self, key: jax.Array) -> dict:
         """Initial weights; they depend on ``key`` alone."""
         return init_params(self.declare(), key, resolve_dtype(self.param_dtype))

@@ -5,13 +5,16 @@ global token count), so gradients need summing, not averaging. Which axes each w
 summed over is one rule, ``dew.parallel.gradients.sum_axes``; for today's layouts:
 
 - a weight split over ``fsdp`` already arrives summed over ``fsdp`` (the reduce-scatter that
-  transposes its gather), so it is ``psum``med over ``data`` only, at 1/n of its size;
+  transposes its gather); a layer's weight also over ``data`` when each layer runs once a step
+  (``Shards.loop_sums``: its gather's transpose ``psum``s its shard over data, inside the layer
+  loop, as GSPMD sums inside the backward); otherwise it is ``psum``med over ``data`` here, at 1/n
+  of its size;
 - a weight that stays whole is ``psum``med over every batch axis at once.
 
 Weights with the same sum axes form a group, summed once per step, after the layer loop: at small
-sizes the number of collectives decides the step time (docs/design.md), so one sum of all gradients
-beats one per layer. The jaxpr holds a ``psum`` per array of a group; XLA combines them into one
-all-reduce when it compiles the step.
+sizes the number of collectives decides the step time (docs/design.md), so one sum of all whole
+gradients beats one per layer. The jaxpr holds a ``psum`` per array of a group; XLA combines them
+into one all-reduce when it compiles the step.
 Bytes, per device, ring all-reduce of ``G`` bytes over ``n`` devices: ``2 (n - 1) / n * G``.
 """
 
@@ -27,7 +30,13 @@ from dew.parallel.gradients import sum_axes
 from dew.parallel.shards import Shards
 
 
-def sum_gradients(grads: Any, specs: Any, shards: Shards, partial_over_tensor: Any = None) -> Any:
+def sum_gradients(
+    grads: Any,
+    specs: Any,
+    shards: Shards,
+    partial_over_tensor: Any = None,
+    summed_in_loop: Any = None,
+) -> Any:
     """Sums each device's gradient contribution over the axes ``sum_axes`` names for it.
 
     Args:
@@ -36,6 +45,8 @@ def sum_gradients(grads: Any, specs: Any, shards: Shards, partial_over_tensor: A
       shards: the step's ``Shards``.
       partial_over_tensor: a tree of bools matching ``grads`` (``sum_axes``'s flag per weight), or
         ``None`` when no weight is partial over ``tensor``.
+      summed_in_loop: a tree of bools matching ``grads``: the layer loop's weights
+        (``sum_axes``'s flag), or ``None`` for none.
 
     Returns:
       ``grads`` with each leaf summed: one ``psum`` per group of leaves with the same sum axes.
@@ -47,9 +58,13 @@ def sum_gradients(grads: Any, specs: Any, shards: Shards, partial_over_tensor: A
         if partial_over_tensor is None
         else treedef.flatten_up_to(partial_over_tensor)
     )
+    in_loop = (
+        [False] * len(leaves) if summed_in_loop is None else treedef.flatten_up_to(summed_in_loop)
+    )
     groups: dict[tuple[str, ...], list[int]] = {}
-    for i, (spec, part) in enumerate(zip(spec_leaves, partial)):
-        groups.setdefault(sum_axes(spec, shards, partial_over_tensor=bool(part)), []).append(i)
+    for i, (spec, part, loop) in enumerate(zip(spec_leaves, partial, in_loop)):
+        axes = sum_axes(spec, shards, partial_over_tensor=bool(part), summed_in_loop=bool(loop))
+        groups.setdefault(axes, []).append(i)
     out = list(leaves)
     for axes, idx in groups.items():
         if axes:

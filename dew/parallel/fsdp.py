@@ -4,18 +4,50 @@ Forward: ``all_gather`` a layer's weight shards over ``fsdp`` just before the la
 layer scan, so only one layer's weights are whole at a time. A layer's small split weights of one
 dtype travel together in one ``all_gather`` (a bucket: their local shards flattened and
 concatenated), up to ``BUCKET_BYTES`` of whole weights; a larger weight travels alone.
-Backward: autodiff transposes that gather into one ``psum_scatter`` over ``fsdp``, which sums the
-layer's gradients over the fsdp group's slices of the batch and leaves each device the gradient of
-its own shards. The step engine runs each layer under ``jax.checkpoint``, so the backward gathers
-again rather than keeping gathered weights alive.
+Backward: the gather's written transpose (``_gather_summed``, a ``custom_vjp``) is one
+``psum_scatter`` over ``fsdp``, which sums the layer's gradients over the fsdp group's slices of the
+batch and leaves each device the gradient of its own shards; then, for the layer loop's weights, a
+``psum`` of that shard over ``data`` (``loop_sum_axes``), so every gradient of the loop is summed
+inside the loop, layer by layer, as the backward produces it, and never held whole. The step engine
+runs each layer under ``jax.checkpoint``, so the backward gathers again rather than keeping gathered
+weights alive.
+
+On a TPU slice whose torus has three dimensions above 1 (v4, v5p from ``2x2x2`` on), the TPU
+compiler rewrites a reduce-scatter whose one replica group is every device of the slice into an
+all-reduce of the whole operand and a slice (its ``reduce-scatter-decomposer`` pass): twice the
+bytes, and the whole float32 gradient as a temporary. A reduce-scatter over a smaller group, of
+one, two or three torus dimensions, stays one, but for the shapes below. When fsdp is every
+device of such a slice, the step's ``Shards.fsdp_scatter_stages`` (``scatter_stages``) names two
+group sizes ``p x q = n`` and the sum runs as two ``psum_scatter`` s over fsdp with
+``axis_index_groups``: over the ``p`` devices ``q`` apart, then over the ``q`` consecutive ones.
+Device ``i = a q + b`` keeps block ``a`` of ``p``, then block ``b`` of ``q`` of that: block ``i``,
+as the single reduce-scatter gives; the bytes are ``(p - 1) / p W + (q - 1) / q W / p = (n - 1) /
+n W``, the single ring's. ``p`` is the larger
+(``(4, 2)`` on 8 chips): the first stage's output, ``W / p``, is the one temporary the split adds.
+
+The compiler also compiles a reduce-scatter as an all-reduce (an ``all-reduce-scatter`` of the
+operand padded by a few rows) when a device's piece is not whole (8, 128) tiles (a piece narrower
+than 128 lanes along the minor dimension, or a bucket's single row), and, measured on Llama
+matrices, often when a matrix is scattered by rows: ``[2048, 8192]`` over 4 chips of v5e, over 2
+of v5p the rows of ``[512..2048, 14336]``. Scattered by columns, the same matrices stay
+reduce-scatters. So on TPU (``Shards.fsdp_tpu_layout``) a matrix's gradient is scattered along
+its minor dimension when a device's piece there is whole 128-lane columns (a matrix split by rows:
+by columns of its transpose, which the compiler writes straight from the weight-gradient matmul),
+along its leading dimension when its split is the minor one in pieces narrower than a tile
+(``scatter_along``), and on any platform a bucket's is laid out in rows of whole tiles
+(``_bucket_rows``: a reshape, no copy).
 
 Bytes per bucket of ``W`` bytes (the whole weights it carries) on ``n`` devices, per device and per
 gather: it receives and sends ``(n - 1) / n * W`` (ring all-gather); the reduce-scatter of its
-gradients moves the same. Bucketing changes the number of collectives, not their bytes.
+gradients moves the same. Bucketing changes the number of collectives, not their bytes. The sum over
+``data`` of a shard of ``W / n`` bytes over ``d`` devices moves ``2 (d - 1) / d * W / n`` (ring
+all-reduce), per layer, as the single sum after the loop did for all of them.
 """
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Any, Sequence
 
 import jax
@@ -24,6 +56,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 AXIS = "fsdp"
+DATA = "data"
 
 # Split weights of one dtype are packed into one all_gather until the whole weights it carries would
 # pass this many bytes; a larger weight travels alone. Each collective is a barrier across the
@@ -61,7 +94,141 @@ def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
     return packed
 
 
-def gather(tree: Any, specs: Any, shards) -> Any:
+def loop_sum_axes(shards, accumulation: int) -> tuple[str, ...]:
+    """The axes, beyond ``fsdp``, the transposes of the layer loop's gathers sum its split
+    weights' gradients over (``Shards.loop_sums``): ``("data",)`` when ``data`` and ``fsdp`` are
+    above 1 and each layer runs once a step; else ``()``, and ``data`` stays in the step's tail.
+
+    A layer that runs several times a step (``accumulation`` microbatches, or the microbatches of
+    a pipeline over ``stage``) would sum over data once per run: its gradients are summed once,
+    after the runs, as before."""
+    if shards.size(DATA) == 1 or shards.size(AXIS) == 1:
+        return ()
+    if accumulation > 1 or shards.size("stage") > 1:
+        return ()
+    return (DATA,)
+
+
+def scatter_stages(mesh) -> tuple[int, ...]:
+    """The group sizes the fsdp gradient sum runs in (``Shards.fsdp_scatter_stages``), outermost
+    first; ``()`` for one ``psum_scatter`` over the whole axis.
+
+    Two stages only where one reduce-scatter would not stay one (the module docstring): the fsdp
+    axis is every device of ``mesh``, and they are TPU chips whose ``coords`` vary along three
+    dimensions. The first stage runs over the most devices it can, ``p = n / s`` with ``s`` the
+    smallest factor of ``n`` above 1, the second over the ``s`` left: ``(4, 2)`` for 8 devices.
+    The bytes are those of one reduce-scatter whatever the split; the first stage's output, ``1 /
+    p`` of the whole float32 gradient, is a temporary the single reduce-scatter does not have, so
+    it is kept smallest (docs/planning.md has the measurements)."""
+    devices = list(mesh.devices.flat)
+    n = mesh.shape[AXIS]
+    if n != len(devices) or n < 4:
+        return ()
+    coords = [getattr(d, "coords", None) for d in devices]
+    if any(c is None or len(c) < 3 for c in coords):
+        return ()
+    if sum(len({c[k] for c in coords}) > 1 for k in range(3)) < 3:
+        return ()
+    smallest = min(f for f in range(2, n + 1) if n % f == 0)
+    if smallest == n:  # a prime number of devices: no split
+        return ()
+    return (n // smallest, smallest)
+
+
+def on_tpu(mesh) -> bool:
+    """Whether ``mesh``'s devices are TPU chips (``Shards.fsdp_tpu_layout``)."""
+    return all(d.platform == "tpu" for d in mesh.devices.flat)
+
+
+def _staged_groups(n: int, stages: Sequence[int]) -> list[list[list[int]]]:
+    """``axis_index_groups`` of each stage: index ``i`` written in the mixed radix ``stages``
+    (outermost digit first); stage ``k``'s groups hold the indices that differ in digit ``k``
+    alone."""
+    out = []
+    for k, size in enumerate(stages):
+        stride = math.prod(stages[k + 1 :])
+        starts = [i for i in range(n) if (i // stride) % size == 0]
+        out.append([[s + stride * a for a in range(size)] for s in starts])
+    return out
+
+
+def scatter_sum(x: jax.Array, dim: int, stages: Sequence[int] = ()) -> jax.Array:
+    """``psum_scatter(x, "fsdp", scatter_dimension=dim, tiled=True)``: ``x`` summed over fsdp,
+    device ``i`` keeping block ``i`` of ``n`` along ``dim``; run as one reduce-scatter per entry
+    of ``stages`` when it is given (``scatter_stages``), with the same result."""
+    if not stages:
+        return lax.psum_scatter(x, AXIS, scatter_dimension=dim, tiled=True)
+    n = math.prod(stages)
+    for groups in _staged_groups(n, stages):
+        # Device i = a q + b keeps block a of p here, block b of q of that at the next stage.
+        x = lax.psum_scatter(x, AXIS, scatter_dimension=dim, tiled=True, axis_index_groups=groups)
+    return x
+
+
+def _bucket_rows(m: int) -> int:
+    """Rows a device's ``m`` elements of a bucket gradient are laid out in for its
+    reduce-scatter: 32, when they make rows of whole 128-lane tiles, else 1."""
+    return 32 if m % (32 * 128) == 0 else 1
+
+
+# A TPU vector register's lanes: the minor dimension of a (8, 128) tile.
+LANES = 128
+
+
+def scatter_along(local_shape: Sequence[int], dim: int) -> int:
+    """The dimension the gradient of a weight split along ``dim`` (``local_shape``: a device's
+    shard) is reduce-scattered along, the TPU compiler keeping it a reduce-scatter (the module
+    docstring): the minor one, when a device's piece there is whole 128-lane columns (a matrix
+    split by rows is scattered by columns of its transpose); else the leading one, when ``dim`` is
+    the minor one (pieces narrower than a tile: whole rows instead); else ``dim``. On TPU only
+    (``Shards.fsdp_tpu_layout``): elsewhere a transposed layout would be a copy of the gradient
+    for nothing."""
+    last = len(local_shape) - 1
+    whole_lanes = local_shape[dim] % LANES == 0
+    if len(local_shape) == 2 and whole_lanes:
+        return last
+    if dim == last and not whole_lanes:
+        return 0
+    return dim
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _gather_summed(x, dim: int, tiled: bool, stages: tuple, also_sum: tuple, along: int):
+    """``all_gather(x, "fsdp", axis=dim, tiled=tiled)``, whose backward is the fsdp gradient sum
+    written out: ``scatter_sum`` (in ``stages``, along dimension ``along``: ``scatter_along``),
+    then a ``psum`` over ``also_sum``."""
+    return lax.all_gather(x, AXIS, axis=dim, tiled=tiled)
+
+
+def _gather_summed_fwd(x, dim, tiled, stages, also_sum, along):
+    return _gather_summed(x, dim, tiled, stages, also_sum, along), None
+
+
+def _gather_summed_bwd(dim, tiled, stages, also_sum, along, _, cotangent):
+    if tiled:
+        # The gradient laid out with the split dimension at ``along``: the compiler writes the
+        # weight-gradient matmul's output in that layout, a transpose without a copy where the
+        # gradient comes straight from a matmul (docs/planning.md).
+        moved = jnp.moveaxis(cotangent, dim, along)
+        grad = jnp.moveaxis(scatter_sum(moved, along, stages), along, dim)
+    else:  # A bucket, [n, m] (dim 0): device i keeps row i.
+        n, m = cotangent.shape
+        rows = _bucket_rows(m)
+        # The same sum over [n rows, m / rows] blocks: the TPU compiler keeps a reduce-scatter
+        # whose pieces are whole (8, 128) tiles, 32 rows of them here, and compiles one of
+        # single-row pieces as an all-reduce and a slice (docs/planning.md).
+        pieces = cotangent.reshape(n * rows, m // rows)
+        grad = scatter_sum(pieces, 0, stages).reshape(m)
+    if also_sum:
+        # The fsdp shard, 1/n of the gradient, summed over the other devices that hold it.
+        grad = lax.psum(grad, also_sum)
+    return (grad,)
+
+
+_gather_summed.defvjp(_gather_summed_fwd, _gather_summed_bwd)
+
+
+def gather(tree: Any, specs: Any, shards, also_sum: tuple[str, ...] = ()) -> Any:
     """Undo the fsdp split of every leaf of ``tree`` whose spec names ``fsdp``.
 
     The split leaves of one dtype travel in as few ``all_gather`` s as fit ``BUCKET_BYTES`` of whole
@@ -70,7 +237,11 @@ def gather(tree: Any, specs: Any, shards) -> Any:
     Args:
       tree: local weight shards.
       specs: ``PartitionSpec`` tree matching ``tree`` (the layout of the full weights), or ``None``.
-      shards: the step's ``Shards``; on an fsdp axis of size 1 nothing is gathered.
+      shards: the step's ``Shards``; on an fsdp axis of size 1 nothing is gathered. Its
+        ``fsdp_scatter_stages`` and ``fsdp_tpu_layout`` shape the gradient sum (``scatter_sum``,
+        ``scatter_along``).
+      also_sum: axes the backward sums each split leaf's gradient over after the fsdp
+        reduce-scatter (``Shards.loop_sums`` for the layer loop's weights).
 
     Returns:
       ``tree`` with each split leaf whole along its split dimension (``n`` times its local size
@@ -80,6 +251,8 @@ def gather(tree: Any, specs: Any, shards) -> Any:
     if specs is None or shards.size(AXIS) == 1:
         return tree
     n = shards.size(AXIS)
+    stages = tuple(shards.fsdp_scatter_stages)
+    also_sum = tuple(also_sum)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dims = [split_dim(spec) for spec in treedef.flatten_up_to(specs)]
     by_dtype: dict[Any, list[int]] = {}
@@ -95,13 +268,17 @@ def gather(tree: Any, specs: Any, shards) -> Any:
             if len(members) == 1:
                 (i,) = members
                 # (n-1)/n of the whole weight in, as much out; no copy: it lands in place.
-                out[i] = lax.all_gather(leaves[i], AXIS, axis=dims[i], tiled=True)
+                along = dims[i]
+                if shards.fsdp_tpu_layout:
+                    along = scatter_along(leaves[i].shape, dims[i])
+                out[i] = _gather_summed(leaves[i], dims[i], True, stages, also_sum, along)
                 continue
             flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
             # One ring all-gather for the bucket: each device sends and receives (n-1)/n of its
             # whole weights, as one gather per weight would, in one barrier instead of several.
             # Its transpose is one psum_scatter of their gradients, moving as much.
-            gathered = lax.all_gather(flat, AXIS)  # [n, local elements of the bucket], device-major
+            # [n, local elements of the bucket], device-major.
+            gathered = _gather_summed(flat, 0, False, stages, also_sum, 0)
             start = 0
             for i in members:
                 local, dim = leaves[i].shape, dims[i]

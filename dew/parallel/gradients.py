@@ -6,7 +6,10 @@ then ``psum``med over:
 
 - the axes that split the tokens (``TOKEN_AXES``: data, expert, fsdp, sequence; those of size > 1),
 - minus the axes whose gather's transpose already summed it: ``fsdp`` for a weight split over fsdp
-  (the transpose of its ``all_gather`` is a ``psum_scatter`` over fsdp),
+  (the transpose of its ``all_gather`` is a ``psum_scatter`` over fsdp), and ``Shards.loop_sums``
+  (``data``, when each layer runs once a step) for such a weight gathered in the layer loop
+  (``summed_in_loop``): its gather's transpose sums its shard over those axes too, layer by layer,
+  inside the loop (``dew.parallel.fsdp``),
 - minus the axes the weight is split on as its own: experts over ``expert``, layers over
   ``stage``; every device of such an axis holds a different part, whose gradient is already whole
   (the expert all-to-all brought it every token routed to it; a pipeline stage ran every
@@ -29,7 +32,7 @@ from __future__ import annotations
 from jax.sharding import PartitionSpec as P
 
 from dew.mesh import AXES
-from dew.parallel import tensor
+from dew.parallel import fsdp, tensor
 from dew.parallel.pipeline import AXIS as STAGE
 from dew.parallel.shards import Shards
 
@@ -44,7 +47,11 @@ def spec_axes(spec: P | None) -> frozenset[str]:
 
 
 def sum_axes(
-    spec: P | None, shards: Shards, *, partial_over_tensor: bool = False
+    spec: P | None,
+    shards: Shards,
+    *,
+    partial_over_tensor: bool = False,
+    summed_in_loop: bool = False,
 ) -> tuple[str, ...]:
     """The axes a weight's gradient is ``psum``med over after the local backward, in mesh order.
 
@@ -53,6 +60,9 @@ def sum_axes(
       shards: the step's ``Shards`` (only ``axis_sizes`` is read).
       partial_over_tensor: the weight is replicated over ``tensor`` but each device of the tensor
         group saw different activations, so its gradient is partial over ``tensor`` too.
+      summed_in_loop: the weight is one of the layer loop's, gathered with ``Shards.gather(...,
+        stacked=True)``; if it is split over fsdp, its gather's transpose summed it over
+        ``shards.loop_sums`` as well.
 
     Returns:
       A tuple of axis names of size > 1, in ``AXES`` order; empty when nothing is left to sum.
@@ -71,6 +81,8 @@ def sum_axes(
     # Every axis the spec names leaves the sum: fsdp because its gather's transpose (a
     # psum_scatter) already summed it; expert and stage because each device holds its own part.
     summed -= named
+    if summed_in_loop and fsdp.AXIS in named:
+        summed -= set(shards.loop_sums)
     if partial_over_tensor and shards.size(tensor.AXIS) > 1:
         summed.add(tensor.AXIS)
     # A weight every stage holds whole is used by some stages only (the embedding by the first,

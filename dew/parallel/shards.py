@@ -38,6 +38,16 @@ class Shards:
         pipeline schedule), checked against the mesh by the ``Trainer``.
       microbatches: over a ``stage`` axis of size > 1, the pipeline microbatches each
         accumulation microbatch's rows are cut into (``MeshSpec.microbatches``); 1 elsewhere.
+      fsdp_scatter_stages: the group sizes the fsdp gradient sum runs in, outermost first
+        (``dew.parallel.fsdp.scatter_stages`` of the mesh: two on a 3-D TPU torus that fsdp
+        fills, where one reduce-scatter would be compiled as an all-reduce); ``()``: one
+        ``psum_scatter`` over the axis.
+      fsdp_tpu_layout: the fsdp gradient sums laid out for the TPU compiler
+        (``dew.parallel.fsdp.scatter_along``; set by the ``Trainer`` on TPU devices); elsewhere
+        each gradient is scattered along its own split dimension, with no transpose.
+      loop_sums: the axes beyond ``fsdp`` the layer loop's gathers sum their weights' gradients
+        over, inside the loop (``dew.parallel.fsdp.loop_sum_axes``, set by the step engine);
+        ``dew.parallel.gradients.sum_axes`` leaves them out of the step's tail for those weights.
     """
 
     axis_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -45,6 +55,9 @@ class Shards:
     pinned_activations: Any = None
     options: StepOptions = StepOptions()
     microbatches: int = 1
+    fsdp_scatter_stages: tuple[int, ...] = ()
+    fsdp_tpu_layout: bool = False
+    loop_sums: tuple[str, ...] = ()
 
     def size(self, *axes: str) -> int:
         """The number of devices spanned by ``axes`` (1 for axes this step does not have)."""
@@ -80,9 +93,11 @@ class Shards:
     def gather(self, tree: Any, *path: str, stacked: bool = False) -> Any:
         """The weights ``tree`` (found at ``path`` in the parameters) with their fsdp split undone.
 
-        ``stacked=True`` for one layer's slice of the stacked ``layers`` weights.
+        ``stacked=True`` for one layer's slice of the stacked ``layers`` weights, inside the
+        layer loop: its backward also sums the split weights' gradients over ``loop_sums``.
         """
-        return fsdp.gather(tree, self.spec_of(*path, stacked=stacked), self)
+        also_sum = self.loop_sums if stacked else ()
+        return fsdp.gather(tree, self.spec_of(*path, stacked=stacked), self, also_sum)
 
     def pin(self, x: jax.Array) -> jax.Array:
         """``x`` (activations ``[rows, ...]``) constrained to ``pinned_activations``; else ``x``."""

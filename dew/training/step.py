@@ -6,7 +6,10 @@ whole mesh, on each device's local shards, and every byte between devices is a c
 
     fsdp.gather          all_gathers of a layer's split weights (small ones bucketed, per dtype)
                          just before the layer runs, and again in its recomputed backward
-    (its transpose)      one psum_scatter of those weights' gradients over fsdp
+    (its transpose)      one psum_scatter of those weights' gradients over fsdp (two, over
+                         groups of the axis, on a 3-D TPU torus that fsdp fills:
+                         Shards.fsdp_scatter_stages), then, in the layer loop where each layer
+                         runs once a step, a psum of each shard over data (Shards.loop_sums)
     tensor.enter/leave   Megatron's pairs around attention and the MLP (psum over tensor, or
                          all_gather / psum_scatter with sequence-parallel activations), and the
                          vocabulary-parallel embedding, head and loss (psum and pmax of
@@ -23,7 +26,8 @@ whole mesh, on each device's local shards, and every byte between devices is a c
                          activations [rows / M, seq, embed] to the next stage and one of their
                          gradients back
     data.sum_gradients   psum of gradients over the axes dew.parallel.gradients names for each
-                         weight: the token axes (data, fsdp for weights kept whole, sequence),
+                         weight: the token axes (data, unless the layer loop summed it; fsdp
+                         for weights kept whole; sequence),
                          tensor for partial ones, stage for the weights every stage holds
     data.sum_loss        psum of the loss and the objective's statistics (an MoE model's router
                          counts; nothing more for a dense one) over the token axes and stage
@@ -55,6 +59,7 @@ whole-batch activations (docs/benchmarks.md has its bytes).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -66,7 +71,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dew.mesh import BATCH_AXES
-from dew.parallel import Shards, data, pipeline, sequence
+from dew.parallel import Shards, data, fsdp, pipeline, sequence
 from dew.training.state import TrainState
 
 ENGINES = ("shard_map", "gspmd", "gspmd_unpinned")
@@ -258,6 +263,8 @@ def local_gradients(objective, shards: Shards, accumulation: int, global_tokens:
     stage as a pipeline (``_pipelined_gradients``), else the whole model (``_plain_gradients``).
     """
     parts = _pipelined_gradients if _pipelined(shards) else _plain_gradients
+    # Where each layer runs once a step, its gathers' transposes also sum over data, in the loop.
+    shards = dataclasses.replace(shards, loop_sums=fsdp.loop_sum_axes(shards, accumulation))
     part = parts(objective, shards, accumulation, global_tokens)
 
     def fn(params, inputs, targets, positions):
@@ -271,7 +278,8 @@ def _summed(objective, shards: Shards, grads, loss, aux):
     ``dew.parallel.gradients`` names for it, the loss and the statistics over every axis that
     holds a part of them (``data.sum_loss``)."""
     partial = objective.model.partial_over_tensor(shards)
-    grads = data.sum_gradients(grads, shards.param_specs, shards, partial)
+    in_loop = objective.model.in_layer_loop() if shards.loop_sums else None
+    grads = data.sum_gradients(grads, shards.param_specs, shards, partial, in_loop)
     loss, aux = data.sum_loss((loss, aux), shards)
     return grads, loss, aux
 

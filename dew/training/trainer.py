@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from dew.checks import nonnegative_int, positive_int
 from dew.layout import Layout
 from dew.mesh import BATCH_AXES, MeshSpec, build_mesh
-from dew.parallel import Shards, expert, pipeline, sequence, tensor
+from dew.parallel import Shards, expert, fsdp, pipeline, sequence, tensor
 from dew.parallel.options import StepOptions
 from dew.training.flops import model_flops_per_token, peak_flops
 from dew.training.preemption import RUN, stop_signals
@@ -167,6 +167,8 @@ class Trainer:
             param_specs=self.param_specs,
             options=options,
             microbatches=self.microbatches,
+            fsdp_scatter_stages=fsdp.scatter_stages(self.mesh),
+            fsdp_tpu_layout=fsdp.on_tpu(self.mesh),
         )
         if engine == "shard_map":
             tensor.check_layout(self.param_specs, axes, abstract_state.params, mesh_shape["tensor"])
