@@ -403,6 +403,10 @@ def _state_bytes(trainer) -> int:
     return total
 
 
+# ``search`` compiles at most this many layouts for each one it is asked to find that fits.
+SEARCH_COMPILES_PER_LAYOUT = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """A layout ``search`` considered, with what it knew before compiling."""
@@ -425,7 +429,7 @@ def search(
     on_row: Callable[[PlanRow], None] | None = None,
     on_candidates: Callable[[list[Candidate]], None] | None = None,
 ) -> list[PlanRow]:
-    """Finds the layouts of ``candidate_meshes``, compiles at most ``max_layouts`` of them and
+    """Finds the layouts of ``candidate_meshes``, compiles them until ``max_layouts`` fit and
     returns their rows, those that fit first, by wire bytes per device (fewest first).
 
     Which to compile, in order (each number exact, none needs a compile):
@@ -434,7 +438,10 @@ def search(
        holds) passes the chip's memory: they cannot fit, whatever the step does.
     2. Trace each remaining step (seconds, not minutes) and order them by the wire bytes per device
        its jaxpr asks for; ties go to the smaller state.
-    3. Compile the first ``max_layouts``.
+    3. Compile them in that order until ``max_layouts`` of them fit (a row of any engine that
+       fits), and at most ``SEARCH_COMPILES_PER_LAYOUT * max_layouts`` of them: the fewest bytes
+       often come with the largest state (a deep pipeline), which the step's temporaries can
+       take past the chip, and the compiler refuses such a step in about a second.
 
     The jaxpr's bytes are what the code asks for; the compiled rows say what XLA kept, and are
     what the result is ranked by.
@@ -451,10 +458,12 @@ def search(
     candidates.sort(key=lambda c: (c.traced_wire_bytes, c.state_bytes))
     if on_candidates is not None:
         on_candidates(candidates)
-    rows = []
-    for c in candidates[:max_layouts]:
+    rows, fitting = [], 0
+    for c in candidates[: SEARCH_COMPILES_PER_LAYOUT * max_layouts]:
+        if fitting == max_layouts:
+            break
         step_options = _options_for(options, c.mesh.shape(target.chips))
-        rows += plan(
+        compiled = plan(
             target,
             objective,
             [c.mesh],
@@ -465,6 +474,8 @@ def search(
             options=step_options,
             accumulation=accumulation,
         )
+        rows += compiled
+        fitting += any(row.fits for row in compiled)
     return sorted(rows, key=_rank)
 
 

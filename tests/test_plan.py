@@ -213,3 +213,44 @@ def test_plan_gives_a_row_per_recompute_policy(tmp_path, capsys):
     assert rows["dots"]["total_bytes"] > rows["full"]["total_bytes"], rows
     table = capsys.readouterr().out.split("layout  engine")[-1]
     assert "  full  " in table and "  dots  " in table
+
+
+def test_search_compiles_on_until_enough_layouts_fit(monkeypatch):
+    # The compiles stood in by rows (no TPU compile): the first two layouts are refused for
+    # memory, the third fits. Asked for one that fits, the search compiles three, in its order.
+    v5e = target("v5e-4")
+    objective = tiny_objective(num_heads=2)
+    compiled = []
+
+    def fake_plan(target_, objective_, meshes, batch, *, engines, on_row, **settings):
+        (mesh,) = meshes
+        compiled.append(mesh)
+        base = dict(target="v5e-4", mesh=str(mesh), axis_sizes={}, engine=engines[0], options="")
+        if len(compiled) < 3:
+            return [planning.PlanRow(**base, hbm_bytes=GIB, total_bytes=2 * GIB, refused="OOM")]
+        return [planning.PlanRow(**base, hbm_bytes=GIB, total_bytes=GIB // 2, wire_bytes=1)]
+
+    seen = []
+    monkeypatch.setattr(planning, "plan", fake_plan)
+    rows = planning.search(
+        v5e, objective, 16, max_layouts=1, layout=LAYOUT, on_candidates=seen.append
+    )
+    (candidates,) = seen
+    assert compiled == [c.mesh for c in candidates[:3]]
+    assert [r.fits for r in rows] == [True, False, False]  # those that fit first
+    # None ever fits: at most 4 compiles a layout asked for.
+    compiled.clear()
+    monkeypatch.setattr(
+        planning,
+        "plan",
+        lambda t, o, meshes, b, **k: (
+            compiled.append(meshes[0])
+            or [
+                planning.PlanRow(
+                    "v5e-4", "x", {}, "shard_map", "", GIB, total_bytes=2 * GIB, refused="OOM"
+                )
+            ]
+        ),
+    )
+    rows = planning.search(v5e, objective, 16, max_layouts=1, layout=LAYOUT)
+    assert len(compiled) == min(4, len(candidates)) and not any(r.fits for r in rows)

@@ -84,8 +84,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         type=int,
         default=4,
         metavar="N",
-        help="with --search: compile at most N layouts, those whose state fits the chip, fewest "
-        "traced wire bytes first (default 4)",
+        help="with --search: compile layouts whose state fits the chip, fewest traced wire bytes "
+        "first, until N of them fit (at most 4 N compiles; default 4)",
     )
     parser.add_argument("--json", default=None, metavar="FILE", help="write the rows to FILE")
     parser.set_defaults(run=run, setup=setup)
@@ -188,10 +188,11 @@ def run(args) -> int:
     if args.search:
 
         def listed(candidates):
+            most = planning.SEARCH_COMPILES_PER_LAYOUT * args.max_layouts
             print(
-                f"  {len(candidates)} layouts whose state fits; compiling "
-                f"{min(len(candidates), args.max_layouts)}: "
-                + ", ".join(planning.mesh_text(c.mesh) for c in candidates[: args.max_layouts]),
+                f"  {len(candidates)} layouts whose state fits; compiling in this order until "
+                f"{args.max_layouts} fit (at most {min(len(candidates), most)}): "
+                + ", ".join(planning.mesh_text(c.mesh) for c in candidates[:most]),
                 flush=True,
             )
 
