@@ -43,6 +43,7 @@ import optax
 from dew.collectives.report import format_bytes
 from dew.layout import Layout
 from dew.mesh import AXES, MeshSpec
+from dew.parallel import fsdp
 from dew.parallel.options import StepOptions
 from dew.targets import GIB, Target
 
@@ -388,6 +389,7 @@ def _options_for(options: StepOptions, shape: dict) -> StepOptions:
         sequence_parallel=options.sequence_parallel and shape["tensor"] > 1,
         sequence_scheme=options.sequence_scheme if shape["sequence"] > 1 else "ring",
         pipeline_schedule=options.pipeline_schedule if shape["stage"] > 1 else "1f1b",
+        fsdp_scheme=options.fsdp_scheme if 1 < shape["fsdp"] <= fsdp.RING_MAX else "gather",
     )
 
 

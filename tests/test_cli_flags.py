@@ -182,3 +182,11 @@ def test_several_policies_replace_a_preset_s_own():
     assert "remat" not in config and variants == [{"remat": "full"}, {"remat": "dots"}]
     models = [dew.models.build("causal_transformer", **config, **v) for v in variants]
     assert [m.remat for m in models] == ["full", "dots"]
+
+
+def test_the_fsdp_scheme_reaches_the_step_options_of_train_collectives_and_plan():
+    from dew.cli.flags import step_options
+
+    for command in ("train", "collectives", "plan"):
+        assert step_options(parse(command)).fsdp_scheme == "gather", command
+        assert step_options(parse(command, "--fsdp-scheme", "ring")).fsdp_scheme == "ring"

@@ -342,7 +342,9 @@ def gather_one_by_one(tree, specs, shards, also_sum=()):
 
     def whole(x, spec):
         dim = fsdp.split_dim(spec)
-        return x if dim is None else fsdp._gather_summed(x, dim, True, stages, tuple(also_sum), dim)
+        if dim is None:
+            return x
+        return fsdp._gather_summed(x, dim, True, stages, tuple(also_sum), dim, 0)  # 0: no ring
 
     return jax.tree_util.tree_map(whole, tree, specs)
 

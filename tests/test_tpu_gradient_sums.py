@@ -7,6 +7,10 @@ layers of width 512, vocabulary 256, fsdp=8, 16 rows of 32 tokens; one compile, 
 Matrices scattered by rows are also compiled as all-reduces on smaller groups of a 2-D slice
 (``fsdp.scatter_along``): width 1024 at data=2,fsdp=4 on v5e:2x4, about 10 s.
 The staged sum is also checked on CPU against the single ``psum_scatter`` it replaces.
+Where fsdp fills a 3-D torus the step runs its gathers and their sums as rings of ``ppermute`` s
+instead, which the TPU compiler overlaps with the matmuls (same tiny model on v5p:2x2x2, two
+compiles); on CPU the rings are checked against ``all_gather`` and ``psum_scatter`` and a ring
+step's gradients against one device's.
 """
 
 import dataclasses
@@ -25,6 +29,7 @@ import dew
 from dew.collectives import collectives, hlo_collectives
 from dew.objectives.lm import LMObjective
 from dew.parallel import Shards, fsdp
+from dew.parallel.options import StepOptions
 
 pytestmark = pytest.mark.xdist_group("tpu")
 
@@ -74,7 +79,7 @@ def assert_every_reduce_scatter_stays_one(trainer, rows, weight_bytes):
     return from_jaxpr, from_hlo
 
 
-def tpu_trainer(slice_, width, mesh):
+def tpu_trainer(slice_, width, mesh, fsdp_scheme="gather"):
     pytest.importorskip("libtpu")
     from dew.targets import target
 
@@ -85,6 +90,7 @@ def tpu_trainer(slice_, width, mesh):
         mesh=dew.MeshSpec(**mesh),
         layout=dew.Layout(min_shard=4096),
         devices=target(slice_).devices(),
+        options=StepOptions(fsdp_scheme=fsdp_scheme),
     )
 
 
@@ -92,8 +98,9 @@ def test_no_gradient_reduce_scatter_becomes_an_all_reduce_on_a_3d_torus():
     # Width 512: a device's shard of a matrix is 64 rows, and of the MLP's down matrix 64
     # columns, scattered by rows (narrower than a 128-lane tile).
     trainer = tpu_trainer("v5p:2x2x2", 512, dict(fsdp=8))
-    # fsdp fills the cube: its sum runs over the 4 devices 2 apart, then 2 consecutive ones.
-    assert trainer.shards.fsdp_scatter_stages == (4, 2)
+    # fsdp fills the cube: its sum runs over the 4 devices 2 apart, then 2 consecutive ones
+    # (rings, a choice, replace both: test_fsdp_rings_on_a_3d_torus_...).
+    assert trainer.shards.fsdp_scatter_stages == (4, 2) and not trainer.shards.fsdp_ring
     from_jaxpr, _ = assert_every_reduce_scatter_stays_one(trainer, 16, 512 * 512 * 4)
     assert from_jaxpr.count("psum_scatter") >= 2 * 2 * 2  # two stages
 
@@ -134,10 +141,11 @@ def test_a_staged_sum_is_the_single_reduce_scatter(cpu_mesh, stages, dim, seed):
     np.testing.assert_allclose(np.asarray(staged), np.asarray(flat), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("ring", [False, True], ids=["staged", "ring"])
 @pytest.mark.parametrize("mesh", [dict(fsdp=8), dict(data=2, fsdp=4)], ids=["fsdp8", "data2_fsdp4"])
-def test_a_staged_fsdp_step_has_the_one_device_gradients(mesh, seed):
-    # The stages a 3-D torus gets, forced on 8 CPU devices (with data=2, the layer loop's
-    # gathers also sum over data): the same gradients as one device.
+def test_a_staged_fsdp_step_has_the_one_device_gradients(mesh, ring, seed):
+    # The stages, or the rings, a 3-D torus gets, forced on 8 CPU devices (with data=2, the layer
+    # loop's gathers also sum over data): the same gradients as one device.
     objective = tiny_objective(64, dtype="float32")
     batch = jax.random.randint(jax.random.key(seed), (16, SEQ + 1), 0, 256)
     one = jax.devices()[0]
@@ -151,8 +159,11 @@ def test_a_staged_fsdp_step_has_the_one_device_gradients(mesh, seed):
         mesh=dew.MeshSpec(**mesh),
         layout=dew.Layout(min_shard=1024),
     )
-    stages = (2, mesh["fsdp"] // 2)
-    trainer.shards = dataclasses.replace(trainer.shards, fsdp_scatter_stages=stages)
+    if ring:
+        trainer.shards = dataclasses.replace(trainer.shards, fsdp_ring=True)
+    else:
+        stages = (2, mesh["fsdp"] // 2)
+        trainer.shards = dataclasses.replace(trainer.shards, fsdp_scatter_stages=stages)
     state = trainer.init_state()
     grads, _ = trainer.gradients(state.params, trainer.device_batch(np.asarray(batch), 16))
     for path, a in jax.tree_util.tree_leaves_with_path(expected):
@@ -227,3 +238,86 @@ def test_the_sum_is_staged_only_where_fsdp_fills_a_3d_torus_largest_group_first(
     # fsdp over part of the slice (data 2): a smaller group, one reduce-scatter.
     part = Mesh(np.array(devices).reshape(2, -1), ("data", "fsdp"))
     assert fsdp.scatter_stages(part) == ()
+
+
+def test_fsdp_rings_on_a_3d_torus_run_beside_compute_with_the_bytes_of_the_ring_collectives():
+    # v5p:2x2x2, fsdp=8, the tiny model of the first test: the TPU compiler makes no all_gather
+    # asynchronous on a 3-D torus (each a synchronous 3DAllGatherOnMajorDim, nothing beside it);
+    # a ring of ppermutes is asynchronous collective-permute start/done pairs it schedules
+    # beside the layers' matmuls. Two compiles, about 4 s each.
+    from dew.collectives import hlo_overlap
+
+    trainer = tpu_trainer("v5p:2x2x2", 512, dict(fsdp=8), fsdp_scheme="ring")
+    assert trainer.shards.fsdp_ring
+    compiled = trainer.compiled_step(16)
+    text = compiled.as_text()
+    overlap = hlo_overlap(compiled, trainer.mesh)
+    from_hlo = hlo_collectives(compiled, trainer.mesh)
+    from_jaxpr = collectives(trainer.train_step(16), *trainer.step_arguments(16))
+    print("rings: overlapped", overlap.overlapped_wire_bytes, "exposed", overlap.exposed_wire_bytes)
+    # Every gather and gradient sum over fsdp is the jaxpr's ring: no all-gather or
+    # reduce-scatter in the HLO, and the ppermutes' bytes those of the jaxpr's.
+    assert not re.search(r" (all-gather|reduce-scatter)(-start)?\(", text)
+    assert from_jaxpr.count("all_gather") == from_jaxpr.count("psum_scatter") == 0
+    rings = [r for r in from_hlo.rows if r.op == "ppermute"]
+    asked = [r for r in from_jaxpr.rows if r.op == "ppermute"]
+    assert sum(r.count for r in rings) == sum(r.count for r in asked) > 0
+    # Most of the rings' bytes run beside compute (the small buckets and the embedding's gather
+    # stay exposed), where the all_gathers and reduce-scatters of the same step run beside none.
+    overlapped = sum(r.wire_bytes for r in overlap.overlapped.rows if r.op == "ppermute")
+    assert overlapped > 0.8 * sum(r.wire_bytes for r in rings)
+    # The same step with all_gathers and (staged) reduce-scatters.
+    trainer = tpu_trainer("v5p:2x2x2", 512, dict(fsdp=8))
+    without = hlo_overlap(trainer.compiled_step(16), trainer.mesh)
+    print("collectives: overlapped", without.overlapped_wire_bytes)
+    assert without.overlapped_wire_bytes == 0
+    # The same bytes as the ring all-gathers and reduce-scatters: in the HLO (where the compiler
+    # gathers bfloat16 either way) and in the jaxpr (the float32 weights the code gathers).
+    assert overlap.wire_bytes == pytest.approx(without.wire_bytes, rel=1e-6)
+    plain = collectives(trainer.train_step(16), *trainer.step_arguments(16))
+    replaced = [r for r in plain.rows if r.op in ("all_gather", "psum_scatter")]
+    assert sum(r.wire_bytes for r in asked) == pytest.approx(
+        sum(r.wire_bytes for r in replaced), rel=1e-6
+    )
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_ring_is_the_all_gather_and_the_reduce_scatter(cpu_mesh, dim, seed):
+    x = jax.random.normal(jax.random.key(seed), (8, 16, 24))
+    spec = P(*([None] * dim), "fsdp")
+
+    def gathers(local):
+        return (
+            jax.lax.all_gather(local, "fsdp", axis=dim, tiled=True),
+            fsdp.ring_gather(local, dim, 8),
+        )
+
+    def sums(whole):
+        # Each device's own addend: x times its index + 1.
+        local = whole * (jax.lax.axis_index("fsdp") + 1)
+        return (
+            jax.lax.psum_scatter(local, "fsdp", scatter_dimension=dim, tiled=True),
+            fsdp.ring_scatter(local, dim, 8),
+        )
+
+    run = functools.partial(jax.shard_map, mesh=cpu_mesh, check_vma=False)
+    expected, ring = jax.jit(run(gathers, in_specs=spec, out_specs=(P(), P())))(x)
+    np.testing.assert_array_equal(np.asarray(ring), np.asarray(expected))
+    expected, ring = jax.jit(run(sums, in_specs=P(), out_specs=(spec, spec)))(x)
+    np.testing.assert_allclose(np.asarray(ring), np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
+def test_the_ring_is_asked_for_and_refused_where_it_cannot_run():
+    # A choice of the step's options, off by default; the Trainer hands it to the step.
+    assert StepOptions().fsdp_scheme == "gather"
+    with pytest.raises(
+        ValueError, match="unknown fsdp_scheme 'rings'; expected one of gather, ring"
+    ):
+        StepOptions(fsdp_scheme="rings")
+    ring = StepOptions(fsdp_scheme="ring")
+    ring.check({"fsdp": 8}, 32)
+    assert ring.in_effect({"fsdp": 8}) == {"fsdp_scheme": "ring"}
+    assert StepOptions().in_effect({"fsdp": 8}) == {}
+    for n in (1, fsdp.RING_MAX * 2):
+        with pytest.raises(ValueError, match=f"needs an fsdp axis of 2 to 32 devices .* fsdp {n}"):
+            ring.check({"fsdp": n}, 32)

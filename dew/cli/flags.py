@@ -458,14 +458,30 @@ def add_pipeline_schedule_flag(parser: argparse.ArgumentParser, *, several: bool
     )
 
 
+def add_fsdp_scheme_flag(parser: argparse.ArgumentParser) -> None:
+    """``--fsdp-scheme``: ``StepOptions(fsdp_scheme=...)``."""
+    from dew.parallel.options import FSDP_SCHEMES
+
+    parser.add_argument(
+        "--fsdp-scheme",
+        default="gather",
+        choices=FSDP_SCHEMES,
+        help="how weights cross an fsdp axis above 1 (default gather: all_gather, its gradient a "
+        "psum_scatter); ring: rings of ppermutes with the same bytes (fsdp of 2 to 32), which "
+        "the TPU compiler overlaps with compute on a 3-D torus (v4, v5p), for more temporary "
+        "memory",
+    )
+
+
 def step_options(args):
-    """The ``StepOptions`` of one command's flags (``train``, ``collectives``)."""
+    """The ``StepOptions`` of one command's flags (``train``, ``collectives``, ``plan``)."""
     from dew.parallel.options import StepOptions
 
     return StepOptions(
         sequence_parallel=args.sequence_parallel,
         sequence_scheme=args.sequence_scheme,
         pipeline_schedule=args.pipeline_schedule,
+        fsdp_scheme=args.fsdp_scheme,
     )
 
 

@@ -24,6 +24,7 @@ from dew.cli.flags import (
     Parser,
     add_accumulation_flag,
     add_device_flag,
+    add_fsdp_scheme_flag,
     add_mesh_flag,
     add_min_shard_flag,
     add_model_flags,
@@ -49,6 +50,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_sequence_parallel_flag(parser)
     add_sequence_scheme_flag(parser)
     add_pipeline_schedule_flag(parser)
+    add_fsdp_scheme_flag(parser)
     add_accumulation_flag(parser)
 
 

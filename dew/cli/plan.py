@@ -19,6 +19,7 @@ from pathlib import Path
 from dew.cli.flags import (
     EXAMPLE_SIZES,
     add_accumulation_flag,
+    add_fsdp_scheme_flag,
     add_mesh_flag,
     add_min_shard_flag,
     add_model_flags,
@@ -72,6 +73,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     add_sequence_parallel_flag(parser)
     add_sequence_scheme_flag(parser)
     add_pipeline_schedule_flag(parser)
+    add_fsdp_scheme_flag(parser)
     add_accumulation_flag(parser)
     parser.add_argument(
         "--search",

@@ -25,6 +25,17 @@ as the single reduce-scatter gives; the bytes are ``(p - 1) / p W + (q - 1) / q 
 n W``, the single ring's. ``p`` is the larger
 (``(4, 2)`` on 8 chips): the first stage's output, ``W / p``, is the one temporary the split adds.
 
+On such a slice the TPU compiler also makes no ``all_gather`` asynchronous: each is a synchronous
+collective (``3DAllGatherOnMajorDim``) with nothing beside it, over the whole torus or over
+groups of it alike, where on a 2-D slice it chains the gathers into the matmuls that use them.
+Its ``collective-permute`` s are asynchronous start/done pairs it schedules beside compute. So
+``StepOptions(fsdp_scheme="ring")`` (``Shards.fsdp_ring``) runs the gather as a ring of ``n - 1``
+``ppermute`` s (``ring_gather``) and its transpose as the ring reduce-scatter (``ring_scatter``),
+in place of the all-gather and the staged reduce-scatters: the same bytes, ``(n - 1) / n W``
+each, nearly all of them beside the layers' matmuls there. The price is temporary memory: the
+scheduler keeps more whole weights, whole float32 gradients and ring pieces alive at once to
+overlap them (docs/benchmarks.md), which is why it is a choice and not the default.
+
 The compiler also compiles a reduce-scatter as an all-reduce (an ``all-reduce-scatter`` of the
 operand padded by a few rows) when a device's piece is not whole (8, 128) tiles (a piece narrower
 than 128 lanes along the minor dimension, or a bucket's single row), and, measured on Llama
@@ -109,6 +120,26 @@ def loop_sum_axes(shards, accumulation: int) -> tuple[str, ...]:
     return (DATA,)
 
 
+def fills_3d_torus(mesh) -> bool:
+    """Whether the fsdp axis is every device of ``mesh``, at least 4, and they are TPU chips whose
+    ``coords`` vary along three dimensions (v4, v5p from ``2x2x2`` on)."""
+    devices = list(mesh.devices.flat)
+    n = dict(mesh.shape).get(AXIS, 1)
+    if n != len(devices) or n < 4:
+        return False
+    coords = [getattr(d, "coords", None) for d in devices]
+    if any(c is None or len(c) < 3 for c in coords):
+        return False
+    return sum(len({c[k] for c in coords}) > 1 for k in range(3)) == 3
+
+
+# The most devices an fsdp ring runs over (``StepOptions(fsdp_scheme="ring")``). A ring is n - 1
+# ppermutes a gather, written out, so the step's HLO grows with n: Llama-3.1-8B compiled in 22 s at
+# fsdp 8 and 54 s at 32, where the collectives took 20 and 25 s; Llama-3.1-70B at fsdp 128 had not
+# compiled after 7.5 minutes and 13.6 GB of host memory (21 s with collectives).
+RING_MAX = 32
+
+
 def scatter_stages(mesh) -> tuple[int, ...]:
     """The group sizes the fsdp gradient sum runs in (``Shards.fsdp_scatter_stages``), outermost
     first; ``()`` for one ``psum_scatter`` over the whole axis.
@@ -120,15 +151,9 @@ def scatter_stages(mesh) -> tuple[int, ...]:
     The bytes are those of one reduce-scatter whatever the split; the first stage's output, ``1 /
     p`` of the whole float32 gradient, is a temporary the single reduce-scatter does not have, so
     it is kept smallest (docs/planning.md has the measurements)."""
-    devices = list(mesh.devices.flat)
+    if not fills_3d_torus(mesh):
+        return ()
     n = mesh.shape[AXIS]
-    if n != len(devices) or n < 4:
-        return ()
-    coords = [getattr(d, "coords", None) for d in devices]
-    if any(c is None or len(c) < 3 for c in coords):
-        return ()
-    if sum(len({c[k] for c in coords}) > 1 for k in range(3)) < 3:
-        return ()
     smallest = min(f for f in range(2, n + 1) if n % f == 0)
     if smallest == n:  # a prime number of devices: no split
         return ()
@@ -165,6 +190,44 @@ def scatter_sum(x: jax.Array, dim: int, stages: Sequence[int] = ()) -> jax.Array
     return x
 
 
+def _ring(n: int) -> list[tuple[int, int]]:
+    """The ``ppermute`` pairs of a ring over fsdp: index ``i`` sends to ``i + 1``."""
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def ring_gather(x: jax.Array, dim: int, n: int) -> jax.Array:
+    """``all_gather(x, "fsdp", axis=dim, tiled=True)`` as ``n - 1`` ``ppermute`` s round the
+    ring: at step ``s`` device ``i`` receives the shard of device ``i - s`` and writes it at block
+    ``i - s``. Each moves one shard: ``(n - 1) / n`` of the whole, a ring all-gather's bytes."""
+    i = lax.axis_index(AXIS)
+    k = x.shape[dim]
+    whole = jnp.zeros((*x.shape[:dim], n * k, *x.shape[dim + 1 :]), x.dtype)
+    whole = lax.dynamic_update_slice_in_dim(whole, x, i * k, axis=dim)
+    piece = x
+    for s in range(1, n):
+        piece = lax.ppermute(piece, AXIS, _ring(n))
+        whole = lax.dynamic_update_slice_in_dim(whole, piece, ((i - s) % n) * k, axis=dim)
+    return whole
+
+
+def ring_scatter(x: jax.Array, dim: int, n: int) -> jax.Array:
+    """``psum_scatter(x, "fsdp", scatter_dimension=dim, tiled=True)`` as ``n - 1`` ``ppermute`` s
+    round the ring: the running sum of block ``b`` starts on device ``b + 1``, and each device
+    adds its own block ``b`` and passes it on, until it reaches device ``b`` from ``b - 1``.
+    Each step moves one block, ``1 / n`` of ``x``: a ring reduce-scatter's bytes. (The blocks
+    are summed in another order than ``psum_scatter``'s: float rounding only.)"""
+    i = lax.axis_index(AXIS)
+    k = x.shape[dim] // n
+
+    def block(b):
+        return lax.dynamic_slice_in_dim(x, (b % n) * k, k, axis=dim)
+
+    total = block(i - 1)
+    for s in range(1, n):
+        total = lax.ppermute(total, AXIS, _ring(n)) + block(i - 1 - s)
+    return total
+
+
 def _bucket_rows(m: int) -> int:
     """Rows a device's ``m`` elements of a bucket gradient are laid out in for its
     reduce-scatter: 32, when they make rows of whole 128-lane tiles, else 1."""
@@ -192,25 +255,32 @@ def scatter_along(local_shape: Sequence[int], dim: int) -> int:
     return dim
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _gather_summed(x, dim: int, tiled: bool, stages: tuple, also_sum: tuple, along: int):
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _gather_summed(x, dim: int, tiled: bool, stages: tuple, also_sum: tuple, along: int, ring: int):
     """``all_gather(x, "fsdp", axis=dim, tiled=tiled)``, whose backward is the fsdp gradient sum
     written out: ``scatter_sum`` (in ``stages``, along dimension ``along``: ``scatter_along``),
-    then a ``psum`` over ``also_sum``."""
+    then a ``psum`` over ``also_sum``. ``ring``, when not 0, is the fsdp size, and both run as
+    rings of ``ppermute`` s instead (``ring_gather``, ``ring_scatter``)."""
+    if ring:  # A bucket's [m] is gathered as [1, m] pieces: [n, m].
+        return ring_gather(x if tiled else x[None], dim, ring)
     return lax.all_gather(x, AXIS, axis=dim, tiled=tiled)
 
 
-def _gather_summed_fwd(x, dim, tiled, stages, also_sum, along):
-    return _gather_summed(x, dim, tiled, stages, also_sum, along), None
+def _gather_summed_fwd(x, dim, tiled, stages, also_sum, along, ring):
+    return _gather_summed(x, dim, tiled, stages, also_sum, along, ring), None
 
 
-def _gather_summed_bwd(dim, tiled, stages, also_sum, along, _, cotangent):
+def _scatter(x, dim, stages, ring):
+    return ring_scatter(x, dim, ring) if ring else scatter_sum(x, dim, stages)
+
+
+def _gather_summed_bwd(dim, tiled, stages, also_sum, along, ring, _, cotangent):
     if tiled:
         # The gradient laid out with the split dimension at ``along``: the compiler writes the
         # weight-gradient matmul's output in that layout, a transpose without a copy where the
         # gradient comes straight from a matmul (docs/planning.md).
         moved = jnp.moveaxis(cotangent, dim, along)
-        grad = jnp.moveaxis(scatter_sum(moved, along, stages), along, dim)
+        grad = jnp.moveaxis(_scatter(moved, along, stages, ring), along, dim)
     else:  # A bucket, [n, m] (dim 0): device i keeps row i.
         n, m = cotangent.shape
         rows = _bucket_rows(m)
@@ -218,7 +288,7 @@ def _gather_summed_bwd(dim, tiled, stages, also_sum, along, _, cotangent):
         # whose pieces are whole (8, 128) tiles, 32 rows of them here, and compiles one of
         # single-row pieces as an all-reduce and a slice (docs/planning.md).
         pieces = cotangent.reshape(n * rows, m // rows)
-        grad = scatter_sum(pieces, 0, stages).reshape(m)
+        grad = _scatter(pieces, 0, stages, ring).reshape(m)
     if also_sum:
         # The fsdp shard, 1/n of the gradient, summed over the other devices that hold it.
         grad = lax.psum(grad, also_sum)
@@ -239,7 +309,8 @@ def gather(tree: Any, specs: Any, shards, also_sum: tuple[str, ...] = ()) -> Any
       specs: ``PartitionSpec`` tree matching ``tree`` (the layout of the full weights), or ``None``.
       shards: the step's ``Shards``; on an fsdp axis of size 1 nothing is gathered. Its
         ``fsdp_scatter_stages`` and ``fsdp_tpu_layout`` shape the gradient sum (``scatter_sum``,
-        ``scatter_along``).
+        ``scatter_along``); with ``fsdp_ring`` the gathers and sums are rings of ``ppermute`` s
+        (``ring_gather``, ``ring_scatter``).
       also_sum: axes the backward sums each split leaf's gradient over after the fsdp
         reduce-scatter (``Shards.loop_sums`` for the layer loop's weights).
 
@@ -252,6 +323,7 @@ def gather(tree: Any, specs: Any, shards, also_sum: tuple[str, ...] = ()) -> Any
         return tree
     n = shards.size(AXIS)
     stages = tuple(shards.fsdp_scatter_stages)
+    ring = n if shards.fsdp_ring else 0
     also_sum = tuple(also_sum)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dims = [split_dim(spec) for spec in treedef.flatten_up_to(specs)]
@@ -271,14 +343,14 @@ def gather(tree: Any, specs: Any, shards, also_sum: tuple[str, ...] = ()) -> Any
                 along = dims[i]
                 if shards.fsdp_tpu_layout:
                     along = scatter_along(leaves[i].shape, dims[i])
-                out[i] = _gather_summed(leaves[i], dims[i], True, stages, also_sum, along)
+                out[i] = _gather_summed(leaves[i], dims[i], True, stages, also_sum, along, ring)
                 continue
             flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
             # One ring all-gather for the bucket: each device sends and receives (n-1)/n of its
             # whole weights, as one gather per weight would, in one barrier instead of several.
             # Its transpose is one psum_scatter of their gradients, moving as much.
             # [n, local elements of the bucket], device-major.
-            gathered = _gather_summed(flat, 0, False, stages, also_sum, 0)
+            gathered = _gather_summed(flat, 0, False, stages, also_sum, 0, ring)
             start = 0
             for i in members:
                 local, dim = leaves[i].shape, dims[i]

@@ -45,6 +45,10 @@ class Shards:
       fsdp_tpu_layout: the fsdp gradient sums laid out for the TPU compiler
         (``dew.parallel.fsdp.scatter_along``; set by the ``Trainer`` on TPU devices); elsewhere
         each gradient is scattered along its own split dimension, with no transpose.
+      fsdp_ring: the fsdp gathers and their gradient sums run as rings of ``ppermute`` s
+        (``StepOptions(fsdp_scheme="ring")``: on a 3-D TPU torus the compiler overlaps those
+        with compute, and no ``all_gather``); it replaces ``fsdp_scatter_stages``. ``False``:
+        ``all_gather`` and ``psum_scatter``.
       loop_sums: the axes beyond ``fsdp`` the layer loop's gathers sum their weights' gradients
         over, inside the loop (``dew.parallel.fsdp.loop_sum_axes``, set by the step engine);
         ``dew.parallel.gradients.sum_axes`` leaves them out of the step's tail for those weights.
@@ -57,6 +61,7 @@ class Shards:
     microbatches: int = 1
     fsdp_scatter_stages: tuple[int, ...] = ()
     fsdp_tpu_layout: bool = False
+    fsdp_ring: bool = False
     loop_sums: tuple[str, ...] = ()
 
     def size(self, *axes: str) -> int:

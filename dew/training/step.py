@@ -5,11 +5,13 @@ whole mesh, on each device's local shards, and every byte between devices is a c
 ``dew.parallel``:
 
     fsdp.gather          all_gathers of a layer's split weights (small ones bucketed, per dtype)
-                         just before the layer runs, and again in its recomputed backward
-    (its transpose)      one psum_scatter of those weights' gradients over fsdp (two, over
-                         groups of the axis, on a 3-D TPU torus that fsdp fills:
-                         Shards.fsdp_scatter_stages), then, in the layer loop where each layer
-                         runs once a step, a psum of each shard over data (Shards.loop_sums)
+                         just before the layer runs, and again in its recomputed backward (on a
+                         3-D TPU torus that fsdp fills, rings of ppermutes: Shards.fsdp_ring)
+    (its transpose)      one psum_scatter of those weights' gradients over fsdp (the ring
+                         reduce-scatter where the gather is a ring; two psum_scatters over
+                         groups of the axis with Shards.fsdp_scatter_stages), then, in the layer
+                         loop where each layer runs once a step, a psum of each shard over data
+                         (Shards.loop_sums)
     tensor.enter/leave   Megatron's pairs around attention and the MLP (psum over tensor, or
                          all_gather / psum_scatter with sequence-parallel activations), and the
                          vocabulary-parallel embedding, head and loss (psum and pmax of

@@ -169,6 +169,7 @@ class Trainer:
             microbatches=self.microbatches,
             fsdp_scatter_stages=fsdp.scatter_stages(self.mesh),
             fsdp_tpu_layout=fsdp.on_tpu(self.mesh),
+            fsdp_ring=engine == "shard_map" and options.fsdp_scheme == "ring",
         )
         if engine == "shard_map":
             tensor.check_layout(self.param_specs, axes, abstract_state.params, mesh_shape["tensor"])
