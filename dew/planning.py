@@ -24,7 +24,7 @@ in ``libtpu``; nothing runs. A ``PlanRow`` holds what the compiled executable sa
 ``search`` enumerates the layouts a model and a slice allow and compiles the most promising first
 (see its docstring for the rule).
 
-One module of about 500 lines: a row, the compile that fills it, the search that chooses which
+One module of about 560 lines: a row, the compile that fills it, the search that chooses which
 rows to compile and the table that prints them are one path a reader follows from `dew plan`'s
 flags to its output; each part is a few functions that make no sense without the row.
 """

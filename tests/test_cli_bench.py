@@ -117,8 +117,8 @@ def test_dew_bench_runs_each_pipeline_schedule_and_measures_its_bubble(tmp_path,
 
 def test_dew_bench_defaults_split_over_eight_tensor_devices():
     from dew.benchmark import ModelSize
-    from dew.cli.flags import model_config
     from dew.cli.main import build_parser
+    from dew.cli.model_flags import model_config
 
     args = build_parser().parse_args(["bench"])
     size = ModelSize.of(model_config(args), batch=args.batch)

@@ -22,8 +22,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import dew
-from dew.cli.flags import model_config
 from dew.cli.main import build_parser
+from dew.cli.model_flags import model_config
 from dew.parallel import ONE_DEVICE, Shards, expert, ragged
 from tests.helpers import relative_error
 from tests.test_moe_reference import POSITIONS, continuous_part, route_reference

@@ -155,8 +155,8 @@ def test_unknown_preset_lists_the_known():
 
 
 def test_model_flag_takes_a_preset_and_the_size_flags_override_it():
-    from dew.cli.flags import model_config
     from dew.cli.main import build_parser
+    from dew.cli.model_flags import model_config
 
     args = build_parser().parse_args(
         ["train", "--model", "llama-3.1-8b", "--layers", "2", "--seq-len", "64"]

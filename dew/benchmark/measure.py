@@ -77,9 +77,9 @@ class ModelSize:
 
     @classmethod
     def of(cls, config: dict, batch: int, seq_len: int | None = None) -> "ModelSize":
-        """The size of ``build("causal_transformer", **config)`` (``dew.cli.flags.model_config``)
-        on global batches of ``batch`` rows of ``seq_len`` tokens (default: the model's
-        ``max_seq_len``)."""
+        """The size of ``build("causal_transformer", **config)``
+        (``dew.cli.model_flags.model_config``) on global batches of ``batch`` rows of ``seq_len``
+        tokens (default: the model's ``max_seq_len``)."""
         config = dict(config)
         context = config.pop("max_seq_len")
         sizes = dict(

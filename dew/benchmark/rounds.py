@@ -204,7 +204,9 @@ def compare(
     contestants, twins = [], []
     for overrides in variants:
         objective = size.objective(**overrides)
-        variant = variant_text(overrides) if len(variants) > 1 else ""
+        # Named from the model built, so a row says what ran, not what was asked.
+        built = {k: getattr(objective.model, k) for k in overrides}
+        variant = variant_text(built) if len(variants) > 1 else ""
         these = [
             Contestant(objective, size, spec, engine, min_shard, seed, options, variant)
             for spec in specs

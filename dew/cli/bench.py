@@ -24,14 +24,16 @@ from dew.cli.flags import (
     add_device_flag,
     add_mesh_flag,
     add_min_shard_flag,
-    add_model_flags,
-    add_moe_flags,
     add_pipeline_schedule_flag,
     add_seed_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     default_layouts,
     engine_names,
+)
+from dew.cli.model_flags import (
+    add_model_flags,
+    add_moe_flags,
     model_variants,
     moe_config,
     sizes_text,

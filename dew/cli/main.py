@@ -20,23 +20,25 @@ import sys
 
 from dew.cli import bench, convert, launch, plan, plot, tokenize
 from dew.cli.flags import (
-    EXAMPLE_SIZES,
     Parser,
     add_accumulation_flag,
     add_device_flag,
     add_fsdp_scheme_flag,
     add_mesh_flag,
     add_min_shard_flag,
-    add_model_flags,
-    add_moe_flags,
     add_pipeline_schedule_flag,
     add_seed_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     engine_names,
+    step_options,
+)
+from dew.cli.model_flags import (
+    EXAMPLE_SIZES,
+    add_model_flags,
+    add_moe_flags,
     model_config,
     sizes_text,
-    step_options,
 )
 from dew.targets import MissingExtra
 

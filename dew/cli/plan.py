@@ -17,20 +17,22 @@ import json
 from pathlib import Path
 
 from dew.cli.flags import (
-    EXAMPLE_SIZES,
     add_accumulation_flag,
     add_fsdp_scheme_flag,
     add_mesh_flag,
     add_min_shard_flag,
-    add_model_flags,
-    add_moe_flags,
     add_pipeline_schedule_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     engine_names,
+    step_options,
+)
+from dew.cli.model_flags import (
+    EXAMPLE_SIZES,
+    add_model_flags,
+    add_moe_flags,
     model_variants,
     sizes_text,
-    step_options,
 )
 
 # dew plan's sizes: a batch and a length at which a real model's step is a realistic question.

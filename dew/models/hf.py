@@ -28,6 +28,10 @@ instead of copying it. No host ever holds the whole model: a process holds its d
 and two scratch-sized buffers (measured in docs/benchmarks.md, "Hugging Face load: host memory").
 Everything that can be checked before reading is checked first (the config, the names, shapes and
 dtypes of every tensor, the files' sizes): a ``ValueError`` naming the problem, and no parameters.
+
+(Past 450 lines: loading and saving are one mapping of names and shapes read in both directions,
+and the reader that fills a device's slices belongs to the loading they share a page with; the
+config's side is ``dew.models.hf_config``, the file format ``dew.models.safetensors``.)
 """
 
 from __future__ import annotations
@@ -46,14 +50,39 @@ from dew.checkpoints import reader
 from dew.checkpoints.memory import aligned_empty
 from dew.models import safetensors
 from dew.models.causal_transformer import CausalTransformer, resolve_dtype
-from dew.nn import rotary
+from dew.models.hf_config import (
+    ARCHITECTURE,
+    ARCHITECTURE_FIELDS,
+    CONFIG,
+    architecture,
+    is_hf_folder,
+    model_from_config,
+    read_config,
+)
 
-CONFIG = "config.json"
+# The config's side (``dew.models.hf_config``) is part of this module's API.
+__all__ = [
+    "load",
+    "save",
+    "mappings",
+    "config_of",
+    "describe",
+    "model_of_metadata",
+    "params_prefix",
+    "model_from_config",
+    "read_config",
+    "is_hf_folder",
+    "architecture",
+    "CONFIG",
+    "SINGLE",
+    "INDEX",
+    "ARCHITECTURE",
+]
+
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # Hugging Face's default shard size for save_pretrained.
 MAX_SHARD_BYTES = 5 * 10**9
-ARCHITECTURE = "LlamaForCausalLM"
 
 # How a Dew parameter is laid out in a Hugging Face tensor.
 SAME = "same"  # the same array
@@ -116,112 +145,6 @@ def _hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 # --- config.json ---------------------------------------------------------------------------------
 
-# The Dew fields a config.json decides; the others (max_seq_len aside) are how Dew runs it.
-ARCHITECTURE_FIELDS = (
-    "vocab_size",
-    "emb_features",
-    "num_layers",
-    "num_heads",
-    "kv_heads",
-    "hidden",
-    "tie_embeddings",
-    "rope_theta",
-    "rope_scaling",
-    "rms_norm_eps",
-)
-
-
-def _rope(config: dict, where: str) -> tuple[float, rotary.Llama3Scaling | None]:
-    """``(rope_theta, scaling)`` of a config: transformers 5's ``rope_parameters`` or the
-    ``rope_theta`` and ``rope_scaling`` of earlier versions (Meta's published files)."""
-    if config.get("rope_parameters") is not None:
-        params = dict(config["rope_parameters"])
-        theta = params.pop("rope_theta", config.get("rope_theta", rotary.DEFAULT_THETA))
-        field = "rope_parameters"
-    else:
-        params = dict(config.get("rope_scaling") or {})
-        theta = config.get("rope_theta", rotary.DEFAULT_THETA)
-        field = "rope_scaling"
-    kind = params.pop("rope_type", params.pop("type", "default"))
-    if kind == "default":
-        leftover = sorted(set(params) - {"partial_rotary_factor"})
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            leftover = ["partial_rotary_factor"]
-        if leftover:
-            raise ValueError(f"{where}: {field} {', '.join(leftover)} is not supported by Dew")
-        return float(theta), None
-    if kind != "llama3":
-        raise ValueError(
-            f"{where}: {field} rope_type {kind!r} is not supported; Dew implements 'default' "
-            "and 'llama3'"
-        )
-    try:
-        return float(theta), rotary.Llama3Scaling.of({"rope_type": "llama3", **params})
-    except ValueError as error:
-        raise ValueError(f"{where}: {field}: {error}") from None
-
-
-def model_from_config(config: dict, where: str = CONFIG, **overrides) -> CausalTransformer:
-    """The ``CausalTransformer`` of a Hugging Face Llama ``config`` (``config.json``'s dict),
-    with ``overrides`` (``max_seq_len``, ``param_dtype``, ``dtype``, ``attention_impl``, ...).
-    ``ValueError`` naming the field for another architecture or a feature Dew does not have."""
-    if not isinstance(config, dict):
-        raise ValueError(f"{where} is not a JSON object")
-    if config.get("model_type") != "llama":
-        raise ValueError(
-            f"{where}: model_type {config.get('model_type')!r} is not supported; dew.models.hf "
-            "loads Llama models (model_type 'llama', LlamaForCausalLM)"
-        )
-    architectures = config.get("architectures") or [ARCHITECTURE]
-    if ARCHITECTURE not in architectures:
-        raise ValueError(f"{where}: architectures {architectures} has no {ARCHITECTURE}")
-    unsupported = {
-        "hidden_act": ("silu", "SwiGLU with SiLU is Dew's MLP"),
-        "attention_bias": (False, "Dew's projections have no bias"),
-        "mlp_bias": (False, "Dew's MLP has no bias"),
-    }
-    for field, (wanted, why) in unsupported.items():
-        if config.get(field, wanted) != wanted:
-            raise ValueError(
-                f"{where}: {field} {config[field]!r} is not supported ({why}; needs {wanted!r})"
-            )
-    required = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-    )
-    missing = [field for field in required if field not in config]
-    if missing:
-        raise ValueError(f"{where} lacks {', '.join(missing)}")
-    heads = config["num_attention_heads"]
-    hidden = config["hidden_size"]
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim * heads != hidden:
-        raise ValueError(
-            f"{where}: head_dim {head_dim} x num_attention_heads {heads} is not hidden_size "
-            f"{hidden}; Dew's heads split the width"
-        )
-    theta, scaling = _rope(config, where)
-    fields = dict(
-        vocab_size=config["vocab_size"],
-        emb_features=hidden,
-        num_layers=config["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        mlp_features=config["intermediate_size"],
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_seq_len=config.get("max_position_embeddings", 2048),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-    )
-    try:
-        return CausalTransformer(**{**fields, **overrides})
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{where}: {error}") from None
-
 
 def config_of(model: CausalTransformer, dtype: str) -> dict:
     """``config.json`` of ``model`` for transformers' ``LlamaForCausalLM`` (weights in
@@ -249,29 +172,7 @@ def config_of(model: CausalTransformer, dtype: str) -> dict:
     }
 
 
-def architecture(model: CausalTransformer) -> dict:
-    """The fields of ``model`` a Llama checkpoint decides (for comparing two models)."""
-    return {field: getattr(model, field) for field in ARCHITECTURE_FIELDS}
-
-
 # --- Reading a folder ----------------------------------------------------------------------------
-
-
-def read_config(folder: str | os.PathLike) -> dict:
-    path = Path(folder) / CONFIG
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(
-            f"{folder} is not a Hugging Face model folder: it has no {CONFIG}"
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} cannot be read as JSON ({error})") from None
-
-
-def is_hf_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a folder with a ``config.json`` (a Hugging Face model folder)."""
-    return (Path(path) / CONFIG).is_file()
 
 
 def _tensors(folder: Path) -> dict[str, safetensors.Tensor]:

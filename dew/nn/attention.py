@@ -101,7 +101,7 @@ IMPLEMENTATIONS = {
 # What ``attention_impl`` takes: an implementation, or "auto" (``resolve``).
 CHOICES = (*IMPLEMENTATIONS, "auto")
 
-# What cuDNN's flash attention takes through JAX (jax._src.cudnn.fused_attention_stablehlo:
+# What cuDNN's flash attention takes through JAX (its cudnn fused_attention_stablehlo module:
 # half-precision inputs, head_dim a multiple of 8, at most 128 before Hopper and 256 from it; 128
 # here, which every cuDNN-capable GPU takes, so the rule needs no device kind).
 CUDNN_DTYPES = ("bfloat16", "float16")

@@ -1,0 +1,285 @@
+"""The model's flags, defined once for every ``dew`` command that builds one: a ``--model`` preset
+or the example decoder's sizes, the model's choices (``--dtype``, ``--param-dtype``, ``--remat``,
+``--attention``), the mixture-of-experts flags, and what they make: ``model_config`` (one model),
+``model_variants`` (one per value of a choice given several), ``sizes_text`` (a command's first
+line).
+
+Like ``dew.cli.flags``, nothing here starts JAX's backends: the parser is built before the device
+flags are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+
+def preset_names() -> tuple[str, ...]:
+    from dew.models.presets import PRESETS
+
+    return tuple(PRESETS)
+
+
+def add_model_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    batch: int,
+    seq_len: int,
+    layers: int,
+    width: int,
+    heads: int,
+    several: tuple[str, ...] = (),
+) -> None:
+    """The decoder, its precision, recompute and attention, and its batch: a ``--model`` preset
+    (``dew.models.presets``) or the example decoder (a byte vocabulary) of ``layers``, ``width``
+    and ``heads``; ``--layers``, ``--width`` and ``--heads`` override either. ``--dtype``,
+    ``--param-dtype``, ``--remat`` and ``--attention`` default to the model's own (a preset's:
+    bfloat16 activations and the fastest attention for the devices; the example decoder's:
+    float32 and XLA attention). ``several`` names those of ``dtype``, ``remat`` and
+    ``attention`` that take one or more values, each a contestant of its own (read them with
+    ``model_variants``); read the rest with ``model_config``."""
+    from dew.models.causal_transformer import DTYPES, REMAT_CHOICES
+    from dew.nn.attention import CHOICES as ATTENTION_CHOICES
+
+    parser.add_argument(
+        "--model",
+        default=None,
+        choices=preset_names(),
+        metavar="PRESET",
+        help="a published model's shapes: " + ", ".join(preset_names()) + " (default: the "
+        "example decoder, byte vocabulary); --layers, --width and --heads override its sizes",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=batch, help=f"global batch rows (default {batch})"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=seq_len,
+        help=f"tokens per row (default {seq_len}); a preset keeps its own context "
+        "(max_seq_len), which --seq-len may not pass",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help=f"decoder layers (default {layers})"
+    )
+    parser.add_argument(
+        "--width", type=int, default=None, help=f"embedding features (default {width})"
+    )
+    parser.add_argument(
+        "--heads", type=int, default=None, help=f"attention heads (default {heads})"
+    )
+
+    def takes(name: str) -> dict:
+        """``--name``'s nargs and the words its help ends with."""
+        if name in several:
+            return dict(nargs="+"), "; several: one contestant each"
+        return {}, ""
+
+    nargs, more = takes("dtype")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=tuple(DTYPES),
+        help="activations' dtype (default: the model's own, bfloat16 for a preset and float32 "
+        "for the example decoder); softmax, norms and the loss run in float32 regardless" + more,
+        **nargs,
+    )
+    parser.add_argument(
+        "--param-dtype",
+        default=None,
+        choices=tuple(DTYPES),
+        help="the weights' dtype (default float32; the optimizer's moments follow it)",
+    )
+    nargs, more = takes("remat")
+    parser.add_argument(
+        "--remat",
+        default=None,
+        choices=REMAT_CHOICES,
+        metavar="POLICY",
+        help="what each layer keeps for the backward (default: the model's own): full "
+        "(nothing: the layer is recomputed), dots (the matmul outputs), attention (those and "
+        "the attention output), none (everything)" + more,
+        **nargs,
+    )
+    nargs, more = takes("attention")
+    parser.add_argument(
+        "--attention",
+        default=None,
+        choices=ATTENTION_CHOICES,
+        help="the attention kernel (default: the model's own, auto for a preset, xla for the "
+        "example decoder): auto (Pallas on TPU, cuDNN on GPU where it takes the shapes, else "
+        "Pallas, XLA on CPU, by the devices the step is compiled for), xla, pallas, cudnn (GPU "
+        "only), pallas_tpu_interpret (the TPU kernels interpreted, for tests)" + more,
+        **nargs,
+    )
+    parser.set_defaults(
+        example_model=dict(
+            vocab_size=EXAMPLE_VOCAB, num_layers=layers, emb_features=width, num_heads=heads
+        )
+    )
+
+
+# The example decoder reads bytes.
+EXAMPLE_VOCAB = 256
+# The sizes ``dew train``, ``collectives`` and ``plan`` give the example decoder (``dew bench``
+# times a larger one by default: ``dew.benchmark.ModelSize``, named in its header).
+EXAMPLE_SIZES = dict(batch=16, seq_len=32, layers=2, width=64, heads=4)
+
+
+# ``model_config``'s arguments from the flags that set one model field each, when given.
+_MODEL_CHOICE_FLAGS = {
+    "dtype": "dtype",
+    "param_dtype": "param_dtype",
+    "remat": "remat",
+    "attention": "attention_impl",
+}
+
+
+def model_config(args) -> dict:
+    """``models.build("causal_transformer", ...)``'s arguments from ``add_model_flags``' and
+    ``add_moe_flags``' flags: the ``--model`` preset's shapes or the example decoder's, with
+    ``--layers``/``--width``/``--heads``, ``--dtype``, ``--param-dtype``, ``--remat`` and
+    ``--attention`` applied where given, and the MoE flags (``moe_config``).
+
+    A preset keeps its own context (``max_seq_len``); ``--seq-len`` above it is a ``ValueError``.
+    The example decoder's ``max_seq_len`` is ``--seq-len``.
+    """
+    from dew.models.presets import preset
+
+    config = preset(args.model) if args.model else dict(args.example_model)
+    given = dict(num_layers=args.layers, emb_features=args.width, num_heads=args.heads)
+    given.update({field: getattr(args, flag, None) for flag, field in _MODEL_CHOICE_FLAGS.items()})
+    config.update({k: v for k, v in given.items() if v is not None})
+    if not args.model:
+        config["max_seq_len"] = args.seq_len
+    elif args.seq_len > config["max_seq_len"]:
+        raise ValueError(
+            f"--seq-len {args.seq_len} is above {args.model}'s context of "
+            f"{config['max_seq_len']} tokens"
+        )
+    config.update(moe_config(args))
+    return config
+
+
+def model_variants(args) -> tuple[dict, list[dict]]:
+    """``(config, variants)`` for a command whose model choices take several values
+    (``add_model_flags(several=...)``): ``model_config`` of the flags with those choices left to
+    the model, and one dict of ``build`` arguments per combination of the values given
+    (``--remat full dots --attention xla pallas``: four), ``[{}]`` when none was given."""
+    import itertools
+
+    several = {
+        field: values
+        for flag, field in _MODEL_CHOICE_FLAGS.items()
+        if isinstance(values := getattr(args, flag, None), list)
+    }
+    plain = argparse.Namespace(**{**vars(args), **{f: None for f in _MODEL_CHOICE_FLAGS}})
+    config = model_config(plain)
+    for flag, field in _MODEL_CHOICE_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None and not isinstance(value, list):
+            config[field] = value
+    for field in several:  # a preset's own choice gives way to the values given
+        config.pop(field, None)
+    fields = list(several)
+    variants = [dict(zip(fields, combo)) for combo in itertools.product(*several.values())]
+    return config, variants
+
+
+def sizes_text(config: dict, args, name: str | None = None) -> str:
+    """What a command runs, for its header: ``"llama-3.2-1b: 16 layers, width 2048, 32 heads
+    (8 kv), vocab 128256, context 8192; bfloat16 activations, float32 weights, remat full,
+    attention auto; batch 16 x 32 tokens"``, from ``model_config``'s ``config`` (or a model's
+    fields); ``name`` says where the model comes from when it is neither a preset nor the
+    example decoder (``--init-from``)."""
+    from dew.models.causal_transformer import CausalTransformer
+
+    defaults = {f.name: f.default for f in dataclasses.fields(CausalTransformer)}
+    value = {**defaults, **config}
+    kv = value["num_kv_heads"]
+    return (
+        f"{name or args.model or 'example decoder'}: {value['num_layers']} layers, width "
+        f"{value['emb_features']}, {value['num_heads']} heads"
+        + (f" ({kv} kv)" if kv not in (None, value["num_heads"]) else "")
+        + f", vocab {value['vocab_size']}, context {value['max_seq_len']}"
+        + (f", {value['num_experts']} experts" if value.get("num_experts") else "")
+        + f"; {value['dtype']} activations, {value['param_dtype']} weights, remat "
+        f"{value['remat']}, attention {value['attention_impl']}; batch {args.batch} x "
+        f"{args.seq_len} tokens"
+    )
+
+
+# The MoE flags' defaults when --experts is given; without it, giving any of them is an error.
+MOE_DEFAULTS = {"experts_per_token": 2, "moe_every": 1, "capacity_factor": None}
+# MoE flags passed on only when given (the model's defaults apply otherwise), with the same rule.
+MOE_EXCHANGE_FLAGS = ("expert_exchange", "expert_buffer_factor")
+
+
+def add_moe_flags(parser: argparse.ArgumentParser) -> None:
+    """A mixture-of-experts decoder: ``--experts E`` (0: dense), ``--experts-per-token``,
+    ``--moe-every``, ``--capacity-factor``, ``--expert-exchange``, ``--expert-buffer-factor``;
+    all but the first only with ``--experts``."""
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        metavar="E",
+        help="experts per MoE layer (default 0: a dense model); split over the expert axis",
+    )
+    parser.add_argument(
+        "--experts-per-token",
+        type=int,
+        default=None,
+        metavar="K",
+        help="experts each token is routed to (default 2; with --experts)",
+    )
+    parser.add_argument(
+        "--moe-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="every N-th layer is an MoE layer (default 1: all of them; with --experts)",
+    )
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        metavar="C",
+        help="an expert takes at most ceil(C x seq x K / E) copies from each row "
+        "(default: dropless; with --experts)",
+    )
+    parser.add_argument(
+        "--expert-exchange",
+        default=None,
+        metavar="HOW",
+        help="how token copies cross the expert axis: ragged (ragged_all_to_all, exactly the "
+        "copies routed; emulated on CPU), padded (all_to_all of a slot per destination) or auto "
+        "(the default: ragged on TPU and GPU, padded on CPU; with --experts)",
+    )
+    parser.add_argument(
+        "--expert-buffer-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the ragged exchange's receive buffer over a device's even share of copies "
+        "(default 2; copies past it are dropped and counted in dropped_fraction; the expert "
+        "axis size or more never drops; with --experts)",
+    )
+
+
+def moe_config(args) -> dict:
+    """The model arguments of ``add_moe_flags``' flags (empty for a dense model).
+
+    Raises ``ValueError`` when an MoE flag is given without ``--experts``: it would change
+    nothing."""
+    names = (*MOE_DEFAULTS, *MOE_EXCHANGE_FLAGS)
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if not args.experts:
+        if given:
+            flags = ", ".join(f"--{name.replace('_', '-')} {v}" for name, v in given.items())
+            raise ValueError(
+                f"{flags} configures mixture-of-experts layers, which a dense model does not "
+                "have; add --experts E (E experts per MoE layer)"
+            )
+        return {}
+    return dict(num_experts=args.experts, **{**MOE_DEFAULTS, **given})

@@ -1,0 +1,145 @@
+"""A Hugging Face Llama ``config.json`` and Dew's ``CausalTransformer``: which model a config
+describes (``model_from_config``, refusing what Dew does not implement, naming the field), the
+folder's config (``read_config``, ``is_hf_folder``), and the fields two models must share to
+hold the same weights (``architecture``). ``dew.models.hf`` reads and writes the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from dew.models.causal_transformer import CausalTransformer
+from dew.nn import rotary
+
+CONFIG = "config.json"
+ARCHITECTURE = "LlamaForCausalLM"
+
+# The Dew fields a config.json decides; the others (max_seq_len aside) are how Dew runs it.
+ARCHITECTURE_FIELDS = (
+    "vocab_size",
+    "emb_features",
+    "num_layers",
+    "num_heads",
+    "kv_heads",
+    "hidden",
+    "tie_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rms_norm_eps",
+)
+
+
+def _rope(config: dict, where: str) -> tuple[float, rotary.Llama3Scaling | None]:
+    """``(rope_theta, scaling)`` of a config: transformers 5's ``rope_parameters`` or the
+    ``rope_theta`` and ``rope_scaling`` of earlier versions (Meta's published files)."""
+    if config.get("rope_parameters") is not None:
+        params = dict(config["rope_parameters"])
+        theta = params.pop("rope_theta", config.get("rope_theta", rotary.DEFAULT_THETA))
+        field = "rope_parameters"
+    else:
+        params = dict(config.get("rope_scaling") or {})
+        theta = config.get("rope_theta", rotary.DEFAULT_THETA)
+        field = "rope_scaling"
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind == "default":
+        leftover = sorted(set(params) - {"partial_rotary_factor"})
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            leftover = ["partial_rotary_factor"]
+        if leftover:
+            raise ValueError(f"{where}: {field} {', '.join(leftover)} is not supported by Dew")
+        return float(theta), None
+    if kind != "llama3":
+        raise ValueError(
+            f"{where}: {field} rope_type {kind!r} is not supported; Dew implements 'default' "
+            "and 'llama3'"
+        )
+    try:
+        return float(theta), rotary.Llama3Scaling.of({"rope_type": "llama3", **params})
+    except ValueError as error:
+        raise ValueError(f"{where}: {field}: {error}") from None
+
+
+def model_from_config(config: dict, where: str = CONFIG, **overrides) -> CausalTransformer:
+    """The ``CausalTransformer`` of a Hugging Face Llama ``config`` (``config.json``'s dict),
+    with ``overrides`` (``max_seq_len``, ``param_dtype``, ``dtype``, ``attention_impl``, ...).
+    ``ValueError`` naming the field for another architecture or a feature Dew does not have."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} is not a JSON object")
+    if config.get("model_type") != "llama":
+        raise ValueError(
+            f"{where}: model_type {config.get('model_type')!r} is not supported; dew.models.hf "
+            "loads Llama models (model_type 'llama', LlamaForCausalLM)"
+        )
+    architectures = config.get("architectures") or [ARCHITECTURE]
+    if ARCHITECTURE not in architectures:
+        raise ValueError(f"{where}: architectures {architectures} has no {ARCHITECTURE}")
+    unsupported = {
+        "hidden_act": ("silu", "SwiGLU with SiLU is Dew's MLP"),
+        "attention_bias": (False, "Dew's projections have no bias"),
+        "mlp_bias": (False, "Dew's MLP has no bias"),
+    }
+    for field, (wanted, why) in unsupported.items():
+        if config.get(field, wanted) != wanted:
+            raise ValueError(
+                f"{where}: {field} {config[field]!r} is not supported ({why}; needs {wanted!r})"
+            )
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    )
+    missing = [field for field in required if field not in config]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)}")
+    heads = config["num_attention_heads"]
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim * heads != hidden:
+        raise ValueError(
+            f"{where}: head_dim {head_dim} x num_attention_heads {heads} is not hidden_size "
+            f"{hidden}; Dew's heads split the width"
+        )
+    theta, scaling = _rope(config, where)
+    fields = dict(
+        vocab_size=config["vocab_size"],
+        emb_features=hidden,
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        mlp_features=config["intermediate_size"],
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+    )
+    try:
+        return CausalTransformer(**{**fields, **overrides})
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def architecture(model: CausalTransformer) -> dict:
+    """The fields of ``model`` a Llama checkpoint decides (for comparing two models)."""
+    return {field: getattr(model, field) for field in ARCHITECTURE_FIELDS}
+
+
+def read_config(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / CONFIG
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{folder} is not a Hugging Face model folder: it has no {CONFIG}"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} cannot be read as JSON ({error})") from None
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder with a ``config.json`` (a Hugging Face model folder)."""
+    return (Path(path) / CONFIG).is_file()
