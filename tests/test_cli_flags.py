@@ -188,3 +188,12 @@ def test_the_fsdp_scheme_reaches_the_step_options_of_train_collectives_and_plan(
     for command in ("train", "collectives", "plan"):
         assert step_options(parse(command)).fsdp_scheme == "gather", command
         assert step_options(parse(command, "--fsdp-scheme", "ring")).fsdp_scheme == "ring"
+
+
+def test_the_gradient_sum_dtype_reaches_the_step_options_of_train_collectives_and_plan():
+    from dew.cli.flags import step_options
+
+    for command in ("train", "collectives", "plan"):
+        assert step_options(parse(command)).gradient_sum_dtype is None, command
+        chosen = step_options(parse(command, "--gradient-sum-dtype", "bfloat16"))
+        assert chosen.gradient_sum_dtype == "bfloat16", command

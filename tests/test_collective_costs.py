@@ -334,7 +334,7 @@ def test_check_fails_when_a_collective_is_added_dropped_or_moved(objective, monk
         assert any(p.startswith("psum over data: ") and "calls" in p for p in problems), problems
 
 
-def gather_one_by_one(tree, specs, shards, also_sum=()):
+def gather_one_by_one(tree, specs, shards, also_sum=(), in_matmuls=()):
     """A stand-in for ``dew.parallel.fsdp.gather``: one ``all_gather`` per split weight."""
     if specs is None or shards.size(fsdp.AXIS) == 1:
         return tree
@@ -344,7 +344,8 @@ def gather_one_by_one(tree, specs, shards, also_sum=()):
         dim = fsdp.split_dim(spec)
         if dim is None:
             return x
-        return fsdp._gather_summed(x, dim, True, stages, tuple(also_sum), dim, 0)  # 0: no ring
+        # 0: no ring; None: summed in the weight's dtype.
+        return fsdp._gather_summed(x, dim, True, stages, tuple(also_sum), dim, 0, None)
 
     return jax.tree_util.tree_map(whole, tree, specs)
 

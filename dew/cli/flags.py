@@ -201,6 +201,20 @@ def add_fsdp_scheme_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_gradient_sum_flag(parser: argparse.ArgumentParser) -> None:
+    """``--gradient-sum-dtype``: ``StepOptions(gradient_sum_dtype=...)``."""
+    from dew.parallel.options import GRADIENT_SUM_DTYPES
+
+    parser.add_argument(
+        "--gradient-sum-dtype",
+        default=None,
+        choices=GRADIENT_SUM_DTYPES,
+        help="the dtype gradients are summed across devices in (default: each weight's own, "
+        "float32 for float32 weights); bfloat16 halves the sums' bytes and their temporaries, "
+        "with bfloat16's rounding in the sum",
+    )
+
+
 def step_options(args):
     """The ``StepOptions`` of one command's flags (``train``, ``collectives``, ``plan``)."""
     from dew.parallel.options import StepOptions
@@ -210,6 +224,7 @@ def step_options(args):
         sequence_scheme=args.sequence_scheme,
         pipeline_schedule=args.pipeline_schedule,
         fsdp_scheme=args.fsdp_scheme,
+        gradient_sum_dtype=args.gradient_sum_dtype,
     )
 
 

@@ -24,6 +24,7 @@ from dew.cli.flags import (
     add_accumulation_flag,
     add_device_flag,
     add_fsdp_scheme_flag,
+    add_gradient_sum_flag,
     add_mesh_flag,
     add_min_shard_flag,
     add_pipeline_schedule_flag,
@@ -53,6 +54,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_sequence_scheme_flag(parser)
     add_pipeline_schedule_flag(parser)
     add_fsdp_scheme_flag(parser)
+    add_gradient_sum_flag(parser)
     add_accumulation_flag(parser)
 
 

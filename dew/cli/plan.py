@@ -19,6 +19,7 @@ from pathlib import Path
 from dew.cli.flags import (
     add_accumulation_flag,
     add_fsdp_scheme_flag,
+    add_gradient_sum_flag,
     add_mesh_flag,
     add_min_shard_flag,
     add_pipeline_schedule_flag,
@@ -76,6 +77,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     add_sequence_scheme_flag(parser)
     add_pipeline_schedule_flag(parser)
     add_fsdp_scheme_flag(parser)
+    add_gradient_sum_flag(parser)
     add_accumulation_flag(parser)
     parser.add_argument(
         "--search",

@@ -468,6 +468,9 @@ class CausalTransformer:
         """
 
         shared_kv = self.kv_heads < shards.size(tensor.AXIS)
+        # The weights only an einsum takes (under fsdp rings they reach it split: Shards.gather);
+        # shared kv heads are cut from the whole k and v first.
+        attention_matmuls = () if shared_kv else ("attn",)
         # "auto" (and the checks of "cudnn") by the devices this step is compiled for.
         impl = self.attention_for(
             ragged.compiled_platform(),
@@ -502,14 +505,22 @@ class CausalTransformer:
 
         def dense_layer(x, layer_shards):
             x = shards.pin(x)
-            w = shards.gather(layer_shards, "params", "layers", stacked=True)
+            w = shards.gather(
+                layer_shards,
+                "params",
+                "layers",
+                stacked=True,
+                in_matmuls=(*attention_matmuls, "mlp"),
+            )
             x = attention_half(x, w)
             h = tensor.enter(norm.rms_norm(w["mlp_norm"], x, self.rms_norm_eps), shards)
             return x + tensor.leave(mlp.swiglu(w["mlp"], h), shards), None
 
         def moe_layer(x, layer_shards):
             x = shards.pin(x)
-            w = shards.gather(layer_shards, "params", "moe_layers", stacked=True)
+            w = shards.gather(
+                layer_shards, "params", "moe_layers", stacked=True, in_matmuls=attention_matmuls
+            )
             x = attention_half(x, w)
             # The MoE region enters and leaves inside expert.moe_mlp, around its router.
             out, stats = expert.moe_mlp(

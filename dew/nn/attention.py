@@ -25,7 +25,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from dew.nn import rotary
-from dew.nn.param import Param, normal
+from dew.nn.param import Param, normal, project
 
 # The residuals' names (the Pallas kernels and the ring use the same strings).
 OUT_NAME = "attention_out"
@@ -200,8 +200,8 @@ def self_attention(
     sequence split rotates each device's positions by the same frequencies.
     """
     rope = dict(base=rope_theta, scaling=rope_scaling)
-    q = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["q"].astype(x.dtype)), positions, **rope)
-    k = rotary.rotate(jnp.einsum("bse,ehd->bshd", x, p["k"].astype(x.dtype)), positions, **rope)
-    v = jnp.einsum("bse,ehd->bshd", x, p["v"].astype(x.dtype))
+    q = rotary.rotate(project("bse,ehd->bshd", x, p["q"]), positions, **rope)
+    k = rotary.rotate(project("bse,ehd->bshd", x, p["k"]), positions, **rope)
+    v = project("bse,ehd->bshd", x, p["v"])
     out, _ = attend(q, k, v, causal=True)
-    return jnp.einsum("bshd,hde->bse", out, p["o"].astype(x.dtype))
+    return project("bshd,hde->bse", out, p["o"])

@@ -4,7 +4,7 @@ import math
 
 import jax
 
-from dew.nn.param import Param, normal
+from dew.nn.param import Param, normal, project
 
 
 def mlp_params(features: int, hidden: int, out_scale: float) -> dict:
@@ -20,6 +20,6 @@ def swiglu(p: dict, x: jax.Array) -> jax.Array:
     # As [batch * seq, embed] matrices: XLA:CPU then compiles the weight-gradient matmuls to its
     # fast fused kernels (measured: docs/benchmarks.md, "Choices in the model").
     rows = x.reshape(-1, x.shape[-1])
-    gate = rows @ p["gate"].astype(x.dtype)
-    up = rows @ p["up"].astype(x.dtype)
-    return ((jax.nn.silu(gate) * up) @ p["down"].astype(x.dtype)).reshape(x.shape)
+    gate = project("te,ef->tf", rows, p["gate"])
+    up = project("te,ef->tf", rows, p["up"])
+    return project("tf,fe->te", jax.nn.silu(gate) * up, p["down"]).reshape(x.shape)

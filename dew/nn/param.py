@@ -73,3 +73,15 @@ def init_params(declared: Any, key: jax.Array, dtype) -> Any:
 def logical_axes(declared: Any) -> Any:
     """The tree of logical-axis tuples of ``declared`` (what ``Layout.specs`` takes as ``axes``)."""
     return jax.tree_util.tree_map(lambda p: p.axes, declared, is_leaf=is_param)
+
+
+def project(spec: str, x: jax.Array, w: Any) -> jax.Array:
+    """``jnp.einsum(spec, x, w)`` in ``x``'s dtype: every layer's matmul with a weight.
+
+    ``w`` is the whole weight (an array, cast to ``x``'s dtype), or a weight still split over
+    devices that runs the einsum itself, gathering it and summing its gradient round a ring
+    beside the matmuls (``dew.parallel.fsdp_matmul.RingSplit``, under
+    ``StepOptions(fsdp_scheme="ring")``)."""
+    if hasattr(w, "einsum"):
+        return w.einsum(spec, x)
+    return jnp.einsum(spec, x, w.astype(x.dtype))

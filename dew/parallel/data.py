@@ -15,7 +15,8 @@ Weights with the same sum axes form a group, summed once per step, after the lay
 sizes the number of collectives decides the step time (docs/design.md), so one sum of all whole
 gradients beats one per layer. The jaxpr holds a ``psum`` per array of a group; XLA combines them
 into one all-reduce when it compiles the step.
-Bytes, per device, ring all-reduce of ``G`` bytes over ``n`` devices: ``2 (n - 1) / n * G``.
+Bytes, per device, ring all-reduce of ``G`` bytes over ``n`` devices: ``2 (n - 1) / n * G``, ``G``
+counted in the dtype the sum runs in (each weight's, or ``StepOptions.gradient_sum_dtype``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from dew.mesh import TOKEN_AXES
@@ -49,7 +51,9 @@ def sum_gradients(
         (``sum_axes``'s flag), or ``None`` for none.
 
     Returns:
-      ``grads`` with each leaf summed: one ``psum`` per group of leaves with the same sum axes.
+      ``grads`` with each leaf summed: one ``psum`` per group of leaves with the same sum axes,
+      in ``shards.options.gradient_sum_dtype`` when it is set (each leaf cast back to its own
+      dtype after).
     """
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     spec_leaves = [None] * len(leaves) if specs is None else treedef.flatten_up_to(specs)
@@ -66,12 +70,16 @@ def sum_gradients(
         axes = sum_axes(spec, shards, partial_over_tensor=bool(part), summed_in_loop=bool(loop))
         groups.setdefault(axes, []).append(i)
     out = list(leaves)
+    sum_dtype = shards.options.gradient_sum_dtype
     for axes, idx in groups.items():
         if axes:
+            parts = [leaves[i] for i in idx]
+            if sum_dtype is not None:  # StepOptions.gradient_sum_dtype: summed in that dtype
+                parts = [g.astype(jnp.dtype(sum_dtype)) for g in parts]
             # One all-reduce once compiled: 2 (n-1)/n of the group's bytes per device.
-            summed = lax.psum([leaves[i] for i in idx], axes)
+            summed = lax.psum(parts, axes)
             for i, g in zip(idx, summed):
-                out[i] = g
+                out[i] = g.astype(leaves[i].dtype)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

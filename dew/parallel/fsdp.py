@@ -32,9 +32,12 @@ Its ``collective-permute`` s are asynchronous start/done pairs it schedules besi
 ``StepOptions(fsdp_scheme="ring")`` (``Shards.fsdp_ring``) runs the gather as a ring of ``n - 1``
 ``ppermute`` s (``ring_gather``) and its transpose as the ring reduce-scatter (``ring_scatter``),
 in place of the all-gather and the staged reduce-scatters: the same bytes, ``(n - 1) / n W``
-each, nearly all of them beside the layers' matmuls there. The price is temporary memory: the
-scheduler keeps more whole weights, whole float32 gradients and ring pieces alive at once to
-overlap them (docs/benchmarks.md), which is why it is a choice and not the default.
+each, most of them beside the layers' matmuls there. A layer's matrices go further
+(``gather(..., in_matmuls=...)``): they reach their einsums still split, and each gradient is
+summed round the ring block by block as the weight-gradient matmul computes it
+(``dew.parallel.fsdp_matmul``), so no device holds a whole weight gradient. The rings are a
+choice, not the default: they cost more temporary memory than the gathers where the pieces are
+small (fsdp 32), and a ring is written out, ``n - 1`` ``ppermute`` s a weight (docs/benchmarks.md).
 
 The compiler also compiles a reduce-scatter as an all-reduce (an ``all-reduce-scatter`` of the
 operand padded by a few rows) when a device's piece is not whole (8, 128) tiles (a piece narrower
@@ -53,6 +56,12 @@ gather: it receives and sends ``(n - 1) / n * W`` (ring all-gather); the reduce-
 gradients moves the same. Bucketing changes the number of collectives, not their bytes. The sum over
 ``data`` of a shard of ``W / n`` bytes over ``d`` devices moves ``2 (d - 1) / d * W / n`` (ring
 all-reduce), per layer, as the single sum after the loop did for all of them.
+
+The gradient sums run in the weights' dtype (float32 weights: float32 sums, which add no rounding
+to each device's gradient), so their ``W`` is that of float32 gradients while the gathers move the
+weights in the activations' dtype once compiled (the compiler moves the cast ahead of the gather).
+``StepOptions(gradient_sum_dtype="bfloat16")`` casts each gradient to bfloat16 before its sums and
+back after: half the sums' bytes, and of the whole gradient each device holds before the scatter.
 """
 
 from __future__ import annotations
@@ -203,9 +212,13 @@ def ring_gather(x: jax.Array, dim: int, n: int) -> jax.Array:
     k = x.shape[dim]
     whole = jnp.zeros((*x.shape[:dim], n * k, *x.shape[dim + 1 :]), x.dtype)
     whole = lax.dynamic_update_slice_in_dim(whole, x, i * k, axis=dim)
-    piece = x
     for s in range(1, n):
-        piece = lax.ppermute(piece, AXIS, _ring(n))
+        # Pass on the block written last (read back from ``whole``, not the piece as it
+        # arrived): each send then waits for the write before it, so one piece at a time is in
+        # flight, where forwarding arrivals let the scheduler start the whole chain at once and
+        # hold all n - 1 (v5p-64, Llama-3.1-8B, fsdp=32: 61 pieces, 220 MiB, docs/benchmarks.md).
+        sent = lax.dynamic_slice_in_dim(whole, ((i - s + 1) % n) * k, k, axis=dim)
+        piece = lax.ppermute(sent, AXIS, _ring(n))
         whole = lax.dynamic_update_slice_in_dim(whole, piece, ((i - s) % n) * k, axis=dim)
     return whole
 
@@ -255,26 +268,36 @@ def scatter_along(local_shape: Sequence[int], dim: int) -> int:
     return dim
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
-def _gather_summed(x, dim: int, tiled: bool, stages: tuple, also_sum: tuple, along: int, ring: int):
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6, 7))
+def _gather_summed(
+    x, dim: int, tiled: bool, stages: tuple, also_sum: tuple, along: int, ring: int, sum_dtype
+):
     """``all_gather(x, "fsdp", axis=dim, tiled=tiled)``, whose backward is the fsdp gradient sum
     written out: ``scatter_sum`` (in ``stages``, along dimension ``along``: ``scatter_along``),
     then a ``psum`` over ``also_sum``. ``ring``, when not 0, is the fsdp size, and both run as
-    rings of ``ppermute`` s instead (``ring_gather``, ``ring_scatter``)."""
+    rings of ``ppermute`` s instead (``ring_gather``, ``ring_scatter``). ``sum_dtype``, when not
+    ``None``, is the dtype both sums run in (``StepOptions.gradient_sum_dtype``): the gradient is
+    cast to it before them and back to its own after."""
     if ring:  # A bucket's [m] is gathered as [1, m] pieces: [n, m].
         return ring_gather(x if tiled else x[None], dim, ring)
     return lax.all_gather(x, AXIS, axis=dim, tiled=tiled)
 
 
-def _gather_summed_fwd(x, dim, tiled, stages, also_sum, along, ring):
-    return _gather_summed(x, dim, tiled, stages, also_sum, along, ring), None
+def _gather_summed_fwd(x, dim, tiled, stages, also_sum, along, ring, sum_dtype):
+    return _gather_summed(x, dim, tiled, stages, also_sum, along, ring, sum_dtype), None
 
 
 def _scatter(x, dim, stages, ring):
     return ring_scatter(x, dim, ring) if ring else scatter_sum(x, dim, stages)
 
 
-def _gather_summed_bwd(dim, tiled, stages, also_sum, along, ring, _, cotangent):
+def _gather_summed_bwd(dim, tiled, stages, also_sum, along, ring, sum_dtype, _, cotangent):
+    own_dtype = cotangent.dtype
+    if sum_dtype is not None:
+        # Cast before the sums: their bytes, and the whole gradient they start from, are this
+        # dtype's (a bfloat16 weight-gradient matmul's output cast to float32 and back is no
+        # copy once compiled).
+        cotangent = cotangent.astype(jnp.dtype(sum_dtype))
     if tiled:
         # The gradient laid out with the split dimension at ``along``: the compiler writes the
         # weight-gradient matmul's output in that layout, a transpose without a copy where the
@@ -292,13 +315,19 @@ def _gather_summed_bwd(dim, tiled, stages, also_sum, along, ring, _, cotangent):
     if also_sum:
         # The fsdp shard, 1/n of the gradient, summed over the other devices that hold it.
         grad = lax.psum(grad, also_sum)
-    return (grad,)
+    return (grad.astype(own_dtype),)
 
 
 _gather_summed.defvjp(_gather_summed_fwd, _gather_summed_bwd)
 
 
-def gather(tree: Any, specs: Any, shards, also_sum: tuple[str, ...] = ()) -> Any:
+def gather(
+    tree: Any,
+    specs: Any,
+    shards,
+    also_sum: tuple[str, ...] = (),
+    in_matmuls: tuple[str, ...] = (),
+) -> Any:
     """Undo the fsdp split of every leaf of ``tree`` whose spec names ``fsdp``.
 
     The split leaves of one dtype travel in as few ``all_gather`` s as fit ``BUCKET_BYTES`` of whole
@@ -313,6 +342,10 @@ def gather(tree: Any, specs: Any, shards, also_sum: tuple[str, ...] = ()) -> Any
         (``ring_gather``, ``ring_scatter``).
       also_sum: axes the backward sums each split leaf's gradient over after the fsdp
         reduce-scatter (``Shards.loop_sums`` for the layer loop's weights).
+      in_matmuls: keys of ``tree`` (a dict) whose leaves are used only as the weight of an
+        einsum (``dew.nn.param.project``). With ``fsdp_ring``, each of their split leaves that
+        travels alone stays split, a ``fsdp_matmul.RingSplit``, whose einsum sums its gradient
+        as the weight-gradient matmul computes it (``dew.parallel.fsdp_matmul``).
 
     Returns:
       ``tree`` with each split leaf whole along its split dimension (``n`` times its local size
@@ -324,9 +357,13 @@ def gather(tree: Any, specs: Any, shards, also_sum: tuple[str, ...] = ()) -> Any
     n = shards.size(AXIS)
     stages = tuple(shards.fsdp_scatter_stages)
     ring = n if shards.fsdp_ring else 0
+    sum_dtype = shards.options.gradient_sum_dtype
     also_sum = tuple(also_sum)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in paths]
     dims = [split_dim(spec) for spec in treedef.flatten_up_to(specs)]
+    # Leaves an einsum takes still split (their first key in ``in_matmuls``), under the rings.
+    kept_split = [bool(ring) and getattr(p[0], "key", None) in in_matmuls for p, _ in paths]
     by_dtype: dict[Any, list[int]] = {}
     for i, (leaf, dim) in enumerate(zip(leaves, dims)):
         if dim is not None:
@@ -337,20 +374,28 @@ def gather(tree: Any, specs: Any, shards, also_sum: tuple[str, ...] = ()) -> Any
         whole_bytes = [n * leaves[i].size * leaves[i].dtype.itemsize for i in idx]
         for bucket in buckets(whole_bytes, BUCKET_BYTES):
             members = [idx[b] for b in bucket]
+            if len(members) == 1 and kept_split[members[0]]:
+                from dew.parallel.fsdp_matmul import RingSplit  # it builds on this module
+
+                (i,) = members
+                out[i] = RingSplit(leaves[i], dims[i], n, also_sum, sum_dtype)
+                continue
             if len(members) == 1:
                 (i,) = members
                 # (n-1)/n of the whole weight in, as much out; no copy: it lands in place.
                 along = dims[i]
                 if shards.fsdp_tpu_layout:
                     along = scatter_along(leaves[i].shape, dims[i])
-                out[i] = _gather_summed(leaves[i], dims[i], True, stages, also_sum, along, ring)
+                out[i] = _gather_summed(
+                    leaves[i], dims[i], True, stages, also_sum, along, ring, sum_dtype
+                )
                 continue
             flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
             # One ring all-gather for the bucket: each device sends and receives (n-1)/n of its
             # whole weights, as one gather per weight would, in one barrier instead of several.
             # Its transpose is one psum_scatter of their gradients, moving as much.
             # [n, local elements of the bucket], device-major.
-            gathered = _gather_summed(flat, 0, False, stages, also_sum, 0, ring)
+            gathered = _gather_summed(flat, 0, False, stages, also_sum, 0, ring, sum_dtype)
             start = 0
             for i in members:
                 local, dim = leaves[i].shape, dims[i]

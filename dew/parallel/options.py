@@ -22,6 +22,9 @@ from dew.parallel import fsdp, pipeline, sequence
 # How weights cross the fsdp axis (``StepOptions.fsdp_scheme``).
 FSDP_SCHEMES = ("gather", "ring")
 
+# The dtypes gradients may be summed across devices in (``StepOptions.gradient_sum_dtype``).
+GRADIENT_SUM_DTYPES = ("float32", "bfloat16")
+
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
@@ -49,12 +52,22 @@ class StepOptions:
         ring's collective-permutes beside the matmuls, at the price of more temporary memory:
         measured on v5p-16, Llama-3.1-8B, fsdp=8, 0.17 x GSPMD's exposed bytes against 5.1 x,
         and 1.23 x its temporaries against 1.07 x (docs/benchmarks.md).
+      gradient_sum_dtype: the dtype every cross-device sum of a weight's gradient runs in (the
+        fsdp ``psum_scatter``, the ``psum`` s over ``data`` and the other axes of
+        ``dew.parallel.gradients``): ``None`` (the default) sums each gradient in its weight's
+        dtype, float32 for float32 weights, so the sum adds no rounding to what each device
+        computed; ``"bfloat16"`` casts each gradient to bfloat16 for its sums and the summed
+        shard back to the weight's dtype, as GSPMD's bfloat16 rings do when the activations are
+        bfloat16: half the bytes of float32 sums and of their whole-gradient temporaries, with
+        bfloat16's rounding at every step of the sum. ``"float32"`` sums bfloat16 weights'
+        gradients in float32.
     """
 
     sequence_parallel: bool = False
     sequence_scheme: str = "ring"
     pipeline_schedule: str = "1f1b"
     fsdp_scheme: str = "gather"
+    gradient_sum_dtype: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.sequence_parallel, bool):
@@ -75,6 +88,11 @@ class StepOptions:
             raise ValueError(
                 f"unknown fsdp_scheme {self.fsdp_scheme!r}; expected one of "
                 f"{', '.join(FSDP_SCHEMES)}"
+            )
+        if self.gradient_sum_dtype not in (None, *GRADIENT_SUM_DTYPES):
+            raise ValueError(
+                f"unknown gradient_sum_dtype {self.gradient_sum_dtype!r}; expected None (each "
+                f"weight's dtype) or one of {', '.join(GRADIENT_SUM_DTYPES)}"
             )
 
     def check(self, axis_sizes: dict, seq_len: int) -> None:
@@ -142,6 +160,7 @@ class StepOptions:
             "pipeline_schedule": axis_sizes.get("stage", 1) > 1,
             # Named only when asked: every fsdp layout gathers, and says nothing of it.
             "fsdp_scheme": self.fsdp_scheme != "gather",
+            "gradient_sum_dtype": self.gradient_sum_dtype is not None,
         }
         return {name: getattr(self, name) for name, used in uses.items() if used}
 

@@ -95,14 +95,20 @@ class Shards:
             )
         return specs
 
-    def gather(self, tree: Any, *path: str, stacked: bool = False) -> Any:
+    def gather(
+        self, tree: Any, *path: str, stacked: bool = False, in_matmuls: tuple[str, ...] = ()
+    ) -> Any:
         """The weights ``tree`` (found at ``path`` in the parameters) with their fsdp split undone.
 
         ``stacked=True`` for one layer's slice of the stacked ``layers`` weights, inside the
         layer loop: its backward also sums the split weights' gradients over ``loop_sums``.
+        ``in_matmuls``: keys of ``tree`` whose weights only an einsum takes
+        (``dew.nn.param.project``); under ``fsdp_ring`` those stay split until it
+        (``dew.parallel.fsdp.gather``).
         """
         also_sum = self.loop_sums if stacked else ()
-        return fsdp.gather(tree, self.spec_of(*path, stacked=stacked), self, also_sum)
+        specs = self.spec_of(*path, stacked=stacked)
+        return fsdp.gather(tree, specs, self, also_sum, in_matmuls)
 
     def pin(self, x: jax.Array) -> jax.Array:
         """``x`` (activations ``[rows, ...]``) constrained to ``pinned_activations``; else ``x``."""

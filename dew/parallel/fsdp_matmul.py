@@ -1,0 +1,141 @@
+"""Fsdp weight gradients summed as they are computed: the ring reduce-scatter fused with the
+weight-gradient matmul (the collective matmul of GSPMD's partitioner and of the ``shard_map``
+docs), for ``StepOptions(fsdp_scheme="ring")``.
+
+A layer's matrix split over fsdp reaches its matmul still split (``RingSplit``: device ``i``'s
+block ``i`` of ``n`` along the split dimension), and ``RingSplit.einsum`` runs
+
+    forward   W = ring_gather(shard)            n - 1 ppermutes of a shard: (n - 1) / n W
+              out = einsum(x, W)
+    backward  dx = einsum(d_out, W)             W kept from the forward
+              dW: for s in 0 .. n - 1:          n - 1 ppermutes of a block: (n - 1) / n W
+                    total = ppermute(total) + dW block (i - 1 - s), from x and d_out alone
+
+Device ``i`` computes the block of the weight gradient the running sum it holds is for, adds it,
+and passes the sum on; after ``n - 1`` steps it holds the sum of its own block over the fsdp
+group (``fsdp.ring_scatter``'s order). No device ever holds the whole weight gradient: a block,
+the one arriving and the one leaving, where the gather's transpose (``fsdp._gather_summed``)
+receives the whole float32 gradient and scatters it, and on a TPU the scheduler keeps several
+alive to overlap their sums (docs/benchmarks.md). Each block's matmul is the piece the next
+``ppermute`` runs beside. The bytes are the ring reduce-scatter's, in the dtype of the sums
+(``StepOptions.gradient_sum_dtype``, else the weight's). The blocks come from float32 matmuls of
+the activations (``preferred_element_type``), so the sum starts from each device's unrounded
+gradient.
+
+Every einsum this takes names the split dimension's label in ``x`` (a contraction: a block of
+``dW`` needs that block of ``x``'s columns) or in the output (a block of ``d_out``), not both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dew.parallel import fsdp
+
+
+def _labels(spec: str) -> tuple[str, str, str]:
+    """``"bse,ehd->bshd"`` -> ``("bse", "ehd", "bshd")``."""
+    inputs, out = spec.replace(" ", "").split("->")
+    x, w = inputs.split(",")
+    return x, w, out
+
+
+def _block(a: jax.Array, axis: int, b, n: int) -> jax.Array:
+    """Block ``b`` (traced, taken mod ``n``) of ``n`` of ``a`` along ``axis``."""
+    k = a.shape[axis] // n
+    return lax.dynamic_slice_in_dim(a, (b % n) * k, k, axis=axis)
+
+
+def _weight_gradient_block(spec, x, d_out, w_dim: int, b, n: int, dtype):
+    """Block ``b`` of this device's ``d einsum(spec, x, W) / dW`` along ``W``'s ``w_dim``: from
+    ``x`` and ``d_out`` alone (the einsum is linear in ``W``), one matmul of ``1 / n`` of the
+    work, in float32, cast to ``dtype`` (the sum's)."""
+    x_labels, w_labels, out_labels = _labels(spec)
+    label = w_labels[w_dim]
+    if label in x_labels:
+        x = _block(x, x_labels.index(label), b, n)
+    else:
+        d_out = _block(d_out, out_labels.index(label), b, n)
+    grad = jnp.einsum(
+        f"{x_labels},{out_labels}->{w_labels}", x, d_out, preferred_element_type=jnp.float32
+    )
+    return grad.astype(dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _ring_einsum(x, shard, spec: str, dim: int, n: int, also_sum: tuple, sum_dtype):
+    """``einsum(spec, x, ring_gather(shard))``; its backward sums the weight's gradient round
+    the ring as it computes it (the module docstring)."""
+    whole = fsdp.ring_gather(shard, dim, n)
+    return jnp.einsum(spec, x, whole.astype(x.dtype))
+
+
+def _ring_einsum_fwd(x, shard, spec, dim, n, also_sum, sum_dtype):
+    whole = fsdp.ring_gather(shard, dim, n).astype(x.dtype)
+    # The shard itself is not needed after: an empty array of its dtype says what to return.
+    return jnp.einsum(spec, x, whole), (x, whole, jnp.zeros((0,), shard.dtype))
+
+
+def _ring_einsum_bwd(spec, dim, n, also_sum, sum_dtype, residuals, d_out):
+    x, whole, weight = residuals
+    weight_dtype = weight.dtype
+    x_labels, w_labels, out_labels = _labels(spec)
+    dx = jnp.einsum(f"{out_labels},{w_labels}->{x_labels}", d_out, whole).astype(x.dtype)
+    dtype = jnp.dtype(sum_dtype) if sum_dtype is not None else weight_dtype
+    i = lax.axis_index(fsdp.AXIS)
+    # The running sum of block b starts on device b + 1 and reaches device b after n - 1 steps;
+    # each step moves one block, 1 / n of the weight, in ``dtype``.
+    total = _weight_gradient_block(spec, x, d_out, dim, i - 1, n, dtype)
+    for s in range(1, n):
+        total = lax.ppermute(total, fsdp.AXIS, fsdp._ring(n))
+        total = total + _weight_gradient_block(spec, x, d_out, dim, i - 1 - s, n, dtype)
+    if also_sum:
+        # This device's block, 1 / n of the gradient, summed over the other devices holding it.
+        total = lax.psum(total, also_sum)
+    return dx, total.astype(weight_dtype)
+
+
+_ring_einsum.defvjp(_ring_einsum_fwd, _ring_einsum_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSplit:
+    """A weight still split over fsdp as it reaches its matmul (``fsdp.gather`` with
+    ``in_matmuls``, under ``Shards.fsdp_ring``).
+
+    Attributes:
+      shard: this device's block of the weight along ``dim`` (the weight's dtype).
+      dim: the dimension the weight is split on; ``n`` the fsdp size.
+      also_sum: axes the gradient's block is ``psum``med over after the ring (``Shards.loop_sums``).
+      sum_dtype: the dtype of the sums (``StepOptions.gradient_sum_dtype``); ``None``: the
+        weight's.
+    """
+
+    shard: jax.Array
+    dim: int
+    n: int
+    also_sum: tuple[str, ...] = ()
+    sum_dtype: str | None = None
+
+    def einsum(self, spec: str, x: jax.Array) -> jax.Array:
+        """``jnp.einsum(spec, x, W.astype(x.dtype))`` of the whole weight ``W``, gathered round
+        the ring, whose gradient is summed round it as each block is computed (the module
+        docstring). ``spec`` names two operands, ``x`` first."""
+        x_labels, w_labels, out_labels = _labels(spec)
+        label = w_labels[self.dim]
+        if (label in x_labels) == (label in out_labels):
+            raise ValueError(
+                f"einsum {spec!r}: the weight's split dimension {self.dim} ({label!r}) must be "
+                "named by exactly one of x and the output"
+            )
+        return _ring_einsum(x, self.shard, spec, self.dim, self.n, self.also_sum, self.sum_dtype)
+
+
+jax.tree_util.register_dataclass(
+    RingSplit, data_fields=["shard"], meta_fields=["dim", "n", "also_sum", "sum_dtype"]
+)
