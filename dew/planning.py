@@ -389,7 +389,11 @@ def _options_for(options: StepOptions, shape: dict) -> StepOptions:
         sequence_parallel=options.sequence_parallel and shape["tensor"] > 1,
         sequence_scheme=options.sequence_scheme if shape["sequence"] > 1 else "ring",
         pipeline_schedule=options.pipeline_schedule if shape["stage"] > 1 else "1f1b",
-        fsdp_scheme=options.fsdp_scheme if 1 < shape["fsdp"] <= fsdp.RING_MAX else "gather",
+        fsdp_scheme=(
+            options.fsdp_scheme
+            if 1 < shape["fsdp"] <= fsdp.RING_MAX and shape["stage"] == 1
+            else "gather"
+        ),
         gradient_sum_dtype=options.gradient_sum_dtype,
     )
 

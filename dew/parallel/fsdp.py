@@ -35,9 +35,10 @@ in place of the all-gather and the staged reduce-scatters: the same bytes, ``(n 
 each, most of them beside the layers' matmuls there. A layer's matrices go further
 (``gather(..., in_matmuls=...)``): they reach their einsums still split, and each gradient is
 summed round the ring block by block as the weight-gradient matmul computes it
-(``dew.parallel.fsdp_matmul``), so no device holds a whole weight gradient. The rings are a
-choice, not the default: they cost more temporary memory than the gathers where the pieces are
-small (fsdp 32), and a ring is written out, ``n - 1`` ``ppermute`` s a weight (docs/benchmarks.md).
+(``dew.parallel.fsdp_matmul``), so no device holds a whole weight gradient. On v5p they need
+fewer temporaries than the gathers and leave a fraction of the bytes exposed (docs/benchmarks.md);
+they are a choice, not the default: they have not run on a TPU, the gathers of a 2-D slice already
+run beside compute, and a ring is written out, ``n - 1`` ``ppermute`` s a weight.
 
 The compiler also compiles a reduce-scatter as an all-reduce (an ``all-reduce-scatter`` of the
 operand padded by a few rows) when a device's piece is not whole (8, 128) tiles (a piece narrower
@@ -143,8 +144,8 @@ def fills_3d_torus(mesh) -> bool:
 
 
 # The most devices an fsdp ring runs over (``StepOptions(fsdp_scheme="ring")``). A ring is n - 1
-# ppermutes a gather, written out, so the step's HLO grows with n: Llama-3.1-8B compiled in 22 s at
-# fsdp 8 and 54 s at 32, where the collectives took 20 and 25 s; Llama-3.1-70B at fsdp 128 had not
+# ppermutes a gather, written out, so the step's HLO grows with n: Llama-3.1-8B compiled in 30 s at
+# fsdp 8 and 47 s at 32, where the collectives took 19 and 39 s; Llama-3.1-70B at fsdp 128 had not
 # compiled after 7.5 minutes and 13.6 GB of host memory (21 s with collectives).
 RING_MAX = 32
 
@@ -350,7 +351,8 @@ def gather(
     Returns:
       ``tree`` with each split leaf whole along its split dimension (``n`` times its local size
       there, device ``i``'s shard at block ``i``), as a tiled ``all_gather`` of that leaf would
-      give.
+      give; under ``fsdp_ring`` the leaves ``in_matmuls`` names that travel alone are
+      ``RingSplit`` s instead, whose einsums see that whole weight.
     """
     if specs is None or shards.size(AXIS) == 1:
         return tree

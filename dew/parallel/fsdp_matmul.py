@@ -8,19 +8,20 @@ block ``i`` of ``n`` along the split dimension), and ``RingSplit.einsum`` runs
     forward   W = ring_gather(shard)            n - 1 ppermutes of a shard: (n - 1) / n W
               out = einsum(x, W)
     backward  dx = einsum(d_out, W)             W kept from the forward
-              dW: for s in 0 .. n - 1:          n - 1 ppermutes of a block: (n - 1) / n W
-                    total = ppermute(total) + dW block (i - 1 - s), from x and d_out alone
+              dW: total = dW block (i - 1)      each block from x and d_out alone
+                  for s in 1 .. n - 1:          n - 1 ppermutes of a block: (n - 1) / n W
+                    total = ppermute(total) + dW block (i - 1 - s)
 
 Device ``i`` computes the block of the weight gradient the running sum it holds is for, adds it,
 and passes the sum on; after ``n - 1`` steps it holds the sum of its own block over the fsdp
 group (``fsdp.ring_scatter``'s order). No device ever holds the whole weight gradient: a block,
 the one arriving and the one leaving, where the gather's transpose (``fsdp._gather_summed``)
-receives the whole float32 gradient and scatters it, and on a TPU the scheduler keeps several
-alive to overlap their sums (docs/benchmarks.md). Each block's matmul is the piece the next
-``ppermute`` runs beside. The bytes are the ring reduce-scatter's, in the dtype of the sums
-(``StepOptions.gradient_sum_dtype``, else the weight's). The blocks come from float32 matmuls of
-the activations (``preferred_element_type``), so the sum starts from each device's unrounded
-gradient.
+receives the whole gradient (with bfloat16 activations, the matmul's bfloat16 output converted
+to float32: 224 MiB for a Llama-3.1-8B MLP matrix) and scatters it (docs/benchmarks.md). Each
+block's matmul is the piece the next ``ppermute`` runs beside. The bytes are the ring
+reduce-scatter's, in the dtype of the sums (``StepOptions.gradient_sum_dtype``, else the
+weight's). The blocks come from float32 matmuls of the activations (``preferred_element_type``),
+so the sum starts from each device's unrounded gradient.
 
 Every einsum this takes names the split dimension's label in ``x`` (a contraction: a block of
 ``dW`` needs that block of ``x``'s columns) or in the output (a block of ``d_out``), not both.

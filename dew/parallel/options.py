@@ -48,10 +48,11 @@ class StepOptions:
       fsdp_scheme: how weights cross an ``fsdp`` axis above 1 (``dew.parallel.fsdp``):
         ``"gather"`` (the default: ``all_gather``, its transpose a ``psum_scatter``) or
         ``"ring"`` (rings of ``ppermute`` s with the same bytes, at most ``fsdp.RING_MAX``
-        devices). On a 3-D TPU torus the compiler overlaps no all-gather with compute but runs a
-        ring's collective-permutes beside the matmuls, at the price of more temporary memory:
-        measured on v5p-16, Llama-3.1-8B, fsdp=8, 0.17 x GSPMD's exposed bytes against 5.1 x,
-        and 1.23 x its temporaries against 1.07 x (docs/benchmarks.md).
+        devices; a layer's matrices' gradients summed round the ring as they are computed:
+        ``dew.parallel.fsdp_matmul``). On a 3-D TPU torus the compiler overlaps no all-gather
+        with compute but runs a ring's collective-permutes beside the matmuls: measured on
+        v5p-16, Llama-3.1-8B, fsdp=8, 0.36 x GSPMD's exposed bytes against 5.1 x, and 1.009 x
+        its temporaries against 1.068 x (docs/benchmarks.md).
       gradient_sum_dtype: the dtype every cross-device sum of a weight's gradient runs in (the
         fsdp ``psum_scatter``, the ``psum`` s over ``data`` and the other axes of
         ``dew.parallel.gradients``): ``None`` (the default) sums each gradient in its weight's
@@ -105,7 +106,9 @@ class StepOptions:
           a pipeline (its ``ppermute`` s would sit in the branch a stage takes at a tick, and
           XLA:CPU joins every device of the step in each collective-permute, so stages running
           different branches deadlock);
-        - ``pipeline_schedule`` other than the default without a ``stage`` axis.
+        - ``pipeline_schedule`` other than the default without a ``stage`` axis;
+        - ``fsdp_scheme="ring"`` on an fsdp axis outside 2 to ``fsdp.RING_MAX``, or with a
+          ``stage`` axis (the ring attention's reason).
         """
         t, n = axis_sizes.get("tensor", 1), axis_sizes.get("sequence", 1)
         stages = axis_sizes.get("stage", 1)
@@ -148,6 +151,13 @@ class StepOptions:
             raise ValueError(
                 f"fsdp_scheme='ring' needs an fsdp axis of 2 to {fsdp.RING_MAX} devices (a ring "
                 f"is fsdp - 1 ppermutes a gather, written into the step); this mesh has fsdp {f}"
+            )
+        if self.fsdp_scheme == "ring" and stages > 1:
+            raise ValueError(
+                f"fsdp_scheme='ring' with stage {stages}: the fsdp rings' ppermutes cannot run "
+                "inside a pipeline stage (each stage runs its own branch of the schedule, and a "
+                "collective-permute there must be joined by every device); use "
+                "fsdp_scheme='gather' with a stage axis"
             )
 
     def in_effect(self, axis_sizes: dict) -> dict:
