@@ -1,5 +1,6 @@
 """Small builders shared by the tests."""
 
+import functools
 import os
 
 import jax
@@ -96,3 +97,22 @@ def two_process_trainer(mesh, checkpoint_dir=None):
         layout=dew.Layout(min_shard=1),
         checkpoints=None if checkpoint_dir is None else dew.Checkpoints(checkpoint_dir),
     )
+
+
+def one_device_and_mesh_gradients(trainer, batch):
+    """``(path, one_device, on_mesh)`` numpy arrays for each weight: the gradient of
+    ``trainer.objective``'s loss over ``batch`` (``[rows, seq + 1]`` tokens) from the initial
+    weights of ``jax.random.key(0)`` (the key ``trainer`` must be built with), on one device and
+    on ``trainer``'s mesh. ``path`` is the weight's key path."""
+    objective = trainer.objective
+    one = jax.devices()[0]
+    params = jax.jit(objective.model.init)(jax.device_put(jax.random.key(0), one))
+    expected = jax.jit(jax.grad(objective.loss))(params, jax.device_put(batch, one))
+    state = trainer.init_state()
+    rows = np.asarray(batch)
+    grads, _ = trainer.gradients(state.params, trainer.device_batch(rows, rows.shape[0]))
+    out = []
+    for path, a in jax.tree_util.tree_leaves_with_path(expected):
+        b = functools.reduce(lambda tree, key: tree[key.key], path, grads)
+        out.append((path, np.asarray(a), np.asarray(b)))
+    return out

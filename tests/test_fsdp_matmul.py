@@ -8,7 +8,6 @@ the step's gradients against one device's (float32, 1e-5); the ring's bytes agai
 each), and, on a v5p:2x2x2 compile, no buffer of a whole float32 weight gradient.
 """
 
-import functools
 import re
 
 import jax
@@ -25,6 +24,7 @@ from dew.objectives.lm import LMObjective
 from dew.parallel import fsdp
 from dew.parallel.fsdp_matmul import RingSplit
 from dew.parallel.options import StepOptions
+from tests.helpers import one_device_and_mesh_gradients
 
 SEQ = 32
 
@@ -144,22 +144,14 @@ def ring_trainer(objective, axes, **options):
 def test_a_ring_step_has_one_device_s_gradients(axes, model, seed, monkeypatch):
     # Every matrix travels alone (no bucket), so each reaches its einsum split.
     monkeypatch.setattr(fsdp, "BUCKET_BYTES", 0)
-    objective = tiny_objective(64, **model)
+    trainer = ring_trainer(tiny_objective(64, **model), axes)
     batch = jax.random.randint(jax.random.key(seed), (16, SEQ + 1), 0, 256)
-    one = jax.devices()[0]
-    params = jax.jit(objective.model.init)(jax.device_put(jax.random.key(0), one))
-    expected = jax.jit(jax.grad(objective.loss))(params, jax.device_put(batch, one))
-
-    trainer = ring_trainer(objective, axes)
-    state = trainer.init_state()
-    rows = trainer.device_batch(np.asarray(batch), 16)
     # The matrices ring (the tokens of the vocabulary-parallel embedding may still be gathered).
-    assert "ppermute" in str(jax.make_jaxpr(trainer.gradients)(state.params, rows))
-    grads, _ = trainer.gradients(state.params, rows)
-    for path, a in jax.tree_util.tree_leaves_with_path(expected):
-        b = np.asarray(functools.reduce(lambda t, k: t[k.key], path, grads))
-        scale = np.abs(np.asarray(a)).max() + 1e-30
-        assert np.abs(np.asarray(a) - b).max() / scale < 1e-5, (path, seed)
+    rows = trainer.device_batch(np.asarray(batch), 16)
+    assert "ppermute" in str(jax.make_jaxpr(trainer.gradients)(trainer.init_state().params, rows))
+    for path, a, b in one_device_and_mesh_gradients(trainer, batch):
+        scale = np.abs(a).max() + 1e-30
+        assert np.abs(a - b).max() / scale < 1e-5, (path, seed)
 
 
 @pytest.mark.parametrize("sum_dtype, itemsize", [(None, 4), ("bfloat16", 2)], ids=["f32", "bf16"])

@@ -30,6 +30,7 @@ from dew.collectives import collectives, hlo_collectives
 from dew.objectives.lm import LMObjective
 from dew.parallel import Shards, fsdp
 from dew.parallel.options import StepOptions
+from tests.helpers import one_device_and_mesh_gradients
 
 pytestmark = pytest.mark.xdist_group("tpu")
 
@@ -146,14 +147,8 @@ def test_a_staged_sum_is_the_single_reduce_scatter(cpu_mesh, stages, dim, seed):
 def test_a_staged_fsdp_step_has_the_one_device_gradients(mesh, ring, seed):
     # The stages, or the rings, a 3-D torus gets, forced on 8 CPU devices (with data=2, the layer
     # loop's gathers also sum over data): the same gradients as one device.
-    objective = tiny_objective(64, dtype="float32")
-    batch = jax.random.randint(jax.random.key(seed), (16, SEQ + 1), 0, 256)
-    one = jax.devices()[0]
-    params = jax.jit(objective.model.init)(jax.device_put(jax.random.key(0), one))
-    expected = jax.jit(jax.grad(objective.loss))(params, jax.device_put(batch, one))
-
     trainer = dew.Trainer(
-        objective,
+        tiny_objective(64, dtype="float32"),
         optax.sgd(0.0),
         jax.random.key(0),
         mesh=dew.MeshSpec(**mesh),
@@ -164,12 +159,10 @@ def test_a_staged_fsdp_step_has_the_one_device_gradients(mesh, ring, seed):
     else:
         stages = (2, mesh["fsdp"] // 2)
         trainer.shards = dataclasses.replace(trainer.shards, fsdp_scatter_stages=stages)
-    state = trainer.init_state()
-    grads, _ = trainer.gradients(state.params, trainer.device_batch(np.asarray(batch), 16))
-    for path, a in jax.tree_util.tree_leaves_with_path(expected):
-        b = np.asarray(functools.reduce(lambda t, k: t[k.key], path, grads))
-        scale = np.abs(np.asarray(a)).max() + 1e-30
-        assert np.abs(np.asarray(a) - b).max() / scale < 1e-5, (path, seed)
+    batch = jax.random.randint(jax.random.key(seed), (16, SEQ + 1), 0, 256)
+    for path, a, b in one_device_and_mesh_gradients(trainer, batch):
+        scale = np.abs(a).max() + 1e-30
+        assert np.abs(a - b).max() / scale < 1e-5, (path, seed)
 
 
 def test_each_gradient_is_scattered_along_the_dimension_the_tpu_compiler_keeps():

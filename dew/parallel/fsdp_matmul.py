@@ -72,8 +72,7 @@ def _weight_gradient_block(spec, x, d_out, w_dim: int, b, n: int, dtype):
 def _ring_einsum(x, shard, spec: str, dim: int, n: int, also_sum: tuple, sum_dtype):
     """``einsum(spec, x, ring_gather(shard))``; its backward sums the weight's gradient round
     the ring as it computes it (the module docstring)."""
-    whole = fsdp.ring_gather(shard, dim, n)
-    return jnp.einsum(spec, x, whole.astype(x.dtype))
+    return _ring_einsum_fwd(x, shard, spec, dim, n, also_sum, sum_dtype)[0]
 
 
 def _ring_einsum_fwd(x, shard, spec, dim, n, also_sum, sum_dtype):
