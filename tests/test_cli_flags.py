@@ -197,3 +197,33 @@ def test_the_gradient_sum_dtype_reaches_the_step_options_of_train_collectives_an
         assert step_options(parse(command)).gradient_sum_dtype is None, command
         chosen = step_options(parse(command, "--gradient-sum-dtype", "bfloat16"))
         assert chosen.gradient_sum_dtype == "bfloat16", command
+
+
+def test_plan_runs_each_fsdp_scheme_and_sum_dtype_given_and_gspmd_once():
+    from dew.cli.plan import option_variants
+
+    args = parse(
+        "plan",
+        *("--engines", "shard_map", "gspmd"),
+        *("--fsdp-scheme", "gather", "ring"),
+        *("--gradient-sum-dtype", "float32", "bfloat16"),
+    )
+    chosen = [
+        (o.fsdp_scheme, o.gradient_sum_dtype, engines) for o, engines in option_variants(args)
+    ]
+    assert chosen == [
+        ("gather", "float32", ["shard_map", "gspmd"]),
+        ("gather", "bfloat16", ["shard_map"]),
+        ("ring", "float32", ["shard_map"]),
+        ("ring", "bfloat16", ["shard_map"]),
+    ]
+    # GSPMD alone: one row a layout, whatever the options.
+    alone = parse("plan", "--engines", "gspmd", "--fsdp-scheme", "gather", "ring")
+    assert [engines for _, engines in option_variants(alone)] == [["gspmd"]]
+    # By default one step: the gathers, each weight's dtype.
+    ((options, engines),) = option_variants(parse("plan"))
+    assert (options.fsdp_scheme, options.gradient_sum_dtype, engines) == (
+        "gather",
+        None,
+        ["shard_map"],
+    )

@@ -186,46 +186,70 @@ def add_pipeline_schedule_flag(parser: argparse.ArgumentParser, *, several: bool
     )
 
 
-def add_fsdp_scheme_flag(parser: argparse.ArgumentParser) -> None:
-    """``--fsdp-scheme``: ``StepOptions(fsdp_scheme=...)``."""
+def add_fsdp_scheme_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """``--fsdp-scheme``: ``StepOptions(fsdp_scheme=...)``; ``several=True`` takes one or more,
+    each a step of its own (``step_option_variants``)."""
     from dew.parallel.options import FSDP_SCHEMES
 
     parser.add_argument(
         "--fsdp-scheme",
-        default="gather",
+        nargs="+" if several else None,
+        default=["gather"] if several else "gather",
         choices=FSDP_SCHEMES,
+        metavar="SCHEME",
         help="how weights cross an fsdp axis above 1 (default gather: all_gather, its gradient a "
         "psum_scatter); ring: rings of ppermutes with the same bytes (fsdp of 2 to 32), which "
-        "the TPU compiler overlaps with compute on a 3-D torus (v4, v5p), for more temporary "
-        "memory",
+        "the TPU compiler overlaps with compute on a 3-D torus (v4, v5p), each weight "
+        "gradient summed round the ring as it is computed"
+        + ("; several: a row each" if several else ""),
     )
 
 
-def add_gradient_sum_flag(parser: argparse.ArgumentParser) -> None:
-    """``--gradient-sum-dtype``: ``StepOptions(gradient_sum_dtype=...)``."""
+def add_gradient_sum_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """``--gradient-sum-dtype``: ``StepOptions(gradient_sum_dtype=...)``; ``several=True``
+    takes one or more (``step_option_variants``)."""
     from dew.parallel.options import GRADIENT_SUM_DTYPES
 
     parser.add_argument(
         "--gradient-sum-dtype",
-        default=None,
+        nargs="+" if several else None,
+        default=[None] if several else None,
         choices=GRADIENT_SUM_DTYPES,
+        metavar="DTYPE",
         help="the dtype gradients are summed across devices in (default: each weight's own, "
         "float32 for float32 weights); bfloat16 halves the sums' bytes and their temporaries, "
-        "with bfloat16's rounding in the sum",
+        "with bfloat16's rounding in the sum" + ("; several: a row each" if several else ""),
     )
 
 
 def step_options(args):
-    """The ``StepOptions`` of one command's flags (``train``, ``collectives``, ``plan``)."""
+    """The ``StepOptions`` of one command's flags (``train``, ``collectives``, ``plan``); of
+    the first of each where a flag takes several."""
+    return step_option_variants(args)[0]
+
+
+def step_option_variants(args) -> list:
+    """One ``StepOptions`` per combination of the ``--fsdp-scheme`` and
+    ``--gradient-sum-dtype`` values given (``dew plan`` takes several of each), in order."""
+    import itertools
+
     from dew.parallel.options import StepOptions
 
-    return StepOptions(
-        sequence_parallel=args.sequence_parallel,
-        sequence_scheme=args.sequence_scheme,
-        pipeline_schedule=args.pipeline_schedule,
-        fsdp_scheme=args.fsdp_scheme,
-        gradient_sum_dtype=args.gradient_sum_dtype,
-    )
+    def listed(value):
+        return value if isinstance(value, list) else [value]
+
+    return [
+        StepOptions(
+            sequence_parallel=args.sequence_parallel,
+            sequence_scheme=args.sequence_scheme,
+            pipeline_schedule=args.pipeline_schedule,
+            fsdp_scheme=scheme,
+            gradient_sum_dtype=dtype,
+        )
+        for scheme, dtype in itertools.product(
+            listed(args.fsdp_scheme), listed(args.gradient_sum_dtype)
+        )
+    ]
 
 
 def add_seed_flag(parser: argparse.ArgumentParser, seeds: str) -> None:

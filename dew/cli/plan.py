@@ -26,7 +26,7 @@ from dew.cli.flags import (
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     engine_names,
-    step_options,
+    step_option_variants,
 )
 from dew.cli.model_flags import (
     EXAMPLE_SIZES,
@@ -76,8 +76,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     add_sequence_parallel_flag(parser)
     add_sequence_scheme_flag(parser)
     add_pipeline_schedule_flag(parser)
-    add_fsdp_scheme_flag(parser)
-    add_gradient_sum_flag(parser)
+    add_fsdp_scheme_flag(parser, several=True)
+    add_gradient_sum_flag(parser, several=True)
     add_accumulation_flag(parser)
     parser.add_argument(
         "--search",
@@ -146,6 +146,18 @@ def _header(args, target, objective) -> str:
     )
 
 
+def option_variants(args) -> list[tuple]:
+    """``(StepOptions, engines)`` for each combination of the ``--fsdp-scheme`` and
+    ``--gradient-sum-dtype`` values given, a step of its own each, in order. The GSPMD baseline
+    takes none of them: it runs once a layout, beside the first."""
+    out = []
+    for k, options in enumerate(step_option_variants(args)):
+        engines = args.engines if k == 0 else [e for e in args.engines if e != "gspmd"]
+        if engines:
+            out.append((options, engines))
+    return out
+
+
 def run(args) -> int:
     from dew import planning
     from dew.layout import Layout
@@ -165,6 +177,7 @@ def run(args) -> int:
             f"--json {args.json}: the folder {str(json_path.parent)!r} does not exist"
         )
     objectives = _objectives(args)
+    variants = option_variants(args)
     print(_header(args, tpu, objectives[0]), flush=True)
     settings = dict(layout=Layout(min_shard=args.min_shard), accumulation=args.accumulation)
 
@@ -204,31 +217,33 @@ def run(args) -> int:
 
         rows = []
         for objective in objectives:
-            rows += planning.search(
-                tpu,
-                objective,
-                args.batch,
-                max_layouts=args.max_layouts,
-                engines=args.engines,
-                options=step_options(args),
-                on_row=show,
-                on_candidates=listed,
-                **settings,
-            )
+            for options, engines in variants:
+                rows += planning.search(
+                    tpu,
+                    objective,
+                    args.batch,
+                    max_layouts=args.max_layouts,
+                    engines=engines,
+                    options=options,
+                    on_row=show,
+                    on_candidates=listed,
+                    **settings,
+                )
     else:
         specs = [MeshSpec.parse(text) for text in args.mesh]
         rows = []
         for objective in objectives:
-            rows += planning.plan(
-                tpu,
-                objective,
-                specs,
-                args.batch,
-                engines=args.engines,
-                options=step_options(args),
-                on_row=show,
-                **settings,
-            )
+            for options, engines in variants:
+                rows += planning.plan(
+                    tpu,
+                    objective,
+                    specs,
+                    args.batch,
+                    engines=engines,
+                    options=options,
+                    on_row=show,
+                    **settings,
+                )
     print()
     print(planning.format_table(rows))
     if json_path is not None:
