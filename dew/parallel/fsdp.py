@@ -200,7 +200,7 @@ def scatter_sum(x: jax.Array, dim: int, stages: Sequence[int] = ()) -> jax.Array
     return x
 
 
-def _ring(n: int) -> list[tuple[int, int]]:
+def ring_pairs(n: int) -> list[tuple[int, int]]:
     """The ``ppermute`` pairs of a ring over fsdp: index ``i`` sends to ``i + 1``."""
     return [(i, (i + 1) % n) for i in range(n)]
 
@@ -219,7 +219,7 @@ def ring_gather(x: jax.Array, dim: int, n: int) -> jax.Array:
         # flight, where forwarding arrivals let the scheduler start the whole chain at once and
         # hold all n - 1 (v5p-64, Llama-3.1-8B, fsdp=32: 61 pieces, 220 MiB, docs/benchmarks.md).
         sent = lax.dynamic_slice_in_dim(whole, ((i - s + 1) % n) * k, k, axis=dim)
-        piece = lax.ppermute(sent, AXIS, _ring(n))
+        piece = lax.ppermute(sent, AXIS, ring_pairs(n))
         whole = lax.dynamic_update_slice_in_dim(whole, piece, ((i - s) % n) * k, axis=dim)
     return whole
 
@@ -238,7 +238,7 @@ def ring_scatter(x: jax.Array, dim: int, n: int) -> jax.Array:
 
     total = block(i - 1)
     for s in range(1, n):
-        total = lax.ppermute(total, AXIS, _ring(n)) + block(i - 1 - s)
+        total = lax.ppermute(total, AXIS, ring_pairs(n)) + block(i - 1 - s)
     return total
 
 

@@ -68,31 +68,30 @@ def _weight_gradient_block(spec, x, d_out, w_dim: int, b, n: int, dtype):
     return grad.astype(dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _ring_einsum(x, shard, spec: str, dim: int, n: int, also_sum: tuple, sum_dtype):
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _ring_einsum(x, shard, spec: str, dim: int, n: int, also_sum: tuple, sum_dtype, weight_dtype):
     """``einsum(spec, x, ring_gather(shard))``; its backward sums the weight's gradient round
-    the ring as it computes it (the module docstring)."""
-    return _ring_einsum_fwd(x, shard, spec, dim, n, also_sum, sum_dtype)[0]
+    the ring as it computes it (the module docstring), in ``sum_dtype``, and returns it in
+    ``weight_dtype``, the shard's."""
+    return _ring_einsum_fwd(x, shard, spec, dim, n, also_sum, sum_dtype, weight_dtype)[0]
 
 
-def _ring_einsum_fwd(x, shard, spec, dim, n, also_sum, sum_dtype):
+def _ring_einsum_fwd(x, shard, spec, dim, n, also_sum, sum_dtype, weight_dtype):
     whole = fsdp.ring_gather(shard, dim, n).astype(x.dtype)
-    # The shard itself is not needed after: an empty array of its dtype says what to return.
-    return jnp.einsum(spec, x, whole), (x, whole, jnp.zeros((0,), shard.dtype))
+    return jnp.einsum(spec, x, whole), (x, whole)
 
 
-def _ring_einsum_bwd(spec, dim, n, also_sum, sum_dtype, residuals, d_out):
-    x, whole, weight = residuals
-    weight_dtype = weight.dtype
+def _ring_einsum_bwd(spec, dim, n, also_sum, sum_dtype, weight_dtype, residuals, d_out):
+    x, whole = residuals
     x_labels, w_labels, out_labels = _labels(spec)
     dx = jnp.einsum(f"{out_labels},{w_labels}->{x_labels}", d_out, whole).astype(x.dtype)
-    dtype = jnp.dtype(sum_dtype) if sum_dtype is not None else weight_dtype
+    dtype = jnp.dtype(sum_dtype)
     i = lax.axis_index(fsdp.AXIS)
     # The running sum of block b starts on device b + 1 and reaches device b after n - 1 steps;
     # each step moves one block, 1 / n of the weight, in ``dtype``.
     total = _weight_gradient_block(spec, x, d_out, dim, i - 1, n, dtype)
     for s in range(1, n):
-        total = lax.ppermute(total, fsdp.AXIS, fsdp._ring(n))
+        total = lax.ppermute(total, fsdp.AXIS, fsdp.ring_pairs(n))
         total = total + _weight_gradient_block(spec, x, d_out, dim, i - 1 - s, n, dtype)
     if also_sum:
         # This device's block, 1 / n of the gradient, summed over the other devices holding it.
@@ -133,7 +132,11 @@ class RingSplit:
                 f"einsum {spec!r}: the weight's split dimension {self.dim} ({label!r}) must be "
                 "named by exactly one of x and the output"
             )
-        return _ring_einsum(x, self.shard, spec, self.dim, self.n, self.also_sum, self.sum_dtype)
+        weight_dtype = self.shard.dtype.name
+        sum_dtype = self.sum_dtype or weight_dtype
+        return _ring_einsum(
+            x, self.shard, spec, self.dim, self.n, self.also_sum, sum_dtype, weight_dtype
+        )
 
 
 jax.tree_util.register_dataclass(
