@@ -116,3 +116,29 @@ def one_device_and_mesh_gradients(trainer, batch):
         b = functools.reduce(lambda tree, key: tree[key.key], path, grads)
         out.append((path, np.asarray(a), np.asarray(b)))
     return out
+
+
+# The decoders of the gradient-sum tests (test_tpu_gradient_sums, test_gradient_sum_dtype,
+# test_fsdp_matmul): 2 layers of 4 heads over a 256-token vocabulary, rows of 32 tokens, and a
+# width of the test's choosing (the TPU compiles find the compiler's rewrites at 512 and 1024).
+WIDE_SEQ = 32
+WIDE_VOCAB = 256
+
+
+def width_objective(width, dtype="float32", **overrides):
+    config = dict(
+        dtype=dtype,
+        vocab_size=WIDE_VOCAB,
+        emb_features=width,
+        num_layers=2,
+        num_heads=4,
+        max_seq_len=WIDE_SEQ,
+    )
+    config.update(overrides)
+    return LMObjective(dew.models.build("causal_transformer", **config), WIDE_SEQ)
+
+
+def width_batch(seed, rows=16) -> jax.Array:
+    """``[rows, WIDE_SEQ + 1]`` random tokens of ``width_objective``'s vocabulary, drawn from
+    ``seed``."""
+    return jax.random.randint(jax.random.key(seed), (rows, WIDE_SEQ + 1), 0, WIDE_VOCAB)

@@ -20,13 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 import dew
 from dew.collectives import collectives
-from dew.objectives.lm import LMObjective
 from dew.parallel import fsdp
 from dew.parallel.fsdp_matmul import RingSplit
 from dew.parallel.options import StepOptions
-from tests.helpers import one_device_and_mesh_gradients
-
-SEQ = 32
+from tests.helpers import one_device_and_mesh_gradients, width_batch, width_objective
 
 
 @pytest.fixture(scope="module")
@@ -97,22 +94,6 @@ def test_a_weight_split_on_a_dimension_both_or_neither_operand_names_is_refused(
         split.einsum("bse,bhd->bshd", jnp.zeros((16, 3, 3)))
 
 
-def tiny_objective(width, dtype="float32", **model):
-    model = dew.models.build(
-        "causal_transformer",
-        **{
-            "dtype": dtype,
-            "vocab_size": 256,
-            "emb_features": width,
-            "num_layers": 2,
-            "num_heads": 4,
-            "max_seq_len": SEQ,
-            **model,
-        },
-    )
-    return LMObjective(model, SEQ)
-
-
 def ring_trainer(objective, axes, **options):
     return dew.Trainer(
         objective,
@@ -144,8 +125,8 @@ def ring_trainer(objective, axes, **options):
 def test_a_ring_step_has_one_device_s_gradients(axes, model, seed, monkeypatch):
     # Every matrix travels alone (no bucket), so each reaches its einsum split.
     monkeypatch.setattr(fsdp, "BUCKET_BYTES", 0)
-    trainer = ring_trainer(tiny_objective(64, **model), axes)
-    batch = jax.random.randint(jax.random.key(seed), (16, SEQ + 1), 0, 256)
+    trainer = ring_trainer(width_objective(64, **model), axes)
+    batch = width_batch(seed)
     # The matrices ring (the tokens of the vocabulary-parallel embedding may still be gathered).
     rows = trainer.device_batch(np.asarray(batch), 16)
     assert "ppermute" in str(jax.make_jaxpr(trainer.gradients)(trainer.init_state().params, rows))
@@ -162,7 +143,7 @@ def test_each_matrix_rings_twice_and_its_gradient_once(sum_dtype, itemsize, monk
     # sum's dtype. The embedding (tied: the lookup's and the head's table) is gathered once,
     # round the same ring, and its gradient summed once; the norm scales stay whole.
     monkeypatch.setattr(fsdp, "BUCKET_BYTES", 0)
-    objective = tiny_objective(128, "bfloat16")
+    objective = width_objective(128, "bfloat16")
     trainer = ring_trainer(objective, dict(fsdp=8), gradient_sum_dtype=sum_dtype)
     report = collectives(trainer.train_step(16), *trainer.step_arguments(16))
     shapes = jax.eval_shape(objective.model.init, jax.random.key(0))["params"]
@@ -189,7 +170,7 @@ def test_no_device_holds_a_whole_float32_weight_gradient_on_a_3d_torus():
 
     def hlo(scheme):
         trainer = dew.Trainer(
-            tiny_objective(512, "bfloat16"),
+            width_objective(512, "bfloat16"),
             optax.adamw(1e-3),
             jax.random.key(0),
             mesh=dew.MeshSpec(fsdp=8),
@@ -210,7 +191,7 @@ def test_the_rings_are_refused_inside_a_pipeline():
     # times their size at data=2,fsdp=2,stage=2) before the Trainer refused it.
     with pytest.raises(ValueError, match="fsdp_scheme='ring' with stage 2.*fsdp_scheme='gather'"):
         ring_trainer(
-            tiny_objective(64, num_layers=4), dict(data=2, fsdp=2, stage=2, microbatches=2)
+            width_objective(64, num_layers=4), dict(data=2, fsdp=2, stage=2, microbatches=2)
         )
 
 

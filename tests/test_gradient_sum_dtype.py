@@ -18,12 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import dew
 from dew.collectives import collectives
-from dew.objectives.lm import LMObjective
 from dew.parallel import Shards, data, fsdp
 from dew.parallel.options import StepOptions
-from tests.helpers import one_device_and_mesh_gradients
-
-SEQ = 32
+from tests.helpers import one_device_and_mesh_gradients, width_batch, width_objective
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +117,6 @@ def test_by_default_gradients_are_summed_in_the_weights_float32(mesh, seed, monk
         assert np.abs(np.asarray(got[name]) - rounded).max() > 2**-14, (name, seed)
 
 
-def tiny_objective(width, dtype):
-    model = dew.models.build(
-        "causal_transformer",
-        dtype=dtype,
-        vocab_size=256,
-        emb_features=width,
-        num_layers=2,
-        num_heads=4,
-        max_seq_len=SEQ,
-    )
-    return LMObjective(model, SEQ)
-
-
 @pytest.mark.parametrize(
     "axes, scheme",
     [
@@ -149,14 +133,14 @@ def test_a_bfloat16_sum_step_has_one_device_s_gradients_to_bfloat16_rounding(
     if scheme == "ring":  # every matrix alone: each reaches its einsum split (fsdp_matmul)
         monkeypatch.setattr(fsdp, "BUCKET_BYTES", 0)
     trainer = dew.Trainer(
-        tiny_objective(64, "float32"),
+        width_objective(64, "float32"),
         optax.sgd(0.0),
         jax.random.key(0),
         mesh=dew.MeshSpec(**axes),
         layout=dew.Layout(min_shard=1024),
         options=StepOptions(fsdp_scheme=scheme, gradient_sum_dtype="bfloat16"),
     )
-    batch = jax.random.randint(jax.random.key(seed), (16, SEQ + 1), 0, 256)
+    batch = width_batch(seed)
     worst = 0.0
     for path, a, b in one_device_and_mesh_gradients(trainer, batch):
         assert b.dtype == np.float32, path
@@ -189,7 +173,7 @@ def test_the_gradient_sums_move_every_weight_once_in_the_sum_dtype(axes, sum_dty
     # whole) and on data=8 (one psum over data each), the sums' operands are every weight once,
     # in the sum's dtype, and the loss (a float32 scalar). The wire bytes follow from these by
     # the ring formulas (test_collective_costs).
-    objective = tiny_objective(128, "bfloat16")
+    objective = width_objective(128, "bfloat16")
     shapes = jax.eval_shape(objective.model.init, jax.random.key(0))
     weights = sum(leaf.size for leaf in jax.tree_util.tree_leaves(shapes))
     rows, _ = sums_of(axes, sum_dtype, objective)
@@ -199,7 +183,7 @@ def test_the_gradient_sums_move_every_weight_once_in_the_sum_dtype(axes, sum_dty
 def test_the_sums_of_the_shards_over_data_move_half_their_float32_bytes():
     # data=2,fsdp=4: each layer's shards summed over data in the loop, the embedding's in the
     # tail; nothing else is summed over data alone.
-    objective = tiny_objective(128, "bfloat16")
+    objective = width_objective(128, "bfloat16")
     ((wide,), _), ((narrow,), report) = [
         ([r for r in rows if r.op == "psum" and r.axes == ("data",)], rep)
         for rows, rep in (sums_of(dict(data=2, fsdp=4), d, objective) for d in (None, "bfloat16"))
@@ -221,7 +205,7 @@ def test_a_bfloat16_sum_holds_the_whole_gradient_in_half_the_bytes_on_tpu():
     pytest.importorskip("libtpu")
     from dew.targets import target
 
-    objective = tiny_objective(1024, "bfloat16")
+    objective = width_objective(1024, "bfloat16")
 
     def temp_bytes(sum_dtype):
         trainer = dew.Trainer(

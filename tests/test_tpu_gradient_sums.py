@@ -27,27 +27,11 @@ from jax.sharding import PartitionSpec as P
 
 import dew
 from dew.collectives import collectives, hlo_collectives
-from dew.objectives.lm import LMObjective
 from dew.parallel import Shards, fsdp
 from dew.parallel.options import StepOptions
-from tests.helpers import one_device_and_mesh_gradients
+from tests.helpers import one_device_and_mesh_gradients, width_batch, width_objective
 
 pytestmark = pytest.mark.xdist_group("tpu")
-
-SEQ = 32
-
-
-def tiny_objective(width, dtype="bfloat16"):
-    model = dew.models.build(
-        "causal_transformer",
-        dtype=dtype,
-        vocab_size=256,
-        emb_features=width,
-        num_layers=2,
-        num_heads=4,
-        max_seq_len=SEQ,
-    )
-    return LMObjective(model, SEQ)
 
 
 def assert_every_reduce_scatter_stays_one(trainer, rows, weight_bytes):
@@ -85,7 +69,7 @@ def tpu_trainer(slice_, width, mesh, fsdp_scheme="gather"):
     from dew.targets import target
 
     return dew.Trainer(
-        tiny_objective(width),
+        width_objective(width, "bfloat16"),
         optax.adamw(1e-3),
         jax.random.key(0),
         mesh=dew.MeshSpec(**mesh),
@@ -148,7 +132,7 @@ def test_a_staged_fsdp_step_has_the_one_device_gradients(mesh, ring, seed):
     # The stages, or the rings, a 3-D torus gets, forced on 8 CPU devices (with data=2, the layer
     # loop's gathers also sum over data): the same gradients as one device.
     trainer = dew.Trainer(
-        tiny_objective(64, dtype="float32"),
+        width_objective(64, dtype="float32"),
         optax.sgd(0.0),
         jax.random.key(0),
         mesh=dew.MeshSpec(**mesh),
@@ -159,7 +143,7 @@ def test_a_staged_fsdp_step_has_the_one_device_gradients(mesh, ring, seed):
     else:
         stages = (2, mesh["fsdp"] // 2)
         trainer.shards = dataclasses.replace(trainer.shards, fsdp_scatter_stages=stages)
-    batch = jax.random.randint(jax.random.key(seed), (16, SEQ + 1), 0, 256)
+    batch = width_batch(seed)
     for path, a, b in one_device_and_mesh_gradients(trainer, batch):
         scale = np.abs(a).max() + 1e-30
         assert np.abs(a - b).max() / scale < 1e-5, (path, seed)
