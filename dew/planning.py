@@ -161,9 +161,10 @@ _REFUSALS = (
 )
 
 
-def _refused_for_memory(message: str) -> tuple[int, int] | None:
+def refused_for_memory(message: str) -> tuple[int, int] | None:
     """``(bytes needed, bytes available)`` when ``message`` is the TPU compiler refusing a
-    program that does not fit its chip's memory (it checks while compiling), else None."""
+    program that does not fit its chip's memory (it checks while compiling), else None. Also
+    ``dew bench``'s reading of a contestant the compiler refuses."""
     for pattern in _REFUSALS:
         m = pattern.search(message)
         if m:
@@ -171,6 +172,18 @@ def _refused_for_memory(message: str) -> tuple[int, int] | None:
             available = float(m.group(3)) * _UNITS[m.group(4)]
             return int(needed), int(available)
     return None
+
+
+def program_bytes(memory) -> int:
+    """All a compiled program needs on one device, from its ``memory_analysis()``: arguments +
+    outputs - donated (aliased, counted in both) + temporaries + the program's code."""
+    return int(
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+        + memory.generated_code_size_in_bytes
+    )
 
 
 def options_text(options: StepOptions, axis_sizes: dict) -> str:
@@ -261,7 +274,7 @@ def plan_layout(
         compiled = trainer.compiled_step(batch)
     except Exception as error:  # noqa: BLE001  (the compiler's own failure is the row's result)
         seconds = time.perf_counter() - start
-        over = _refused_for_memory(str(error))
+        over = refused_for_memory(str(error))
         if over is None:
             return PlanRow(**row, error=f"{type(error).__name__}: {error}", compile_s=seconds)
         needed, usable = over
@@ -280,13 +293,7 @@ def plan_layout(
     counts: dict[str, int] = {}
     for r in report.rows:
         counts[r.op] = counts.get(r.op, 0) + r.count
-    total = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-        + memory.generated_code_size_in_bytes
-    )
+    total = program_bytes(memory)
     return PlanRow(
         **row,
         state_bytes=_state_bytes(trainer),

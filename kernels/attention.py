@@ -31,7 +31,17 @@ from . import backward as _backward
 from . import forward as _forward
 from . import mosaic_backward as _mosaic_backward
 from . import mosaic_forward as _mosaic_forward
-from .platform import LANES, SUBLANES, choose_target, default_blocks
+from . import mosaic_fused_backward as _mosaic_fused_backward
+from .platform import (
+    LANES,
+    SUBLANES,
+    choose_target,
+    compile_device,
+    default_blocks,
+    mosaic_tuning,
+    tpu_generation,
+)
+from .schedule import MAX_STEPS, forward_steps
 from .tiling import Tiling, cdiv
 from .varying import match_varying
 
@@ -147,6 +157,7 @@ class _Config:
     target: str  # a name in kernels.platform.TARGETS
     num_warps: int | None
     num_stages: int | None
+    tuning: object = None  # kernels.mosaic.Tuning on the Mosaic targets
 
     @property
     def scale(self) -> float:
@@ -180,8 +191,8 @@ def _config(q, k, v, *, causal, sm_scale, block_q, block_k, interpret) -> _Confi
         raise ValueError(
             f"flash_attention: sm_scale must be a finite Python number, got {sm_scale!r}"
         )
-    defaults = default_blocks(target, head_dim, q.dtype)
     q_len, kv_len = int(q.shape[1]), int(k.shape[1])
+    defaults = default_blocks(target, head_dim, q.dtype, kv_len)
     tiling = Tiling(
         q_len=q_len,
         kv_len=kv_len,
@@ -189,12 +200,24 @@ def _config(q, k, v, *, causal, sm_scale, block_q, block_k, interpret) -> _Confi
         block_k=_choose_block("block_k", block_k, defaults.block_k, kv_len, target),
         causal=bool(causal),
     )
+    tuning = None
+    if target in MOSAIC_TARGETS:
+        tuning = mosaic_tuning(tpu_generation(compile_device().device_kind))
+        steps = len(forward_steps(tiling))
+        if steps > MAX_STEPS:
+            raise ValueError(
+                f"flash_attention on TPU (Mosaic): q_len {q_len} and kv_len {kv_len} at block_q "
+                f"{tiling.block_q} and block_k {tiling.block_k} make {steps} visible block "
+                f"pairs, more than the {MAX_STEPS} the kernels' step tables hold in SMEM; pass "
+                "larger block_q and block_k"
+            )
     return _Config(
         tiling=tiling,
         sm_scale=float(sm_scale),
         target=target,
         num_warps=defaults.num_warps,
         num_stages=defaults.num_stages,
+        tuning=tuning,
     )
 
 
@@ -208,6 +231,7 @@ def flash_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     interpret: bool | str | None = None,
+    layout: str = "bshd",
 ):
     """Softmax attention, ``softmax(sm_scale * q k^T [masked]) v``, as Pallas kernels.
 
@@ -228,12 +252,17 @@ def flash_attention(
         the Mosaic kernels on TPU, the Triton kernels on GPU and the generic Pallas interpreter
         on CPU; False compiles (TPU or GPU); True runs the generic interpreter (any backend);
         ``"tpu"`` runs the Mosaic kernels in TPU interpret mode (any backend: the tests).
+      layout: ``"bshd"`` (the shapes above) or ``"bhsd"``: q ``[batch, heads, q_len,
+        head_dim]``, k and v ``[batch, kv_heads, kv_len, head_dim]``, out likewise. The Mosaic
+        kernels' own layout (and JAX's TPU kernels'): no transpose is made around them.
 
     Returns:
-      [batch, q_len, heads, head_dim] in the dtype of q. Softmax statistics and all matmul
+      [batch, q_len, heads, head_dim] (``"bhsd"``: [batch, heads, q_len, head_dim]) in the dtype
+      of q. Softmax statistics and all matmul
       accumulation are float32. Differentiable in q, k and v: its forward and backward are the
       kernels of `flash_attention_forward` and `flash_attention_backward`.
     """
+    q, k, v = _as_bshd(layout, q, k, v)
     config = _config(
         q,
         k,
@@ -244,7 +273,7 @@ def flash_attention(
         block_k=block_k,
         interpret=interpret,
     )
-    return _padded_attention(q, k, v, config=config)
+    return _as_bshd(layout, _padded_attention(q, k, v, config=config))[0]
 
 
 def flash_attention_forward(
@@ -257,6 +286,7 @@ def flash_attention_forward(
     block_q: int | None = None,
     block_k: int | None = None,
     interpret: bool | str | None = None,
+    layout: str = "bshd",
 ):
     """`flash_attention` returning its softmax statistics too: ``(out, lse)``.
 
@@ -270,6 +300,7 @@ def flash_attention_forward(
     backward kernels as ``delta - d_lse``). A ring attention that writes its own backward calls
     `flash_attention_backward` per block instead.
     """
+    q, k, v = _as_bshd(layout, q, k, v)
     config = _config(
         q,
         k,
@@ -280,7 +311,8 @@ def flash_attention_forward(
         block_k=block_k,
         interpret=interpret,
     )
-    return _padded_forward(q, k, v, config=config)
+    out, lse = _padded_forward(q, k, v, config=config)
+    return _as_bshd(layout, out)[0], lse
 
 
 def flash_attention_backward(
@@ -297,6 +329,7 @@ def flash_attention_backward(
     block_q: int | None = None,
     block_k: int | None = None,
     interpret: bool | str | None = None,
+    layout: str = "bshd",
 ):
     """The backward kernels of `flash_attention_forward`: ``(dq, dk, dv)`` for the cotangents
     ``d_out`` of ``out`` and ``d_lse`` of ``lse``.
@@ -321,6 +354,7 @@ def flash_attention_backward(
     Returns:
       ``(dq, dk, dv)``, each with its input's shape and dtype.
     """
+    q, k, v, out, d_out = _as_bshd(layout, q, k, v, out, d_out)
     config = _config(
         q,
         k,
@@ -332,7 +366,27 @@ def flash_attention_backward(
         interpret=interpret,
     )
     _check_residuals(q, out, lse, d_out, d_lse)
-    return _padded_backward(q, k, v, out, lse, d_out, d_lse, config=config)
+    return _as_bshd(layout, *_padded_backward(q, k, v, out, lse, d_out, d_lse, config=config))
+
+
+LAYOUTS = ("bshd", "bhsd")
+
+
+def _as_bshd(layout: str, *xs):
+    """``layout`` "bhsd" arrays as "bshd" (and back: the swap is its own inverse); "bshd" ones as
+    they are. Under jit the kernels' own swap to heads-major (`kernels.mosaic.heads_major`) and
+    this one cancel: XLA folds a transpose of a transpose."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"flash_attention: layout must be one of {LAYOUTS}; got {layout!r}")
+    if layout == "bshd":
+        return xs
+    for x in xs:
+        if len(getattr(x, "shape", ())) != 4:
+            raise ValueError(
+                f"flash_attention with layout 'bhsd' takes rank-4 arrays; got shape "
+                f"{tuple(getattr(x, 'shape', ()))}"
+            )
+    return tuple(jnp.swapaxes(x, 1, 2) for x in xs)
 
 
 def _check_residuals(q, out, lse, d_out, d_lse) -> None:
@@ -402,6 +456,7 @@ def _run_forward(q, k, v, config: _Config):
             tiling=config.tiling,
             scale=config.scale,
             interpret=config.target == "mosaic_interpret",
+            tuning=config.tuning,
         )
     return _forward.forward(
         q,
@@ -417,9 +472,12 @@ def _run_forward(q, k, v, config: _Config):
 def _run_backward(q, k, v, o, lse2, do, config: _Config, d_lse=None):
     kwargs = dict(tiling=config.tiling, scale=config.scale, sm_scale=config.sm_scale, d_lse=d_lse)
     if config.target in MOSAIC_TARGETS:
-        return _mosaic_backward.backward(
-            q, k, v, o, lse2, do, interpret=config.target == "mosaic_interpret", **kwargs
-        )
+        interpret = config.target == "mosaic_interpret"
+        if _fused_backward_fits(q, k, config):
+            return _mosaic_fused_backward.backward(
+                q, k, v, o, lse2, do, interpret=interpret, tuning=config.tuning, **kwargs
+            )
+        return _mosaic_backward.backward(q, k, v, o, lse2, do, interpret=interpret, **kwargs)
     return _backward.backward(
         q,
         k,
@@ -430,6 +488,17 @@ def _run_backward(q, k, v, o, lse2, do, config: _Config, d_lse=None):
         interpret=config.target == "interpret",
         compiler_params=config.compiler_params(),
         **kwargs,
+    )
+
+
+def _fused_backward_fits(q, k, config: _Config) -> bool:
+    """The one-kernel Mosaic backward where its dq (all of a kv head's query rows, float32)
+    fits in VMEM beside its working set and its step table fits in SMEM; else the two kernels."""
+    group = q.shape[2] // k.shape[2]
+    if len(_mosaic_fused_backward.backward_steps(config.tiling, group)) > MAX_STEPS:
+        return False
+    return _mosaic_fused_backward.fits(
+        config.tiling, group, q.shape[3], q.dtype.itemsize, config.tuning
     )
 
 

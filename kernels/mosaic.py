@@ -1,35 +1,33 @@
-"""What the Mosaic TPU kernels share: their layout, the causal mask, the grid's semantics and the
-interpret-mode switch.
+"""What the Mosaic TPU kernels share: their layout, the causal mask of a piece of keys, lane-dense
+row statistics, the tuning beside the blocks, the grid's semantics and the interpret-mode switch.
 
 Layout. The public arrays are ``[batch, seq, heads, head_dim]``; a Mosaic block's last two
 dimensions must be a multiple of (8, 128) or whole, and a block of one head of that layout is
 ``[block, 1 of heads, head_dim]``: one row of sublanes, refused. So the kernels take
-``[batch, heads, seq, head_dim]`` (one XLA transpose of q, k, v in, and of the results out), whose
-blocks ``[block, head_dim]`` are a multiple of 8 rows by the whole head_dim. Per-row statistics
-(lse, delta) travel as rows, ``[batch, heads, 1, seq]`` with ``[1, block_q]`` blocks: a column
-``[seq, 1]`` would be tiled (8, 128) in HBM, 128 times its size, and the dk/dv kernel reads these
-blocks at every step. So block_q is a multiple of 128 (lanes), or the whole length. The forward
-and dq kernels transpose a row block to the column their ``[block_q, block_k]`` logits need, once
-per step; the dk/dv kernel computes the logits transposed, ``[block_k, block_q]``, where the rows
-broadcast as they are.
+``[batch, heads, seq, head_dim]`` (``layout="bhsd"`` at the entry points, else one XLA transpose
+each way), whose blocks ``[block, head_dim]`` are a multiple of 8 rows by the whole head_dim.
+Per-row statistics (lse, delta) travel as rows, ``[batch, heads, 1, seq]`` with ``[1, block_q]``
+blocks: a column ``[seq, 1]`` would be tiled (8, 128) in HBM, 128 times its size. So block_q is a
+multiple of 128 (lanes), or the whole length. Inside the forward the running max and sum are
+lane-dense, ``[block_q, 128]`` with every lane equal (``lanes_to`` widens them to a block).
 
-Grids. Every kernel's last grid dimension walks the blocks it reduces over (key blocks for the
-forward and dq, query blocks of the group's heads for dk/dv) and is ``"arbitrary"`` (sequential:
-float32 accumulators live in VMEM scratch across it); the others are ``"parallel"`` (a megacore
-chip, v4 or v5p, splits them over its two TensorCores).
-
-Skipping. A block pair with no visible (row, key) pair is not computed (``pl.when`` on the block
-indices, from `kernels.tiling.Tiling`), and its grid step's index map names a block the kernel
-needs next instead of the skipped one, so the pipeline fetches nothing it will not use.
+Grids. Every kernel's last grid dimension walks `kernels.schedule`'s table of the block pairs it
+computes and is ``"arbitrary"`` (sequential: float32 accumulators live in VMEM scratch across
+it); the others are ``"parallel"`` (a megacore chip, v4 or v5p, splits them over its two
+TensorCores).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from .tiling import INDEX_DTYPE, Tiling
+from .tiling import INDEX_DTYPE, Tiling, as_index
+
+LANES = 128
 
 
 def heads_major(x):
@@ -71,11 +69,87 @@ def mask(tiling: Tiling, q_block, kv_block, keys_first: bool = False):
 
 
 def compiler_params():
-    """Grid semantics shared by the three kernels: three parallel dimensions, then the
-    sequential reduction over blocks."""
+    """Grid semantics of the two-kernel backward (`kernels.mosaic_backward`): three parallel
+    dimensions, then the sequential reduction over blocks."""
     return pltpu.CompilerParams(
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
     )
+
+
+def index(*indices):
+    """A BlockSpec index map's result, each index int32 (`kernels.tiling.block_index`)."""
+    return tuple(as_index(i) for i in indices)
+
+
+def lanes_to(x, width: int):
+    """A lane-dense ``[rows, 128]`` statistic (every lane equal) as ``[rows, width]``: whole
+    copies side by side where ``width`` is a multiple of 128 (no broadcast across lanes), a
+    slice below 128, a broadcast of one lane otherwise."""
+    if width % LANES == 0:
+        return x if width == LANES else jnp.tile(x, (1, width // LANES))
+    if width < LANES:
+        return x[:, :width]
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+def piece_mask(tiling: Tiling, q_block, first_key, shape, keys_first: bool = False):
+    """bool ``shape``: the visible (row, key) pairs of query block ``q_block`` against the keys
+    from ``first_key`` on; ``shape`` is ``[block_q, keys]``, or ``[keys, block_q]`` when
+    ``keys_first``. 2-D iotas: Mosaic has no cheap 1-D to 2-D reshape."""
+    row_dim, col_dim = (1, 0) if keys_first else (0, 1)
+    rows = q_block * tiling.block_q + lax.broadcasted_iota(INDEX_DTYPE, shape, row_dim)
+    cols = first_key + lax.broadcasted_iota(INDEX_DTYPE, shape, col_dim)
+    visible = cols < tiling.kv_len
+    if tiling.causal:
+        visible = jnp.logical_and(visible, cols <= rows + tiling.offset)
+    return visible
+
+
+def piece_is_seen(tiling: Tiling, q_block, first_key):
+    """Whether a real row of ``q_block`` sees the key ``first_key`` (and so the piece of keys
+    that starts there holds a visible pair: a row that sees a key sees every key before it)."""
+    seen = first_key < tiling.kv_len
+    if tiling.causal:
+        last_row = jnp.minimum((q_block + 1) * tiling.block_q, tiling.q_len) - 1
+        seen = jnp.logical_and(seen, first_key <= last_row + tiling.offset)
+    return seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How the Mosaic kernels run, beside their blocks (`kernels.platform.mosaic_tuning` picks it
+    per TPU generation).
+
+    - ``block_k_compute``: keys computed at a time inside the forward's key block (None: the
+      whole block); ``backward_block_k_compute`` the same for the backward's key block.
+    - ``fused_backward``: one backward kernel (dq accumulated in VMEM beside dk and dv) where
+      its VMEM allows, rather than a dq kernel and a dk/dv kernel.
+    - ``vmem_limit_bytes``: the kernels' scoped VMEM (None: the compiler's default).
+    """
+
+    block_k_compute: int | None = None
+    backward_block_k_compute: int | None = None
+    fused_backward: bool = True
+    vmem_limit_bytes: int | None = None
+
+    @staticmethod
+    def _piece(block: int, piece: int | None) -> int:
+        if piece is None or piece >= block or block % piece or piece % 8:
+            return block
+        return piece
+
+    def piece(self, block_k: int) -> int:
+        return self._piece(block_k, self.block_k_compute)
+
+    def backward_piece(self, block_k: int) -> int:
+        return self._piece(block_k, self.backward_block_k_compute)
+
+    def compiler_params(self, dims: int, vmem_limit_bytes: int | None = None):
+        """Parallel grid dimensions, then the sequential walk of `kernels.schedule`."""
+        return pltpu.CompilerParams(
+            dimension_semantics=("parallel",) * (dims - 1) + ("arbitrary",),
+            vmem_limit_bytes=vmem_limit_bytes or self.vmem_limit_bytes,
+        )
 
 
 def interpret_mode(interpret: bool):

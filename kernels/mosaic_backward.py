@@ -23,11 +23,11 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .mosaic import as_rows, compiler_params, dot, heads_major, interpret_mode, mask
-from .mosaic_forward import visited_kv_block
 from .tiling import Tiling, as_index, block_index, index_div
 from .varying import out_struct
 
@@ -67,6 +67,16 @@ def _dq_kernel(
     @pl.when(kv_block == tiling.kv_blocks - 1)
     def _finish():
         dq_ref[...] = (acc_ref[...] * sm_scale).astype(dq_ref.dtype)
+
+
+def visited_kv_block(tiling: Tiling, q_block, kv_block):
+    """The key block a dq step fetches: ``kv_block`` when the query block sees any of it, else
+    block 0, which the next query block reads first (a skipped step fetches nothing the kernel
+    does not use; a run of them fetches it once)."""
+    if not tiling.causal:
+        return kv_block
+    _, n_visit = tiling.kv_range(q_block)
+    return jnp.where(kv_block < n_visit, kv_block, 0)
 
 
 def _split_step(tiling: Tiling, step):
@@ -158,7 +168,12 @@ def backward(
     kv_heads = k.shape[2]
     group = heads // kv_heads
     block_q, block_k = tiling.block_q, tiling.block_k
-    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+    delta = jnp.einsum(
+        "bqhd,bqhd->bhq",
+        do.astype(jnp.float32),
+        o.astype(jnp.float32),
+        precision=lax.Precision.HIGHEST,  # a TPU's default would round them to bfloat16
+    )
     if d_lse is not None:
         delta = delta - d_lse
     qt, kt, vt, dot_ = (heads_major(x) for x in (q, k, v, do))

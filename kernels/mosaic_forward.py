@@ -1,17 +1,21 @@
-"""Mosaic TPU forward kernel: one query block against one key block per grid step, with an online
-softmax whose statistics live in VMEM scratch across the key blocks.
+"""Mosaic TPU forward kernel: an online softmax over the visible block pairs only.
 
-Grid ``(batch, heads, q_blocks, kv_blocks)``; the last dimension is sequential. The step
-``(b, h, i, j)`` holds the ``[block_q, head_dim]`` query block ``i`` of head ``h`` and the
-``[block_k, head_dim]`` key and value blocks ``j`` of its kv head ``h // group`` (grouped queries
-read the shared K/V in place). Per query row it keeps, in float32 scratch, the running maximum
-``m``, the running sum ``l`` and the unnormalised accumulator, and writes ``out`` and ``lse`` at
-the last key block.
+Grid ``(batch, heads, steps)``, the last dimension sequential: it walks `kernels.schedule`'s
+table of the (query block, key block) pairs that hold a visible (row, key) pair, each query
+block's key blocks in a run. The step ``(b, h, t)`` holds the ``[block_q, head_dim]`` query block
+of head ``h`` and the ``[block_k, head_dim]`` key and value blocks of its kv head ``h // group``
+(grouped queries read the shared K/V in place), and adds the key block to the query block's
+running maximum ``m``, running sum ``l`` and unnormalised float32 accumulator, in VMEM scratch;
+the run's last step writes ``out`` and ``lse``.
 
-As in `kernels/forward.py`: base-2 logits ``s = (q . k) * sm_scale * log2(e)``; key blocks that
-the query block sees entirely run without a mask, the diagonal and the padded tail with one;
-``lse = m + log2(l)``, ``+inf`` for a row that sees no key. Key blocks past the diagonal are not
-computed, and their steps fetch key block 0, which the next query block reads first.
+Inside a step the key block is computed ``block_k_compute`` keys at a time (unrolled): a large
+block keeps the DMAs long and the grid short, a smaller computed piece keeps the ``[block_q,
+block_k_compute]`` float32 logits small. Only pairs the table marks ``MASKED`` (the causal
+diagonal, a padded key tail) build a mask, and within them a piece no row sees is skipped.
+
+Numerics (`kernels.mosaic`): base-2 logits ``s = (q . k) * sm_scale * log2(e)``, ``m`` and ``l``
+kept lane-dense (``[block_q, 128]``, every lane equal), ``lse = m + log2(l)``, ``+inf`` for a row
+that sees no key (its output is 0).
 """
 
 from __future__ import annotations
@@ -22,80 +26,105 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .mosaic import compiler_params, dot, heads_major, interpret_mode, mask
-from .tiling import Tiling, block_index, index_div
+from . import mosaic
+from .schedule import EMPTY, FIRST, LAST, MASKED, forward_steps
+from .tiling import Tiling, index_div
 from .varying import out_struct
 
 
-def _attend_block(
-    q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, tiling, scale, q_block, kv_block, masked: bool
-):
-    """One key block's update of the online softmax of one query block."""
-    s = dot(q_ref[...], k_ref[...], (1, 1)) * scale  # [block_q, block_k], base-2 logits
-    if masked:
-        s = jnp.where(mask(tiling, q_block, kv_block), s, -jnp.inf)
-    m = m_ref[...]  # [block_q, 1]
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+def _attend(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, masked_at, tiling, scale):
+    """One piece of keys (``keys``: a static slice of the key block) added to the online softmax
+    of one query block. ``masked_at``: None, or ``(q_block, first_key)`` of the piece for its
+    mask; ``scale``: turns ``q . k`` into base-2 logits."""
+    k = k_ref[keys, :]
+    s = mosaic.dot(q, k, (1, 1)) * scale  # [block_q, piece], float32
+    if masked_at is not None:
+        q_block, first_key = masked_at
+        s = jnp.where(mosaic.piece_mask(tiling, q_block, first_key, s.shape), s, -jnp.inf)
+    m_prev = m_ref[...]  # [block_q, LANES]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     # A row that has seen only masked keys still has m = -inf, and exp2(-inf - (-inf)) is NaN;
     # subtracting 0 for it keeps its p and rescale at exactly 0.
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp2(s - m_safe)
-    rescale = jnp.exp2(m - m_safe)
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    p = jnp.exp2(s - mosaic.lanes_to(m_safe, s.shape[1]))
+    rescale = jnp.exp2(m_prev - m_safe)
     l_ref[...] = rescale * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-    v = v_ref[...]
-    acc_ref[...] = rescale * acc_ref[...] + dot(p.astype(v.dtype), v, (1, 0))
-    m_ref[...] = m_new
+    v = v_ref[keys, :]
+    acc_ref[...] = mosaic.lanes_to(rescale, acc_ref.shape[1]) * acc_ref[...] + mosaic.dot(
+        p.astype(v.dtype), v, (1, 0)
+    )
+    m_ref[...] = m_next
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, *, tiling, scale):
-    q_block, kv_block = pl.program_id(2), pl.program_id(3)
+def _forward_kernel(
+    q_table,
+    kv_table,
+    head_table,
+    flags_table,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    tiling: Tiling,
+    scale: float,
+    block_k_compute: int,
+):
+    del head_table
+    t = pl.program_id(2)
+    flags = flags_table[t]
+    q_block, kv_block = q_table[t], kv_table[t]
 
-    @pl.when(kv_block == 0)
+    @pl.when((flags & FIRST) != 0)
     def _start():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
-    attend = functools.partial(
-        _attend_block,
-        q_ref,
-        k_ref,
-        v_ref,
-        acc_ref,
-        m_ref,
-        l_ref,
-        tiling=tiling,
-        scale=scale,
-        q_block=q_block,
-        kv_block=kv_block,
-    )
-    n_full, n_visit = tiling.kv_range(q_block)
-    pl.when(kv_block < n_full)(functools.partial(attend, masked=False))
-    pl.when(jnp.logical_and(kv_block >= n_full, kv_block < n_visit))(
-        functools.partial(attend, masked=True)
-    )
+    def run(masked: bool):
+        q = q_ref[...]
+        for piece in range(tiling.block_k // block_k_compute):
+            keys = pl.ds(piece * block_k_compute, block_k_compute)
+            attend = functools.partial(
+                _attend,
+                q,
+                k_ref,
+                v_ref,
+                acc_ref,
+                m_ref,
+                l_ref,
+                keys=keys,
+                tiling=tiling,
+                scale=scale,
+            )
+            if not masked:
+                attend(masked_at=None)
+                continue
+            first_key = kv_block * tiling.block_k + piece * block_k_compute
+            sees = mosaic.piece_is_seen(tiling, q_block, first_key)
+            pl.when(sees)(functools.partial(attend, masked_at=(q_block, first_key)))
 
-    @pl.when(kv_block == tiling.kv_blocks - 1)
+    computes = (flags & EMPTY) == 0
+    masked = (flags & MASKED) != 0
+    pl.when(computes & ~masked)(functools.partial(run, False))
+    pl.when(computes & masked)(functools.partial(run, True))
+
+    @pl.when((flags & LAST) != 0)
     def _finish():
         row_sum = l_ref[...]
         # Only rows with no visible key have l = 0: a visible key adds exp2(0) = 1.
         sees_nothing = row_sum == 0.0
-        o_ref[...] = (acc_ref[...] / jnp.where(sees_nothing, 1.0, row_sum)).astype(o_ref.dtype)
-        lse = jnp.where(sees_nothing, jnp.inf, m_ref[...] + jnp.log2(row_sum))  # [block_q, 1]
-        lse_ref[...] = lse.T  # stored as a row (kernels/mosaic.py)
+        inverse = 1.0 / jnp.where(sees_nothing, 1.0, row_sum)
+        o_ref[...] = (acc_ref[...] * mosaic.lanes_to(inverse, o_ref.shape[1])).astype(o_ref.dtype)
+        lse = jnp.where(sees_nothing, jnp.inf, m_ref[...] + jnp.log2(row_sum))
+        lse_ref[...] = lse[:, :1].T  # stored as a row (kernels/mosaic.py)
 
 
-def visited_kv_block(tiling: Tiling, q_block, kv_block):
-    """The key block a forward or dq step fetches: ``kv_block`` when the query block sees any of
-    it, else block 0, which the next query block reads first (a skipped step fetches nothing the
-    kernel does not use; a run of them fetches it once)."""
-    if not tiling.causal:
-        return kv_block
-    _, n_visit = tiling.kv_range(q_block)
-    return jnp.where(kv_block < n_visit, kv_block, 0)
-
-
-def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool):
+def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool, tuning: mosaic.Tuning):
     """Padded inputs -> (o, lse), as `kernels.forward.forward`.
 
     q: [batch, q_padded, heads, head_dim]; k, v: [batch, kv_padded, kv_heads, head_dim].
@@ -105,31 +134,50 @@ def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool):
     batch, q_padded, heads, head_dim = q.shape
     group = heads // k.shape[2]
     block_q, block_k = tiling.block_q, tiling.block_k
-    q_spec = pl.BlockSpec(
-        (None, None, block_q, head_dim), lambda b, h, i, j: block_index(b, h, i, 0)
-    )
-    kv_spec = pl.BlockSpec(
-        (None, None, block_k, head_dim),
-        lambda b, h, i, j: block_index(b, index_div(h, group), visited_kv_block(tiling, i, j), 0),
-    )
-    lse_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, j: block_index(b, h, 0, i))
-    qt, kt, vt = heads_major(q), heads_major(k), heads_major(v)
+    block_k_compute = tuning.piece(block_k)
+    steps = forward_steps(tiling)
+
+    def q_index(b, h, t, q_table, kv_table, head_table, flags_table):
+        return mosaic.index(b, h, q_table[t], 0)
+
+    def kv_index(b, h, t, q_table, kv_table, head_table, flags_table):
+        return mosaic.index(b, index_div(h, group), kv_table[t], 0)
+
+    def lse_index(b, h, t, q_table, kv_table, head_table, flags_table):
+        return mosaic.index(b, h, 0, q_table[t])
+
+    q_spec = pl.BlockSpec((None, None, block_q, head_dim), q_index)
+    kv_spec = pl.BlockSpec((None, None, block_k, head_dim), kv_index)
+    lse_spec = pl.BlockSpec((None, None, 1, block_q), lse_index)
+    qt, kt, vt = mosaic.heads_major(q), mosaic.heads_major(k), mosaic.heads_major(v)
+    pairs = batch * heads * steps.computed_pairs()
+    itemsize = q.dtype.itemsize
     o, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, tiling=tiling, scale=scale),
-        grid=(batch, heads, tiling.q_blocks, tiling.kv_blocks),
-        in_specs=[q_spec, kv_spec, kv_spec],
-        out_specs=[q_spec, lse_spec],
+        functools.partial(
+            _forward_kernel, tiling=tiling, scale=scale, block_k_compute=block_k_compute
+        ),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(batch, heads, len(steps)),
+            in_specs=[q_spec, kv_spec, kv_spec],
+            out_specs=[q_spec, lse_spec],
+            scratch_shapes=[
+                pltpu.VMEM((block_q, head_dim), jnp.float32),
+                pltpu.VMEM((block_q, mosaic.LANES), jnp.float32),
+                pltpu.VMEM((block_q, mosaic.LANES), jnp.float32),
+            ],
+        ),
         out_shape=[
             out_struct(qt.shape, q.dtype, like=qt),
             out_struct((batch, heads, 1, q_padded), jnp.float32, like=qt),
         ],
-        scratch_shapes=[
-            pltpu.VMEM((block_q, head_dim), jnp.float32),
-            pltpu.VMEM((block_q, 1), jnp.float32),
-            pltpu.VMEM((block_q, 1), jnp.float32),
-        ],
-        interpret=interpret_mode(interpret),
-        compiler_params=compiler_params(),
+        interpret=mosaic.interpret_mode(interpret),
+        compiler_params=tuning.compiler_params(3),
+        cost_estimate=pl.CostEstimate(
+            flops=4 * pairs * block_q * block_k * head_dim,
+            transcendentals=pairs * block_q * block_k,
+            bytes_accessed=itemsize * (2 * qt.size + pairs * 2 * block_k * head_dim),
+        ),
         name="dew_flash_attention_forward",
-    )(qt, kt, vt)
-    return heads_major(o), lse[:, :, 0]
+    )(*(jnp.asarray(table) for table in steps.tables()), qt, kt, vt)
+    return mosaic.heads_major(o), lse[:, :, 0]

@@ -19,6 +19,7 @@ default backend's. Outside any mesh, the default backend's first device decides.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -96,23 +97,45 @@ class BlockConfig:
 SUBLANES = 8
 LANES = 128
 
-# Default Mosaic blocks (block_q, block_k) per TPU generation. Each forward or dq step reads a K/V
-# block (4 block_k head_dim bytes in bfloat16) for 4 block_q block_k head_dim FLOPs, block_q FLOPs
-# a byte; each dk/dv step reads a q and a dO block for 8 block_q block_k head_dim FLOPs, 2 block_k
-# a byte. A chip keeps its MXUs busy above (peak bf16 FLOP/s) / (HBM bytes/s), from Cloud TPU's
-# pages: v4 275 T / 1.2 TB/s = 229, v5e 197 T / 0.82 TB/s = 241, v5p 459 T / 2.77 TB/s = 166,
-# v6e 918 T / 1.64 TB/s = 560. So block_q is the power of two at least twice that, at most 1024
-# (v6e: 1.8 times), and block_k 512, at least the ratio. VMEM: the dk/dv kernel at 512 x 512,
-# head_dim 128 (double-buffered blocks, float32 dk and dv scratch, four [block_k, block_q] float32
-# temporaries) needs about 6 MiB, within the 16 MiB of scoped VMEM v4, v5e and v5p give a kernel
-# by default; v6e's 1024 x 512 about 10 MiB of its 32. head_dim above 128 halves block_q. Not
-# timed on a TPU: none was lent.
+# Default Mosaic blocks (block_q, block_k) per TPU generation. Each forward step reads a K/V block
+# (4 block_k head_dim bytes in bfloat16) for 4 block_q block_k head_dim FLOPs, block_q FLOPs a
+# byte; each backward step reads a q and a dO block for 10 block_q block_k head_dim FLOPs, 2.5
+# block_k a byte. A chip keeps its MXUs busy above (peak bf16 FLOP/s) / (HBM bytes/s), from Cloud
+# TPU's pages: v4 275 T / 1.2 TB/s = 229, v5e 197 T / 0.82 TB/s = 241, v5p 459 T / 2.77 TB/s =
+# 166, v6e 918 T / 1.64 TB/s = 560. Beyond that, a grid step costs about 0.35 us whatever it
+# computes, so larger blocks keep the fixed cost small; v4's 16 MiB of VMEM holds 512 x 512.
+# v5e's were measured on the chip (docs/kernels.md, "TPU performance"): (1024, 2048) with keys
+# computed 512 at a time (TPU_PIECES) beat (1024, 1024), (512, 512) and (2048, 2048) at 8k
+# tokens; at up to SHORT_KV keys, (512, 512) won. v5p's and v6e's follow v5e's and are not
+# measured.
 TPU_BLOCKS = {
     "v4": (512, 512),
+    "v5e": (1024, 2048),
+    "v5p": (1024, 2048),
+    "v6e": (1024, 2048),
+}
+# At kv_len up to this, blocks of at most SHORT_BLOCK: on v5e, 2-5% faster than the long blocks
+# at 2048 keys (more grid steps, but fewer masked logits on the causal diagonal).
+SHORT_KV = 2048
+SHORT_BLOCK = 512
+# Scoped VMEM the Mosaic kernels may ask for, per generation: most of a TensorCore's VMEM
+# (pltpu.get_tpu_info_for_chip: v4 16 MiB, v5e 128, v5p 64, v6e 128), leaving room for what the
+# compiler keeps there itself. None: the compiler's default limit (v4's is its whole VMEM).
+TPU_VMEM_LIMIT = {
+    "v4": None,
+    "v5e": 100 << 20,
+    "v5p": 48 << 20,
+    "v6e": 100 << 20,
+}
+# Keys computed at a time inside a key block (`kernels.mosaic.Tuning`): the forward's, the
+# backward's. None computes the whole block at once.
+TPU_PIECES = {
+    "v4": (None, None),
     "v5e": (512, 512),
     "v5p": (512, 512),
-    "v6e": (1024, 512),
+    "v6e": (512, 512),
 }
+
 # Device kinds as JAX reports them (dew.targets.GENERATIONS), lower case, most specific first.
 _DEVICE_KINDS = (
     ("v6 lite", "v6e"),
@@ -123,7 +146,9 @@ _DEVICE_KINDS = (
     ("v5", "v5p"),
     ("v4", "v4"),
 )
-UNKNOWN_TPU = "v5e"  # an unlisted TPU gets the smallest VMEM's blocks
+# An unlisted TPU (a newer chip, or TPU interpret mode on a CPU) gets v5p's blocks and VMEM limit,
+# which every generation from v5 on holds.
+UNKNOWN_TPU = "v5p"
 
 
 def tpu_generation(device_kind: str) -> str:
@@ -161,7 +186,7 @@ def triton_float32_blocks(head_dim: int) -> BlockConfig:
     return BlockConfig(block, block, num_warps=FLOAT32_WARPS, num_stages=1)
 
 
-def default_blocks(target: str, head_dim: int, dtype) -> BlockConfig:
+def default_blocks(target: str, head_dim: int, dtype, kv_len: int | None = None) -> BlockConfig:
     """Default block sizes of ``target`` (a name in ``TARGETS``).
 
     Triton, bfloat16: a query block of at most 32 KiB (128 rows up to head_dim 128, 64 at 256)
@@ -170,7 +195,9 @@ def default_blocks(target: str, head_dim: int, dtype) -> BlockConfig:
     KiB). 4 warps up to head_dim 64, 8 above. This is the FlashAttention-2 shape (128 x 64), not
     yet tuned on a GPU of ours.
     Triton, float32: ``triton_float32_blocks`` (the matmuls run on CUDA cores, not tensor cores).
-    Mosaic (and TPU interpret mode): ``TPU_BLOCKS`` of the compiled-for device's generation.
+    Mosaic (and TPU interpret mode): ``TPU_BLOCKS`` of the compiled-for device's generation,
+    block_q halved above head_dim 128, both at most ``SHORT_BLOCK`` when ``kv_len`` is at most
+    ``SHORT_KV``.
     Interpret mode: 64 x 64, small enough to exercise several blocks on test-sized inputs, large
     enough to keep the emulated loops short.
     """
@@ -188,5 +215,41 @@ def default_blocks(target: str, head_dim: int, dtype) -> BlockConfig:
         block_q, block_k = TPU_BLOCKS[tpu_generation(compile_device().device_kind)]
         if head_dim > 128:
             block_q //= 2
+        if kv_len is not None and kv_len <= SHORT_KV:
+            block_q, block_k = min(block_q, SHORT_BLOCK), min(block_k, SHORT_BLOCK)
+        block_q, block_k = _overrides.get("block_q", block_q), _overrides.get("block_k", block_k)
         return BlockConfig(block_q, block_k)
     return BlockConfig(64, 64)
+
+
+def mosaic_tuning(generation: str):
+    """The `kernels.mosaic.Tuning` of a TPU generation (a key of ``TPU_BLOCKS``), with any
+    `tuned` overrides."""
+    from .mosaic import Tuning  # the TPU module, imported where it is used
+
+    piece, backward_piece = TPU_PIECES[generation]
+    fields = dict(
+        block_k_compute=piece,
+        backward_block_k_compute=backward_piece,
+        vmem_limit_bytes=TPU_VMEM_LIMIT[generation],
+    )
+    fields.update({k: v for k, v in _overrides.items() if k not in ("block_q", "block_k")})
+    return Tuning(**fields)
+
+
+_overrides: dict = {}
+
+
+@contextlib.contextmanager
+def tuned(**overrides):
+    """Overrides of the Mosaic defaults while the context is open: ``block_q``, ``block_k``
+    (the defaults `default_blocks` gives) and any field of `kernels.mosaic.Tuning`. For
+    measuring choices side by side (bench/attention.py's ``--sweep``); a call's blocks given as
+    arguments still win. Calls traced inside the context keep what they were traced with."""
+    global _overrides
+    previous = _overrides
+    _overrides = {**previous, **overrides}
+    try:
+        yield
+    finally:
+        _overrides = previous

@@ -1,6 +1,13 @@
 """Eight simulated CPU devices, set before JAX is imported anywhere in the test session; and the
 seeds of the random tests.
 
+Tests marked ``tpu`` need a real TPU chip and skip without one. ``DEW_TEST_TPU=1`` runs them: JAX's
+platform is then left alone (the chip), none of the CPU setup below is made, and every test not
+marked ``tpu`` skips, as they assume the 8 CPU devices. One process holds the chip, so run them
+without xdist's workers (``-o addopts=`` drops the suite's ``-n 3``):
+
+    DEW_TEST_TPU=1 python -m pytest -o addopts= -ra -m tpu tests/test_on_tpu.py
+
 Random tests take the ``seed`` fixture (an int): drawn fresh for each test, so every run covers new
 keys and tokens, or read from the environment variable ``DEW_SEED`` to replay a run. A test's seed
 is shown in its report when it fails (and with ``-rA`` when it passes), with the command that
@@ -37,10 +44,27 @@ FAST_COMPILE = " ".join(
         "--xla_cpu_parallel_codegen_split_count=1",
     ]
 )
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" {FAST_COMPILE} --xla_force_host_platform_device_count=8"
-).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
+# DEW_TEST_TPU=1: the tpu-marked tests, on the real chip. Everything below that sets up the CPU
+# (the flags, the platform, the shared compilation cache, libtpu told it only compiles, which would
+# hide the chip from it) is left out, and the other tests skip (pytest_collection_modifyitems).
+ON_TPU = os.environ.get("DEW_TEST_TPU") == "1"
+TPU_COMMAND = "DEW_TEST_TPU=1 python -m pytest -o addopts= -ra -m tpu tests/test_on_tpu.py"
+
+
+def _set_up_cpu_devices() -> None:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" {FAST_COMPILE} --xla_force_host_platform_device_count=8"
+    ).strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    _share_a_compilation_cache()
+    # The TPU compile tests (dew plan, dew.targets) load libtpu in every worker, compiling only.
+    # (Importing dew imports JAX: the flags above are set first.)
+    from dew.targets import compile_only_environment
+
+    compile_only_environment()
+
+
 # One compilation cache for the run, shared by its workers and every process they start: a
 # program that several tests compile (a tiny step on the same mesh, a one-device reference, each
 # rank of a launched run, a benchmark contestant) is compiled once and read back after (measured
@@ -50,24 +74,27 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # (TPU programs compiled without a TPU are written but cannot be read back: JAX warns and compiles
 # them again.)
 _RUN_CACHE = "DEW_TEST_COMPILATION_CACHE"
-if _RUN_CACHE not in os.environ:
-    os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="dew-test-compilation-cache-")
-    atexit.register(shutil.rmtree, os.environ[_RUN_CACHE], ignore_errors=True)
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE]
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-# The TPU compile tests (dew plan, dew.targets) load libtpu in every worker, compiling only.
-# (Importing dew imports JAX: the flags above are set first.)
-from dew.targets import compile_only_environment  # noqa: E402
 
-compile_only_environment()
+
+def _share_a_compilation_cache() -> None:
+    if _RUN_CACHE not in os.environ:
+        os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="dew-test-compilation-cache-")
+        atexit.register(shutil.rmtree, os.environ[_RUN_CACHE], ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+if not ON_TPU:
+    _set_up_cpu_devices()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.xdist_groups import ungrouped  # noqa: E402
 
-assert jax.device_count() == 8, jax.devices()
+if not ON_TPU:
+    assert jax.device_count() == 8, jax.devices()
 
 SEED_VARIABLE = "DEW_SEED"
 # Module node id -> the seed its module_seed fixture drew.
@@ -163,12 +190,28 @@ def pytest_runtest_setup(item):
         )
 
 
+def pytest_configure(config):
+    if ON_TPU and (getattr(config.option, "numprocesses", None) or 0) != 0:
+        # Each worker would open the chip, and only one process can hold it.
+        raise pytest.UsageError(
+            f"DEW_TEST_TPU=1 with -n {config.option.numprocesses}: one process holds the TPU; "
+            f"run without workers: {TPU_COMMAND}"
+        )
+
+
 def pytest_collection_modifyitems(items):
     # The modules that run as one group on one worker (xdist_group: a costly shared setup, each
     # a minute or two) go first, so that none of them ends the run on one worker while the
     # others have nothing left to do. The order within each group, and of the other tests, is
     # kept.
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+    for item in items:
+        if item.get_closest_marker("tpu") is not None and not ON_TPU:
+            item.add_marker(pytest.mark.skip(reason=f"needs a real TPU chip; run: {TPU_COMMAND}"))
+        elif item.get_closest_marker("tpu") is None and ON_TPU:
+            item.add_marker(
+                pytest.mark.skip(reason="DEW_TEST_TPU=1 runs the tpu-marked tests only")
+            )
 
 
 @pytest.fixture

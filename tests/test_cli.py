@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from dew.collectives import OPS
-from tests.helpers import child_env
+from tests.helpers import assert_line_speed, child_env, parse_log_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,16 @@ def test_dew_train_runs_and_resumes(tmp_path):
         json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert [f"step {m['step']}: loss {m['loss']:.4f}" for m in metrics[1::2]] == lines[1:3]
+    printed = [parse_log_line(line) for line in lines[1:3]]
+    assert [(p["step"], p["loss"]) for p in printed] == [
+        (2, f"{metrics[1]['loss']:.4f}"),
+        (4, f"{metrics[3]['loss']:.4f}"),
+    ]
+    # Each line's speed is that of the steps since the line before, the first (compiling) left
+    # out: step 2 alone, then steps 3 and 4. No MFU: a CPU's peak is unknown.
+    times = [m["step_time_s"] for m in metrics]
+    assert_line_speed(printed[0], times[1:2], tokens=16 * 32)
+    assert_line_speed(printed[1], times[2:4], tokens=16 * 32)
     assert lines[0] == (
         "Training from step 0 to 4 on {'data': 1, 'expert': 1, 'fsdp': 8, 'tensor': 1, "
         "'sequence': 1, 'stage': 1} (1 process(es))"

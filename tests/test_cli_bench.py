@@ -335,3 +335,229 @@ def test_dew_bench_check_exits_1_naming_each_missed_target(
         ], err
     else:
         assert "MISSED" not in err
+
+
+# A model small enough that a run of three contestants takes seconds.
+_TINY = dict(layers=1, width=32, heads=2, seq_len=8, batch=8)
+
+
+def test_only_the_contestant_whose_turn_it_is_holds_device_memory(monkeypatch):
+    # Every step sees what else is alive on the devices: of the other contestants, nothing (their
+    # states are parked in host memory between turns). Three contestants of the same model: a
+    # state left on the devices would add as much again as the running one's.
+    import jax
+
+    from dew import benchmark
+    from dew.benchmark import measure
+
+    before = jax.live_arrays()  # kept alive, so no new array takes one of their ids
+    known = {id(a) for a in before}
+    running_bytes, other_bytes = [], []
+    steps = measure.Contestant._steps
+
+    def watched(self, state, batch, count):
+        mine = jax.tree_util.tree_leaves((state, batch))
+        ids = {id(a) for a in mine} | {id(getattr(a, "_base_array", a)) for a in mine}
+        others = [a for a in jax.live_arrays() if id(a) not in known | ids]
+        running_bytes.append(sum(a.nbytes for a in mine))
+        other_bytes.append(sum(a.nbytes for a in others))
+        return steps(self, state, batch, count)
+
+    monkeypatch.setattr(measure.Contestant, "_steps", watched)
+    results = benchmark.compare(
+        benchmark.ModelSize(**_TINY), ["fsdp=8"], repeats=2, warmup=1, log=None
+    )
+    assert [(r.layout, r.engine) for r in results] == [
+        ("fsdp=8", "shard_map"),
+        ("fsdp=8", "gspmd"),
+        ("data=1", "one_device"),
+    ]
+    assert len(other_bytes) == 3 * 3, other_bytes  # three turns each
+    # What else lives is the trainers' keys (8 bytes each), not a state (over 300 KB).
+    assert max(other_bytes) < 64 < min(running_bytes), (other_bytes, running_bytes)
+    del before
+
+
+def test_a_parked_state_comes_back_as_it_left():
+    # Parking is exact, keys included: a contestant measured in turns trains as one run would.
+    import jax
+    import numpy as np
+
+    from dew import benchmark
+    from dew.benchmark import measure
+    from dew.mesh import MeshSpec
+
+    size = benchmark.ModelSize(**_TINY)
+    c = benchmark.Contestant(size.objective(), size, MeshSpec(fsdp=8), "shard_map")
+    state = c.trainer.init_state()
+    parked = measure.park(state)
+    # Host arrays that own their bytes: on a CPU jax.device_get gives a view of a device buffer.
+    assert all(isinstance(a, np.ndarray) and a.flags.owndata for a in parked.arrays)
+    back = measure.unpark(parked, c.trainer.state_shardings)
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(back)):
+        assert a.sharding == b.sharding and a.dtype == b.dtype
+        if jax.numpy.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(a, b)
+    measure.free(back)
+    assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(back))
+
+
+# The messages XLA gives: the TPU compiler refusing a program, and a failed allocation.
+_REFUSED = (
+    "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+    "Used 20.47G of 15.75G hbm. Exceeded hbm capacity by 4.72G.\n\nTotal hbm usage >= 21.0G:"
+)
+_ALLOCATION = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9876543210 bytes."
+
+
+def test_out_of_memory_figures_are_read_from_xla_messages():
+    import jax
+
+    from dew.benchmark import measure
+
+    assert measure.figures_in(_REFUSED) == (int(20.47 * 2**30), int(15.75 * 2**30))
+    # The refusal a v5e chip gave (2026-12-05) for GPT-2 small at 24 x 1024 tokens, remat none.
+    chip = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (24.73G) exceeds available HBM (15.75G)."
+    )
+    assert measure.figures_in(chip) == (int(24.73 * 2**30), int(15.75 * 2**30))
+    assert measure.figures_in(_ALLOCATION) == (9876543210, None)
+    assert measure.figures_in("RESOURCE_EXHAUSTED: Attempting to allocate 9.20G.") == (
+        int(9.2 * 2**30),
+        None,
+    )
+    assert measure.out_of_memory(jax.errors.JaxRuntimeError(_REFUSED))
+    assert not measure.out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: a bug"))
+    assert not measure.out_of_memory(MemoryError("RESOURCE_EXHAUSTED"))  # not XLA's
+    assert measure.bytes_text(int(15.75 * 2**30)) == "15.75 GiB"
+    assert measure.bytes_text(3 * 2**19) == "1.50 MiB" and measure.bytes_text(None) == "?"
+
+
+@pytest.mark.parametrize("failed_at", ["compile", "run"])
+def test_dew_bench_gives_a_contestant_that_does_not_fit_one_line_and_runs_the_others(
+    tmp_path, dew_here, monkeypatch, failed_at
+):
+    # fsdp=8's GSPMD contestant runs out of memory: refused by the compiler, or at its second
+    # step (after a turn that ran). Its row is one line with what it needs and the device's;
+    # the shard_map and one-device rows are measured and compared as ever.
+    import jax
+
+    from dew.benchmark import measure
+    from dew.planning import program_bytes
+    from dew.training.trainer import Trainer
+
+    needed, inputs = [], []
+    if failed_at == "compile":
+        compiled_step = Trainer.compiled_step
+
+        def refusing(self, batch_size):
+            if self.engine == "gspmd" and self.mesh.shape["fsdp"] == 8:  # not the one-device
+                raise jax.errors.JaxRuntimeError(_REFUSED)
+            return compiled_step(self, batch_size)
+
+        monkeypatch.setattr(Trainer, "compiled_step", refusing)
+        verdict = "needs 20.47 GiB per device, the device has 15.75 GiB (refused by the compiler)"
+    else:
+        compile_ = measure.Contestant.compile
+
+        class SecondStepRunsOut:
+            def __init__(self, compiled):
+                self.compiled, self.calls = compiled, 0
+
+            def memory_analysis(self):
+                return self.compiled.memory_analysis()
+
+            def __call__(self, state, batch):
+                self.calls += 1
+                if self.calls == 2:
+                    inputs.append((state, batch))
+                    raise jax.errors.JaxRuntimeError(_ALLOCATION)
+                return self.compiled(state, batch)
+
+        def compile_then_run_out(self):
+            compile_(self)
+            if self.engine == "gspmd":
+                needed.append(program_bytes(self.compiled.memory_analysis()))
+                self.compiled = SecondStepRunsOut(self.compiled)
+
+        monkeypatch.setattr(measure.Contestant, "compile", compile_then_run_out)
+        # The compiled step's own figure; a CPU states no memory of its own.
+        verdict = "per device, the device has ? (out of memory running a step)"
+    out = dew_here(
+        "bench",
+        *("--mesh", "fsdp=8", "--depth-check", "0", "--repeats", "2", "--warmup", "0"),
+        *("--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "8"),
+        *("--json", "bench.json"),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stdout + out.stderr, out.stderr
+    rows = {
+        (r["layout"], r["engine"]): r for r in json.loads((tmp_path / "bench.json").read_text())
+    }
+    unfit = rows.pop(("fsdp=8", "gspmd"))
+    assert unfit["fits"] is False and unfit["failed_at"] == failed_at, unfit
+    if failed_at == "compile":
+        assert (unfit["needed_bytes"], unfit["device_bytes"]) == measure.figures_in(_REFUSED)
+    else:
+        assert unfit["needed_bytes"] == needed[0] and unfit["device_bytes"] is None, unfit
+        # The failed turn freed what it had put on the devices.
+        assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(inputs)), inputs
+    assert set(rows) == {("fsdp=8", "shard_map"), ("data=1", "one_device")}, rows
+    for r in rows.values():
+        assert r["fits"] is True and r["steps_timed"] == 2 and r["step_ms"] > 0, r
+    # One line in the table, in its place between the other two rows.
+    table = out.stdout[out.stdout.index("\nlayout ") :].splitlines()[1:6]
+    assert [line.split()[:2] for line in table[2:5]] == [
+        ["fsdp=8", "shard_map"],
+        ["fsdp=8", "gspmd"],
+        ["data=1", "one_device"],
+    ], table
+    assert table[3].split("gspmd", 1)[1].strip().startswith("does not fit: needs "), table
+    assert table[3].endswith(verdict), table
+    # The shard_map row is still compared with the one-device row, and with nothing else.
+    assert "fsdp=8: step time shard_map / one device" in out.stdout
+    assert "shard_map / gspmd" not in out.stdout, out.stdout
+
+
+def test_an_error_that_is_not_out_of_memory_still_stops_dew_bench(monkeypatch):
+    # Only running out of memory makes a row; any other failure is a bug to see.
+    import jax
+
+    from dew import benchmark
+    from dew.training.trainer import Trainer
+
+    def broken(self, batch_size):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(Trainer, "compiled_step", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        benchmark.compare(
+            benchmark.ModelSize(**_TINY), ["fsdp=8"], one_device=False, repeats=1, log=None
+        )
+
+
+def test_dew_bench_says_why_a_depth_check_that_does_not_fit_was_not_measured(monkeypatch, capsys):
+    # The depth check compiles the step at two depths; refused for memory, it is one line and
+    # the rest of the report stands (compare is replaced by known rows: nothing compiles here).
+    import jax
+
+    from dew import benchmark
+    from dew.cli.main import build_parser
+
+    def refused(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(_REFUSED)
+
+    rows = [_row("fsdp=8", "shard_map", wire=80), _row("fsdp=8", "gspmd", wire=100)]
+    monkeypatch.setattr(benchmark, "compare", lambda *args, **kwargs: rows)
+    monkeypatch.setattr(benchmark, "compile_depth", refused)
+    args = build_parser().parse_args(["bench", "--mesh", "fsdp=8", "--no-one-device"])
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    assert (
+        "compile time at 4 and 16 layers: not measured, the step does not fit: RESOURCE_EXHAUSTED: "
+        "XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 20.47G of "
+        "15.75G hbm. Exceeded hbm capacity by 4.72G.\n"
+    ) in out, out
+    assert "fsdp=8: wire bytes shard_map / gspmd" in out

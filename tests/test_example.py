@@ -56,7 +56,7 @@ def training_runs(out: str) -> list[str]:
 def losses(text: str) -> list[tuple[int, float]]:
     return [
         (int(s), float(x))
-        for s, x in re.findall(r"^step (\d+): loss (\d+\.\d{4})$", text, re.MULTILINE)
+        for s, x in re.findall(r"^step (\d+): loss (\d+\.\d{4}), ", text, re.MULTILINE)
     ]
 
 

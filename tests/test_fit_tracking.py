@@ -17,8 +17,16 @@ import pytest
 import dew
 from dew.data import TokenWindows
 from dew.training import flops, tracking
-from dew.training.tracking import FitLog, JsonLines, TensorBoard
-from tests.helpers import SEQ, random_token_folder, seeded_key, smooth_optimizer, tiny_objective
+from dew.training.tracking import FitLog, JsonLines, LogWindow, TensorBoard
+from tests.helpers import (
+    SEQ,
+    assert_line_speed,
+    parse_log_line,
+    random_token_folder,
+    seeded_key,
+    smooth_optimizer,
+    tiny_objective,
+)
 
 ROWS = 8
 STEPS = 5
@@ -153,6 +161,21 @@ def test_throughput_fields_and_mfu_against_the_peak(run):
         np.testing.assert_allclose(line["mfu"], model_flops / FAKE_PEAK, rtol=1e-9)
 
 
+def test_the_log_line_gives_the_mean_speed_and_mfu_since_the_first_step(run):
+    # log_every=100: one line, at the last step, whose speed is that of steps 2 to 5 (step 1
+    # compiles), MFU included: the run was told the device's peak.
+    per_token = flops.model_flops_per_token(run["trainer"].objective.model, SEQ)
+    devices = jax.device_count()
+    (line,) = [parse_log_line(text) for text in run["printed"] if ": loss " in text]
+    assert line["step"] == STEPS and line["loss"] == f"{run['lines'][-1]['loss']:.4f}"
+    assert_line_speed(
+        line,
+        [m["step_time_s"] for m in run["lines"][1:]],
+        tokens=ROWS * SEQ,
+        mfu_at=lambda seconds: per_token * ROWS * SEQ / seconds / devices / FAKE_PEAK,
+    )
+
+
 def test_the_user_tracker_gets_every_step_and_is_closed(run):
     recorder = run["recorder"]
     assert recorder.closed == 1
@@ -235,6 +258,29 @@ def test_only_process_0_logs(monkeypatch):
     with FitLog([recorder], tokens=16, flops_per_token=None, devices=1, peak=None) as log:
         log.step(1, {"loss": 1.0}, 0.5)
     assert recorder.logged == [(1, {"loss": 1.0, "step_time_s": 0.5, "tokens_per_s": 32.0})]
+
+
+def test_the_log_window_leaves_out_the_first_step_unless_it_is_alone():
+    # Step times as a clock would give them: 3 s for the first step (compiling), then 0.2, 0.3,
+    # then 0.5. 1000 tokens a step, 1e6 FLOPs a token, 2 devices of 1e12 FLOP/s.
+    window = LogWindow(tokens=1000, flops_per_token=1e6, devices=2, peak=1e12)
+    window.add(3.0)
+    assert (
+        window.line() == "3,000.0 ms/step, 333 tokens/s, MFU 0.0% (first step: includes compiling)"
+    )
+    window.add(0.2)
+    window.add(0.3)
+    # Mean 0.25 s: 4,000 tokens/s, 1e6 x 4,000 / 2 = 2e9 FLOP/s per device, 0.2% of 1e12.
+    assert window.line() == "250.0 ms/step, 4,000 tokens/s, MFU 0.2%"
+    window.add(0.5)
+    assert window.line() == "500.0 ms/step, 2,000 tokens/s, MFU 0.1%"
+    with pytest.raises(ValueError, match="no step was added since the last line"):
+        window.line()
+    # The first step with others after it: left out. No peak (a CPU): no MFU.
+    window = LogWindow(tokens=1000, flops_per_token=1e6, devices=2, peak=None)
+    for seconds in (3.0, 0.5, 1.5):
+        window.add(seconds)
+    assert window.line() == "1,000.0 ms/step, 1,000 tokens/s"
 
 
 def test_no_flop_count_no_peak_no_invented_fields():

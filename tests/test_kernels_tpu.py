@@ -28,8 +28,20 @@ from dew.kernels import (
     flash_attention_forward,
     mosaic_backward,
     mosaic_forward,
+    mosaic_fused_backward,
+    platform,
 )
-from dew.kernels.platform import TPU_BLOCKS, choose_target, default_blocks, tpu_generation
+from dew.kernels.mosaic import Tuning
+from dew.kernels.platform import (
+    SHORT_BLOCK,
+    SHORT_KV,
+    TPU_BLOCKS,
+    UNKNOWN_TPU,
+    choose_target,
+    default_blocks,
+    tpu_generation,
+)
+from dew.kernels.schedule import MAX_STEPS
 from dew.kernels.tiling import Tiling
 from dew.objectives.lm import LMObjective
 from dew.parallel import Shards, sequence
@@ -42,10 +54,14 @@ from tests.test_kernels import (
     random_d_lse,
     random_inputs,
     reference_with_lse_vjp,
+    relative_error,
     run_fast_compiled,
 )
 
-KERNELS = ("dew_flash_attention_forward", "dew_flash_attention_dq", "dew_flash_attention_dkdv")
+# The Mosaic kernels a forward and backward run: the forward and the fused backward, or (where the
+# fused one does not fit VMEM, or `platform.tuned(fused_backward=False)`) the two-kernel backward.
+KERNELS = ("dew_flash_attention_forward", "dew_flash_attention_backward")
+TWO_KERNELS = ("dew_flash_attention_forward", "dew_flash_attention_dq", "dew_flash_attention_dkdv")
 
 
 def visible_block_pairs(tiling: Tiling) -> int:
@@ -59,9 +75,16 @@ def visible_block_pairs(tiling: Tiling) -> int:
     return int(blocks.any(axis=(1, 3)).sum())
 
 
-def count_computed_blocks(monkeypatch) -> Counter:
-    """Counts, while the kernels run, each block pair the forward computes ("forward") and each
-    one the backward kernels compute ("backward": dq and dk/dv both)."""
+@pytest.fixture
+def computed(monkeypatch) -> Counter:
+    """Counts, while the kernels run, each piece of a key block the forward computes against a
+    query block ("forward": `mosaic_forward._attend`), each one the fused backward computes
+    ("backward": `mosaic_fused_backward._attend`), and each block pair the two-kernel backward
+    computes ("two-kernel backward": `mosaic_backward._probabilities`, in its dq and its dk/dv
+    kernel both). JAX's caches are cleared before and after: a trace another test of this process
+    cached (the same shapes and blocks) would not call the patched functions, and one made here
+    would keep calling them."""
+    jax.clear_caches()
     counts = Counter()
 
     def counted(name, compute):
@@ -71,28 +94,119 @@ def count_computed_blocks(monkeypatch) -> Counter:
 
         return wrapper
 
+    monkeypatch.setattr(mosaic_forward, "_attend", counted("forward", mosaic_forward._attend))
     monkeypatch.setattr(
-        mosaic_forward, "_attend_block", counted("forward", mosaic_forward._attend_block)
+        mosaic_fused_backward, "_attend", counted("backward", mosaic_fused_backward._attend)
     )
     monkeypatch.setattr(
-        mosaic_backward, "_probabilities", counted("backward", mosaic_backward._probabilities)
+        mosaic_backward,
+        "_probabilities",
+        counted("two-kernel backward", mosaic_backward._probabilities),
     )
-    return counts
+    yield counts
+    jax.clear_caches()
+
+
+def tpu_interpret(q, k, v, do, d_lse, **kwargs):
+    """``((out, lse, (dq, dk, dv)), kernels)``: `flash_attention_forward` in TPU interpret mode
+    and its vjp for the cotangents ``(do, d_lse)``, as float64 numpy, and the names of the
+    ``pallas_call`` s that ran. The function is made afresh, so each call is traced under the
+    `platform.tuned` overrides open now (jit caches a trace by its function, not by those)."""
+
+    def kernel(q, k, v, do, d_lse):
+        attend = functools.partial(flash_attention_forward, interpret="tpu", **kwargs)
+        (out, lse), vjp = jax.vjp(attend, q, k, v)
+        return out, lse, vjp((do, d_lse))
+
+    traced = jax.jit(kernel).trace(q, k, v, do, d_lse)
+    names = {name for name, _ in pallas_calls(traced.jaxpr.jaxpr)}
+    compiled = traced.lower().compile({"xla_backend_optimization_level": 0})
+    return as_float64(compiled(q, k, v, do, d_lse)), names
+
+
+def assert_matches_reference(got, want, dtype, what):
+    (out, lse, grads), (want_out, want_lse, want_grads) = got, want
+    assert_close(out, want_out, dtype, f"output ({what})")
+    assert_lse_close(lse, want_lse, f"lse ({what})")
+    for name, g, w in zip("qkv", grads, want_grads):
+        assert_close(g, w, dtype, f"d{name} ({what})")
+
+
+# Two ways of computing the same attention differ by rounding only: their relative difference
+# is held below a fifth (float32) or half (bfloat16) of the tolerance against the float64
+# reference. Measured over four seeds: fused against two kernels at most 1.5e-7 (float32) and
+# 4e-10 (bfloat16); keys in pieces against whole blocks 2.9e-7 and 1.5e-3 (bfloat16 rounds each
+# probability before p @ v, relative to a running maximum that the pieces change).
+AGREE = {jnp.float32: 2e-6, jnp.bfloat16: 1e-2}
+
+
+def assert_agree(got, other, dtype, what):
+    for name, a, b in zip(
+        ("out", "lse", "dq", "dk", "dv"), jax.tree.leaves(got), jax.tree.leaves(other)
+    ):
+        finite = np.isfinite(b)
+        assert np.array_equal(np.isfinite(a), finite), f"{name} ({what}): -inf rows differ"
+        error = relative_error(a[finite], b[finite])
+        assert error < AGREE[dtype], f"{name} ({what}): relative difference {error:.3g}"
 
 
 CASES = [
-    # batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, block_q, block_k
-    pytest.param(1, 200, 232, 2, 1, 16, True, jnp.float32, 128, 64, id="q200-kv232-causal-gqa"),
-    pytest.param(1, 200, 72, 4, 2, 32, True, jnp.bfloat16, 128, 32, id="q200-kv72-empty-rows-bf16"),
-    pytest.param(1, 40, 72, 2, 1, 16, False, jnp.float32, 128, 32, id="q40-kv72-full"),
+    # batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, block_q, block_k, tuning
+    pytest.param(1, 200, 232, 2, 1, 16, True, jnp.float32, 128, 64, {}, id="q200-kv232-causal-gqa"),
+    pytest.param(
+        1, 200, 72, 4, 2, 32, True, jnp.bfloat16, 128, 32, {}, id="q200-kv72-empty-rows-bf16"
+    ),
+    pytest.param(1, 40, 72, 2, 1, 16, False, jnp.float32, 128, 32, {}, id="q40-kv72-full"),
+    pytest.param(
+        1,
+        200,
+        232,
+        2,
+        1,
+        16,
+        True,
+        jnp.float32,
+        128,
+        64,
+        {"fused_backward": False},
+        id="q200-kv232-causal-gqa-two-kernel-backward",
+    ),
+    pytest.param(
+        1,
+        200,
+        232,
+        2,
+        1,
+        16,
+        True,
+        jnp.float32,
+        128,
+        64,
+        {"block_k_compute": 16, "backward_block_k_compute": 32},
+        id="q200-kv232-causal-gqa-pieces",
+    ),
+    pytest.param(
+        1,
+        200,
+        72,
+        4,
+        2,
+        32,
+        True,
+        jnp.bfloat16,
+        128,
+        32,
+        {"block_k_compute": 8, "backward_block_k_compute": 16},
+        id="q200-kv72-empty-rows-bf16-pieces",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    "batch,q_len,kv_len,heads,kv_heads,head_dim,causal,dtype,block_q,block_k", CASES
+    "batch,q_len,kv_len,heads,kv_heads,head_dim,causal,dtype,block_q,block_k,tuning", CASES
 )
 def test_tpu_interpret_matches_reference_computing_only_visible_blocks(
-    monkeypatch,
+    computed,
     seed,
     batch,
     q_len,
@@ -104,36 +218,183 @@ def test_tpu_interpret_matches_reference_computing_only_visible_blocks(
     dtype,
     block_q,
     block_k,
+    tuning,
 ):
     # jax.vjp of flash_attention_forward with random cotangents of out and lse: out, lse, dq, dk,
     # dv (the lse cotangent enters the backward kernels as delta - d_lse). Every case pads both
     # lengths to whole blocks and groups query heads; q200-kv232 reads the queries as the last 200
     # of 232 positions, q200-kv72 has 128 rows that see no key (zeros, lse -inf, no gradient: a
-    # whole query block skipped), q40-kv72 is one query block (block_q shrunk to 40, the whole
-    # length) over three key blocks, the last one padded. Each kernel must compute exactly the
-    # block pairs with a visible (row, key) pair.
-    counts = count_computed_blocks(monkeypatch)
+    # whole query block that computes nothing), q40-kv72 is one query block (block_q shrunk to
+    # 40, the whole length) over three key blocks, the last one padded. Each kernel must compute
+    # exactly the block pairs with a visible (row, key) pair, and within a key block computed a
+    # piece at a time (block_k_compute, backward_block_k_compute) exactly the pieces holding one:
+    # the visible pairs of query blocks and pieces. The two-kernel backward computes each visible
+    # block pair twice, in its dq kernel and its dk/dv kernel.
     rng = np.random.default_rng(seed)
     q, k, v, do = random_inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype)
     d_lse = random_d_lse(rng, q)
     blocks = dict(causal=causal, block_q=block_q, block_k=block_k)
-
-    def kernel(q, k, v, do, d_lse):
-        attend = functools.partial(flash_attention_forward, interpret="tpu", **blocks)
-        (out, lse), vjp = jax.vjp(attend, q, k, v)
-        return out, lse, vjp((do, d_lse))
-
-    out, lse, grads = as_float64(run_fast_compiled(kernel, q, k, v, do, d_lse))
-    want_out, want_lse, want_grads = reference_with_lse_vjp(
+    with platform.tuned(**tuning):
+        got, kernels = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    want = reference_with_lse_vjp(
         q, k, v, do, d_lse, causal=causal, sm_scale=1.0 / np.sqrt(head_dim)
     )
-    assert_close(out, want_out, dtype, f"output (seed {seed})")
-    assert_lse_close(lse, want_lse, f"lse (seed {seed})")
-    for name, got, want in zip("qkv", grads, want_grads):
-        assert_close(got, want, dtype, f"d{name} (seed {seed})")
+    assert_matches_reference(got, want, dtype, f"seed {seed}")
+
     block_q = min(block_q, -(-q_len // 8) * 8)  # one whole block when q_len is shorter
-    pairs = batch * heads * visible_block_pairs(Tiling(q_len, kv_len, block_q, block_k, causal))
-    assert counts == {"forward": pairs, "backward": 2 * pairs}, (counts, pairs)
+    # Interpret mode's defaults (an unknown TPU) compute whole blocks at these sizes.
+    defaults = platform.mosaic_tuning(UNKNOWN_TPU)
+    forward_piece = tuning.get("block_k_compute") or defaults.piece(block_k)
+    backward_piece = tuning.get("backward_block_k_compute") or defaults.backward_piece(block_k)
+
+    def pairs(block_k):
+        return batch * heads * visible_block_pairs(Tiling(q_len, kv_len, block_q, block_k, causal))
+
+    if tuning.get("fused_backward", True):
+        assert kernels == set(KERNELS), kernels
+        want_counts = {"forward": pairs(forward_piece), "backward": pairs(backward_piece)}
+    else:
+        assert kernels == set(TWO_KERNELS), kernels
+        want_counts = {"forward": pairs(forward_piece), "two-kernel backward": 2 * pairs(block_k)}
+    assert computed == want_counts, (computed, want_counts)
+
+
+FUSED_CASES = [
+    # batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, block_q, block_k
+    pytest.param(2, 200, 232, 2, 1, 16, True, jnp.float32, 128, 64, id="q200-kv232-causal-gqa"),
+    pytest.param(1, 136, 56, 3, 1, 32, True, jnp.bfloat16, 128, 24, id="q136-kv56-empty-rows-bf16"),
+    pytest.param(1, 72, 200, 2, 2, 16, False, jnp.float32, 72, 64, id="q72-kv200-full"),
+]
+
+
+@pytest.mark.parametrize(
+    "batch,q_len,kv_len,heads,kv_heads,head_dim,causal,dtype,block_q,block_k", FUSED_CASES
+)
+def test_the_fused_backward_matches_the_two_kernel_backward(
+    seed, batch, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, block_q, block_k
+):
+    # The one-kernel backward (dq accumulated in VMEM over the kv head's walk) and the dq and
+    # dk/dv kernels it replaces, each against the float64 reference and against each other.
+    rng = np.random.default_rng(seed)
+    q, k, v, do = random_inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype)
+    d_lse = random_d_lse(rng, q)
+    blocks = dict(causal=causal, block_q=block_q, block_k=block_k)
+    fused, fused_kernels = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    with platform.tuned(fused_backward=False):
+        two, two_kernels = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    assert fused_kernels == set(KERNELS) and two_kernels == set(TWO_KERNELS)
+    want = reference_with_lse_vjp(
+        q, k, v, do, d_lse, causal=causal, sm_scale=1.0 / np.sqrt(head_dim)
+    )
+    assert_matches_reference(fused, want, dtype, f"fused backward, seed {seed}")
+    assert_matches_reference(two, want, dtype, f"two-kernel backward, seed {seed}")
+    assert_agree(fused, two, dtype, f"fused against two kernels, seed {seed}")
+
+
+@pytest.mark.parametrize(
+    "pieces,dtype",
+    [
+        pytest.param({"block_k_compute": 16, "backward_block_k_compute": 8}, jnp.float32, id="f32"),
+        pytest.param(
+            {"block_k_compute": 32, "backward_block_k_compute": 16}, jnp.bfloat16, id="bf16"
+        ),
+    ],
+)
+def test_keys_computed_a_piece_at_a_time_match_whole_blocks(seed, pieces, dtype):
+    # The forward's and the backward's key blocks of 64 computed 8, 16 or 32 keys at a time (a
+    # masked block pair skips its pieces no row sees) give the whole blocks' results.
+    rng = np.random.default_rng(seed)
+    q, k, v, do = random_inputs(rng, 1, 200, 232, 4, 2, 16, dtype)
+    d_lse = random_d_lse(rng, q)
+    blocks = dict(causal=True, block_q=128, block_k=64)
+    with platform.tuned(block_k_compute=None, backward_block_k_compute=None):
+        whole, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    with platform.tuned(**pieces):
+        pieced, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    want = reference_with_lse_vjp(q, k, v, do, d_lse, causal=True, sm_scale=0.25)
+    assert_matches_reference(whole, want, dtype, f"whole blocks, seed {seed}")
+    assert_matches_reference(pieced, want, dtype, f"{pieces}, seed {seed}")
+    assert_agree(pieced, whole, dtype, f"{pieces} against whole blocks, seed {seed}")
+
+
+def test_a_piece_is_a_divisor_of_its_block_in_whole_sublanes():
+    # A piece that does not split the key block into whole (8-row) parts computes the block whole.
+    tuning = Tuning(block_k_compute=16, backward_block_k_compute=24)
+    assert (tuning.piece(64), tuning.backward_piece(48)) == (16, 24)
+    assert tuning.backward_piece(64) == 64  # 24 does not divide 64
+    assert Tuning(block_k_compute=12).piece(48) == 48  # not a multiple of 8
+    assert Tuning(block_k_compute=128).piece(64) == 64
+    assert Tuning().piece(64) == Tuning().backward_piece(64) == 64
+
+
+def test_layout_bhsd_is_bshd_transposed(seed):
+    # layout="bhsd" takes and returns [batch, heads, seq, head_dim]: the same kernels on the same
+    # numbers, so the same bits as "bshd" with the sequence and head axes swapped, through all
+    # three entry points (forward, its gradient, and the backward alone).
+    rng = np.random.default_rng(seed)
+    q, k, v, do = random_inputs(rng, 1, 136, 152, 2, 1, 16, jnp.float32)
+    d_lse = random_d_lse(rng, q)
+    blocks = dict(causal=True, block_q=128, block_k=64, interpret="tpu")
+
+    def entry_points(layout):
+        def run(q, k, v, do, d_lse):
+            attend = functools.partial(flash_attention_forward, layout=layout, **blocks)
+            (out, lse), vjp = jax.vjp(attend, q, k, v)
+            alone = flash_attention_backward(q, k, v, out, lse, do, d_lse, layout=layout, **blocks)
+            plain = flash_attention(q, k, v, layout=layout, **blocks)
+            return out, lse, vjp((do, d_lse)), alone, plain
+
+        return run
+
+    swap = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+    bshd = as_float64(run_fast_compiled(entry_points("bshd"), q, k, v, do, d_lse))
+    bhsd = as_float64(
+        run_fast_compiled(entry_points("bhsd"), swap(q), swap(k), swap(v), swap(do), d_lse)
+    )
+    out, lse, grads, alone, plain = bhsd
+    assert out.shape == (1, 2, 136, 16) and all(g.shape == x.shape for g, x in zip(grads, bhsd[2]))
+    np.testing.assert_array_equal(np.swapaxes(out, 1, 2), bshd[0], f"out (seed {seed})")
+    np.testing.assert_array_equal(lse, bshd[1], f"lse (seed {seed})")
+    np.testing.assert_array_equal(
+        np.swapaxes(plain, 1, 2), bshd[4], f"flash_attention (seed {seed})"
+    )
+    for name, got, want in zip("qkv", grads, bshd[2]):
+        np.testing.assert_array_equal(np.swapaxes(got, 1, 2), want, f"d{name} (seed {seed})")
+    for name, got, want in zip("qkv", alone, bshd[3]):
+        np.testing.assert_array_equal(
+            np.swapaxes(got, 1, 2), want, f"backward's d{name} (seed {seed})"
+        )
+    want = reference_with_lse_vjp(q, k, v, do, d_lse, causal=True, sm_scale=0.25)
+    assert_matches_reference(bshd[:3], want, jnp.float32, f"bshd, seed {seed}")
+
+
+def test_the_fused_backward_runs_where_its_dq_fits_vmem():
+    # The fused backward keeps dq for all of a kv head's query rows (the group's heads, padded to
+    # whole blocks) in float32 VMEM plus its double-buffered output block, beside a fixed
+    # working set; where that passes the tuning's VMEM limit, or its step table passes MAX_STEPS,
+    # the two-kernel backward runs.
+    q = jax.ShapeDtypeStruct((1, 200, 4, 64), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 232, 2, 64), jnp.float32)
+
+    def fused(q, k, block_k=64, **tuning):
+        with platform.tuned(**tuning):
+            config = attention_module._config(
+                q, k, k, causal=False, sm_scale=None, block_q=128, block_k=block_k, interpret="tpu"
+            )
+        return attention_module._fused_backward_fits(q, k, config)
+
+    dq = 2 * 256 * 64 * (4 + 2 * 4)  # group 2 x 256 padded rows x head_dim, float32 + 2 x float32
+    need = mosaic_fused_backward.WORKING_BYTES + dq
+    assert fused(q, k)
+    assert fused(q, k, vmem_limit_bytes=need) and not fused(q, k, vmem_limit_bytes=need - 1)
+    assert not fused(q, k, fused_backward=False)
+    assert not fused(q, k, vmem_limit_bytes=None)  # the compiler's default: not known here
+    # One query block over MAX_STEPS / 4 key blocks of 8: the fused backward walks them for each
+    # of a group of 4 heads, MAX_STEPS steps, what its table holds; one key block more passes it.
+    q = jax.ShapeDtypeStruct((1, 128, 4, 8), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 2 * MAX_STEPS, 1, 8), jnp.float32)
+    longer = jax.ShapeDtypeStruct((1, 2 * MAX_STEPS + 8, 1, 8), jnp.float32)
+    assert fused(q, k, block_k=8) and not fused(q, longer, block_k=8)
 
 
 def assert_fetches_are_used(name, blocks, computed, own):
@@ -151,9 +412,11 @@ def assert_fetches_are_used(name, blocks, computed, own):
 
 
 @pytest.mark.parametrize("q_len,kv_len", [(64, 64), (40, 64), (64, 24)])
-def test_skipped_steps_fetch_only_blocks_the_next_computed_step_reads(q_len, kv_len):
-    # A causal step whose block pair is masked whole is not computed; its index map names the
-    # block the next computed step reads (key block 0 for the forward and dq kernels, where the
+def test_the_two_kernel_backward_fetches_only_blocks_its_next_computed_step_reads(q_len, kv_len):
+    # The forward and the fused backward walk only the visible block pairs (their step tables:
+    # tests/test_kernel_schedule.py). The two-kernel backward (the fallback) still steps over
+    # every block pair: a causal step whose pair is masked whole is not computed, and its index
+    # map names the block the next computed step reads (key block 0 for the dq kernel, where the
     # next query block starts; for dk/dv the first query block that sees the key block), so the
     # pipeline copies nothing it will not use. (64, 24) has query blocks that see no key at all.
     tiling = Tiling(q_len, kv_len, 16, 16, causal=True)
@@ -162,12 +425,10 @@ def test_skipped_steps_fetch_only_blocks_the_next_computed_step_reads(q_len, kv_
     visible = (cols < kv_len) & (cols <= rows + tiling.offset)
     sees = visible.reshape(tiling.q_blocks, 16, tiling.kv_blocks, 16).any(axis=(1, 3))
     pairs = [(i, j) for i in range(tiling.q_blocks) for j in range(tiling.kv_blocks)]
-    forward = [
-        int(mosaic_forward.visited_kv_block(tiling, jnp.int32(i), jnp.int32(j))) for i, j in pairs
+    dq = [
+        int(mosaic_backward.visited_kv_block(tiling, jnp.int32(i), jnp.int32(j))) for i, j in pairs
     ]
-    assert_fetches_are_used(
-        "forward", forward, [sees[i, j] for i, j in pairs], [j for _, j in pairs]
-    )
+    assert_fetches_are_used("dq", dq, [sees[i, j] for i, j in pairs], [j for _, j in pairs])
     pairs = [(j, i) for j in range(tiling.kv_blocks) for i in range(tiling.q_blocks)]
     dkdv = [
         int(mosaic_backward.visited_q_block(tiling, jnp.int32(j), jnp.int32(i))) for j, i in pairs
@@ -198,7 +459,44 @@ def test_the_target_follows_the_mesh_devices_not_the_default_backend():
             assert (blocks.block_q, blocks.block_k) == TPU_BLOCKS[generation.name], generation
     with jax.sharding.use_abstract_mesh(tpu_mesh("NVIDIA H200", platform="gpu")):
         assert choose_target(None) == "triton"
-    assert default_blocks("mosaic", 256, jnp.bfloat16).block_q == 256  # head_dim > 128: halved
+    # No mesh: TPU interpret mode gets an unknown TPU's blocks.
+    assert tpu_generation(jax.devices()[0].device_kind) == UNKNOWN_TPU
+    blocks = default_blocks("mosaic_interpret", 128, jnp.bfloat16)
+    assert (blocks.block_q, blocks.block_k) == TPU_BLOCKS[UNKNOWN_TPU]
+
+
+def call_blocks(q_len, kv_len, head_dim=128, **blocks):
+    """(block_q, block_k) of a causal Mosaic call (traced for the mesh's devices, if any)."""
+    q = jax.ShapeDtypeStruct((1, q_len, 2, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, kv_len, 1, head_dim), jnp.bfloat16)
+    blocks = {"block_q": None, "block_k": None, **blocks}
+    config = attention_module._config(q, k, k, causal=True, sm_scale=None, interpret=None, **blocks)
+    assert config.target == "mosaic"
+    return config.tiling.block_q, config.tiling.block_k
+
+
+@pytest.mark.parametrize("generation", sorted(GENERATIONS))
+def test_default_mosaic_blocks_follow_the_generation_head_dim_and_kv_len(generation):
+    # A generation's TPU_BLOCKS; block_q halved above head_dim 128; both at most SHORT_BLOCK when
+    # kv_len is at most SHORT_KV. Read through a call's own block choice (kv_len from k).
+    kind = GENERATIONS[generation].device_kind
+    block_q, block_k = TPU_BLOCKS[GENERATIONS[generation].name]
+    short = min(block_q, SHORT_BLOCK), min(block_k, SHORT_BLOCK)
+    long_kv = max(SHORT_KV + 1, 2 * block_k)  # several key blocks: none is shrunk to the length
+    with jax.sharding.use_abstract_mesh(tpu_mesh(kind)):
+        assert call_blocks(2 * block_q, long_kv) == (block_q, block_k)
+        assert call_blocks(block_q, long_kv, head_dim=256) == (block_q // 2, block_k)
+        assert call_blocks(SHORT_KV, SHORT_KV) == short
+        assert call_blocks(SHORT_KV, SHORT_KV, head_dim=256) == (
+            min(block_q // 2, SHORT_BLOCK),
+            short[1],
+        )
+        # SHORT_KV is a bound on the keys: a long query over short keys gets the short blocks.
+        assert call_blocks(2 * block_q, SHORT_KV) == short
+        # platform.tuned overrides the defaults; a call's own blocks win over both.
+        with platform.tuned(block_q=256, block_k=128):
+            assert call_blocks(2048, long_kv) == call_blocks(2048, SHORT_KV) == (256, 128)
+            assert call_blocks(2048, long_kv, block_q=384, block_k=64) == (384, 64)
 
 
 def pallas_calls(jaxpr):
@@ -215,32 +513,39 @@ def pallas_calls(jaxpr):
 
 def test_pallas_tpu_interpret_reaches_the_ring_and_the_model():
     # attention_impl="pallas_tpu_interpret": the model's attention and the ring's blocks (forward
-    # and its hand-written backward) all run the Mosaic kernels in TPU interpret mode. Traced
-    # only, on a sequence axis of 2.
+    # and its hand-written backward) all run the Mosaic kernels in TPU interpret mode: the forward
+    # and the fused backward, or the two-kernel backward where it is asked for. Traced only, on a
+    # sequence axis of 2.
     from jax.experimental.pallas import tpu as pltpu
 
     shards = Shards(axis_sizes={sequence.AXIS: 2})
 
-    def body(q, k, v):
-        def loss(q, k, v):
-            out, lse = sequence.ring_attention(q, k, v, shards, "pallas_tpu_interpret")
-            alone, _ = dew.nn.attention.IMPLEMENTATIONS["pallas_tpu_interpret"](q, k, v)
-            return jnp.sum(out) + jnp.sum(lse) + jnp.sum(alone)
+    def kernel_calls():
+        def body(q, k, v):
+            def loss(q, k, v):
+                out, lse = sequence.ring_attention(q, k, v, shards, "pallas_tpu_interpret")
+                alone, _ = dew.nn.attention.IMPLEMENTATIONS["pallas_tpu_interpret"](q, k, v)
+                return jnp.sum(out) + jnp.sum(lse) + jnp.sum(alone)
 
-        return jax.grad(loss, (0, 1, 2))(q, k, v)
+            return jax.grad(loss, (0, 1, 2))(q, k, v)
 
-    positions = P(None, sequence.AXIS)
-    fn = jax.shard_map(
-        body,
-        mesh=Mesh(np.array(jax.devices()[:2]), (sequence.AXIS,)),
-        in_specs=(positions,) * 3,
-        out_specs=(positions,) * 3,
-        check_vma=False,
-    )
-    args = [jax.ShapeDtypeStruct((1, 16, h, 8), jnp.float32) for h in (2, 1, 1)]
-    calls = list(pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr))
+        positions = P(None, sequence.AXIS)
+        fn = jax.shard_map(
+            body,
+            mesh=Mesh(np.array(jax.devices()[:2]), (sequence.AXIS,)),
+            in_specs=(positions,) * 3,
+            out_specs=(positions,) * 3,
+            check_vma=False,
+        )
+        args = [jax.ShapeDtypeStruct((1, 16, h, 8), jnp.float32) for h in (2, 1, 1)]
+        return list(pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr))
+
+    calls = kernel_calls()
     assert {name for name, _ in calls} == set(KERNELS), calls
     assert all(isinstance(mode, pltpu.InterpretParams) for _, mode in calls), calls
+    with platform.tuned(fused_backward=False):
+        calls = kernel_calls()
+    assert {name for name, _ in calls} == set(TWO_KERNELS), calls
 
 
 def test_dew_train_takes_pallas_tpu_interpret():
@@ -329,6 +634,40 @@ def test_refuses_an_interpret_that_names_no_target(monkeypatch):
             flash_attention(q, k, k, interpret=bad)
 
 
+def test_mosaic_refuses_more_visible_block_pairs_than_the_step_tables_hold(monkeypatch):
+    # One query block over key blocks of 8: MAX_STEPS of them fill the forward's step table (held
+    # in SMEM), one more is refused, by every entry point and whether compiled for a TPU or
+    # interpreted, before any kernel is traced. Not causal: every block pair is visible.
+    no_kernels(monkeypatch)
+
+    def calls(kv_len, **kw):
+        q, k = jnp.zeros((1, 128, 1, 8)), jnp.zeros((1, kv_len, 1, 8))
+        lse = jnp.zeros((1, 1, 128))
+        kw = dict(causal=False, block_q=128, block_k=8, **kw)
+        return (
+            lambda: flash_attention(q, k, k, **kw),
+            lambda: flash_attention_forward(q, k, k, **kw),
+            lambda: flash_attention_backward(q, k, k, q, lse, q, **kw),
+        )
+
+    longest, refused = 8 * MAX_STEPS, 8 * MAX_STEPS + 1
+    message = re.escape(
+        f"flash_attention on TPU (Mosaic): q_len 128 and kv_len {refused} at block_q 128 and "
+        f"block_k 8 make {MAX_STEPS + 1} visible block pairs, more than the {MAX_STEPS} the "
+        "kernels' step tables hold in SMEM; pass larger block_q and block_k"
+    )
+    for call in calls(longest, interpret="tpu"):
+        with pytest.raises(AssertionError, match="the kernels were reached"):
+            call()  # accepted: it reaches the (stubbed) kernels
+    for call in calls(refused, interpret="tpu"):
+        with pytest.raises(ValueError, match=message):
+            call()
+    with jax.sharding.use_abstract_mesh(tpu_mesh("TPU v5 lite")):
+        for call in calls(refused):
+            with pytest.raises(ValueError, match=message):
+                call()
+
+
 # ---- compiled for TPU slices: the Mosaic kernels in Dew's step ------------------------------
 
 SEQ = 16
@@ -340,17 +679,32 @@ SEQ = 16
     reason="compiling for a TPU slice needs libtpu (pip install 'dew-ml[tpu]')",
 )
 @pytest.mark.parametrize(
-    "slice_name, mesh",
+    "slice_name, mesh, tuning, kernels",
     [
-        pytest.param("v5e-8", dew.MeshSpec(fsdp=8), id="v5e-8-fsdp8"),
-        pytest.param("v5p-16", dew.MeshSpec(sequence=4, tensor=2), id="v5p-16-ring4-tensor2"),
+        pytest.param("v5e-8", dew.MeshSpec(fsdp=8), {}, KERNELS, id="v5e-8-fsdp8"),
+        pytest.param(
+            "v5p-16",
+            dew.MeshSpec(sequence=4, tensor=2),
+            {},
+            KERNELS,
+            id="v5p-16-ring4-tensor2",
+        ),
+        pytest.param(
+            "v5e-8",
+            dew.MeshSpec(fsdp=8),
+            {"fused_backward": False},
+            TWO_KERNELS,
+            id="v5e-8-fsdp8-two-kernel-backward",
+        ),
     ],
 )
-def test_the_step_compiles_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh):
+def test_the_step_compiles_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh, tuning, kernels):
     # attention_impl="pallas" on a CPU host, compiled for the slice's TPU devices: the step's HLO
-    # must call the three Mosaic kernels (tpu_custom_call), not carry the CPU's interpreted form.
-    # v5p-16 runs the ring (sequence 4, the Pallas blocks forward and backward) on tensor
-    # parallelism's local heads (2 of 4 query heads, 1 of 2 kv heads per device).
+    # must call the Mosaic kernels (tpu_custom_call), not carry the CPU's interpreted form: the
+    # forward and the fused backward, or the forward, dq and dk/dv kernels of the two-kernel
+    # backward where it is asked for. v5p-16 runs the ring (sequence 4, the Pallas blocks forward
+    # and backward) on tensor parallelism's local heads (2 of 4 query heads, 1 of 2 kv heads per
+    # device).
     config = dict(vocab_size=64, emb_features=32, num_layers=1, num_heads=4, num_kv_heads=2)
     model = dew.models.build(
         "causal_transformer",
@@ -367,7 +721,8 @@ def test_the_step_compiles_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh):
         layout=dew.Layout(min_shard=4096),
         devices=target(slice_name).devices(),
     )
-    text = trainer.compiled_step(8).as_text()
+    with platform.tuned(**tuning):
+        text = trainer.compiled_step(8).as_text()
     custom_calls = [line for line in text.splitlines() if "tpu_custom_call" in line]
-    called = {name for line in custom_calls for name in KERNELS if name in line}
-    assert called == set(KERNELS), (slice_name, len(custom_calls), called)
+    named = set(re.findall(r"dew_flash_attention_\w+", "\n".join(custom_calls)))
+    assert named == set(kernels), (slice_name, len(custom_calls), named)

@@ -156,7 +156,7 @@ def launched_run(tmp_path_factory, module_seed):
 
 
 def rank_losses(lines, rank):
-    found = (re.fullmatch(rf"\[{rank}\] step (\d+): loss (\S+)", line) for line in lines)
+    found = (re.fullmatch(rf"\[{rank}\] step (\d+): loss ([^\s,]+), .*", line) for line in lines)
     return {int(m[1]): float(m[2]) for m in found if m}
 
 
@@ -173,7 +173,7 @@ def test_launched_processes_train_like_one_process(launched_run, capsys, seed):
     state = two_process_trainer(dew.MeshSpec(fsdp=4)).fit(data, steps=STEPS, log_every=1)
     one = {
         int(s): float(v)
-        for s, v in re.findall(r"^step (\d+): loss (\S+)$", capsys.readouterr().out, re.M)
+        for s, v in re.findall(r"^step (\d+): loss ([^\s,]+), ", capsys.readouterr().out, re.M)
     }
     for step in one:
         assert abs(multi[step] - one[step]) <= 2e-4, (f"seed {seed}", step, multi[step], one[step])

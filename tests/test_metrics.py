@@ -10,7 +10,13 @@ import pytest
 
 import dew
 from dew.data import TokenWindows
-from tests.helpers import SEQ, random_token_folder, tiny_objective
+from tests.helpers import (
+    SEQ,
+    assert_line_speed,
+    parse_log_line,
+    random_token_folder,
+    tiny_objective,
+)
 
 ROWS = 16
 
@@ -58,6 +64,34 @@ def test_one_line_per_step_with_the_steps_loss(tmp_path, data, seed):
     for line in lines:
         assert line["step_time_s"] > 0
         np.testing.assert_allclose(line["tokens_per_s"], ROWS * SEQ / line["step_time_s"])
+
+
+def printed_lines(out: str) -> list[dict]:
+    return [parse_log_line(line) for line in out.splitlines() if line.startswith("step ")]
+
+
+def test_each_log_line_gives_the_speed_of_the_steps_since_the_line_before(tmp_path, data, capsys):
+    path = tmp_path / "metrics.jsonl"
+    make_trainer().fit(data, steps=5, log_every=2, metrics=path)
+    times = {line["step"]: line["step_time_s"] for line in read_lines(path)}
+    printed = printed_lines(capsys.readouterr().out)
+    # Step 1, which compiles, is in no line's mean; the last step gets a line of its own.
+    windows = {2: [2], 4: [3, 4], 5: [5]}
+    assert [line["step"] for line in printed] == list(windows)
+    for line in printed:
+        assert not line["first"], line
+        # No MFU: the CPU's peak is unknown (tests/test_fit_tracking.py gives one).
+        assert_line_speed(line, [times[s] for s in windows[line["step"]]], tokens=ROWS * SEQ)
+
+
+def test_a_line_of_the_first_step_alone_gives_its_time_and_says_so(tmp_path, data, capsys):
+    path = tmp_path / "metrics.jsonl"
+    make_trainer().fit(data, steps=2, log_every=1, metrics=path)
+    times = {line["step"]: line["step_time_s"] for line in read_lines(path)}
+    first, second = printed_lines(capsys.readouterr().out)
+    assert first["first"] and not second["first"], (first, second)
+    assert_line_speed(first, [times[1]], tokens=ROWS * SEQ)
+    assert_line_speed(second, [times[2]], tokens=ROWS * SEQ)
 
 
 def test_a_resumed_run_appends(tmp_path, data):

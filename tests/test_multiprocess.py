@@ -63,7 +63,8 @@ def printed_losses(text):
     # Not anchored at the line's start: a line some library wrote to the same stdout without its
     # newline must not hide the loss printed after it.
     return {
-        int(step): float(loss) for step, loss in re.findall(r"step (\d+): loss (\S+)$", text, re.M)
+        int(step): float(loss)
+        for step, loss in re.findall(r"step (\d+): loss ([^\s,]+), ", text, re.M)
     }
 
 

@@ -103,7 +103,7 @@ def printed(tmp_path_factory):
 
 
 def losses(text: str) -> list[tuple[int, str]]:
-    found = re.findall(r"^step (\d+): loss (\d+\.\d{4})$", text, re.MULTILINE)
+    found = re.findall(r"^step (\d+): loss (\d+\.\d{4}), ", text, re.MULTILINE)
     return [(int(step), loss) for step, loss in found]
 
 

@@ -145,7 +145,9 @@ def test_presets_train_in_bfloat16_and_the_example_decoder_in_float32():
         model = dew.models.build("causal_transformer", **config)
         got = (model.dtype, model.param_dtype, model.attention_impl, model.remat)
         big = name in ("llama-3.1-8b", "llama-3.1-70b")
-        assert got == ("bfloat16", "float32", "auto", "full" if big else "dots"), name
+        # GPT-2 small keeps attention's output too: fastest on one v5e chip (presets.py).
+        remat = "attention" if name == "gpt2-small" else "full" if big else "dots"
+        assert got == ("bfloat16", "float32", "auto", remat), name
     plain = dew.models.build(
         "causal_transformer", vocab_size=8, emb_features=8, num_layers=1, num_heads=2, max_seq_len=4
     )

@@ -8,9 +8,11 @@ Each contestant is one layout and one engine (``Trainer(..., engine=...)``) trai
 model, loss and optimizer, and one more row, ``engine="one_device"``: the same model and global
 batch on one device. The parts, one job each:
 
-- ``measure``: one contestant (build, compile, time a step, bytes, memory) and its ``Result``;
+- ``measure``: one contestant (build, compile, time a step, bytes, memory) and its ``Result``,
+  or its ``DidNotFit`` when it ran out of device memory;
 - ``rounds``: which contestants run (each with the ``StepOptions`` its layout takes) and their
-  turns (``compare``), and the compile time at two depths (``compile_depth``);
+  turns (``compare``; only the contestant whose turn it is holds device memory), and the compile
+  time at two depths (``compile_depth``);
 - ``ratios``: each shard_map row against its layout's GSPMD row and the one-device row;
 - ``judge``: every target and threshold in one table (``TARGETS``), and a run judged against it;
 - ``report``: tables and the JSON rows.
@@ -20,10 +22,13 @@ from dew.benchmark.judge import TARGETS, Target, Threshold, missed, targets
 from dew.benchmark.measure import (
     ONE_DEVICE,
     Contestant,
+    DidNotFit,
     ModelSize,
     Result,
+    fitted,
     layout_name,
     measured_bubble,
+    out_of_memory,
     row_name,
     state_bytes_per_device,
 )
@@ -36,6 +41,7 @@ __all__ = [
     "TARGETS",
     "Contestant",
     "DepthCheck",
+    "DidNotFit",
     "ModelSize",
     "Result",
     "Target",
@@ -43,11 +49,13 @@ __all__ = [
     "compare",
     "compile_depth",
     "depth_text",
+    "fitted",
     "layout_name",
     "layout_ratios",
     "measured_bubble",
     "missed",
     "options_for",
+    "out_of_memory",
     "row_name",
     "state_bytes_per_device",
     "table",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Sequence
 
-from dew.benchmark.measure import Result, row_name
+from dew.benchmark.measure import DidNotFit, Result, fitted, row_name
 from dew.benchmark.ratios import layout_ratios
 from dew.benchmark.rounds import DepthCheck
 
@@ -131,10 +131,10 @@ class Target:
         return "met" if self.met else ("not yet" if self.stretch else "MISSED")
 
 
-def targets(results: Sequence[Result], depth: DepthCheck | None = None) -> list[Target]:
+def targets(results: Sequence[Result | DidNotFit], depth: DepthCheck | None = None) -> list[Target]:
     """Every line of ``TARGETS`` that ``results`` (and ``depth``) measure: the targets first,
     then the stretch goals; each in the order of the rows (per row, the order of ``TARGETS``),
-    then the fsdp state, then the depth check."""
+    then the fsdp state, then the depth check. A contestant that did not fit measures nothing."""
     found = []
     for name, measured in layout_ratios(results).items():
         found += [t.judge(name, measured[t.measure]) for t in TARGETS if t.measure in measured]
@@ -155,11 +155,11 @@ def missed(found: Sequence[Target]) -> list[Target]:
     return [t for t in found if not t.stretch and not t.met]
 
 
-def _fsdp_state_ratios(results: Sequence[Result]) -> Iterator[tuple[str, int, float]]:
+def _fsdp_state_ratios(results: Sequence[Result | DidNotFit]) -> Iterator[tuple[str, int, float]]:
     """``(layout, n, state(fsdp=n) / (state(data=n) / n))`` for each fully sharded layout
     (``fsdp=n``, nothing else) run beside ``data=n``: at most 1 plus what stays whole."""
     state: dict[tuple[str, str], int] = {}
-    for r in results:
+    for r in fitted(results):
         state.setdefault((r.layout, r.variant), r.state_bytes_per_device)
     for (layout, variant), fsdp_bytes in state.items():
         if layout.startswith("fsdp=") and "," not in layout:

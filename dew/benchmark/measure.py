@@ -17,14 +17,24 @@ turn comes (``run``); ``result`` turns what it measured into a ``Result``:
   per device (PaLM's count, ``dew.training.flops``) over the device's peak, where Dew knows the
   device (an NVIDIA GPU or a TPU; ``None`` on a CPU).
 
+Between its turns a contestant holds nothing on the devices: ``prepare`` parks the state it
+builds in host memory (``park``), and ``run`` puts it back, runs its steps and parks it again, so
+contestants that each fit a device alone also fit one after another. Its compiled step stays.
+
+A contestant that does not fit (the compiler refuses its step, or placing its state or running a
+step runs out of device memory: ``out_of_memory``) is a ``DidNotFit`` row instead of a ``Result``:
+what it needed (``needed_bytes``) and what the device has (``device_bytes``).
+
 Which contestants run, and in what order, is ``dew.benchmark.rounds``'s business.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +47,7 @@ from dew.layout import Layout
 from dew.mesh import MeshSpec
 from dew.parallel import pipeline
 from dew.parallel.options import StepOptions
+from dew.planning import program_bytes, refused_for_memory
 from dew.training import flops
 from dew.training.trainer import Trainer
 
@@ -159,7 +170,116 @@ class Result:
         return row_name(self.layout, self.sequence_scheme, self.pipeline_schedule, self.variant)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "fits": True}
+
+
+# Where a contestant ran out of device memory (``DidNotFit.failed_at``): the compiler refused its
+# step, or building or placing its state, or running a step, ran out.
+COMPILE, PREPARE, RUN = "compile", "prepare", "run"
+_FAILED_AT = {
+    COMPILE: "refused by the compiler",
+    PREPARE: "out of memory building its state",
+    RUN: "out of memory running a step",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DidNotFit:
+    """A contestant that did not fit its devices' memory: a row of one line in the table, and an
+    object with ``"fits": false`` in the ``--json`` file.
+
+    ``needed_bytes``: what its step needs on one device, by the compiled step's
+    ``memory_analysis()`` (``dew.planning.program_bytes``: arguments + outputs - donated +
+    temporaries + code) where it compiled, else the figure the error states (the TPU compiler's
+    ``HLO temporaries (X)`` or ``Used X of Y hbm``, the runtime's ``allocate X``); ``None`` when
+    neither says.
+    ``device_bytes``: the device's memory, ``memory_stats()["bytes_limit"]`` where the backend
+    reports it, else the figure the error states, else ``None``. ``failed_at``: ``COMPILE``,
+    ``PREPARE`` or ``RUN``; ``error``: the first line of the error.
+    """
+
+    layout: str
+    engine: str
+    needed_bytes: int | None
+    device_bytes: int | None
+    failed_at: str
+    error: str
+    sequence_parallel: bool = False
+    sequence_scheme: str | None = None
+    microbatches: int | None = None
+    pipeline_schedule: str | None = None
+    variant: str = ""
+
+    @property
+    def name(self) -> str:
+        """As ``Result.name``."""
+        return row_name(self.layout, self.sequence_scheme, self.pipeline_schedule, self.variant)
+
+    @property
+    def verdict(self) -> str:
+        """``"does not fit: needs 20.47 GiB per device, the device has 15.75 GiB (refused by
+        the compiler)"``; a figure not known is ``?``."""
+        return (
+            f"does not fit: needs {bytes_text(self.needed_bytes)} per device, the device has "
+            f"{bytes_text(self.device_bytes)} ({_FAILED_AT[self.failed_at]})"
+        )
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "fits": False}
+
+
+def fitted(rows) -> list[Result]:
+    """The rows of contestants that ran (``Result`` s), the ``DidNotFit`` ones left out."""
+    return [r for r in rows if isinstance(r, Result)]
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is XLA saying a program does not fit its device's memory: a
+    ``jax.errors.JaxRuntimeError`` (the compiler's refusal and the runtime's failed allocation
+    alike) whose message says ``RESOURCE_EXHAUSTED`` or ``out of memory``."""
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return False
+    message = str(error)
+    return "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower()
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# The runtime's failed allocation: "Attempting to allocate 9.20G." (TPU), "while trying to
+# allocate 123456 bytes" (GPU).
+_ALLOCATION = re.compile(r"allocate (\d+(?:\.\d+)?)\s?([KMGT]?)")
+
+
+def figures_in(message: str) -> tuple[int | None, int | None]:
+    """``(bytes needed, bytes available)`` as an out-of-memory ``message`` states them: the
+    compiler's refusal gives both (``dew.planning.refused_for_memory``), the runtime's failed
+    allocation the one allocation it could not make; ``None`` for what it does not state."""
+    refused = refused_for_memory(message)
+    if refused is not None:
+        return refused
+    m = _ALLOCATION.search(message)
+    return (int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None), None
+
+
+def device_memory(device) -> int | None:
+    """``device``'s memory in bytes, ``memory_stats()["bytes_limit"]``, where its backend reports
+    it (a TPU or GPU; a CPU reports nothing): ``None`` elsewhere."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001  (a backend without the call: the figure is unknown)
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return None if limit is None else int(limit)
+
+
+def bytes_text(n: int | None) -> str:
+    """``16911433728`` -> ``"15.75 GiB"``, in GiB, MiB or KiB, whichever leaves at least 1
+    (KiB below 1 MiB); ``"?"`` for ``None``."""
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2**10:.2f} KiB"
 
 
 def layout_name(mesh_shape: dict, microbatches: int | None = None) -> str:
@@ -211,8 +331,58 @@ def measured_bubble(step_m: float, step_2m: float) -> float:
     return 2.0 - step_2m / step_m
 
 
+@dataclasses.dataclass
+class Parked:
+    """A tree of arrays in host memory (NumPy copies), to be put back in the same layout.
+
+    ``arrays``: the tree's leaves, a typed PRNG key as its key data (``jax.device_get`` would
+    leave a key on its devices); ``key_impls``: per leaf, the key's implementation where the leaf
+    was a key, else ``None``; ``treedef``: the tree's structure.
+    """
+
+    treedef: Any
+    arrays: list
+    key_impls: list
+
+    def tree(self):
+        """The parked tree of NumPy arrays, each key as its key data: to read, not to run."""
+        return self.treedef.unflatten(self.arrays)
+
+
+def park(tree) -> Parked:
+    """``tree``'s arrays copied to host memory. The copies own their bytes (on a CPU,
+    ``jax.device_get`` gives a view of the device buffer), so the device arrays can be freed."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    keys = [jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) for leaf in leaves]
+    data = [jax.random.key_data(a) if key else a for a, key in zip(leaves, keys)]
+    host = [np.array(a, copy=True) for a in jax.device_get(data)]
+    impls = [jax.random.key_impl(a) if key else None for a, key in zip(leaves, keys)]
+    return Parked(treedef, host, impls)
+
+
+def unpark(parked: Parked, shardings):
+    """The parked tree on the devices again, each array laid out by its entry of
+    ``shardings`` (a tree of the same structure), a key wrapped again; waited for, so a step
+    timed next does not time the copy. The device arrays are copies (``may_alias=False``): a step
+    that donates them writes into device memory, never into the host's."""
+    placed = jax.device_put(parked.arrays, parked.treedef.flatten_up_to(shardings), may_alias=False)
+    leaves = [
+        a if impl is None else jax.random.wrap_key_data(a, impl=impl)
+        for a, impl in zip(placed, parked.key_impls)
+    ]
+    return jax.block_until_ready(parked.treedef.unflatten(leaves))
+
+
+def free(tree) -> None:
+    """Frees the device buffers of ``tree``'s arrays now (deleted or donated ones are skipped),
+    rather than when the last reference goes: an exception's traceback can hold one."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
 class Contestant:
-    """One layout and engine: its trainer, compiled step, live state, batch and step times.
+    """One layout and engine: its trainer, compiled step, parked state, batch and step times.
 
     ``engine=ONE_DEVICE`` is the one-device row: the GSPMD step (a plain ``jit``) on a mesh of the
     first device alone, whatever ``mesh`` says. ``options`` go to the ``Trainer`` as they are, and
@@ -221,8 +391,8 @@ class Contestant:
     the options a benchmark asks for, the ones a contestant's layout has the axes for.
 
     c = Contestant(size.objective(), size, MeshSpec(fsdp=8), "shard_map")
-    c.prepare(); c.compile()
-    seconds = c.run(steps=3)      # wall time of each step
+    c.prepare(); c.compile()      # the state parked in host memory
+    seconds = c.run(steps=3)      # wall time of each step; on the devices for this call only
     result = c.result()           # after some run()s
     """
 
@@ -278,15 +448,20 @@ class Contestant:
         self.rounds: list[float] = []
 
     def prepare(self) -> None:
-        """The live state and a fixed random batch. Its small compile also warms JAX up, which a
-        step's compile time would otherwise pay for in whichever contestant comes first."""
+        """Builds the state and a fixed random batch, and parks them in host memory: between
+        turns the contestant holds nothing on its devices. Its small compile also warms JAX up,
+        which a step's compile time would otherwise pay for in whichever contestant comes
+        first."""
         trainer, size = self.trainer, self.size
-        self.state = trainer.init_state()
-        self.state_bytes = state_bytes_per_device(self.state)
-        rows = np.random.default_rng(self.seed).integers(
-            0, size.vocab, (size.batch, size.seq_len + 1)
+        state = trainer.init_state()
+        self.state_bytes = state_bytes_per_device(state)
+        self.parked = park(state)
+        free(state)
+        self.rows = (
+            np.random.default_rng(self.seed)
+            .integers(0, size.vocab, (size.batch, size.seq_len + 1))
+            .astype(np.int32)
         )
-        self.batch = trainer.device_batch(rows.astype(np.int32), size.batch)
 
     def compile(self) -> None:
         """Traces, lowers and compiles the step (timed), and reads its memory and collectives."""
@@ -298,21 +473,59 @@ class Contestant:
         self.report = hlo_collectives(self.compiled, trainer.mesh)
 
     def run(self, steps: int, record: bool = True) -> list[float]:
-        """Runs ``steps`` steps (after ``prepare`` and ``compile``); the wall time of each, in
-        seconds, also kept for ``result`` when ``record``."""
-        times = []
-        for _ in range(steps):
-            began = time.perf_counter()
-            self.state, metrics = self.compiled(self.state, self.batch)
-            jax.block_until_ready((self.state, metrics))
-            times.append(time.perf_counter() - began)
-        loss = metrics["loss"]
-        if not np.isfinite(float(loss)):
-            raise FloatingPointError(f"{self.name} {self.engine}: the loss is {float(loss)}")
+        """One turn (after ``prepare`` and ``compile``): puts the parked state and the batch on
+        the devices (untimed), runs ``steps`` steps, and parks the new state again. The wall time
+        of each step, in seconds, also kept for ``result`` when ``record``. Whatever a step
+        raises, the contestant's device buffers are freed before it propagates; the parked state
+        is then the one from before the turn."""
+        state = batch = None
+        try:
+            state = unpark(self.parked, self.trainer.state_shardings)
+            batch = self.trainer.device_batch(self.rows, self.size.batch)
+            state, times, loss = self._steps(state, batch, steps)
+            self.parked = park(state)
+        finally:
+            free((state, batch))
+        if not np.isfinite(loss):
+            raise FloatingPointError(f"{self.name} {self.engine}: the loss is {loss}")
         if record:
             self.times.extend(times)
             self.rounds.append(statistics.median(times))
         return times
+
+    def _steps(self, state, batch, steps: int):
+        """``(state, seconds of each step, last loss)`` after ``steps`` steps from ``state``."""
+        times = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            state, metrics = self.compiled(state, batch)
+            jax.block_until_ready((state, metrics))
+            times.append(time.perf_counter() - began)
+        return state, times, float(metrics["loss"])
+
+    def did_not_fit(self, error: BaseException, failed_at: str) -> DidNotFit:
+        """This contestant's row when ``error`` (``out_of_memory``) stopped it at ``failed_at``
+        (``COMPILE``, ``PREPARE`` or ``RUN``): the memory its compiled step needs where it
+        compiled, else the figure ``error`` states, and the device's."""
+        message = str(error)
+        needed, available = figures_in(message)
+        compiled = getattr(self, "compiled", None)
+        if compiled is not None:
+            needed = program_bytes(compiled.memory_analysis())
+        device = device_memory(self.trainer.mesh.devices.flat[0])
+        return DidNotFit(
+            layout=self.layout,
+            engine=self.engine,
+            needed_bytes=needed,
+            device_bytes=available if device is None else device,
+            failed_at=failed_at,
+            error=message.strip().splitlines()[0] if message.strip() else type(error).__name__,
+            sequence_parallel=self.sequence_parallel,
+            sequence_scheme=self.sequence_scheme,
+            microbatches=self.microbatches,
+            pipeline_schedule=self.pipeline_schedule,
+            variant=self.variant,
+        )
 
     def result(self) -> Result:
         if not self.times:
@@ -358,4 +571,5 @@ class Contestant:
         )
 
     def release(self) -> None:
-        self.state = self.batch = self.compiled = None
+        """Drops the parked state, the batch and the compiled step (after ``result``)."""
+        self.parked = self.rows = self.compiled = None

@@ -12,7 +12,7 @@ import math
 import statistics
 from typing import Sequence
 
-from dew.benchmark.measure import ONE_DEVICE, Result
+from dew.benchmark.measure import ONE_DEVICE, DidNotFit, Result, fitted
 
 
 def ratio(a: float, b: float) -> float:
@@ -30,7 +30,7 @@ def time_ratio(a: Result, b: Result) -> float:
     return ratio(a.step_ms, b.step_ms)
 
 
-def layout_ratios(results: Sequence[Result]) -> dict[str, dict[str, float]]:
+def layout_ratios(results: Sequence[Result | DidNotFit]) -> dict[str, dict[str, float]]:
     """``Result.name`` (the layout, with its sequence scheme and pipeline schedule where it has
     them) -> that shard_map step's ratios, where the other side ran:
 
@@ -40,8 +40,10 @@ def layout_ratios(results: Sequence[Result]) -> dict[str, dict[str, float]]:
       ``gspmd_vs_one_device``.
 
     Every scheme and schedule of a layout is compared with the layout's one GSPMD row, and each
-    model variant with the rows of the same variant.
+    model variant with the rows of the same variant. A contestant that did not fit
+    (``DidNotFit``) has no ratios, and is no side of one.
     """
+    results = fitted(results)
     gspmd_rows = {(r.layout, r.variant): r for r in results if r.engine == "gspmd"}
     one_rows = {r.variant: r for r in results if r.engine == ONE_DEVICE}
     ratios: dict[str, dict[str, float]] = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dew.benchmark.judge import Target
-from dew.benchmark.measure import Result
+from dew.benchmark.measure import DidNotFit, Result, fitted
 from dew.benchmark.ratios import layout_ratios
 from dew.benchmark.rounds import DepthCheck
 
@@ -28,10 +28,12 @@ _RATIO_COLUMNS = (
 )
 
 
-def table(results: Sequence[Result]) -> str:
+def table(results: Sequence[Result | DidNotFit]) -> str:
     """The results as a text table, then each layout's ratios against GSPMD and one device (a row
     per shard_map contestant: per sequence scheme on a sequence axis, per pipeline schedule on a
-    stage axis), then each pipeline's bubble, measured and by the formula."""
+    stage axis), then each pipeline's bubble, measured and by the formula. A contestant that did
+    not fit is one line in the first table, in its place: its name, engine and
+    ``DidNotFit.verdict``."""
     header = (
         "layout",
         "engine",
@@ -45,7 +47,9 @@ def table(results: Sequence[Result]) -> str:
         "collectives",
     )
     body = [
-        (
+        (r.name, r.engine, r.verdict)
+        if isinstance(r, DidNotFit)
+        else (
             r.name,
             r.engine,
             f"{r.step_ms:.0f}",
@@ -76,7 +80,7 @@ def table(results: Sequence[Result]) -> str:
             ],
             right_from=1,
         )
-    piped = [r for r in results if r.bubble_formula is not None]
+    piped = [r for r in fitted(results) if r.bubble_formula is not None]
     if piped:
         lines += [
             "",
@@ -126,9 +130,10 @@ def targets_table(found: Sequence[Target]) -> str:
     return "\n".join(_render(("target", "measured", "limit", ""), body, right_from=1))
 
 
-def write_json(path: Path, results: Sequence[Result]) -> None:
-    """One JSON object per row (``Result.to_json``) into ``path``, written beside it and renamed
-    over it, so an old file is never left half-replaced."""
+def write_json(path: Path, results: Sequence[Result | DidNotFit]) -> None:
+    """One JSON object per row (``Result.to_json``, ``"fits": true``; ``DidNotFit.to_json``,
+    ``"fits": false``) into ``path``, written beside it and renamed over it, so an old file is
+    never left half-replaced."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -151,9 +156,21 @@ def _ratio_text(value: float | None) -> str:
 
 
 def _render(header, body, right_from: int) -> list[str]:
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    """``header`` and ``body``'s rows in aligned columns, those from ``right_from`` on aligned
+    right. A row shorter than ``header`` is a note: its cells but the last fill the first
+    columns, and its last cell runs on, unaligned (a contestant that did not fit)."""
+
+    def spans(row, i):  # row's cell i sets column i's width
+        return i < len(row) - 1 or len(row) == len(header)
+
+    widths = [
+        max(len(row[i]) for row in [header, *body] if spans(row, i)) for i in range(len(header))
+    ]
 
     def line(cells):
+        if len(cells) < len(header):
+            *first, note = cells
+            return "  ".join([*(c.ljust(w) for c, w in zip(first, widths)), note]).rstrip()
         return "  ".join(
             c.rjust(w) if i >= right_from else c.ljust(w)
             for i, (c, w) in enumerate(zip(cells, widths))

@@ -28,15 +28,39 @@ among them) rotates every round. A time ratio (``dew.benchmark.ratios``) is the 
 of the ratio of two contestants' steps in that round, so the load of other processes, which
 drifts on the scale of seconds, mostly falls on both sides of each ratio. ``warmup`` rounds run
 first and are not counted. Bytes do not depend on the clock and are exact.
+
+Sharing the devices. Only the contestant whose turn it is holds device memory: each builds its
+state and parks it in host memory (``Contestant.prepare``), and a turn puts the state and batch
+on the devices, runs the steps and parks the new state again (``Contestant.run``; the copies are
+not timed). So the contestants need, at once, the device memory of the largest alone, not the
+sum of their states: eight GPT-2-small contestants (1.4 GiB of state each) on one 16 GiB chip.
+The compiled steps stay. A contestant that does not fit even alone (the compiler refuses its
+step, or building its state or running a step raises ``RESOURCE_EXHAUSTED``) leaves the rounds,
+its memory freed, and its row is a ``DidNotFit``: what it needed and what the device has; the
+others run on. Any other error propagates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from typing import Callable, Sequence
 
-from dew.benchmark.measure import ONE_DEVICE, Contestant, ModelSize, Result, variant_text
+import jax
+
+from dew.benchmark.measure import (
+    COMPILE,
+    ONE_DEVICE,
+    PREPARE,
+    RUN,
+    Contestant,
+    DidNotFit,
+    ModelSize,
+    Result,
+    out_of_memory,
+    variant_text,
+)
 from dew.checks import nonnegative_int, positive_int
 from dew.layout import Layout
 from dew.mesh import MeshSpec
@@ -155,10 +179,12 @@ def compare(
     pipeline_schedules: Sequence[str] = ("1f1b",),
     variants: Sequence[dict] = ({},),
     log: Callable[[str], None] | None = print,
-) -> list[Result]:
+) -> list[Result | DidNotFit]:
     """Measures every layout with every engine: one ``Result`` each (for the shard_map engine, one
     per sequence scheme on a sequence axis and per pipeline schedule on a stage axis), layouts
-    outer, engines inner, schemes then schedules innermost; then the one-device row.
+    outer, engines inner, schemes then schedules innermost; then the one-device row. A
+    contestant that ran out of device memory has a ``DidNotFit`` in its place (the module
+    docstring says when), and the others still run.
 
     Args:
       size: the model and batch.
@@ -232,25 +258,59 @@ def compare(
 
     everyone = contestants + twins
     width = max(16, *(len(c.name) for c in everyone))
+    labels = {c: c.name + (" (2x batch)" if c in twins else "") for c in everyone}
+    unfit: dict[Contestant, DidNotFit] = {}  # the rows of those that did not fit
+    out: set[Contestant] = set()  # out of the rounds: did not fit, or the twin of one
+
+    def attempt(c: Contestant, action: Callable[[], object], failed_at: str) -> bool:
+        """``action()``, True; False when it ran out of device memory: ``c`` (and its twin) are
+        then out of the rounds and their memory freed, and ``c``'s row is a ``DidNotFit``."""
+        try:
+            action()
+            return True
+        except jax.errors.JaxRuntimeError as error:
+            if not out_of_memory(error):
+                raise
+            unfit[c] = c.did_not_fit(error, failed_at)
+        log(f"dropped  {labels[c]:<{width}} {c.engine:<14} {unfit[c].verdict}")
+        _drop(c, out)
+        return False
+
     for c in everyone:
-        c.prepare()
-        c.compile()
-        label = c.name + (" (2x batch)" if c in twins else "")
-        log(f"compiled {label:<{width}} {c.engine:<14} in {c.compile_s:6.2f} s")
+        if attempt(c, c.prepare, PREPARE) and attempt(c, c.compile, COMPILE):
+            log(f"compiled {labels[c]:<{width}} {c.engine:<14} in {c.compile_s:6.2f} s")
     # A mesh's contestants (its engines, schemes, schedules and their twins) run back to back.
     group_keys = list(dict.fromkeys(c.group for c in everyone))
     groups = [[c for c in everyone if c.group == key] for key in group_keys]
     for round_ in range(warmup + repeats):
-        line = []
+        line: list[str] = []
         for c in _turn_order(groups, round_):
-            times = c.run(steps, record=round_ >= warmup)
-            line.append(f"{c.name} {c.engine} {1e3 * statistics.median(times):.0f}")
+            if c not in out:
+                attempt(c, functools.partial(_turn, c, steps, round_ >= warmup, line), RUN)
         kind = "warm-up" if round_ < warmup else f"{round_ - warmup + 1}/{repeats}"
         log(f"round {kind} (ms): " + ", ".join(line))
-    results = [c.result() for c in contestants]
+    results = [unfit[c] if c in unfit else c.result() for c in contestants]
     for c in everyone:
         c.release()
     return results
+
+
+def _turn(c: Contestant, steps: int, record: bool, line: list[str]) -> None:
+    """``c``'s turn (``Contestant.run``), the median of its steps added to the round's ``line``."""
+    times = c.run(steps, record=record)
+    line.append(f"{c.name} {c.engine} {1e3 * statistics.median(times):.0f}")
+
+
+def _drop(c: Contestant, out: set) -> None:
+    """Takes ``c``, which did not fit, out of the rounds, with its pipeline twin (measured only
+    for ``c``'s bubble). A twin that did not fit forgets its steps, so its pipeline's row has no
+    measured bubble rather than one from fewer rounds than its own step time."""
+    for gone in (c, c.twin):
+        if gone is not None:
+            out.add(gone)
+            gone.release()
+    c.times.clear()
+    c.rounds.clear()
 
 
 def compile_depth(

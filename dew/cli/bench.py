@@ -50,7 +50,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "bench",
         help="compare layouts and the GSPMD baseline side by side",
         description="Trains the same model in every layout asked, with the shard_map engine and "
-        "the GSPMD baseline, taking turns, and prints step time, compile time, memory and wire "
+        "the GSPMD baseline, taking turns (only the contestant whose turn it is holds device "
+        "memory; one that does not fit alone gets a one-line row with the memory it needs and "
+        "the device's), and prints step time, compile time, memory and wire "
         "bytes per device, the ratio shard_map / GSPMD of each layout (of each sequence scheme "
         "and pipeline schedule, on a sequence or stage axis), and the targets of "
         "docs/benchmarks.md. --sequence-parallel, --sequence-scheme and --pipeline-schedule "
@@ -163,10 +165,41 @@ def _header(args, config, specs, models) -> str:
     )
 
 
+def _depth_check(args, config, models, specs):
+    """``(DepthCheck, its line)`` for ``--depth-check``; ``(None, why)`` when the deeper step
+    does not fit the device (the compiler's refusal, in one line: the depth check compiles only,
+    so what does not fit is refused by the compiler)."""
+    import jax
+
+    from dew import benchmark
+    from dew.parallel.options import StepOptions
+
+    # The fully sharded layout if one was asked (its gathers sit in the layer scan), else the
+    # first; with the first scheme and schedule asked, where it has the axis for them.
+    spec = next((s for s in specs if s.fsdp > 1 and s.model_devices == s.fsdp), specs[0])
+    try:
+        depth = benchmark.compile_depth(
+            benchmark.ModelSize.of({**config, **models[0]}, args.batch, args.seq_len),
+            spec,
+            args.depth_check,
+            min_shard=args.min_shard,
+            seed=args.seed,
+            options=StepOptions(
+                args.sequence_parallel, args.sequence_scheme[0], args.pipeline_schedule[0]
+            ),
+        )
+    except jax.errors.JaxRuntimeError as error:
+        if not benchmark.out_of_memory(error):
+            raise
+        first = str(error).strip().splitlines()[0]
+        depths = f"{config['num_layers']} and {args.depth_check} layers"
+        return None, f"compile time at {depths}: not measured, the step does not fit: {first}"
+    return depth, benchmark.depth_text(depth)
+
+
 def run(args) -> int:
     from dew import benchmark
     from dew.mesh import MeshSpec
-    from dew.parallel.options import StepOptions
 
     json_target = _check_json_target(args.json)
     if args.depth_check < 0:
@@ -197,26 +230,14 @@ def run(args) -> int:
         variants=models,
         log=lambda line: print("  " + line, flush=True),
     )
-    depth = None
+    depth, depth_line = None, ""
     if args.depth_check:
-        # The fully sharded layout if one was asked (its gathers sit in the layer scan), else the
-        # first; with the first scheme and schedule asked, where it has the axis for them.
-        spec = next((s for s in specs if s.fsdp > 1 and s.model_devices == s.fsdp), specs[0])
-        depth = benchmark.compile_depth(
-            benchmark.ModelSize.of({**config, **models[0]}, args.batch, args.seq_len),
-            spec,
-            args.depth_check,
-            min_shard=args.min_shard,
-            seed=args.seed,
-            options=StepOptions(
-                args.sequence_parallel, args.sequence_scheme[0], args.pipeline_schedule[0]
-            ),
-        )
+        depth, depth_line = _depth_check(args, config, models, specs)
     print()
     print(benchmark.table(results))
-    if depth is not None:
+    if depth_line:
         print()
-        print(benchmark.depth_text(depth))
+        print(depth_line)
     found = benchmark.targets(results, depth)
     if found:
         print()

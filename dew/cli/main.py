@@ -78,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     train.add_argument(
-        "--log-every", type=int, default=10, help="print the loss every N steps (default 10)"
+        "--log-every",
+        type=int,
+        default=10,
+        help="print the loss, step time, tokens/s and (where the device's peak is known) MFU "
+        "every N steps, the speed that of the steps since the line before (default 10)",
     )
     train.add_argument(
         "--checkpoint-every",

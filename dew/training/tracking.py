@@ -1,4 +1,4 @@
-"""Where ``fit``'s metrics go: trackers.
+"""Where ``fit``'s metrics go: trackers, and the speed its log lines print (``LogWindow``).
 
 A tracker is anything with two methods:
 
@@ -144,6 +144,58 @@ def check_evaluation(data, eval_every: int | None, eval_batches: int | None) -> 
                 f"eval_batches={eval_batches} is more than the data's {data.val_batches} "
                 "validation batches (TokenWindows(..., val_batches=K))"
             )
+
+
+# What a log line says of its speed when the window is the first step alone.
+FIRST_STEP_NOTE = "(first step: includes compiling)"
+
+
+def speed_text(seconds: float, **speed) -> str:
+    """``"212.3 ms/step, 77,180 tokens/s, MFU 35.6%"``: a step time of ``seconds`` and the
+    throughput of ``speed`` at it (``dew.training.flops.throughput``'s ``tokens``,
+    ``flops_per_token``, ``devices`` and ``peak``); MFU only where the device's peak is known."""
+    rates = throughput(seconds=seconds, **speed)
+    text = f"{1e3 * seconds:,.1f} ms/step, {rates['tokens_per_s']:,.0f} tokens/s"
+    if "mfu" in rates:
+        text += f", MFU {100 * rates['mfu']:.1f}%"
+    return text
+
+
+class LogWindow:
+    """The steps since ``fit``'s last log line, and the speed its next line prints.
+
+    ``add`` takes each step's time (``step_time_s``, in order); ``line`` returns the window's
+    ``speed_text`` and starts the next window. The speed is that of the window's mean step time,
+    so its tokens/s is the window's tokens over its summed step time. The first step given (a
+    ``fit``'s first, which includes compiling the step) is left out of its window, unless it is
+    the window's only step (a line at that step, e.g. with ``log_every=1``): that line gives the
+    first step's time, with ``FIRST_STEP_NOTE``.
+    """
+
+    def __init__(self, **speed):
+        self.speed = speed  # throughput's tokens, flops_per_token, devices and peak
+        self._first = None  # the first step's time, while its window lasts
+        self._seconds: list[float] = []  # the window's other steps
+        self._started = False
+
+    def add(self, seconds: float) -> None:
+        """One more step, of ``seconds``."""
+        if self._started:
+            self._seconds.append(seconds)
+        else:
+            self._first, self._started = seconds, True
+
+    def line(self) -> str:
+        """The window's speed; the next window starts empty. ``ValueError`` when no step was
+        added since the last call: a line's speed is of at least one step."""
+        if self._seconds:
+            text = speed_text(sum(self._seconds) / len(self._seconds), **self.speed)
+        elif self._first is not None:
+            text = f"{speed_text(self._first, **self.speed)} {FIRST_STEP_NOTE}"
+        else:
+            raise ValueError("no step was added since the last line")
+        self._first, self._seconds = None, []
+        return text
 
 
 class FitLog:

@@ -46,6 +46,7 @@ from dew.training.step import (
 from dew.training.tracking import (
     FitLog,
     JsonLines,
+    LogWindow,
     Tracker,
     check_evaluation,
     check_trackers,
@@ -447,7 +448,15 @@ class Trainer:
         Args:
           data: a ``dew.data.WindowDataset`` (``TokenWindows(...).load(batch=B)``).
           steps: the step to stop at, counted from the run's start (not from the resumed step).
-          log_every: prints ``step N: loss L`` every this many steps, and at the last step.
+          log_every: prints ``step N: loss L, T ms/step, K tokens/s, MFU M%`` every this many
+            steps, and at the last step (e.g. ``step 20: loss 4.1234, 212.3 ms/step, 77,180
+            tokens/s, MFU 35.6%``; an MoE model's router statistics follow the loss, in
+            parentheses). The speed is that of the steps since the line before (or since fit
+            began): their mean ``step_time_s`` (below), the global batch's tokens over it, and MFU
+            from that, only where the device's peak is known. The first step, which includes
+            compiling, is left out, unless it is the line's only step (``log_every=1``, or
+            ``steps`` one past the resumed step): that line gives its time and says ``(first
+            step: includes compiling)`` (``dew.training.tracking.LogWindow``).
           checkpoint_every: saves every this many steps (and always at the end, when checkpoints
             are on).
           metrics: a file to append one JSON line per step to (``dew.training.tracking.JsonLines``:
@@ -520,13 +529,14 @@ class Trainer:
 
         next_batch = data.resume(position) if position is not None else start
         width = data.seq_len + 1
-        fit_log = FitLog(
-            trackers,
+        speed = dict(
             tokens=data.batch_size * data.seq_len,
             flops_per_token=model_flops_per_token(self.objective.model, self.objective.seq_len),
             devices=self.mesh.devices.size,
             peak=peak_flops(self.mesh.devices.flat[0].device_kind),
         )
+        fit_log = FitLog(trackers, **speed)
+        window = LogWindow(**speed)  # the steps since the last printed line
         weights = "ema" if self.objective.ema_decay is not None else "params"
         timing = dict(first_step_after=None, in_steps=0.0, last_end=None)
         # A stop request (SIGTERM, Ctrl-C) is seen after every step by one process, which reads
@@ -560,8 +570,9 @@ class Trainer:
                 timing["first_step_after"] = ended - started
             else:
                 timing["in_steps"] += seconds
+            window.add(seconds)
             if step % log_every == 0 or step == steps or last:
-                print(f"step {step}: loss {loss:.4f}{_router_line(step_metrics)}")
+                print(f"step {step}: loss {loss:.4f}{_router_line(step_metrics)}, {window.line()}")
             validation = None
             if (
                 state is not None

@@ -1,0 +1,120 @@
+"""The block pairs a Mosaic kernel visits, in order: tables its grid walks through scalar prefetch.
+
+A causal square visits about half of its ``q_blocks x kv_blocks`` block pairs. A grid over all of
+them spends a step (its fixed cost, and a pipeline turn) on each skipped pair; on a v5e chip a
+grid step costs about 0.35 us, and at 8k tokens with 1024-row blocks the 28 skipped pairs of 64
+are a tenth of the forward. So the kernels' last grid dimension walks a list of the pairs that
+hold a visible (row, key) pair, and their index maps read the blocks to fetch from it
+(``PrefetchScalarGridSpec``: the tables sit in SMEM before the first step).
+
+Each table is int32, one entry a step, and the same for every (batch, head): a block pair is
+visible or not by position alone. ``FIRST``/``LAST`` mark the first and last step of a run of
+steps that accumulate into one output block (the forward: one query block's key blocks; the
+dk/dv kernel: one key block's query blocks, over the heads of its group); ``MASKED`` a pair that
+holds an invisible (row, key) pair (the causal diagonal, a padded key tail); ``EMPTY`` a step
+that computes nothing and only opens and closes its output block: a query block with no visible
+key (rows before the first key, ``q_len > kv_len``) still writes its zeros and ``lse``.
+
+Only real rows and keys decide visibility (rows ``< q_len``, keys ``< kv_len``): padded query
+rows are sliced off, and they compute finite values on the pairs the real rows visit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .tiling import Tiling
+
+FIRST = 1
+LAST = 2
+MASKED = 4
+EMPTY = 8
+# The most steps a table holds: four int32 tables of this length take 256 KiB of a TensorCore's
+# 1 MiB of SMEM (pltpu.get_tpu_info_for_chip, v4 to v6e). 16k causal pairs is a 180k-token
+# square at 1024-row blocks.
+MAX_STEPS = 16384
+
+
+def visible_blocks(tiling: Tiling) -> tuple[np.ndarray, np.ndarray]:
+    """``(seen, whole)``, bool ``[q_blocks, kv_blocks]``: the block pairs holding a visible
+    (row, key) pair, and those where every real row sees every real key (no mask needed; a
+    padded key tail always needs one)."""
+    rows = np.arange(tiling.q_blocks * tiling.block_q)[:, None]
+    cols = np.arange(tiling.kv_blocks * tiling.block_k)[None, :]
+    real = (rows < tiling.q_len) & (cols < tiling.kv_len)
+    visible = real & (cols <= rows + tiling.offset) if tiling.causal else real
+    shape = (tiling.q_blocks, tiling.block_q, tiling.kv_blocks, tiling.block_k)
+    seen = visible.reshape(shape).any(axis=(1, 3))
+    # Whole: every real row sees every key of the block, and the block holds no padded key.
+    keys_real = (cols < tiling.kv_len).reshape(1, 1, tiling.kv_blocks, tiling.block_k)
+    row_real = (rows < tiling.q_len).reshape(tiling.q_blocks, tiling.block_q, 1, 1)
+    hidden = (~visible).reshape(shape) & row_real
+    whole = seen & ~hidden.any(axis=(1, 3)) & keys_real.all(axis=(1, 3))
+    return seen, whole
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """One kernel's walk: ``q_block[t]``, ``kv_block[t]``, ``head[t]`` (the query head within a
+    kv head's group; 0 for the forward) and ``flags[t]`` (``FIRST | LAST | MASKED | EMPTY``),
+    int32 arrays of one length, the number of grid steps."""
+
+    q_block: np.ndarray
+    kv_block: np.ndarray
+    head: np.ndarray
+    flags: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.flags)
+
+    def tables(self):
+        return self.q_block, self.kv_block, self.head, self.flags
+
+    def computed_pairs(self) -> int:
+        """Block pairs computed: the steps that are not ``EMPTY``."""
+        return int(np.sum((self.flags & EMPTY) == 0))
+
+
+def _steps(rows: list[tuple[int, int, int, int]]) -> Steps:
+    table = np.asarray(rows, np.int32).reshape(-1, 4)
+    return Steps(*(np.ascontiguousarray(table[:, c]) for c in range(4)))
+
+
+def forward_steps(tiling: Tiling) -> Steps:
+    """The forward's walk: each query block's visible key blocks in order, query blocks in order
+    (a query block that sees no key gets one ``EMPTY`` step, so it still writes its output)."""
+    seen, whole = visible_blocks(tiling)
+    rows = []
+    for i in range(tiling.q_blocks):
+        keys = np.flatnonzero(seen[i])
+        if len(keys) == 0:
+            rows.append((i, 0, 0, FIRST | LAST | EMPTY))
+            continue
+        for n, j in enumerate(keys):
+            flags = (FIRST if n == 0 else 0) | (LAST if n == len(keys) - 1 else 0)
+            flags |= 0 if whole[i, j] else MASKED
+            rows.append((i, int(j), 0, flags))
+    return _steps(rows)
+
+
+def backward_steps(tiling: Tiling, group: int) -> Steps:
+    """The fused backward's walk for one kv head: each key block in order, and for it the query
+    blocks that see it, head by head over the ``group`` query heads that share it (``FIRST`` and
+    ``LAST`` bound a key block's run). A key block no row sees (none under bottom-right causal
+    alignment; a non-causal call has none either) gets one ``EMPTY`` step, so it writes its zero
+    dk and dv."""
+    seen, whole = visible_blocks(tiling)
+    rows = []
+    for j in range(tiling.kv_blocks):
+        queries = np.flatnonzero(seen[:, j])
+        run = [(int(i), h) for h in range(group) for i in queries]
+        if not run:
+            rows.append((0, j, 0, FIRST | LAST | EMPTY))
+            continue
+        for n, (i, h) in enumerate(run):
+            flags = (FIRST if n == 0 else 0) | (LAST if n == len(run) - 1 else 0)
+            flags |= 0 if whole[i, j] else MASKED
+            rows.append((i, j, h, flags))
+    return _steps(rows)
