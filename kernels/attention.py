@@ -477,7 +477,9 @@ def _run_backward(q, k, v, o, lse2, do, config: _Config, d_lse=None):
             return _mosaic_fused_backward.backward(
                 q, k, v, o, lse2, do, interpret=interpret, tuning=config.tuning, **kwargs
             )
-        return _mosaic_backward.backward(q, k, v, o, lse2, do, interpret=interpret, **kwargs)
+        return _mosaic_backward.backward(
+            q, k, v, o, lse2, do, interpret=interpret, tuning=config.tuning, **kwargs
+        )
     return _backward.backward(
         q,
         k,

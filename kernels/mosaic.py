@@ -20,11 +20,14 @@ TensorCores).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .schedule import EMPTY, MASKED
 from .tiling import INDEX_DTYPE, Tiling, as_index
 
 LANES = 128
@@ -66,14 +69,6 @@ def mask(tiling: Tiling, q_block, kv_block, keys_first: bool = False):
     if tiling.causal:
         visible = jnp.logical_and(visible, cols <= rows + tiling.offset)
     return visible
-
-
-def compiler_params():
-    """Grid semantics of the two-kernel backward (`kernels.mosaic_backward`): three parallel
-    dimensions, then the sequential reduction over blocks."""
-    return pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
-    )
 
 
 def index(*indices):
@@ -150,6 +145,32 @@ class Tuning:
             dimension_semantics=("parallel",) * (dims - 1) + ("arbitrary",),
             vmem_limit_bytes=vmem_limit_bytes or self.vmem_limit_bytes,
         )
+
+
+def for_each_piece(make_attend, *, flags, tiling: Tiling, q_block, kv_block, piece: int):
+    """One step's work over its key block, ``piece`` keys at a time (unrolled): nothing on an
+    ``EMPTY`` step; on a pair the table does not mark ``MASKED``, every piece without a mask; on
+    one it does, each piece some row sees, with its mask.
+
+    ``make_attend()`` reads the step's blocks (once, inside the branch that runs) and returns
+    ``attend(keys=, masked_at=)``: ``keys`` a static slice of the key block, ``masked_at`` None or
+    ``(q_block, first_key)`` of the piece for `piece_mask`."""
+
+    def run(masked: bool):
+        attend = make_attend()
+        for n in range(tiling.block_k // piece):
+            keys = pl.ds(n * piece, piece)
+            if not masked:
+                attend(keys=keys, masked_at=None)
+                continue
+            first_key = kv_block * tiling.block_k + n * piece
+            seen = piece_is_seen(tiling, q_block, first_key)
+            pl.when(seen)(functools.partial(attend, keys=keys, masked_at=(q_block, first_key)))
+
+    computes = (flags & EMPTY) == 0
+    masked = (flags & MASKED) != 0
+    pl.when(computes & ~masked)(functools.partial(run, False))
+    pl.when(computes & masked)(functools.partial(run, True))
 
 
 def interpret_mode(interpret: bool):

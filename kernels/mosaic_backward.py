@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .mosaic import as_rows, compiler_params, dot, heads_major, interpret_mode, mask
+from .mosaic import Tuning, as_rows, dot, heads_major, interpret_mode, mask
 from .tiling import Tiling, as_index, block_index, index_div
 from .varying import out_struct
 
@@ -155,6 +155,7 @@ def backward(
     scale: float,
     sm_scale: float,
     interpret: bool,
+    tuning: Tuning,
     d_lse=None,
 ):
     """Padded residuals and cotangent -> (dq, dk, dv), as `kernels.backward.backward`.
@@ -162,7 +163,8 @@ def backward(
     q, o, do: [batch, q_padded, heads, head_dim]; k, v: [batch, kv_padded, kv_heads, head_dim];
     lse: float32 [batch, heads, q_padded] (base 2, as the forward saves it); d_lse: None or
     float32 [batch, heads, q_padded], the cotangent of the natural-log lse (0 on padded rows).
-    ``interpret``: TPU interpret mode rather than Mosaic's compiler.
+    ``interpret``: TPU interpret mode rather than Mosaic's compiler; ``tuning``: its VMEM limit
+    (the long blocks' dk/dv kernel needs more than the compiler's default 16 MiB).
     """
     batch, _, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -180,7 +182,7 @@ def backward(
     lse, delta = as_rows(lse), as_rows(delta)  # [batch, heads, 1, q_padded]
     params = dict(
         interpret=interpret_mode(interpret),
-        compiler_params=compiler_params(),
+        compiler_params=tuning.compiler_params(4),
     )
 
     q_spec = pl.BlockSpec(

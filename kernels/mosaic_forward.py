@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import mosaic
-from .schedule import EMPTY, FIRST, LAST, MASKED, forward_steps
+from .schedule import FIRST, LAST, forward_steps
 from .tiling import Tiling, index_div
 from .varying import out_struct
 
@@ -85,33 +85,20 @@ def _forward_kernel(
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
-    def run(masked: bool):
+    def make_attend():
         q = q_ref[...]
-        for piece in range(tiling.block_k // block_k_compute):
-            keys = pl.ds(piece * block_k_compute, block_k_compute)
-            attend = functools.partial(
-                _attend,
-                q,
-                k_ref,
-                v_ref,
-                acc_ref,
-                m_ref,
-                l_ref,
-                keys=keys,
-                tiling=tiling,
-                scale=scale,
-            )
-            if not masked:
-                attend(masked_at=None)
-                continue
-            first_key = kv_block * tiling.block_k + piece * block_k_compute
-            sees = mosaic.piece_is_seen(tiling, q_block, first_key)
-            pl.when(sees)(functools.partial(attend, masked_at=(q_block, first_key)))
+        return functools.partial(
+            _attend, q, k_ref, v_ref, acc_ref, m_ref, l_ref, tiling=tiling, scale=scale
+        )
 
-    computes = (flags & EMPTY) == 0
-    masked = (flags & MASKED) != 0
-    pl.when(computes & ~masked)(functools.partial(run, False))
-    pl.when(computes & masked)(functools.partial(run, True))
+    mosaic.for_each_piece(
+        make_attend,
+        flags=flags,
+        tiling=tiling,
+        q_block=q_block,
+        kv_block=kv_block,
+        piece=block_k_compute,
+    )
 
     @pl.when((flags & LAST) != 0)
     def _finish():

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import mosaic
-from .schedule import EMPTY, FIRST, LAST, MASKED, backward_steps
+from .schedule import FIRST, LAST, backward_steps
 from .tiling import Tiling
 from .varying import out_struct
 
@@ -116,37 +116,24 @@ def _backward_kernel(
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    def run(masked: bool):
-        q, do = q_ref[...], do_ref[...]
-        lse = lse_ref[...]  # [1, block_q], base 2
-        delta = delta_ref[...]
+    def make_attend():
         q_rows = pl.ds(pl.multiple_of(q_block * tiling.block_q, 8), tiling.block_q)
-        refs = (k_ref, v_ref, dk_acc, dv_acc, dq_acc)
-        for n in range(tiling.block_k // piece):
-            attend = functools.partial(
-                _attend,
-                q,
-                do,
-                lse,
-                delta,
-                refs,
-                keys=pl.ds(n * piece, piece),
-                q_rows=q_rows,
-                head=head,
-                tiling=tiling,
-                scale=scale,
-            )
-            if not masked:
-                attend(masked_at=None)
-                continue
-            first_key = kv_block * tiling.block_k + n * piece
-            sees = mosaic.piece_is_seen(tiling, q_block, first_key)
-            pl.when(sees)(functools.partial(attend, masked_at=(q_block, first_key)))
+        return functools.partial(
+            _attend,
+            q_ref[...],
+            do_ref[...],
+            lse_ref[...],  # [1, block_q], base 2
+            delta_ref[...],
+            (k_ref, v_ref, dk_acc, dv_acc, dq_acc),
+            q_rows=q_rows,
+            head=head,
+            tiling=tiling,
+            scale=scale,
+        )
 
-    computes = (flags & EMPTY) == 0
-    masked = (flags & MASKED) != 0
-    pl.when(computes & ~masked)(functools.partial(run, False))
-    pl.when(computes & masked)(functools.partial(run, True))
+    mosaic.for_each_piece(
+        make_attend, flags=flags, tiling=tiling, q_block=q_block, kv_block=kv_block, piece=piece
+    )
 
     @pl.when((flags & LAST) != 0)
     def _finish_key_block():

@@ -726,3 +726,28 @@ def test_the_step_compiles_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh, 
     custom_calls = [line for line in text.splitlines() if "tpu_custom_call" in line]
     named = set(re.findall(r"dew_flash_attention_\w+", "\n".join(custom_calls)))
     assert named == set(kernels), (slice_name, len(custom_calls), named)
+
+
+@pytest.mark.xdist_group("tpu")
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="compiling for a TPU slice needs libtpu (pip install 'dew-ml[tpu]')",
+)
+def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
+    # Past SHORT_KV, v5e's defaults (1024 x 2048, pieces of 512) ask the Mosaic compiler for more
+    # scoped VMEM than its 16 MiB default: the two-kernel backward, the fallback where the fused
+    # one's dq does not fit, must carry the generation's limit as the fused one does. (At this
+    # shape its dk/dv kernel needs 16.3 MiB; at others just under 16, so the shape is pinned.)
+    devices = target("v5e-1").devices()
+    mesh = jax.sharding.Mesh(devices, ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, P())
+    q = jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16, sharding=sharding)
+
+    def forward_and_backward(q, k, v, do):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v)
+        return out, vjp(do)
+
+    with platform.tuned(fused_backward=False), jax.set_mesh(mesh):
+        text = jax.jit(forward_and_backward).lower(q, q, q, q).compile().as_text()
+    named = set(re.findall(r"dew_flash_attention_\w+", text))
+    assert named == set(TWO_KERNELS), named
