@@ -9,11 +9,16 @@ in ``libtpu``; nothing runs. A ``PlanRow`` holds what the compiled executable sa
 
 - memory per device (``PlanRow`` says what each field means, the same in every row): ``state``
   (the training state this layout gives a device: weights, optimizer state, EMA), ``temp``
-  (everything the step allocates while it runs, from ``compiled.memory_analysis()``), ``total``
-  (all the program needs: arguments + outputs - donated (aliased) + temp + the program's code)
-  and ``hbm``, the chip's memory; ``fits`` when it compiled: the TPU compiler checks the program
-  against the chip's memory and refuses one that does not fit, which makes the row ``over by X
-  GiB`` past what the compiler lets a program use (it states that figure when it refuses);
+  (everything the step allocates while it runs: the heap of the TPU compiler's buffer
+  assignment, ``compile_measured``), ``total`` (all the program needs: arguments + outputs -
+  donated (aliased) + temp + the program's code) and ``hbm``, the chip's memory; ``fits`` when
+  the TPU compiler accepted it and the total is within what the compiler lets a program use.
+  The compiler checks the program against the chip's memory and refuses one that does not fit,
+  which makes the row ``over by X GiB`` past that (it states both figures when it refuses).
+  ``compiled.memory_analysis()``'s temporaries stay beside it (``analysis_temp_bytes``): on
+  libtpu 0.0.42.1 they count the heap's fragmentation twice, and read gigabytes above what the
+  chip holds at the edge (GPT-2 small at 20 x 1024 tokens on one v5e: 18.7 GiB against a 13.3
+  GiB heap; the chip runs it);
 - the collectives XLA kept, per device per step, read from the compiled HLO by
   ``dew.collectives.hlo_collectives`` with every loop's trip count (so no TPU row is
   approximate), as wire bytes under the ring formulas and counts per op, and those bytes split
@@ -22,20 +27,28 @@ in ``libtpu``; nothing runs. A ``PlanRow`` holds what the compiled executable sa
 - how long the compile took.
 
 ``search`` enumerates the layouts a model and a slice allow and compiles the most promising first
-(see its docstring for the rule).
+(see its docstring for the rule). Beside the layout it makes the model's own choices that a
+compile decides (``SEARCH_DIMENSIONS``: the recompute policy ``remat``), the preferred value of
+each first, until one fits; ``choose_remat`` makes the same choice for a ``Trainer`` whose model
+says ``remat="auto"``.
 
-One module of about 560 lines: a row, the compile that fills it, the search that chooses which
-rows to compile and the table that prints them are one path a reader follows from `dew plan`'s
-flags to its output; each part is a few functions that make no sense without the row.
+One module of about 1000 lines: a row, the compile that fills it, the choices and the search that
+decide which rows to compile and the table that prints them are one path a reader follows from
+`dew plan`'s flags to its output; each part is a few functions that make no sense without the
+row.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 import math
 import re
+import tempfile
 import time
-from typing import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import optax
@@ -49,10 +62,24 @@ from dew.targets import GIB, Target
 
 __all__ = [
     "PlanRow",
+    "StepMemory",
+    "RematChoice",
+    "Dimension",
+    "SEARCH_DIMENSIONS",
+    "STATE_ORDER",
+    "REMAT_ORDER",
     "plan",
     "plan_layout",
+    "plan_choices",
     "candidate_meshes",
+    "choices",
+    "choose_remat",
+    "compile_measured",
+    "heap_bytes",
+    "measure_step",
     "search",
+    "search_summary",
+    "choice_text",
     "format_table",
     "weight_count",
 ]
@@ -70,17 +97,24 @@ class PlanRow:
 
     Each field means one thing in every row; a number the row cannot know is ``None``:
 
+    - ``remat``: the model's recompute policy; ``choices``: the value of each of
+      ``SEARCH_DIMENSIONS`` the row was compiled with (``{"remat": "dots"}``).
     - ``state_bytes``: the training state one device holds in this layout (weights, optimizer
       state, EMA, step), from the layout's shardings; known once the ``Trainer`` accepted it.
     - ``argument_bytes``: everything the step takes, the state and this device's rows of the
       batch (``memory_analysis()``); compiled rows only.
-    - ``temp_bytes``: what the step allocates while it runs; compiled rows only.
+    - ``temp_bytes``: what the step allocates while it runs: the heap of the TPU compiler's buffer
+      assignment (``heap_bytes``); compiled rows only (``None`` also where the compiler wrote no
+      buffer assignment: ``compile_measured``).
+    - ``analysis_temp_bytes``: ``memory_analysis().temp_size_in_bytes``, the same program's
+      temporaries as that analysis counts them: above the heap on libtpu 0.0.42.1 (it counts
+      the heap's fragmentation twice); shown, never used for the verdict. Compiled rows only.
     - ``total_bytes``: all the program needs on one device, by the compiler's count: arguments +
-      outputs - donated (aliased) + temporaries + code when it compiled, the need it stated when
-      it refused the step.
+      outputs - donated (aliased) + temporaries (the heap; ``analysis_temp_bytes`` where the heap
+      is unknown) + code when it compiled, the need it stated when it refused the step.
     - ``hbm_bytes``: the chip's memory (the target's, in every row).
-    - ``usable_bytes``: the part of it the TPU compiler says a program may use, when it states
-      it (in a refusal; it keeps some for itself).
+    - ``usable_bytes``: the part of it the TPU compiler lets a program use: the figure it states
+      in a refusal, else the target's (``Target.usable_bytes``); it keeps some for itself.
     - ``wire_bytes``, ``collectives``: the collectives XLA kept; compiled rows only.
     - ``overlapped_wire_bytes``, ``exposed_wire_bytes``: ``wire_bytes`` split by what the TPU
       compiler scheduled beside each collective (``dew.collectives.overlap.hlo_overlap``):
@@ -99,9 +133,11 @@ class PlanRow:
     options: str
     hbm_bytes: int
     remat: str = ""  # the model's recompute policy (what each layer keeps for the backward)
+    choices: dict = dataclasses.field(default_factory=dict)  # dimension -> value compiled
     state_bytes: int | None = None
     argument_bytes: int | None = None
     temp_bytes: int | None = None
+    analysis_temp_bytes: int | None = None
     total_bytes: int | None = None
     usable_bytes: int | None = None
     wire_bytes: int | None = None
@@ -115,30 +151,40 @@ class PlanRow:
     refused: str | None = None
 
     @property
+    def limit_bytes(self) -> int:
+        """What a program may use on the chip: ``usable_bytes`` where known, else ``hbm_bytes``."""
+        return self.usable_bytes if self.usable_bytes is not None else self.hbm_bytes
+
+    @property
     def fits(self) -> bool:
-        """Compiled, and all the program needs (temporaries included) within the chip."""
+        """The compiler accepted the step, and all it needs (temporaries included) is within
+        what the compiler lets a program use."""
         return (
             self.error is None
             and self.refused is None
             and self.total_bytes is not None
-            and self.total_bytes <= self.hbm_bytes
+            and self.total_bytes <= self.limit_bytes
         )
 
     @property
+    def spare_bytes(self) -> int | None:
+        """What a row that fits leaves of ``limit_bytes``; ``None`` for one that does not."""
+        return self.limit_bytes - self.total_bytes if self.fits else None
+
+    @property
     def verdict(self) -> str:
-        """``fits``, ``over by X GiB`` (what the program needs past what the compiler lets it use
-        when it refused the step, else past the chip's memory), or ``error`` for a layout refused
-        before compiling."""
+        """``fits``, ``over by X GiB`` (what the program needs past what the compiler lets it
+        use), or ``error`` for a layout refused before compiling."""
         if self.error is not None:
             return "error"
         if self.fits:
             return "fits"
-        limit = self.usable_bytes if self.usable_bytes is not None else self.hbm_bytes
-        return f"over by {(self.total_bytes - limit) / GIB:.2f} GiB"
+        return f"over by {(self.total_bytes - self.limit_bytes) / GIB:.2f} GiB"
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["fits"] = self.fits
+        out["spare_bytes"] = self.spare_bytes
         return out
 
 
@@ -174,15 +220,115 @@ def refused_for_memory(message: str) -> tuple[int, int] | None:
     return None
 
 
-def program_bytes(memory) -> int:
+def program_bytes(memory, temp_bytes: int | None = None) -> int:
     """All a compiled program needs on one device, from its ``memory_analysis()``: arguments +
-    outputs - donated (aliased, counted in both) + temporaries + the program's code."""
+    outputs - donated (aliased, counted in both) + temporaries + the program's code.
+    ``temp_bytes``: the temporaries to count (the compiler's heap, ``heap_bytes``); default the
+    analysis's own ``temp_size_in_bytes``."""
+    temp = memory.temp_size_in_bytes if temp_bytes is None else temp_bytes
     return int(
         memory.argument_size_in_bytes
         + memory.output_size_in_bytes
         - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
+        + temp
         + memory.generated_code_size_in_bytes
+    )
+
+
+# One allocation of a buffer assignment as XLA writes it: "allocation 103: size 117440512, color
+# 1, preallocated-temp:" (the memory space is absent for the device's main memory, space 0).
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (.*)$", re.MULTILINE)
+_OTHER_SPACE = re.compile(r"\bcolor [1-9]")
+
+
+def heap_bytes(buffer_assignment: str) -> int:
+    """The heap of a compiled program: the bytes its buffer assignment (the text XLA writes as
+    ``*-buffer-assignment.txt``) gives the program's temporaries in the device's main memory,
+    every ``preallocated-temp`` and ``thread-local`` allocation of memory space 0.
+
+    Parameters, outputs and constants are the program's arguments and results, counted apart;
+    the other memory spaces (``color 1``: a TPU core's VMEM; 2 and 6: small on-core ones) are not
+    HBM. On TPU this is the ``HLO temp`` of the compiler's log ("Program hbm requirement",
+    ``TPU_STDERR_LOG_LEVEL=0``), the figure it checks against the chip, to within the 512-byte
+    thread-local scalars (tens of KiB, which the log counts in part): 268.16 MiB read and logged
+    for a small step, 65.89 against 65.86 MiB for a tiny one. ``memory_analysis()``'s
+    ``temp_size_in_bytes`` adds the heap's fragmentation once more (349.29 MiB and 67.57 MiB)."""
+    total = 0
+    for size, kinds in _ALLOCATION.findall(buffer_assignment):
+        if _OTHER_SPACE.search(kinds):
+            continue
+        if "preallocated-temp" in kinds or "thread-local" in kinds:
+            total += int(size)
+    return total
+
+
+def compile_measured(lowered) -> tuple[Any, int | None]:
+    """``(compiled, heap)``: ``lowered`` (a ``jax.stages.Lowered``) compiled, and the heap its
+    buffer assignment gives (``heap_bytes``), or ``None`` where the compiler wrote none (an
+    executable read back from a persistent compilation cache was not compiled here).
+
+    XLA writes a program's buffer assignment with its dumps: this compile alone gets
+    ``xla_dump_to`` (a temporary folder, removed after) with the HLO as text. It adds about a
+    second to GPT-2 small's step (a few MiB of text) and changes nothing in the program. A
+    compile the TPU compiler refuses raises as without the dump."""
+    options = {"xla_dump_to": None, "xla_dump_hlo_as_text": True}
+    with tempfile.TemporaryDirectory(prefix="dew-buffer-assignment-") as folder:
+        options["xla_dump_to"] = folder
+        compiled = lowered.compile(compiler_options=options)
+        found = sorted(Path(folder).glob("*-buffer-assignment.txt"))
+        # One module compiled, one buffer assignment; anything else is not this program's.
+        heap = heap_bytes(found[0].read_text()) if len(found) == 1 else None
+    return compiled, heap
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """What one device needs for a compiled step, by the compiler's own figures (``PlanRow``'s
+    fields of the same names mean the same). ``refused``: the compiler's message when it refused
+    the step for not fitting its chip; then only ``total_bytes`` (the need it stated) and
+    ``usable_bytes`` (what it lets a program use) are known."""
+
+    total_bytes: int
+    argument_bytes: int | None = None
+    temp_bytes: int | None = None
+    analysis_temp_bytes: int | None = None
+    usable_bytes: int | None = None
+    refused: str | None = None
+    compile_s: float = 0.0
+
+    def fits(self, limit_bytes: int) -> bool:
+        """Accepted by the compiler, and all the program needs within ``limit_bytes``."""
+        return self.refused is None and self.total_bytes <= limit_bytes
+
+
+def measure_step(trainer, batch: int) -> tuple[StepMemory, Any]:
+    """``(memory, compiled)``: ``trainer``'s training step on global batches of ``batch`` rows,
+    lowered on ``step_arguments`` (nothing is allocated) and compiled (``compile_measured``), and
+    what one device needs for it; ``compiled`` is ``None`` when the compiler refused the step
+    for memory. Any other failure raises."""
+    start = time.perf_counter()
+    lowered = trainer.train_step(batch).lower(*trainer.step_arguments(batch))
+    try:
+        compiled, heap = compile_measured(lowered)
+    except Exception as error:  # noqa: BLE001  (a refusal for memory is an answer, not a failure)
+        over = refused_for_memory(str(error))
+        if over is None:
+            raise
+        needed, usable = over
+        refused = str(error).strip().splitlines()[0]
+        seconds = time.perf_counter() - start
+        return StepMemory(needed, usable_bytes=usable, refused=refused, compile_s=seconds), None
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    return (
+        StepMemory(
+            total_bytes=program_bytes(memory, heap),
+            argument_bytes=memory.argument_size_in_bytes,
+            temp_bytes=heap,
+            analysis_temp_bytes=memory.temp_size_in_bytes,
+            compile_s=seconds,
+        ),
+        compiled,
     )
 
 
@@ -226,20 +372,33 @@ def plan_layout(
     layout: Layout = Layout(),
     options: StepOptions = StepOptions(),
     accumulation: int = 1,
+    chosen: dict | None = None,
 ) -> PlanRow:
     """Compiles ``objective``'s training step on global batches of ``batch`` rows for ``target``
     on the layout ``mesh`` (a ``MeshSpec`` or ``"fsdp=8"``) and reads its memory, collectives and
     compile time.
 
-    ``optimizer`` defaults to ``optax.adamw(1e-3)`` (two float32 moments per weight, as
-    ``dew train``). A layout the ``Trainer`` refuses (a size that does not divide, an option the
-    mesh gives no axis for) gives a row with its ``error`` rather than raising.
+    ``objective``'s model must leave nothing to choose (no ``"auto"``: ``plan_choices`` makes
+    those choices, a compile each). ``optimizer`` defaults to ``dew train``'s
+    (``dew.training.optimizer.default_optimizer``: AdamW, two float32 moments per weight). A
+    layout the ``Trainer`` refuses (a size that does not divide, an option the mesh gives no axis
+    for) gives a row with its ``error`` rather than raising. ``chosen``: the
+    ``SEARCH_DIMENSIONS`` values the row records as its ``choices``.
     """
     from dew.collectives import hlo_collectives
     from dew.collectives.overlap import hlo_overlap
 
+    unresolved = [name for name, value in _model_choices(objective).items() if value == AUTO]
+    if unresolved:
+        raise ValueError(
+            f"plan_layout compiles one step; the model leaves {', '.join(unresolved)} to "
+            "choose ('auto'): plan() and plan_choices() choose it"
+        )
     spec = _as_spec(mesh)
-    optimizer = optax.adamw(1e-3) if optimizer is None else optimizer
+    if optimizer is None:
+        from dew.training.optimizer import default_optimizer
+
+        optimizer = default_optimizer()
     row = dict(
         target=target.name,
         mesh=mesh_text(spec),
@@ -248,6 +407,8 @@ def plan_layout(
         options="",
         hbm_bytes=target.hbm_bytes,
         remat=getattr(objective.model, "remat", ""),
+        choices=dict(chosen or {}),
+        usable_bytes=target.usable_bytes or None,
     )
     try:
         row["axis_sizes"] = spec.shape(target.chips)
@@ -271,41 +432,290 @@ def plan_layout(
         return PlanRow(**row, error=str(error))
     start = time.perf_counter()
     try:
-        compiled = trainer.compiled_step(batch)
+        memory, compiled = measure_step(trainer, batch)
     except Exception as error:  # noqa: BLE001  (the compiler's own failure is the row's result)
         seconds = time.perf_counter() - start
-        over = refused_for_memory(str(error))
-        if over is None:
-            return PlanRow(**row, error=f"{type(error).__name__}: {error}", compile_s=seconds)
-        needed, usable = over
+        return PlanRow(**row, error=f"{type(error).__name__}: {error}", compile_s=seconds)
+    if compiled is None:  # refused for memory: the need and the limit it stated
+        row["usable_bytes"] = memory.usable_bytes
         return PlanRow(
             **row,
             state_bytes=_state_bytes(trainer),
-            total_bytes=needed,
-            usable_bytes=usable,
-            compile_s=seconds,
-            refused=str(error).strip().splitlines()[0],
+            total_bytes=memory.total_bytes,
+            compile_s=memory.compile_s,
+            refused=memory.refused,
         )
-    seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
     report = hlo_collectives(compiled, trainer.mesh)
     overlap = hlo_overlap(compiled, trainer.mesh)
     counts: dict[str, int] = {}
     for r in report.rows:
         counts[r.op] = counts.get(r.op, 0) + r.count
-    total = program_bytes(memory)
     return PlanRow(
         **row,
         state_bytes=_state_bytes(trainer),
-        argument_bytes=memory.argument_size_in_bytes,
-        temp_bytes=memory.temp_size_in_bytes,
-        total_bytes=total,
+        argument_bytes=memory.argument_bytes,
+        temp_bytes=memory.temp_bytes,
+        analysis_temp_bytes=memory.analysis_temp_bytes,
+        total_bytes=memory.total_bytes,
         wire_bytes=sum(r.wire_bytes for r in report.rows),
         overlapped_wire_bytes=overlap.overlapped_wire_bytes,
         exposed_wire_bytes=overlap.exposed_wire_bytes,
         collectives=counts,
-        compile_s=seconds,
+        compile_s=memory.compile_s,
         approximate=any(r.approximate for r in report.rows),
+    )
+
+
+# ----------------------------------------------------------------------------- choices
+
+# A model field set to this is chosen by a compile: ``plan_choices`` in a plan, ``choose_remat``
+# in a ``Trainer``.
+AUTO = "auto"
+# The recompute policies (``dew.models.causal_transformer.REMAT_CHOICES``), least recomputation
+# first: "none" keeps everything, "attention" the weight matmuls' outputs and attention's,
+# "dots" the weight matmuls' outputs, "full" nothing. Memory falls in the same order.
+REMAT_ORDER = ("none", "attention", "dots", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dimension:
+    """A choice of the model's that a compile decides, made beside the layout.
+
+    ``name``: the model field; ``order``: its values, the preferred first, tried when the model
+    says ``"auto"`` (a model that sets the field fixes it: that value alone); ``preference``:
+    why that order, in words (``dew plan`` says it when it explains a choice).
+    """
+
+    name: str
+    order: tuple
+    preference: str
+
+    def values(self, objective) -> tuple:
+        """The values to compile for ``objective``'s model, the preferred first."""
+        value = getattr(objective.model, self.name)
+        return self.order if value == AUTO else (value,)
+
+    def apply(self, objective, value):
+        """``objective`` with its model's field set to ``value``."""
+        model = dataclasses.replace(objective.model, **{self.name: value})
+        return dataclasses.replace(objective, model=model)
+
+
+# What plan and search choose beside the layout, in order of precedence: a candidate is one value
+# of each, compiled in ``itertools.product``'s order (every value of the last dimension with the
+# first's preferred value, then the next), until one fits. Adding a dimension is one line.
+SEARCH_DIMENSIONS = (Dimension("remat", REMAT_ORDER, "least recomputation first"),)
+
+
+def _dimensions(objective) -> tuple[Dimension, ...]:
+    """The ``SEARCH_DIMENSIONS`` ``objective``'s model has a field for."""
+    return tuple(d for d in SEARCH_DIMENSIONS if hasattr(objective.model, d.name))
+
+
+def _model_choices(objective) -> dict:
+    return {d.name: getattr(objective.model, d.name) for d in _dimensions(objective)}
+
+
+def choices(objective) -> list[tuple[dict, Any]]:
+    """``(values, objective)`` of every candidate ``objective`` leaves to choose, in the order to
+    compile them (the preferred first); one candidate when the model fixes every dimension."""
+    dimensions = _dimensions(objective)
+    out = []
+    for values in itertools.product(*(d.values(objective) for d in dimensions)):
+        candidate = objective
+        for dimension, value in zip(dimensions, values):
+            candidate = dimension.apply(candidate, value)
+        out.append((dict(zip((d.name for d in dimensions), values)), candidate))
+    return out
+
+
+# The training state's precision, when a search chooses it (``states``), the preferred first:
+# float32 weights and AdamW moments (12 bytes a weight), then bfloat16 weights (float32 masters
+# of the vectors: ``dew.training.optimizer``) and bfloat16 moments (6 bytes a weight).
+STATE_ORDER = ("float32", "bfloat16")
+
+
+def with_state(objective, state: str):
+    """``(objective, optimizer)`` whose weights and AdamW moments are in ``state``'s dtype."""
+    from dew.training.optimizer import adamw
+
+    model = dataclasses.replace(objective.model, param_dtype=state)
+    return dataclasses.replace(objective, model=model), adamw(1e-3, moments_dtype=state)
+
+
+def plan_choices(
+    target: Target,
+    objective,
+    mesh,
+    batch: int,
+    *,
+    on_row: Callable[[PlanRow], None] | None = None,
+    states: Sequence[str] | None = None,
+    **settings,
+) -> list[PlanRow]:
+    """``plan_layout`` for each of ``objective``'s ``choices`` in order, until one fits: the rows
+    compiled, the first that fits last (every candidate's when none fits). A layout refused before
+    compiling is refused for every candidate: one row. ``states``: the state precisions to try
+    (``STATE_ORDER``'s names), each with every choice, in order; ``None`` keeps the model's and
+    ``settings``' optimizer. ``settings`` go to ``plan_layout``."""
+    rows = []
+    for state in states or (None,):
+        for values, candidate in choices(objective):
+            if state is not None:
+                candidate, optimizer = with_state(candidate, state)
+                settings = {**settings, "optimizer": optimizer}
+                values = {"state": state, **values}
+            row = plan_layout(target, candidate, mesh, batch, chosen=values, **settings)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+            if row.fits or row.error is not None:
+                return rows
+    return rows
+
+
+def _values_text(row: PlanRow) -> str:
+    return ", ".join(f"{name} {value}" for name, value in row.choices.items())
+
+
+def choice_text(rows: Sequence[PlanRow]) -> str:
+    """Why ``plan_choices`` stopped where it did, from the rows it compiled for one layout:
+    ``"data=1 (shard_map): remat attention, the first that fits (remat least recomputation
+    first: remat none over by 1.25 GiB); 614.0 MiB to spare of the 15.8 GiB the compiler lets a
+    program use"``."""
+    last = rows[-1]
+    where = f"{last.mesh} ({last.engine})"
+    preferences = [f"{d.name} {d.preference}" for d in SEARCH_DIMENSIONS if d.name in last.choices]
+    if "state" in last.choices:
+        preferences.insert(0, "state float32 weights and moments first")
+    order = "; ".join(preferences)
+    tried = [f"{_values_text(r)} {r.verdict}" for r in rows[:-1]]
+    if last.error is not None:
+        return f"{where}: refused before compiling (every candidate alike)"
+    if not last.fits:
+        tried.append(f"{_values_text(last)} {last.verdict}")
+        return f"{where}: nothing fits ({order}: {', '.join(tried)})"
+    before = f": {', '.join(tried)}" if tried else ""
+    return (
+        f"{where}: {_values_text(last)}, the first that fits ({order}{before}); "
+        f"{format_bytes(last.spare_bytes)} to spare of the {format_bytes(last.limit_bytes)} "
+        "the compiler lets a program use"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RematChoice:
+    """``choose_remat``'s answer: ``policy``, the least recomputation whose step fits
+    ``limit_bytes``; ``objective``, the trainer's with that policy; ``tried``, ``(policy,
+    StepMemory)`` of each policy compiled, in order, the chosen last."""
+
+    policy: str
+    limit_bytes: int
+    objective: Any
+    tried: tuple
+
+    def reason(self) -> str:
+        """``"remat auto: attention, the least recomputation whose step fits 15.8 GiB a device
+        (none needs 17.1 GiB; attention needs 14.2 GiB)"``."""
+        needs = "; ".join(
+            f"{policy} {'refused by the compiler: ' if memory.refused else ''}needs "
+            f"{format_bytes(memory.total_bytes)}"
+            for policy, memory in self.tried
+        )
+        return (
+            f"remat auto: {self.policy}, the least recomputation whose step fits "
+            f"{format_bytes(self.limit_bytes)} a device ({needs})"
+        )
+
+
+def device_memory_limit(device) -> int | None:
+    """The bytes ``device`` lets a program use, as it reports them (``memory_stats()``'s
+    ``bytes_limit``: TPUs and GPUs), or ``None`` where it reports none (CPU devices, and the
+    compile-only devices of a slice this machine does not have: ``Target.usable_bytes``)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001  (compile-only devices refuse the question)
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+# choose_remat's compiles: (the step, batch and policy) -> StepMemory.
+_MEASURED: dict = {}
+
+
+def _measured(trainer, objective, batch: int) -> StepMemory:
+    """``measure_step`` of ``trainer``'s step with ``objective`` in place of its own, once per
+    step: a copy of the trainer (its mesh, layout and shardings; remat changes none of them)."""
+    key = (
+        objective,
+        trainer.optimizer,
+        trainer.mesh,
+        trainer.layout,
+        trainer.options,
+        trainer.accumulation,
+        trainer.engine,
+        batch,
+    )
+    try:
+        if key in _MEASURED:
+            return _MEASURED[key]
+    except TypeError:  # something unhashable (an optimizer's closure state): no caching
+        key = None
+    candidate = copy.copy(trainer)
+    candidate.objective = objective
+    candidate._steps, candidate._losses, candidate._gradients = {}, {}, {}
+    memory, _ = measure_step(candidate, batch)
+    if key is not None:
+        _MEASURED[key] = memory
+    return memory
+
+
+def choose_remat(
+    trainer,
+    batch: int,
+    *,
+    memory_limit_bytes: int | None = None,
+    policies: Sequence[str] = REMAT_ORDER,
+) -> RematChoice:
+    """``remat="auto"`` resolved: the least recomputation whose step fits the devices.
+
+    ``trainer``'s training step on global batches of ``batch`` rows is compiled with each of
+    ``policies`` in turn (least recomputation first) until one fits ``memory_limit_bytes`` by
+    the compiler's own figures (``measure_step``: the compiler accepted it, and arguments + heap
+    + code are within the limit). Each compile is kept (per step, batch and policy): a second
+    call compiles nothing. The ``Trainer`` calls this before it builds the real step of a model
+    with ``remat="auto"``; ``dew plan`` makes the same choice per layout (``plan_choices``).
+
+    ``memory_limit_bytes``: a device's memory for the program; default what the device reports
+    (``device_memory_limit``). CPU devices report none: give it there (tests, a rehearsal).
+    Raises ``ValueError`` naming every policy's need when none fits, before the real step
+    compiles.
+    """
+    limit = memory_limit_bytes
+    if limit is None:
+        device = trainer.mesh.devices.flat[0]
+        limit = device_memory_limit(device)
+        if limit is None:
+            raise ValueError(
+                f"remat='auto' chooses by the device's memory, and {device.platform} device "
+                f"{device.id} does not report it: give memory_limit_bytes (Trainer(..., "
+                "memory_limit_bytes=N)) or a remat policy"
+            )
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+        raise ValueError(f"memory_limit_bytes must be a positive int, got {limit!r}")
+    tried = []
+    for policy in policies:
+        objective = dataclasses.replace(
+            trainer.objective, model=dataclasses.replace(trainer.objective.model, remat=policy)
+        )
+        memory = _measured(trainer, objective, batch)
+        tried.append((policy, memory))
+        if memory.fits(limit):
+            return RematChoice(policy, limit, objective, tuple(tried))
+    needs = ", ".join(f"{p} {format_bytes(m.total_bytes)}" for p, m in tried)
+    raise ValueError(
+        f"remat='auto': no recompute policy's step fits {format_bytes(limit)} a device at batch "
+        f"{batch} ({needs} needed); use a smaller batch, accumulation or more devices"
     )
 
 
@@ -317,18 +727,31 @@ def plan(
     *,
     engines: Sequence[str] = ("shard_map",),
     on_row: Callable[[PlanRow], None] | None = None,
+    on_choice: Callable[[list[PlanRow]], None] | None = None,
+    states: Sequence[str] | None = None,
     **settings,
 ) -> list[PlanRow]:
-    """``plan_layout`` for every layout in ``meshes`` and every engine in ``engines`` (e.g.
-    ``("shard_map", "gspmd")`` for the pinned GSPMD baseline beside each), in that order;
-    ``on_row`` sees each row as it is done. ``settings`` go to ``plan_layout``."""
+    """``plan_choices`` for every layout in ``meshes`` and every engine in ``engines`` (e.g.
+    ``("shard_map", "gspmd")`` for the pinned GSPMD baseline beside each), in that order: one
+    row each, or a row per candidate compiled where the model leaves a choice (``"auto"``).
+    ``on_row`` sees each row as it is done, ``on_choice`` the rows of each choice made (for
+    ``choice_text``). ``settings`` go to ``plan_layout``."""
     rows = []
     for mesh in meshes:
         for engine in engines:
-            row = plan_layout(target, objective, mesh, batch, engine=engine, **settings)
-            rows.append(row)
-            if on_row is not None:
-                on_row(row)
+            compiled = plan_choices(
+                target,
+                objective,
+                mesh,
+                batch,
+                engine=engine,
+                on_row=on_row,
+                states=states,
+                **settings,
+            )
+            rows += compiled
+            if on_choice is not None and len(choices(objective)) * len(states or (0,)) > 1:
+                on_choice(compiled)
     return rows
 
 
@@ -442,9 +865,16 @@ def search(
     accumulation: int = 1,
     on_row: Callable[[PlanRow], None] | None = None,
     on_candidates: Callable[[list[Candidate]], None] | None = None,
+    on_choice: Callable[[list[PlanRow]], None] | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    states: Sequence[str] | None = None,
 ) -> list[PlanRow]:
     """Finds the layouts of ``candidate_meshes``, compiles them until ``max_layouts`` fit and
     returns their rows, those that fit first, by wire bytes per device (fewest first).
+
+    Where ``objective``'s model leaves a choice (``"auto"``: the ``SEARCH_DIMENSIONS``, e.g.
+    ``remat``), each layout is compiled with its candidates in their order until one fits
+    (``plan_choices``); the layouts are traced and ordered with the preferred candidate.
 
     Which to compile, in order (each number exact, none needs a compile):
 
@@ -463,7 +893,8 @@ def search(
     from dew.collectives import collectives
 
     candidates = []
-    for spec, trainer in _accepted(target, objective, batch, layout, options, accumulation):
+    preferred = choices(objective)[0][1]  # traced in the layouts' order: nothing to choose
+    for spec, trainer in _accepted(target, preferred, batch, layout, options, accumulation):
         state = _state_bytes(trainer)
         if state > target.hbm_bytes:
             continue
@@ -484,13 +915,33 @@ def search(
             batch,
             engines=engines,
             on_row=on_row,
+            on_choice=on_choice,
             layout=layout,
             options=step_options,
             accumulation=accumulation,
+            optimizer=optimizer,
+            states=states,
         )
         rows += compiled
         fitting += any(row.fits for row in compiled)
     return sorted(rows, key=_rank)
+
+
+def search_summary(rows: Sequence[PlanRow]) -> str:
+    """What a search chose and why, in one line: the best of ``rows`` (``_rank``: those that fit
+    first, then fewest wire bytes per step, then least memory) with the choices it was compiled
+    with."""
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        return f"search: none of the {len(rows)} steps compiled fits"
+    best = min(fitting, key=_rank)
+    values = f", {_values_text(best)}" if best.choices else ""
+    return (
+        f"search chose {best.mesh} ({best.engine}{values}): of the {len(fitting)} steps that "
+        f"fit, the fewest wire bytes per step ({_bytes(best.wire_bytes)}), then the least "
+        f"memory ({_bytes(best.total_bytes)} of {format_bytes(best.limit_bytes)}); each "
+        "layout's choices are the first that fit in their order (above)"
+    )
 
 
 def _rank(row: PlanRow) -> tuple:
@@ -509,6 +960,7 @@ COLUMNS = (
     "remat",
     "state",
     "temp",
+    "temp (analysis)",
     "total",
     "hbm",
     "verdict",
@@ -546,6 +998,7 @@ def row_cells(row: PlanRow) -> tuple[str, ...]:
         row.remat or "-",
         _bytes(row.state_bytes),
         _bytes(row.temp_bytes),
+        _bytes(row.analysis_temp_bytes),
         _bytes(row.total_bytes),
         format_bytes(row.hbm_bytes),
         row.verdict,

@@ -1,9 +1,9 @@
 """TPU slices by their Cloud names, as devices this machine can compile for.
 
 ``target("v5p-64")`` is a ``Target``: the slice's chips, hosts, and each chip's memory and peak
-FLOP/s. ``Target.devices()`` returns its devices from ``libtpu`` (the optional extra
-``dew-ml[tpu]``) without a TPU attached: a step lowered on them compiles with the real TPU compiler,
-so its ``memory_analysis()`` and HLO are the slice's (``dew.planning``).
+FLOP/s. ``Target.devices()`` returns its devices from ``libtpu`` (the optional extra ``tpu``,
+``pip install -e ".[tpu]"``) without a TPU attached: a step lowered on them compiles with the real
+TPU compiler, so its ``memory_analysis()`` and HLO are the slice's (``dew.planning``).
 
 Names follow Cloud TPU's accelerator types:
 
@@ -49,13 +49,23 @@ class Generation:
     # The largest slice that is one host (its chips), and the largest slice there is.
     single_host_chips: int
     max_chips: int
+    # What the TPU compiler lets one program use of a chip's HBM (arguments, temporaries and code
+    # together), as libtpu 0.0.42.1 states it when it refuses a program ("exceeds available HBM
+    # (15.75G)", to 0.01 GiB): the runtime keeps the rest.
+    usable_hbm_bytes: int = 0
 
 
 GENERATIONS = {
-    "v4": Generation("v4", "TPU v4", 3, 2, 32 * GIB, 275e12, (2, 2, 1), 4, 4096),
-    "v5e": Generation("v5e", "TPU v5 lite", 2, 1, 16 * GIB, 197e12, (2, 2, 1), 8, 256),
-    "v5p": Generation("v5p", "TPU v5", 3, 2, 95 * GIB, 459e12, (2, 2, 1), 4, 6144),
-    "v6e": Generation("v6e", "TPU v6 lite", 2, 1, 32 * GIB, 918e12, (2, 2, 1), 8, 256),
+    "v4": Generation("v4", "TPU v4", 3, 2, 32 * GIB, 275e12, (2, 2, 1), 4, 4096, int(30.75 * GIB)),
+    "v5e": Generation(
+        "v5e", "TPU v5 lite", 2, 1, 16 * GIB, 197e12, (2, 2, 1), 8, 256, int(15.75 * GIB)
+    ),
+    "v5p": Generation(
+        "v5p", "TPU v5", 3, 2, 95 * GIB, 459e12, (2, 2, 1), 4, 6144, int(95.74 * GIB)
+    ),
+    "v6e": Generation(
+        "v6e", "TPU v6 lite", 2, 1, 32 * GIB, 918e12, (2, 2, 1), 8, 256, int(31.25 * GIB)
+    ),
 }
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e"}
 
@@ -165,6 +175,11 @@ class Target:
         """Memory of one chip (one device)."""
         return self.generation.hbm_bytes
 
+    @property
+    def usable_bytes(self) -> int:
+        """What the TPU compiler lets one program use of a chip's memory (``Generation``)."""
+        return self.generation.usable_hbm_bytes
+
     def describe(self) -> str:
         hosts = f"{self.hosts} host" + ("s" if self.hosts > 1 else "")
         return (
@@ -200,7 +215,7 @@ class Target:
 
     def devices(self) -> list:
         """The slice's devices (compile-only: a step lowered on them compiles for this slice and
-        cannot run), host by host. Needs ``libtpu`` (``pip install 'dew-ml[tpu]'``)."""
+        cannot run), host by host. Needs ``libtpu`` (``pip install -e '.[tpu]'``)."""
         return list(self._devices)
 
 
@@ -231,7 +246,7 @@ def require_libtpu() -> None:
     """Raises ``MissingExtra`` naming the extra when ``libtpu`` is not installed."""
     if importlib.util.find_spec("libtpu") is None:
         raise MissingExtra(
-            "compiling for a TPU slice needs libtpu, the TPU compiler: pip install 'dew-ml[tpu]' "
+            "compiling for a TPU slice needs libtpu, the TPU compiler: pip install -e '.[tpu]' "
             "(it runs on a machine with no TPU)"
         )
 

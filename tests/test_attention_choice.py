@@ -133,7 +133,7 @@ def test_auto_on_cpu_runs_xla_attention():
 
 @pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
-    reason="compile-only TPU devices need libtpu (pip install 'dew-ml[tpu]')",
+    reason="compile-only TPU devices need libtpu (pip install -e '.[tpu]')",
 )
 def test_auto_on_a_tpu_slice_runs_the_mosaic_kernels():
     from dew.targets import target

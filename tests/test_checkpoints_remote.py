@@ -188,11 +188,11 @@ def test_a_url_whose_filesystem_is_missing_is_an_error_naming_the_extra(tmp_path
     with pytest.raises(
         ImportError,
         match=r"Checkpoints\('gs://bucket/run'\) needs the filesystem for gs://.*"
-        r"pip install 'dew-ml\[gcs\]'",
+        r"pip install -e '\.\[gcs\]'",
     ):
         Checkpoints("gs://bucket/run")
     monkeypatch.setitem(sys.modules, "fsspec", None)
-    with pytest.raises(ImportError, match=r"needs fsspec.*pip install 'dew-ml\[gcs\]'"):
+    with pytest.raises(ImportError, match=r"needs fsspec.*pip install -e '\.\[gcs\]'"):
         Checkpoints("gs://bucket/run", keep=1)
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)

@@ -276,11 +276,11 @@ def test_a_flag_that_cannot_take_effect_is_a_clear_error(tmp_path, dew_here):
             "a dense model does not have; add --experts E",
         ),
         (
-            ("train", "--experts-per-token", "1", "--steps", "0"),
+            ("train", "--experts-per-token", "1", "--steps", "1"),
             "dew train: --experts-per-token 1 configures mixture-of-experts layers",
         ),
         (
-            ("train", "--mesh", "expert=8", "--steps", "0"),
+            ("train", "--mesh", "expert=8", "--steps", "1"),
             "dew train: expert 8 on a dense model (num_experts=0)",
         ),
         (
@@ -288,7 +288,7 @@ def test_a_flag_that_cannot_take_effect_is_a_clear_error(tmp_path, dew_here):
             "dew collectives: sequence_parallel=True needs a tensor axis above 1",
         ),
         (
-            ("train", "--pipeline-schedule", "gpipe", "--steps", "0"),
+            ("train", "--pipeline-schedule", "gpipe", "--steps", "1"),
             "dew train: pipeline_schedule='gpipe' needs a stage axis above 1",
         ),
     ]

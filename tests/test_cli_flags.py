@@ -6,6 +6,7 @@ command that builds a model says what it runs in its first line.
 Parsing only (no compile), except the header checks, which run ``dew collectives`` on a tiny
 model."""
 
+import re
 import subprocess
 import sys
 
@@ -123,11 +124,22 @@ def test_the_header_names_every_size_and_choice():
     config = model_config(args)
     text = sizes_text(config, args)
     model = dew.models.build("causal_transformer", **config)
-    for field in ("num_layers", "emb_features", "num_heads", "num_kv_heads", "vocab_size"):
-        assert str(getattr(model, field)) in text, field
-    assert "context 8192" in text and "batch 16 x 64 tokens" in text
-    for field in ("dtype", "param_dtype", "remat", "attention_impl"):
-        assert str(getattr(model, field)) in text, field
+    # Read back part by part (whole parts, not substrings: "2" is inside "2048").
+    name, sizes = text.split(": ", 1)
+    assert name == "llama-3.2-1b"
+    assert re.split(r"[;,] ", sizes) == [
+        f"{model.num_layers} layers",
+        f"width {model.emb_features}",
+        f"{model.num_heads} heads ({model.num_kv_heads} kv)",
+        f"vocab {model.vocab_size}",
+        f"context {model.max_seq_len}",
+        f"{model.dtype} activations",
+        f"{model.param_dtype} weights",
+        f"remat {model.remat}",
+        f"attention {model.attention_impl}",
+        "batch 16 x 64 tokens",
+    ]
+    assert (model.num_layers, model.num_kv_heads, model.max_seq_len) == (2, 8, 8192)
 
 
 def test_help_shows_every_default_of_attention_and_accumulation(capsys):

@@ -522,3 +522,81 @@ def test_bad_inputs_name_their_values(tmp_path):
         data.batch(-1)
     with pytest.raises(ValueError, match="start must be an integer >= 0, got -2"):
         data.batches(start=-2)
+
+
+# --- the loss mask ------------------------------------------------------------------------------
+
+
+def _masked_folder(path, seed, train_tokens=100, val_tokens=70):
+    """A folder of numbered tokens (``_numbered_folder``'s) with a random loss mask."""
+    rng = np.random.default_rng(seed)
+    train, val = np.arange(train_tokens), 100_000 + np.arange(val_tokens)
+    masks = (rng.integers(0, 2, train_tokens), rng.integers(0, 2, val_tokens))
+    write_token_folder(path, train, val, vocab_size=200_000, train_mask=masks[0], val_mask=masks[1])
+    return masks
+
+
+def test_a_masked_folder_gives_each_window_its_mask(tmp_path, seed):
+    train_mask, val_mask = _masked_folder(tmp_path, seed)
+    meta = read_meta(tmp_path)
+    assert meta.loss_mask and meta.to_json()["loss_mask"] is True
+    data = TokenWindows(tmp_path, seq_len=8, val_batches=2, loading=Loading(threads=0)).load(4)
+    assert data.loss_mask
+    batch = data.batch(3)
+    assert batch.shape == (4, 2, 9) and batch.dtype == np.int32
+    for row in batch:
+        start = int(row[0, 0])  # the token at position i is i
+        np.testing.assert_array_equal(row[0], np.arange(start, start + 9))
+        np.testing.assert_array_equal(row[1], train_mask[start : start + 9], err_msg=f"seed {seed}")
+    for v, rows in enumerate(data.validation(rows=slice(1, 3))):
+        for r, row in zip((1, 2), rows):
+            start = (v * 4 + r) * 8
+            np.testing.assert_array_equal(row[1], val_mask[start : start + 9])
+    # A folder without a mask still reads [rows, seq_len + 1].
+    _numbered_folder(tmp_path / "plain", 100)
+    plain = TokenWindows(tmp_path / "plain", seq_len=8).load(4)
+    assert not plain.loss_mask and plain.batch(0).shape == (4, 9)
+
+
+def test_a_damaged_or_stray_mask_is_refused(tmp_path, seed):
+    _masked_folder(tmp_path / "f", seed)
+    folder = tmp_path / "f"
+    (folder / "val.mask").rename(folder / "gone")
+    with pytest.raises(FileNotFoundError, match="has no val.mask"):
+        read_meta(folder)
+    (folder / "gone").rename(folder / "val.mask")
+    with open(folder / "train.mask", "ab") as file:
+        file.write(b"\x01")
+    with pytest.raises(
+        ValueError, match=r"train_tokens = 100 \(100 bytes of uint8\) but train.mask"
+    ):
+        read_meta(folder)
+    data = (folder / "train.mask").read_bytes()
+    (folder / "train.mask").write_bytes(data[:50] + b"\x07" + data[51:-1])  # a damaged byte
+    windows = TokenWindows(folder, seq_len=8, loading=Loading(threads=0)).load(12)
+    with pytest.raises(ValueError, match="train.mask .* holds the value 7"):
+        windows.batch(0)
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["loss_mask"] = "yes"
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="loss_mask must be true or false, got 'yes'"):
+        read_meta(folder)
+    del meta["loss_mask"]  # the mask files stay: never silently ignored
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match='holds train.mask, val.mask but meta.json has no "loss'):
+        read_meta(folder)
+
+
+def test_masks_are_checked_when_written_and_an_overwrite_drops_the_old_mask(tmp_path):
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        write_token_folder(tmp_path, [1, 2], [], train_mask=[0, 2], val_mask=[])
+    with pytest.raises(ValueError, match=r"one 0 or 1 per token \(2\), got shape \(3,\)"):
+        write_token_folder(tmp_path, [1, 2], [], train_mask=[0, 1, 1], val_mask=[])
+    with pytest.raises(ValueError, match="both train_mask and val_mask"):
+        write_token_folder(tmp_path, [1, 2], [], train_mask=[0, 1])
+    assert not list(tmp_path.iterdir())
+    write_token_folder(tmp_path, [1, 2], [3], train_mask=[0, 1], val_mask=[1])
+    assert read_meta(tmp_path).loss_mask
+    write_token_folder(tmp_path, [1, 2, 3], [], overwrite=True)
+    assert not read_meta(tmp_path).loss_mask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "train.bin", "val.bin"]

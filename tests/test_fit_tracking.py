@@ -309,5 +309,5 @@ def test_a_missing_tensorboardx_names_the_extra(monkeypatch, tmp_path):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_tensorboardx)
-    with pytest.raises(tracking.MissingExtra, match=re.escape("pip install 'dew-ml[tensorboard]'")):
+    with pytest.raises(tracking.MissingExtra, match=re.escape("pip install -e '.[tensorboard]'")):
         TensorBoard(tmp_path)

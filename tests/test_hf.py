@@ -364,7 +364,7 @@ def test_dew_convert_both_ways_and_train_init_from(dew_here, tmp_path):
     assert run.returncode == 0, run.stderr
     assert tensors_of(tmp_path / "back") == tensors_of(untied)
 
-    # Tokenize with the folder's tokenizer.json, fine-tune from the folder (learning rate 0:
+    # Tokenize with the folder's tokenizer.json, fine-tune from the folder (learning rate 1e-30:
     # the weights stay as loaded), and convert the run's checkpoint back: the same tensors.
     tied, _, _ = reference("llama3_tied")
     (tmp_path / "text.txt").write_text("A few words for a tiny Llama to read. " * 100)
@@ -376,7 +376,7 @@ def test_dew_convert_both_ways_and_train_init_from(dew_here, tmp_path):
     assert run.returncode == 0, run.stderr
     run = dew_here(
         *("train", "--init-from", str(tied), "--data", "tokens", "--run-dir", "run"),
-        *("--steps", "1", "--lr", "0", "--mesh", "fsdp=8", "--seq-len", "16", "--batch", "8"),
+        *("--steps", "1", "--lr", "1e-30", "--mesh", "fsdp=8", "--seq-len", "16", "--batch", "8"),
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr

@@ -676,7 +676,7 @@ SEQ = 16
 @pytest.mark.xdist_group("tpu")
 @pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
-    reason="compiling for a TPU slice needs libtpu (pip install 'dew-ml[tpu]')",
+    reason="compiling for a TPU slice needs libtpu (pip install -e '.[tpu]')",
 )
 @pytest.mark.parametrize(
     "slice_name, mesh, tuning, kernels",
@@ -731,7 +731,7 @@ def test_the_step_compiles_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh, 
 @pytest.mark.xdist_group("tpu")
 @pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
-    reason="compiling for a TPU slice needs libtpu (pip install 'dew-ml[tpu]')",
+    reason="compiling for a TPU slice needs libtpu (pip install -e '.[tpu]')",
 )
 def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
     # Past SHORT_KV, v5e's defaults (1024 x 2048, pieces of 512) ask the Mosaic compiler for more

@@ -119,12 +119,14 @@ def test_temporary_memory_is_flat_in_microbatches_where_gpipe_grows():
     1F1B holds at most S microbatches' inputs (the phased one 2 S - 2) whatever M: its temporary
     memory may grow by less than one activation [4, 16, 128] float32 (32 KiB; what does grow is
     the step's token ids, 12 more microbatches of 4 x 16 int32 inputs and targets, 6 KiB). GPipe
-    through the same code holds all M: it grows by at least 12 activations."""
+    through the same code holds all M: 12 activations more, of which at least 10 show (the
+    buffers every M holds, the loss's gradients among them, are placed differently at each M:
+    measured 12.2 activations before the loss made its gradients in the forward, 10.8 since)."""
     activation = MEMORY_ROWS * SEQ * MEMORY_WIDTH * 4
     temp = {s: {m: temp_bytes(s, m) for m in (4, 16)} for s in ("1f1b", "1f1b_phased", "gpipe")}
     for schedule in ("1f1b", "1f1b_phased"):
         assert temp[schedule][16] - temp[schedule][4] < activation, temp
-    assert temp["gpipe"][16] - temp["gpipe"][4] >= 12 * activation, temp
+    assert temp["gpipe"][16] - temp["gpipe"][4] >= 10 * activation, temp
 
 
 # ---- collectives over stage ------------------------------------------------------------------

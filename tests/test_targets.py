@@ -74,7 +74,7 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
         "find_spec",
         lambda name, *a: None if name == "libtpu" else real(name, *a),
     )
-    with pytest.raises(targets.MissingExtra, match=r"pip install 'dew-ml\[tpu\]'"):
+    with pytest.raises(targets.MissingExtra, match=r"pip install -e '\.\[tpu\]'"):
         targets.target("v5e-4").devices()
 
 

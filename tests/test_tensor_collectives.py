@@ -254,13 +254,15 @@ def test_one_more_layer_adds_the_per_layer_collectives(name):
 @pytest.mark.parametrize("name", ["tensor=4", "tensor=2,fsdp=4"])
 def test_tensor_split_gradients_are_never_summed_over_tensor(name):
     """Through the conjugate pairs a tensor-split weight's gradient comes out whole: with plain
-    activations and a kv head per device, nothing but [rows, ...] values crosses tensor."""
+    activations and a kv head per device, nothing but [rows, ...] values (and the loss's
+    [rows x seq, ...] sums) crosses tensor."""
     trainer, report = honest_report(name)
     assert not any(p[4] for p in parameters(trainer)), "this layout has partial weights"
     assert all(row.axes == (T,) or T not in row.axes for row in report.rows), str(report)
-    _, rows, _, _, _ = sizes_of(trainer)
+    _, rows, seq, _, _ = sizes_of(trainer)
     shapes = set().union(*shapes_over_tensor(report).values())
-    assert shapes and all(s.split("[")[1].startswith(f"{rows},") for s in shapes), shapes
+    leading = {s.split("[")[1].split("]")[0].split(",")[0] for s in shapes}
+    assert shapes and leading == {str(rows), str(rows * seq)}, shapes
 
 
 @pytest.mark.parametrize("name", ["tensor=4,sequence_parallel", "tensor=4,shared_kv"])
@@ -302,12 +304,13 @@ def shapes_over_tensor(report):
     return {row.op: set(row.shapes) for row in tensor_rows(report)}
 
 
-def gathered_cross_entropy(logits_local, targets, shards):
+def gathered_head_loss_sum(x, table_local, targets, shards, weights=None, **_):
     """The loss the vocabulary split avoids: all the logits gathered, then the plain
     cross-entropy."""
+    logits_local = tensor.vocab_logits(x, table_local, shards)
     logits = lax.all_gather(logits_local, T, axis=-1, tiled=True)
     picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return jax.nn.logsumexp(logits, axis=-1) - picked
+    return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
 
 
 @pytest.mark.parametrize("name", ["tensor=4", "tensor=4,sequence_parallel"])
@@ -324,15 +327,17 @@ def test_the_loss_moves_rows_times_seq_values_never_the_logits(name):
     else:
         assert outside == 2 * a + 3 * rows * seq * F32, str(report)
     assert outside < logits_slice_bytes(trainer), "the logits would not stand out here"
-    # Every operand over tensor is an activation or one of the loss's [rows, seq] values.
+    # Every operand over tensor is an activation or one of the loss's values, a few floats for
+    # each of the rows x seq tokens (one chunk of them at these sizes).
     act = f"f32[{rows},{seq},{e}]"
-    want = {"psum": {act, f"f32[{rows},{seq},2]"}, "pmax": {f"f32[{rows},{seq}]"}}
+    tokens = rows * seq
+    want = {"psum": {act, f"f32[{tokens},2]"}, "pmax": {f"f32[{tokens}]"}}
     if trainer.options.sequence_parallel:
         want = {
             "all_gather": {f"f32[{rows},{seq // n},{e}]"},
             "psum_scatter": {act},
-            "psum": {f"f32[{rows},{seq},2]"},
-            "pmax": {f"f32[{rows},{seq}]"},
+            "psum": {f"f32[{tokens},2]"},
+            "pmax": {f"f32[{tokens}]"},
         }
     assert shapes_over_tensor(report) == want, str(report)
 
@@ -341,7 +346,7 @@ def test_check_fails_when_the_loss_gathers_the_logits(monkeypatch):
     trainer = make_trainer("tensor=4", vocab_size=BIG_VOCAB)
     expected = expected_collectives(trainer)
     honest = trainer.collectives(DATA)
-    monkeypatch.setattr(tensor, "cross_entropy", gathered_cross_entropy)
+    monkeypatch.setattr(tensor, "head_loss_sum", gathered_head_loss_sum)
     variant = make_trainer("tensor=4", vocab_size=BIG_VOCAB)
     report = variant.collectives(DATA)
     found = problems(report, expected)

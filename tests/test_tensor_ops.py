@@ -6,6 +6,8 @@ relative 1e-5). A value the same on every device of the group is returned by eve
 checked on each. Collectives are counted from the jaxpr with ``dew.collectives``.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -292,28 +294,42 @@ def test_embed_lookup_output_dtype(seed):
     assert np.array_equal(np.asarray(x), np.broadcast_to(expected, x.shape)), f"seed {seed}"
 
 
+def reference_loss_sum(x, table, targets, weights):
+    """``sum_t w_t (logsumexp(x_t table^T) - x_t . table[y_t])``, the whole logits at once."""
+    return jnp.sum(weights * reference_cross_entropy(x @ table.T, targets))
+
+
+# 16 tokens: chunks of 5 leave a remainder of 1, padded with a token of weight 0.
+@pytest.mark.parametrize("chunk", [None, 5], ids=["whole", "chunks_of_5"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sequence_parallel"])
 @pytest.mark.parametrize("n", SIZES)
-def test_cross_entropy_matches_one_device(seed, n):
-    """Loss values, and the gradient of each device's logits: its slice of softmax - onehot."""
+def test_head_loss_sum_matches_a_reference(seed, n, sequence_parallel, chunk):
+    """The loss, the activations' gradient (summed over the slices) and each device's slice of the
+    table's gradient, against the plain head and cross-entropy on every token at once."""
     rng = np.random.default_rng(seed)
-    logits, targets = 3 * randn(rng, ROWS, SEQ, VOCAB), boundary_ids(rng, n)
-    ct = randn(rng, ROWS, SEQ)
+    x, table, targets = randn(rng, ROWS, SEQ, EMBED), randn(rng, VOCAB, EMBED), boundary_ids(rng, n)
+    weights = rng.uniform(0.0, 2.0, (ROWS, SEQ)).astype(np.float32)
     mesh = build_mesh(MeshSpec(tensor=n))
-    shards = shards_of(mesh)
+    shards = shards_of(mesh, sequence_parallel)
 
-    def body(logits, targets, ct):
-        loss = tensor.cross_entropy(logits, targets, shards)
-        dlogits = jax.grad(lambda z: jnp.sum(tensor.cross_entropy(z, targets, shards) * ct))(logits)
-        return loss[None], dlogits
+    def body(x, table):
+        def loss(x, table):
+            return tensor.head_loss_sum(x, table, targets, shards, weights, chunk=chunk)
 
-    loss, dlogits = on_mesh(
-        mesh, body, (P(None, None, T), P(), P()), (every_device(mesh), P(None, None, T))
-    )(logits, targets, ct)
-    loss_ref = reference_cross_entropy(logits, targets)
-    expected = (jax.nn.softmax(logits, -1) - jax.nn.one_hot(targets, VOCAB)) * ct[..., None]
-    assert loss.dtype == jnp.float32, f"loss dtype {loss.dtype}, seed {seed}"
-    assert_on_every_device(loss, loss_ref, "loss", seed)
-    assert_close(dlogits, expected, "d logits", seed)
+        value, (dx, dtable) = jax.value_and_grad(loss, (0, 1))(x, table)
+        return value[None], (dx if sequence_parallel else dx[None]), dtable
+
+    acts = P(None, T) if sequence_parallel else P()
+    out_x = P(None, T) if sequence_parallel else every_device(mesh)
+    value, dx, dtable = on_mesh(
+        mesh, body, (acts, P(T, None)), (every_device(mesh), out_x, P(T, None))
+    )(x, table)
+    reference = functools.partial(reference_loss_sum, targets=targets, weights=weights)
+    value_ref, (dx_ref, dtable_ref) = jax.value_and_grad(reference, (0, 1))(x, table)
+    assert value.dtype == jnp.float32, f"loss dtype {value.dtype}, seed {seed}"
+    assert_on_every_device(value, value_ref, "loss", seed)
+    (assert_close if sequence_parallel else assert_on_every_device)(dx, dx_ref, "dx", seed)
+    assert_close(dtable, dtable_ref, "d table", seed)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sequence_parallel"])
@@ -329,13 +345,13 @@ def test_tied_embedding_loss_matches_one_device(seed, n, sequence_parallel):
     mesh = build_mesh(MeshSpec(tensor=n))
     shards = shards_of(mesh, sequence_parallel)
 
-    def losses(table):
+    def loss_sum(table, ct):
         x = jnp.tanh(2 * tensor.embed_lookup(table, ids, shards))
-        return tensor.cross_entropy(tensor.vocab_logits(x, table, shards), targets, shards)
+        return tensor.head_loss_sum(x, table, targets, shards, ct)
 
     def body(table, ct):
-        loss, dtable = jax.value_and_grad(lambda t: jnp.sum(losses(t) * ct))(table)
-        return loss[None], dtable
+        value, dtable = jax.value_and_grad(loss_sum)(table, ct)
+        return value[None], dtable
 
     loss, dtable = on_mesh(mesh, body, (P(T, None), P()), (every_device(mesh), P(T, None)))(
         table, ct
@@ -362,8 +378,7 @@ def test_one_device_needs_no_mesh(seed):
 
     def loss(table):
         h = tensor.embed_lookup(table, ids, ONE_DEVICE)
-        logits = tensor.vocab_logits(h, table, ONE_DEVICE)
-        return jnp.sum(tensor.cross_entropy(logits, targets, ONE_DEVICE))
+        return tensor.head_loss_sum(h, table, targets, ONE_DEVICE)
 
     def reference(table):
         h = jnp.take(table, ids, axis=0)
@@ -446,12 +461,14 @@ CASES = {
         {},
         {"psum": 1},
     ),
-    "cross_entropy": (
-        lambda z, s: tensor.cross_entropy(z, IDS, s),
-        (ROWS, SEQ, VOCAB),
+    # The loss's pmax and psum in the forward, which also makes the gradients; backward: only the
+    # sum of the activations' gradient over the slices (entering the region).
+    "head_loss_sum": (
+        lambda t, s: tensor.head_loss_sum(jnp.tanh(t[None, :SEQ]), t, IDS[:1], s),
+        (VOCAB, EMBED),
         False,
         {"pmax": 1, "psum": 1},
-        {"pmax": 1, "psum": 1},
+        {"pmax": 1, "psum": 2},
     ),
 }
 
@@ -501,8 +518,8 @@ def test_tensor_size_one_runs_no_collective(name, seed):
         expected = np.take(x, IDS, axis=0)
     elif name == "vocab_logits":
         expected = np.einsum("bse,ve->bsv", np.tanh(x[None, :SEQ]), x)
-    elif name == "cross_entropy":
-        expected = reference_cross_entropy(x, IDS)
+    elif name == "head_loss_sum":
+        expected = np.sum(reference_cross_entropy(np.tanh(x[None, :SEQ]) @ x.T, IDS[:1]))
     else:
         out = np.asarray(run(x))
         assert np.array_equal(out, np.broadcast_to(x, out.shape)), f"{name} changed x, seed {seed}"
@@ -529,8 +546,8 @@ def test_bad_shapes_are_refused_before_compiling():
         ValueError, match=r"dim 3 is out of range for an array of shape \(2, 8, 8\)"
     ):
         traced(lambda x: tensor.gather_from_sequence(x, shards, 3), (2, 8, 8))
-    with pytest.raises(ValueError, match=r"logits_local \(2, 7, 8\) must be targets \(2, 8\)"):
-        traced(lambda z: tensor.cross_entropy(z, IDS, shards), (2, 7, 8))
+    with pytest.raises(ValueError, match=r"targets \(2, 8\) must be x \(2, 7, 8\) less its last"):
+        traced(lambda x: tensor.head_loss_sum(x, x[0], IDS, shards), (2, 7, 8))
     with pytest.raises(ValueError, match=r"table_local must be \[vocab / n, embed\], got \(32,\)"):
         traced(lambda t: tensor.embed_lookup(t, IDS, shards), (32,))
 

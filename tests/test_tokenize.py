@@ -27,7 +27,7 @@ from dew.data import (
 )
 from dew.data.folder import open_tokens
 
-tokenizers = pytest.importorskip("tokenizers", reason="dew-ml[text] (tokenizers) not installed")
+tokenizers = pytest.importorskip("tokenizers", reason="the text extra (tokenizers) is missing")
 
 WORDS = "the cat dog bird sees likes finds river moon ball tree über naïve ✓ 日本 emoji🙂".split()
 EOS = "<|endoftext|>"
@@ -461,3 +461,155 @@ def test_dew_train_refuses_a_model_vocabulary_smaller_than_the_folders(tmp_path,
         "dew train: model gpt2-small has a vocabulary of 50304, smaller than the vocab_size "
         f"60000 of the token folder '{tmp_path / 'big'}' (tokenizer 'mine')"
     ) in run.stderr
+
+
+# --- prompt-masked data: --jsonl-fields, --rows ---------------------------------------------------
+
+
+def folder_masks(path):
+    """``{split: (ids, mask)}`` of a token folder with a loss mask, as numpy arrays."""
+    from dew.data.folder import open_mask
+
+    meta = read_meta(path)
+    assert meta.loss_mask
+    return {
+        split: (np.asarray(open_tokens(meta, split)), np.asarray(open_mask(meta, split)))
+        for split in ("train", "val")
+    }
+
+
+def test_dew_tokenize_prompt_completion_masks_the_prompt(bpe, tmp_path, dew_cli, seed):
+    rng = np.random.default_rng(seed)
+    pairs = [(doc, answer) for doc, answer in zip(documents(rng, 20), documents(rng, 20))]
+    lines = [json.dumps({"q": q, "a": a, "id": i}) for i, (q, a) in enumerate(pairs)]
+    lines.append(json.dumps({"q": "no answer", "a": ""}))  # nothing to learn: skipped
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "sft"
+    run = dew_cli(
+        "tokenize",
+        tmp_path / "pairs.jsonl",
+        tokenizer=bpe,
+        out=out,
+        val_fraction=0,
+        jsonl_fields="q,a",
+    )
+    assert run.returncode == 0, run.stderr
+    assert "Loss mask: train.mask, val.mask; documents packed" in run.stdout
+    tokenizer = HFTokenizer(bpe)
+    ids, mask = folder_masks(out)["train"]
+    expected_ids, expected_mask = [], []
+    for prompt, completion in pairs:
+        p, c = tokenizer.encode(prompt), tokenizer.encode(completion)
+        expected_ids += p + c + [tokenizer.eos_id]
+        expected_mask += [0] * len(p) + [1] * (len(c) + 1)  # the end-of-text id counts
+    assert ids.tolist() == expected_ids
+    assert mask.tolist() == expected_mask
+    assert json.loads((out / "meta.json").read_text())["train_documents"] == len(pairs)
+
+
+def test_dew_tokenize_chat_counts_the_assistant_turns_only(tmp_path, dew_cli):
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye?"},
+        {"role": "assistant", "content": "Bye."},
+    ]
+    no_assistant = [{"role": "user", "content": "anyone?"}]
+    lines = [json.dumps({"messages": chat}), json.dumps({"messages": no_assistant})]
+    (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "chat"
+    run = dew_cli(
+        "tokenize",
+        tmp_path / "chat.jsonl",
+        tokenizer="bytes",
+        out=out,
+        val_fraction=0,
+        jsonl_fields="messages",
+    )
+    assert run.returncode == 0, run.stderr
+    ids, mask = folder_masks(out)["train"]
+    text = bytes(ids.tolist()).decode()
+    assert text == (
+        "<|system|>\nBe brief.\n<|user|>\nHi?\n<|assistant|>\nHello.\n<|user|>\nBye?\n"
+        "<|assistant|>\nBye.\n"
+    )
+    counted = bytes(ids[mask == 1].tolist()).decode()
+    assert counted == "Hello.\nBye.\n"
+
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    run = dew_cli(
+        "tokenize",
+        tmp_path / "bad.jsonl",
+        tokenizer="bytes",
+        out=tmp_path / "x",
+        jsonl_fields="messages",
+    )
+    assert run.returncode == 2
+    assert f"{tmp_path / 'bad.jsonl'}:1: message 0 must be an object with string 'role'" in (
+        run.stderr
+    )
+
+
+def test_dew_tokenize_rows_pad_keeps_each_document_to_its_own_rows(bpe, tmp_path, dew_cli, seed):
+    from dew.data import Loading, TokenWindows
+
+    seq = 8
+    rng = np.random.default_rng(seed)
+    pairs = list(zip(documents(rng, 12), documents(rng, 12)))
+    pairs[3] = ("", pairs[3][1])  # no prompt: the first token still never counts
+    lines = [json.dumps({"prompt": p, "completion": c}) for p, c in pairs]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "padded"
+    run = dew_cli(
+        "tokenize",
+        tmp_path / "pairs.jsonl",
+        tokenizer=bpe,
+        out=out,
+        val_fraction=0,
+        jsonl_fields="prompt,completion",
+        rows="pad",
+        seq_len=seq,
+    )
+    assert run.returncode == 0, run.stderr
+    assert f"documents padded to rows of {seq}" in run.stdout
+    assert read_meta(out).pad_seq_len == seq
+    tokenizer = HFTokenizer(bpe)
+    ids, mask = folder_masks(out)["train"]
+    records = TokenWindows(out, seq_len=seq, loading=Loading(threads=0)).load(batch=1).records
+    # The windows by the folder format's rule: window w = tokens[w * seq : w * seq + seq + 1].
+    rows = np.stack([np.stack([ids, mask])[:, w * seq : w * seq + seq + 1] for w in range(records)])
+    # Walk the rows in file order: each document's tokens start a row, fill whole rows, and
+    # the inputs of a row never hold two documents.
+    row = 0
+    for prompt, completion in pairs:
+        p, c = tokenizer.encode(prompt), tokenizer.encode(completion)
+        document = p + c + [tokenizer.eos_id]
+        used = -(-len(document) // seq)
+        inputs = np.concatenate([rows[row + k, 0, :seq] for k in range(used)])
+        assert inputs[: len(document)].tolist() == document
+        assert (inputs[len(document) :] == tokenizer.eos_id).all()  # padding
+        targets = np.concatenate([rows[row + k, 0, 1:] for k in range(used)])
+        weights = np.concatenate([rows[row + k, 1, 1:] for k in range(used)])
+        counted = (c if p else c[1:]) + [tokenizer.eos_id]  # the row before would predict c[0]
+        assert targets[weights == 1].tolist() == counted
+        row += used
+    assert row == records
+
+    with pytest.raises(ValueError, match=f"padded for seq_len {seq}.*seq_len {2 * seq}"):
+        TokenWindows(out, seq_len=2 * seq).load(batch=1)
+
+
+def test_dew_tokenize_mask_flags_that_do_not_go_together_are_errors(tmp_path, dew_cli):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    base = ("tokenize", tmp_path / "a.jsonl", "--tokenizer", "bytes", "--out", tmp_path / "out")
+    cases = [
+        (("--rows", "pad"), "rows='pad' needs seq_len, the model's (--seq-len)"),
+        (("--seq-len", "8"), "seq_len 8 is for rows='pad' only"),
+        (("--jsonl-fields", "a,b,c"), "--jsonl-fields takes PROMPT,COMPLETION or MESSAGES"),
+        (("--jsonl-fields", "prompt,answer"), "no field 'answer'"),
+    ]
+    for args, message in cases:
+        run = dew_cli(*base, *args)
+        assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
+        assert not (tmp_path / "out").exists()

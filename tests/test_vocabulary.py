@@ -88,13 +88,15 @@ def test_the_table_is_not_gathered_the_tokens_are():
     scattered = {s for r in report.rows if r.op == "psum_scatter" for s in r.shapes}
     # The embedding's reduce-scatter: every row of the group, [8, 16, width].
     assert f"f32[8,16,{WIDTH}]" in scattered, scattered
-    # The loss's sums over the vocabulary, one device's block of rows at a time: [1 row, 16, 2]
-    # float32 per block, 8 blocks, each forward, recomputed and transposed in the backward; and
-    # the step's one float of loss.
+    # The loss's sums over the vocabulary, the group's 8 x 16 tokens in one chunk: [128, 2]
+    # float32 once (the forward makes the gradients: nothing is recomputed or transposed), the
+    # loss's cotangent summed in the backward, and the step's one float of loss.
     (sums,) = [r for r in report.rows if r.op == "psum"]
-    assert sums.axes == ("fsdp",) and set(sums.shapes) == {"f32[1,16,2]", "f32[]"}
-    assert sums.count == 3 * 8 + 1
-    assert sums.operand_bytes == 3 * 8 * (16 * 2 * 4) + 4
+    assert sums.axes == ("fsdp",) and set(sums.shapes) == {"f32[128,2]", "f32[]"}
+    assert sums.count == 1 + 1 + 1
+    assert sums.operand_bytes == 128 * 2 * 4 + 4 + 4
+    (maxes,) = [r for r in report.rows if r.op == "pmax"]
+    assert maxes.axes == ("fsdp",) and maxes.shapes == ("f32[128]",) and maxes.count == 1
 
 
 def test_more_tokens_than_table_rows_gather_the_table():

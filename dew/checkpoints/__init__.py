@@ -3,7 +3,7 @@
     from dew.checkpoints import Checkpoints, CheckpointError
 
 A directory is a local path or any fsspec URL (`Checkpoints("gs://bucket/run")`, with
-`pip install 'dew-ml[gcs]'`). The format is specified in docs/checkpoint-format.md.
+`pip install -e '.[gcs]'`). The format is specified in docs/checkpoint-format.md.
 """
 
 from dew.checkpoints.errors import (

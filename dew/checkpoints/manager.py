@@ -100,7 +100,7 @@ class Checkpoints:
       directory: where the step folders live: a local path (created at the first save, stored
         absolute; `file://` URLs too), or any other fsspec URL (`gs://bucket/run`, `s3://...`,
         `memory://...`), written through fsspec with the same format. A URL whose filesystem is
-        not installed raises ImportError naming what to install (`pip install 'dew-ml[gcs]'` for
+        not installed raises ImportError naming what to install (`pip install -e '.[gcs]'` for
         `gs://`); an unknown protocol raises ValueError.
       keep: how many complete steps to keep (the newest, and always the one just written);
         None keeps every step.

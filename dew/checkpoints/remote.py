@@ -17,7 +17,7 @@ saved again) removes its index first, so a step is never seen half deleted.
 The loader reads byte ranges (`cat_file(path, start, end)`), never whole files: each process reads
 only the parts of the pieces its devices need, widened to whole checksum chunks.
 
-fsspec and the filesystem package (gcsfs for `gs://`: `pip install 'dew-ml[gcs]'`) are imported
+fsspec and the filesystem package (gcsfs for `gs://`: `pip install -e '.[gcs]'`) are imported
 only when a URL is opened, so local checkpoints need neither.
 """
 
@@ -55,7 +55,7 @@ def url_protocol(directory: Any) -> str | None:
 def _install_hint(protocol: str, missing: str) -> str:
     extra = _EXTRAS.get(protocol)
     if extra is not None:
-        return f"pip install 'dew-ml[{extra}]'"
+        return f"pip install -e '.[{extra}]'"
     return f"pip install fsspec and the fsspec filesystem for {protocol}:// ({missing})"
 
 

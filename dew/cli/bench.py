@@ -83,7 +83,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         layers=size.layers,
         width=size.width,
         heads=size.heads,
-        several=("dtype", "remat", "attention"),
+        several=("dtype", "remat", "attention", "loss_chunk"),
     )
     add_moe_flags(parser)
     parser.add_argument(

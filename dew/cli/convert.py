@@ -10,6 +10,11 @@ A converted checkpoint holds the weights alone (``{"params": ...}``, metadata ``
 whose ``.params`` are the weights. Either converts back, and either starts ``dew train``.
 The conversion runs in one process, on its devices (``--cpu-devices``; the weights are put on the
 first of them).
+
+Tokenizer files travel with the weights: ``dew convert`` keeps the folder's (``TOKENIZER_FILES``)
+in ``CKPT_DIR/tokenizer/``, ``dew train`` keeps there the tokenizer its token folder was written
+with (``meta.json``'s ``tokenizer``, when it is a file), and ``--to hf`` copies them into the
+Hugging Face folder, or says that the checkpoint has none.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="largest safetensors file (default 5 GB, as save_pretrained); --to hf",
+        help="largest safetensors file (default 5 GB; transformers 5's save_pretrained writes "
+        "50 GB); --to hf",
     )
     add_device_flag(parser)
     parser.set_defaults(run=convert_command)
@@ -61,21 +67,78 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def convert_command(args) -> int:
     if args.to == "dew":
-        to_checkpoint(args.source, args.dest, dtype=args.dtype)
-        print(f"Wrote {args.source} as a Dew checkpoint (step 0) in {args.dest}")
+        copied = to_checkpoint(args.source, args.dest, dtype=args.dtype)
+        kept = f", with its {', '.join(copied)}" if copied else ", no tokenizer files beside it"
+        print(f"Wrote {args.source} as a Dew checkpoint (step 0) in {args.dest}{kept}")
     else:
-        written = to_hf(
+        written, copied = to_hf(
             args.source, args.dest, step=args.step, max_shard_bytes=args.max_shard_bytes
         )
-        print(f"Wrote {', '.join(written)} to {args.dest}")
+        print(f"Wrote {', '.join(written + copied)} to {args.dest}")
+        if not copied:
+            print(
+                f"No tokenizer files: {args.source} records none (its run read bytes or the "
+                "example corpus, or it was written before Dew kept them). Copy tokenizer.json "
+                f"and tokenizer_config.json from the model's folder into {args.dest}"
+            )
     return 0
 
 
-def to_checkpoint(folder, directory, dtype: str = "float32") -> None:
-    """The Hugging Face folder ``folder`` as step 0 of a new Dew checkpoint ``directory``."""
+# --- Tokenizer files ---------------------------------------------------------------------------
+
+# The files of a Hugging Face folder that make up its tokenizer, copied where they exist.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Where a Dew checkpoint directory keeps them (beside its step folders, which it alone lists).
+TOKENIZER_DIR = "tokenizer"
+
+
+def _copy_files(pairs) -> list[str]:
+    """Copies each ``(source, dest)`` file, refusing to overwrite; returns the dest names."""
+    import shutil
+
+    taken = [str(dest) for _, dest in pairs if dest.exists()]
+    if taken:
+        raise FileExistsError(f"{', '.join(taken)} already exists; not overwriting")
+    for source, dest in pairs:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest)
+    return [dest.name for _, dest in pairs]
+
+
+def tokenizer_files(folder) -> list[Path]:
+    """The tokenizer files (``TOKENIZER_FILES``) that ``folder`` holds."""
+    return [Path(folder) / name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
+
+
+def keep_tokenizer(checkpoint_dir, data_dir) -> list[str]:
+    """Keeps the tokenizer of the token folder ``data_dir`` in ``checkpoint_dir/tokenizer/``
+    when its ``meta.json`` names a tokenizer file that still exists (``dew tokenize
+    --tokenizer``), with the ``tokenizer_config.json`` and ``special_tokens_map.json`` beside
+    it; nothing for bytes, or when the checkpoint directory has a tokenizer already (a resumed
+    run). Returns the names copied."""
+    from dew.data import read_meta
+
+    kept = Path(checkpoint_dir) / TOKENIZER_DIR
+    source = Path(read_meta(data_dir).tokenizer)
+    if kept.exists() or not source.is_file():
+        return []
+    pairs = [(source, kept / TOKENIZER_FILES[0])]
+    if source.name == TOKENIZER_FILES[0]:  # a model's folder: its companions too
+        pairs += [(f, kept / f.name) for f in tokenizer_files(source.parent) if f != source]
+    return _copy_files(pairs)
+
+
+def to_checkpoint(folder, directory, dtype: str = "float32") -> list[str]:
+    """The Hugging Face folder ``folder`` as step 0 of a new Dew checkpoint ``directory``, its
+    tokenizer files kept in ``directory/tokenizer/``. Returns those files' names."""
     from dew.checkpoints import Checkpoints
     from dew.models import hf
 
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise (FileNotFoundError if not folder.exists() else NotADirectoryError)(
+            f"{folder} is not a folder" if folder.exists() else f"{folder} does not exist"
+        )
     checkpoints = Checkpoints(directory)
     if checkpoints.latest is not None:
         raise FileExistsError(f"{directory} already holds checkpoints {checkpoints.steps}")
@@ -83,78 +146,152 @@ def to_checkpoint(folder, directory, dtype: str = "float32") -> None:
     metadata = {"contents": "params", "model": hf.describe(model), "converted_from": str(folder)}
     checkpoints.save(0, params, metadata=metadata)
     checkpoints.wait()
-
-
-def checkpoint_model(directory, step: int | None = None):
-    """``(checkpoints, model, prefix)`` of a Dew checkpoint directory: the model its metadata
-    records, and where its weights are (``hf.params_prefix``)."""
-    from dew.checkpoints import Checkpoints
-    from dew.models import hf
-
-    checkpoints = Checkpoints(directory)
-    if checkpoints.latest is None:
-        raise ValueError(f"{directory} holds no Dew checkpoint")
-    metadata = checkpoints.metadata(step)
-    model = hf.model_of_metadata(metadata, f"the checkpoint in {directory}")
-    return checkpoints, model, hf.params_prefix(checkpoints, step)
-
-
-def restore_params(checkpoints, model, prefix: str, shardings, step: int | None = None):
-    """The weights of a Dew checkpoint laid out by ``shardings`` (a tree shaped like them)."""
-    import jax
-
-    from dew.models.causal_transformer import resolve_dtype
-
-    abstract = jax.eval_shape(model.init, jax.random.key(0))
-    dtype = resolve_dtype(model.param_dtype)
-    target = jax.tree_util.tree_map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), abstract, shardings
-    )
-    params, _ = checkpoints.restore(target, step, under=prefix)
-    return params
+    kept = Path(directory) / TOKENIZER_DIR
+    if kept.exists():
+        return []
+    return _copy_files([(f, kept / f.name) for f in tokenizer_files(folder)])
 
 
 def to_hf(directory, folder, step: int | None = None, max_shard_bytes: int | None = None):
-    """Step ``step`` (default: the latest) of a Dew checkpoint as a Hugging Face folder."""
-    import jax
-
+    """Step ``step`` (default: the latest) of a Dew checkpoint (or of the run directory holding
+    it) as a Hugging Face folder, with the tokenizer files the checkpoint keeps. Returns
+    ``(weights and config written, tokenizer files copied)``."""
     from dew.models import hf
+    from dew.models.checkpoint import checkpoint_directory, load_checkpoint
 
-    checkpoints, model, prefix = checkpoint_model(directory, step)
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.eval_shape(model.init, jax.random.key(0))
-    shardings = jax.tree_util.tree_map(lambda _: one, abstract)
-    params = restore_params(checkpoints, model, prefix, shardings, step)
+    directory = checkpoint_directory(directory)
+    tokenizer = tokenizer_files(directory / TOKENIZER_DIR)
+    taken = [f.name for f in tokenizer if (Path(folder) / f.name).exists()]
+    if taken:  # refused before the weights are written, not after
+        raise FileExistsError(f"{folder} already holds {', '.join(taken)}; not overwriting")
+    model, params = load_checkpoint(directory, step)
     extra = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-    return hf.save(model, params, folder, **extra)
+    written = hf.save(model, params, folder, **extra)
+    return written, _copy_files([(f, Path(folder) / f.name) for f in tokenizer])
 
 
 # --- dew train --init-from ---------------------------------------------------------------------
 
 
-def init_objective(objective, path):
-    """``objective`` with the model of ``path`` (a Hugging Face folder's config.json, or the model
-    a Dew checkpoint records), run as ``objective.model`` runs (attention, activations' dtype).
-    The data's vocabulary (``objective.model.vocab_size``) must fit the model's."""
+def init_source(path):
+    """``(is_hf, model)`` of ``dew train --init-from PATH``: a Hugging Face folder's
+    ``config.json`` model, or the model a Dew checkpoint directory records. ``ValueError``
+    saying which it is when PATH is missing, a file (naming the folder that holds it), or a
+    folder that is neither."""
     from dew.models import hf
+    from dew.models.checkpoint import checkpoint_model
 
-    run = objective.model
-    if hf.is_hf_folder(path):
-        model = hf.model_from_config(hf.read_config(path), f"{Path(path) / hf.CONFIG}")
-    else:
-        _, model, _ = checkpoint_model(path)
-    model = dataclasses.replace(
-        model,
-        attention_impl=run.attention_impl,
-        dtype=run.dtype,
-        max_seq_len=max(model.max_seq_len, objective.seq_len),
-    )
-    if run.vocab_size > model.vocab_size:
+    where = Path(path)
+    if not where.exists():
+        raise ValueError(f"--init-from {path}: no such file or folder")
+    if not where.is_dir():
         raise ValueError(
-            f"the token folder's vocabulary of {run.vocab_size} does not fit the vocabulary "
+            f"--init-from {path} is a file; give the folder of a Hugging Face model (with its "
+            f"{hf.CONFIG}) or a Dew checkpoint directory, e.g. --init-from {where.parent}"
+        )
+    if hf.is_hf_folder(where):
+        return True, hf.model_from_config(hf.read_config(where), f"{where / hf.CONFIG}")
+    from dew.checkpoints import Checkpoints
+
+    if Checkpoints(where).latest is None:
+        entries = sorted(p.name for p in where.iterdir())
+        shown = ", ".join(entries[:6]) + (
+            f" and {len(entries) - 6} more" if len(entries) > 6 else ""
+        )
+        raise ValueError(
+            f"--init-from {path} is neither a Hugging Face model folder (no {hf.CONFIG}) nor a "
+            f"Dew checkpoint directory (no step_NNNNNNNN folder); it holds {shown or 'nothing'}"
+        )
+    _, model, _ = checkpoint_model(where)
+    return False, model
+
+
+# --init-from's model is the folder's: each of these flags, when given, must say what it says.
+_SIZE_FLAGS = {
+    "layers": ("num_layers", "layers"),
+    "width": ("emb_features", "width"),
+    "heads": ("num_heads", "heads"),
+    "experts": ("num_experts", "experts"),
+}
+
+
+def check_size_flags(args, model, path) -> None:
+    """``ValueError`` naming both values when a flag that sets the model's sizes (``--model``,
+    ``--layers``, ``--width``, ``--heads``, ``--experts``) disagrees with the model of
+    ``--init-from`` ``path``: that model is the one trained."""
+    from dew.models.hf_config import ARCHITECTURE_FIELDS
+    from dew.models.presets import preset
+
+    differ = []
+    for flag, (field, words) in _SIZE_FLAGS.items():
+        given = getattr(args, flag, None)
+        if given and given != getattr(model, field):
+            differ.append(f"--{flag} {given} (it has {getattr(model, field)} {words})")
+    if args.model:
+        from dew import models
+
+        named = models.build("causal_transformer", **preset(args.model))
+        fields = [f for f in ARCHITECTURE_FIELDS if getattr(named, f) != getattr(model, f)]
+        if fields:
+            shown = ", ".join(
+                f"{f} {getattr(named, f)} where it has {getattr(model, f)}" for f in fields[:3]
+            )
+            more = f" and {len(fields) - 3} more" if len(fields) > 3 else ""
+            differ.append(f"--model {args.model} ({shown}{more})")
+    if differ:
+        raise ValueError(
+            f"--init-from {path} sets the model trained, and "
+            + "; ".join(differ)
+            + (" disagrees" if len(differ) == 1 else " disagree")
+            + " with it: leave "
+            + ("it" if len(differ) == 1 else "them")
+            + " out"
+        )
+
+
+def init_model(args, model, path, data_vocab: int):
+    """The model ``dew train --init-from`` trains: ``model`` (of ``init_source``) run as the
+    flags ask (``--dtype``, ``--param-dtype``, ``--remat``, ``--attention``, ...: the model's
+    choices; ``--dtype`` and ``--attention`` default to the example decoder's float32 and
+    XLA), its context kept unless ``--extend-context`` lengthens it to ``--seq-len``.
+    ``ValueError`` when ``--seq-len`` passes the context without it, or the token folder's
+    vocabulary ``data_vocab`` does not fit the model's."""
+    from dew.cli.model_flags import _MODEL_CHOICE_FLAGS
+    from dew.models.causal_transformer import CausalTransformer
+
+    defaults = {f.name: f.default for f in dataclasses.fields(CausalTransformer)}
+    runs = {"dtype": defaults["dtype"], "attention_impl": defaults["attention_impl"]}
+    for flag, field in _MODEL_CHOICE_FLAGS.items():  # --dtype, --remat, ... where given
+        if getattr(args, flag, None) is not None:
+            runs[field] = getattr(args, flag)
+    context = model.max_seq_len
+    if args.seq_len > context:
+        if not args.extend_context:
+            raise ValueError(
+                f"--seq-len {args.seq_len} is above the context of {path}, {context} tokens "
+                "(max_position_embeddings); give --extend-context to train on longer rows, or a "
+                f"--seq-len of at most {context}"
+            )
+        runs["max_seq_len"] = args.seq_len
+        print(
+            f"--extend-context: the context goes from {context} to {args.seq_len} tokens (the "
+            f"model's max_seq_len, and max_position_embeddings in a --to hf export); the rotary "
+            f"frequencies (rope_theta, rope scaling) stay as they are, so positions past "
+            f"{context} are ones the model was not trained on",
+            flush=True,
+        )
+    elif args.extend_context:
+        print(
+            f"--extend-context: changes nothing: --seq-len {args.seq_len} is within the "
+            f"context of {path}, {context} tokens",
+            flush=True,
+        )
+    if data_vocab > model.vocab_size:
+        raise ValueError(
+            f"the token folder's vocabulary of {data_vocab} does not fit the vocabulary "
             f"{model.vocab_size} of {path}: tokenize with that model's tokenizer.json"
         )
-    return dataclasses.replace(objective, model=model)
+    return dataclasses.replace(model, **runs)
 
 
 def init_from(trainer, path) -> None:
@@ -166,6 +303,7 @@ def init_from(trainer, path) -> None:
     import jax.numpy as jnp
 
     from dew.models import hf
+    from dew.models.checkpoint import checkpoint_model, restore_params
     from dew.training.state import TrainState
 
     if trainer.checkpoints.latest is not None:

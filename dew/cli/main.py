@@ -39,8 +39,10 @@ from dew.cli.model_flags import (
     add_model_flags,
     add_moe_flags,
     model_config,
+    moe_config,
     sizes_text,
 )
+from dew.cli.optimizer_flags import add_optimizer_flags, optimizer_from
 from dew.targets import MissingExtra
 
 
@@ -76,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="runs/dew-train",
         help="checkpoints go to RUN_DIR/checkpoints; a rerun resumes from them",
     )
-    train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    add_optimizer_flags(train)
     train.add_argument(
         "--log-every",
         type=int,
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="write every step's metrics as TensorBoard scalars to event files in DIR "
-        "(pip install 'dew-ml[tensorboard]'; view with tensorboard --logdir DIR)",
+        "(pip install -e '.[tensorboard]'; view with tensorboard --logdir DIR)",
     )
     train.add_argument(
         "--eval-every",
@@ -125,7 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="start from the weights (and model) of a Hugging Face Llama folder or a Dew "
-        "checkpoint directory, instead of --model and --seed (see docs/hf.md)",
+        "checkpoint directory, instead of --model and --seed: a size flag that disagrees with "
+        "its model is an error, and --seq-len may not pass its context (see docs/hf.md)",
+    )
+    train.add_argument(
+        "--extend-context",
+        action="store_true",
+        help="with --init-from: a --seq-len above the model's context lengthens the context to "
+        "it (max_seq_len, and max_position_embeddings in an export); the rotary frequencies "
+        "stay as they are",
     )
     train.set_defaults(run=train_command)
 
@@ -154,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_devices(cpu_devices: int) -> None:
     if cpu_devices < 0:
-        raise SystemExit(f"dew: --cpu-devices must be >= 0, got {cpu_devices}")
+        raise ValueError(f"--cpu-devices must be >= 0, got {cpu_devices}")
     from dew.training.runtime import prepare_process
 
     prepare_process(cpu_devices=cpu_devices or None)
@@ -175,16 +185,17 @@ def _val_batches(args) -> int:
     return given if given is not None and given >= 1 else EVAL_BATCHES
 
 
-def _example(args, data_dir):
-    """The example model, objective and data of ``args``."""
+def _example(args, data_dir, model=None):
+    """The example model (or ``model``, when given), objective and data of ``args``."""
     from dew import models
     from dew.data import Loading, TokenWindows
     from dew.objectives.lm import LMObjective
 
-    config = model_config(args)
-    # The vocabulary from the folder's meta.json (a preset's own must hold it).
-    config["vocab_size"] = tokenize.training_vocabulary(config, args.model, data_dir)
-    model = models.build("causal_transformer", **config)
+    if model is None:
+        config = model_config(args)
+        # The vocabulary from the folder's meta.json (a preset's own must hold it).
+        config["vocab_size"] = tokenize.training_vocabulary(config, args.model, data_dir)
+        model = models.build("causal_transformer", **config)
     data = TokenWindows(
         path=data_dir,
         seq_len=args.seq_len,
@@ -194,15 +205,15 @@ def _example(args, data_dir):
     return LMObjective(model, args.seq_len), data
 
 
-def _trainer(args, objective, checkpoints=None, engine="shard_map", lr=1e-3, seed=0):
+def _trainer(args, objective, checkpoints=None, engine="shard_map", optimizer=None, seed=0):
     import jax
-    import optax
 
     from dew import Layout, MeshSpec, Trainer
+    from dew.training.optimizer import default_optimizer
 
     return Trainer(
         objective,
-        optax.adamw(lr),
+        default_optimizer() if optimizer is None else optimizer,
         key=jax.random.key(seed),
         mesh=MeshSpec.parse(args.mesh),
         layout=Layout(min_shard=args.min_shard),
@@ -235,16 +246,29 @@ def train_command(args) -> int:
     from dew.checkpoints import Checkpoints
 
     run_dir = Path(args.run_dir)
+    model = None
+    if args.init_from:  # its model is the model: read (and checked) before any data is written
+        _, model = convert.init_source(args.init_from)
+        convert.check_size_flags(args, model, args.init_from)
+        moe_config(args)  # the MoE flags' own check (one without --experts)
+    elif args.extend_context:
+        raise ValueError("--extend-context lengthens the context of an --init-from model")
     data_dir = args.data or _example_corpus(run_dir / "corpus")
-    objective, data = _example(args, data_dir)
-    if args.init_from:
-        objective = convert.init_objective(objective, args.init_from)
+    if model is not None:
+        from dew.data import read_meta
+
+        vocab = read_meta(data_dir).vocab_size
+        model = convert.init_model(args, model, args.init_from, vocab)
+    objective, data = _example(args, data_dir, model)
     _print_header(args, objective.model, name=args.init_from)
+    optimizer = optimizer_from(args)
     trainer = _trainer(
-        args, objective, Checkpoints(run_dir / "checkpoints"), lr=args.lr, seed=args.seed
+        args, objective, Checkpoints(run_dir / "checkpoints"), optimizer=optimizer, seed=args.seed
     )
     if args.init_from:
         convert.init_from(trainer, args.init_from)
+    # The tokenizer the token folder was written with, for dew convert --to hf to copy.
+    convert.keep_tokenizer(trainer.checkpoints.directory, data_dir)
     from dew.checkpoints.errors import CheckpointMismatchError
     from dew.training.tracking import TensorBoard
 
@@ -292,16 +316,35 @@ def collectives_command(args) -> int:
     return 0
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that are a user's mistake, not Dew's: a bad value (``ValueError``, which
+    ``CheckpointMismatchError`` is too), a checkpoint that cannot be read as asked
+    (``CheckpointError`` and its kinds), a path that is missing, a file where a folder is wanted,
+    unreadable or taken (``OSError``), an extra not installed (``MissingExtra``)."""
+    from dew.checkpoints.errors import CheckpointError
+
+    return (ValueError, CheckpointError, OSError, MissingExtra)
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line (a message of several lines joined by ``"; "``)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return "; ".join(lines) or type(error).__name__
+
+
 def main(argv=None) -> int:
+    """Runs one ``dew`` command. A user's mistake in any command (``user_errors``) is one line on
+    stderr, ``dew COMMAND: message``, and exit code 2, never a traceback; argparse's own errors
+    (an unknown flag, a missing value) also exit 2, after the usage line."""
     args = build_parser().parse_args(argv)
-    if hasattr(args, "setup"):
-        args.setup()
-    elif args.command != "launch":  # launch only starts processes; each sets up its own devices
-        _setup_devices(args.cpu_devices)
     try:
+        if hasattr(args, "setup"):
+            args.setup()
+        elif args.command != "launch":  # launch only starts processes; each sets up its own
+            _setup_devices(args.cpu_devices)
         return args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError, MissingExtra) as error:
-        print(f"dew {args.command}: {error}", file=sys.stderr)
+    except user_errors() as error:
+        print(f"dew {args.command}: {one_line(error)}", file=sys.stderr, flush=True)
         return 2
 
 

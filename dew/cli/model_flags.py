@@ -1,8 +1,8 @@
 """The model's flags, defined once for every ``dew`` command that builds one: a ``--model`` preset
 or the example decoder's sizes, the model's choices (``--dtype``, ``--param-dtype``, ``--remat``,
-``--attention``), the mixture-of-experts flags, and what they make: ``model_config`` (one model),
-``model_variants`` (one per value of a choice given several), ``sizes_text`` (a command's first
-line).
+``--attention``, ``--loss-chunk``), the mixture-of-experts flags, and what they make:
+``model_config`` (one model), ``model_variants`` (one per value of a choice given several),
+``sizes_text`` (a command's first line).
 
 Like ``dew.cli.flags``, nothing here starts JAX's backends: the parser is built before the device
 flags are read.
@@ -38,7 +38,7 @@ def add_model_flags(
     float32 and XLA attention). ``several`` names those of ``dtype``, ``remat`` and
     ``attention`` that take one or more values, each a contestant of its own (read them with
     ``model_variants``); read the rest with ``model_config``."""
-    from dew.models.causal_transformer import DTYPES, REMAT_CHOICES
+    from dew.models.causal_transformer import DTYPES, REMAT_AUTO, REMAT_CHOICES
     from dew.nn.attention import CHOICES as ATTENTION_CHOICES
 
     parser.add_argument(
@@ -94,11 +94,12 @@ def add_model_flags(
     parser.add_argument(
         "--remat",
         default=None,
-        choices=REMAT_CHOICES,
+        choices=(*REMAT_CHOICES, REMAT_AUTO),
         metavar="POLICY",
         help="what each layer keeps for the backward (default: the model's own): full "
         "(nothing: the layer is recomputed), dots (the matmul outputs), attention (those and "
-        "the attention output), none (everything)" + more,
+        "the attention output), none (everything), auto (the least recomputation whose step "
+        "fits the device, a compile per policy tried)" + more,
         **nargs,
     )
     nargs, more = takes("attention")
@@ -110,6 +111,16 @@ def add_model_flags(
         "example decoder): auto (Pallas on TPU, cuDNN on GPU where it takes the shapes, else "
         "Pallas, XLA on CPU, by the devices the step is compiled for), xla, pallas, cudnn (GPU "
         "only), pallas_tpu_interpret (the TPU kernels interpreted, for tests)" + more,
+        **nargs,
+    )
+    nargs, more = takes("loss_chunk")
+    parser.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="tokens whose logits the loss makes at a time (default: the fewest chunks of at most "
+        "512 MiB of float32 logits; at least the tokens a device holds: no chunking)" + more,
         **nargs,
     )
     parser.set_defaults(
@@ -132,6 +143,7 @@ _MODEL_CHOICE_FLAGS = {
     "param_dtype": "param_dtype",
     "remat": "remat",
     "attention": "attention_impl",
+    "loss_chunk": "loss_chunk_tokens",
 }
 
 

@@ -4,8 +4,9 @@
     dew plan --target v5p-64 --model llama-3.1-8b --mesh fsdp=32 data=2,fsdp=16 --engines \
         shard_map gspmd
     dew plan --target v5e-8 --model gpt2-small --search --max-layouts 4 --json plan.json
+    dew plan --target v5e-1 --model gpt2-small --batch 20 --seq-len 1024 --remat auto
 
-Needs ``libtpu`` (``pip install 'dew-ml[tpu]'``); runs on a machine with no TPU. The compiling and
+Needs ``libtpu`` (``pip install -e '.[tpu]'``); runs on a machine with no TPU. The compiling and
 reading are ``dew.planning``'s; this module reads flags and prints.
 """
 
@@ -47,7 +48,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "plan",
         help="compile the step for a TPU slice you don't have; memory, bytes and fit per layout",
         description="Compiles the training step for a TPU slice (needs libtpu: pip install "
-        "'dew-ml[tpu]'; no TPU needed) in each layout asked and prints, per device: the state, "
+        "-e '.[tpu]'; no TPU needed) in each layout asked and prints, per device: the state, "
         "temporary and total memory, whether it fits the chip, wire bytes and collective counts "
         "per step (from the compiled HLO), and the compile time.",
     )
@@ -80,10 +81,19 @@ def add_parser(commands) -> argparse.ArgumentParser:
     add_gradient_sum_flag(parser, several=True)
     add_accumulation_flag(parser)
     parser.add_argument(
+        "--moments-dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="the AdamW moments' dtype, as dew train's flag (default float32); with "
+        "--param-dtype bfloat16 the state is 6 bytes a weight instead of 12. With --search and "
+        "neither flag, the search tries float32 weights and moments, then both in bfloat16",
+    )
+    parser.add_argument(
         "--search",
         action="store_true",
         help="enumerate every layout of the six axes the model and slice allow and compile the "
-        "most promising (see --max-layouts); rank those that fit by wire bytes",
+        "most promising (see --max-layouts); rank those that fit by wire bytes. Without "
+        "--remat it also chooses the recompute policy per layout (--remat auto)",
     )
     parser.add_argument(
         "--max-layouts",
@@ -109,11 +119,13 @@ def setup() -> None:
 
 def _objectives(args) -> list:
     """The objective of ``args``' model, one per ``--remat`` policy given (one: the model's
-    own policy, when none is)."""
+    own policy, when none is; ``auto`` with ``--search``, which then chooses it)."""
     from dew import models
     from dew.objectives.lm import LMObjective
 
     config, variants = model_variants(args)
+    if args.search and not args.remat:
+        config["remat"] = "auto"
     return [
         LMObjective(models.build("causal_transformer", **config, **variant), args.seq_len)
         for variant in variants
@@ -137,7 +149,7 @@ def _header(args, target, objective) -> str:
     from dew.planning import weight_count
 
     model = objective.model
-    remats = " ".join(args.remat or [model.remat])
+    remats = " ".join(args.remat or [model.remat])  # "auto": chosen per layout
     config = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
     return (
         f"dew plan: {target.describe()}\n"
@@ -168,7 +180,9 @@ def run(args) -> int:
     if args.search and args.mesh is not None:
         raise ValueError("--mesh and --search: give one (--search enumerates the layouts itself)")
     if not args.search and args.mesh is None:
-        raise ValueError("which layouts? give --mesh LAYOUT... (one or more) or --search")
+        if tpu.chips > 1:
+            raise ValueError("which layouts? give --mesh LAYOUT... (one or more) or --search")
+        args.mesh = ["data=1"]  # one chip: its one layout
     if args.max_layouts < 1:
         raise ValueError(f"--max-layouts must be at least 1, got {args.max_layouts}")
     json_path = Path(args.json) if args.json else None
@@ -179,10 +193,19 @@ def run(args) -> int:
     objectives = _objectives(args)
     variants = option_variants(args)
     print(_header(args, tpu, objectives[0]), flush=True)
-    settings = dict(layout=Layout(min_shard=args.min_shard), accumulation=args.accumulation)
+    from dew.training.optimizer import adamw
+
+    settings = dict(
+        layout=Layout(min_shard=args.min_shard),
+        accumulation=args.accumulation,
+        optimizer=adamw(1e-3, moments_dtype=args.moments_dtype or "float32"),
+    )
+    if args.search and args.moments_dtype is None and args.param_dtype is None:
+        settings["states"] = planning.STATE_ORDER  # the state's precision, chosen per layout
 
     def show(row):
-        what = f"{row.mesh} ({row.engine}, remat {row.remat}" + (
+        state = f", state {row.choices['state']}" if "state" in row.choices else ""
+        what = f"{row.mesh} ({row.engine}, remat {row.remat}{state}" + (
             f", {row.options})" if row.options else ")"
         )
         if row.error is not None:
@@ -197,12 +220,23 @@ def run(args) -> int:
                 flush=True,
             )
             return
+        heap = "-" if row.temp_bytes is None else planning.format_bytes(row.temp_bytes)
+        spare = (
+            f" with {planning.format_bytes(row.spare_bytes)} to spare"
+            if row.spare_bytes is not None
+            else ""
+        )
         print(
             f"  {what}: compiled in {row.compile_s:.0f} s; total "
-            f"{planning.format_bytes(row.total_bytes)} per device, {row.verdict}; "
+            f"{planning.format_bytes(row.total_bytes)} per device (temporaries: the compiler's "
+            f"heap {heap}, memory_analysis {planning.format_bytes(row.analysis_temp_bytes)}), "
+            f"{row.verdict}{spare} of {planning.format_bytes(row.limit_bytes)}; "
             f"{planning.format_bytes(row.wire_bytes)} on the wire per step",
             flush=True,
         )
+
+    def chose(rows):
+        print(f"  chose {planning.choice_text(rows)}", flush=True)
 
     if args.search:
 
@@ -227,6 +261,7 @@ def run(args) -> int:
                     options=options,
                     on_row=show,
                     on_candidates=listed,
+                    on_choice=chose,
                     **settings,
                 )
     else:
@@ -242,10 +277,13 @@ def run(args) -> int:
                     engines=engines,
                     options=options,
                     on_row=show,
+                    on_choice=chose,
                     **settings,
                 )
     print()
     print(planning.format_table(rows))
+    if args.search:
+        print(planning.search_summary(rows))
     if json_path is not None:
         json_path.write_text(json.dumps([r.to_json() for r in rows], indent=2) + "\n")
         print(f"\nwrote {json_path}")

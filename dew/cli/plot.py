@@ -13,7 +13,7 @@ A resumed run appends to its file, so a step can appear twice; the later line wi
 curve leaves out the first step of the file and of each resumed segment (a line whose step is not
 above the line before it): that step includes compiling.
 
-matplotlib is an optional extra (``pip install 'dew-ml[plot]'``); the figure is drawn with the Agg
+matplotlib is an optional extra (``pip install -e '.[plot]'``); the figure is drawn with the Agg
 backend, without pyplot, so no display is needed.
 """
 
@@ -139,7 +139,7 @@ def build_figure(runs: list[tuple[str, list[dict]]]):
         from matplotlib.figure import Figure
     except ImportError:
         raise MissingExtra(
-            "dew plot draws with matplotlib: pip install 'dew-ml[plot]' (or matplotlib)"
+            "dew plot draws with matplotlib: pip install -e '.[plot]' (or matplotlib)"
         ) from None
     figure = Figure(figsize=(15, 4.2), layout="constrained")
     FigureCanvasAgg(figure)

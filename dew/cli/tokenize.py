@@ -3,6 +3,9 @@ which ``dew train --data`` sizes the model's vocabulary from the folder.
 
     dew tokenize books/ --tokenizer tokenizer.json --out data/books --workers 4
     dew tokenize chats.jsonl --field content --tokenizer bytes --out data/chats --force
+    dew tokenize pairs.jsonl --jsonl-fields prompt,completion --tokenizer tokenizer.json --out sft
+    dew tokenize chats.jsonl --jsonl-fields messages --rows pad --seq-len 1024 --tokenizer bytes \
+        --out data/chats
 
 The reading, splitting and writing are ``dew.data.text``'s; this module reads flags and prints.
 Nothing here starts JAX.
@@ -39,7 +42,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         required=True,
         metavar="T",
         help="bytes (one token per UTF-8 byte), a tokenizer.json file, or a folder holding one "
-        "(needs pip install 'dew-ml[text]'); nothing is downloaded",
+        "(needs pip install -e '.[text]'); nothing is downloaded",
     )
     parser.add_argument("--out", required=True, metavar="FOLDER", help="the token folder to write")
     parser.add_argument(
@@ -51,6 +54,30 @@ def add_parser(commands) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--field", default="text", help="the .jsonl field or .parquet column (default text)"
+    )
+    parser.add_argument(
+        "--jsonl-fields",
+        default=None,
+        metavar="P,C|M",
+        help="prompt-masked data, written with a loss mask: PROMPT,COMPLETION field names "
+        "(the loss on the completion only), or one MESSAGES field holding a chat, a list of "
+        "{role, content} (the loss on the assistant's turns only; docs/data.md gives the "
+        "template). Also the columns of a .parquet input",
+    )
+    parser.add_argument(
+        "--rows",
+        choices=("pack", "pad"),
+        default="pack",
+        help="pack (default): documents follow each other, joined by the end-of-text id, and "
+        "a row may hold several (attention crosses them); pad: each document starts a row of "
+        "--seq-len, the rest padded and masked, so no row holds two documents",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="S",
+        help="with --rows pad: the seq_len dew train will read the folder at",
     )
     parser.add_argument(
         "--eos",
@@ -136,9 +163,24 @@ def _documents(count: int) -> str:
     return f"{count:,} document" + ("" if count == 1 else "s")
 
 
-def tokenize_command(args) -> int:
-    from dew.data.text import tokenize_files
+def jsonl_fields(text: str | None) -> tuple[str, ...] | None:
+    """``--jsonl-fields``: ``"prompt,completion"`` -> ``("prompt", "completion")``,
+    ``"messages"`` -> ``("messages",)``; a ValueError naming the value for anything else."""
+    if text is None:
+        return None
+    fields = tuple(name.strip() for name in text.split(","))
+    if len(fields) not in (1, 2) or not all(fields):
+        raise ValueError(
+            f"--jsonl-fields takes PROMPT,COMPLETION or MESSAGES (one or two names), got {text!r}"
+        )
+    return fields
 
+
+def tokenize_command(args) -> int:
+    from dew.data.text import mask_rule, tokenize_files
+
+    fields = jsonl_fields(args.jsonl_fields)
+    mask_rule(fields, args.rows, args.seq_len)  # bad combinations stop before any reading
     progress = Progress()
     try:
         report = tokenize_files(
@@ -152,6 +194,9 @@ def tokenize_command(args) -> int:
             seed=args.seed,
             force=args.force,
             progress=progress,
+            fields=fields,
+            rows=args.rows,
+            seq_len=args.seq_len,
         )
     except BaseException:
         progress.abandon()
@@ -164,6 +209,9 @@ def tokenize_command(args) -> int:
         f"({_documents(report.val_documents)}); vocab_size {meta.vocab_size}, dtype {meta.dtype}, "
         f"eos_id {meta.eos_id}, in {report.seconds:.1f} s"
     )
+    if meta.loss_mask:
+        rows = "packed" if meta.pad_seq_len is None else f"padded to rows of {meta.pad_seq_len}"
+        print(f"Loss mask: train.mask, val.mask; documents {rows}")
     return 0
 
 

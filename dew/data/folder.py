@@ -11,6 +11,13 @@ with no header, and one JSON object::
 truncated or swapped file is caught before training reads garbage. Token values are *not* checked
 against ``vocab_size`` when a folder is read (that would mean reading every token);
 ``write_token_folder`` checks them when it writes.
+
+A folder may also hold a loss mask (``"loss_mask": true`` in ``meta.json``): ``train.mask`` and
+``val.mask``, one byte per token (``uint8``, 0 or 1), exactly ``train_tokens`` / ``val_tokens``
+bytes long, ``mask[i] = 1`` when predicting token ``i`` counts in the loss (``dew tokenize
+--jsonl-fields``: a completion's tokens count, its prompt's do not). A folder without one counts
+every token. ``"pad_seq_len": S`` records that each document starts at a multiple of ``S`` tokens
+(``dew tokenize --rows pad``), so windows of ``seq_len = S`` never hold two documents.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from dew.checks import positive_int
 META = "meta.json"
 TRAIN = "train.bin"
 VAL = "val.bin"
+# The loss mask beside each token file (only where meta.json says "loss_mask": true).
+MASKS = {"train": "train.mask", "val": "val.mask"}
+MASK_DTYPE = np.dtype("uint8")
 # Accepted storage dtypes, all unsigned and stored little-endian whatever the machine.
 DTYPES = ("uint8", "uint16", "uint32")
 _REQUIRED = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens", "eos_id")
@@ -44,6 +54,10 @@ class TokenMeta:
     train_tokens: int
     val_tokens: int
     eos_id: int | None
+    # True when train.mask and val.mask weight each token's loss (0 or 1); False: all tokens count.
+    loss_mask: bool = False
+    # The seq_len whose rows each document starts (dew tokenize --rows pad), or None (packed).
+    pad_seq_len: int | None = None
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -52,7 +66,12 @@ class TokenMeta:
 
     def to_json(self) -> dict[str, Any]:
         """The ``meta.json`` object (without ``path``)."""
-        return {name: getattr(self, name) for name in _REQUIRED}
+        meta = {name: getattr(self, name) for name in _REQUIRED}
+        if self.loss_mask:
+            meta["loss_mask"] = True
+        if self.pad_seq_len is not None:
+            meta["pad_seq_len"] = self.pad_seq_len
+        return meta
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -82,7 +101,10 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
     Raises FileNotFoundError (naming the path) when the folder, ``meta.json``, ``train.bin`` or
     ``val.bin`` is missing; ValueError for JSON that does not parse, a missing or ill-typed field,
     an unknown dtype, a ``vocab_size`` the dtype cannot hold, an ``eos_id`` outside the vocabulary,
-    or a ``train.bin`` / ``val.bin`` whose size disagrees with ``train_tokens`` / ``val_tokens``.
+    or a ``train.bin`` / ``val.bin`` whose size disagrees with ``train_tokens`` / ``val_tokens``;
+    with ``"loss_mask": true``, FileNotFoundError for a missing ``train.mask`` / ``val.mask`` and
+    ValueError for one whose size is not its token count; without it, ValueError for a mask file
+    that ``meta.json`` does not describe (a mask must never be silently ignored).
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -124,19 +146,39 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
     if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < vocab_size):
         fail(f"eos_id must be null or an integer in [0, {vocab_size}), got {eos_id!r}")
 
+    loss_mask = meta.get("loss_mask", False)
+    if not isinstance(loss_mask, bool):
+        fail(f"loss_mask must be true or false, got {loss_mask!r}")
+    pad_seq_len = meta.get("pad_seq_len")
+    if pad_seq_len is not None and (not _is_int(pad_seq_len) or pad_seq_len < 1):
+        fail(f"pad_seq_len must be null or an integer >= 1, got {pad_seq_len!r}")
+
     itemsize = np.dtype(dtype).itemsize
-    for file, count_name in ((TRAIN, "train_tokens"), (VAL, "val_tokens")):
+    files = [(TRAIN, "train_tokens", itemsize, dtype), (VAL, "val_tokens", itemsize, dtype)]
+    if loss_mask:
+        files += [
+            (MASKS["train"], "train_tokens", 1, "uint8"),
+            (MASKS["val"], "val_tokens", 1, "uint8"),
+        ]
+    else:
+        stray = [name for name in MASKS.values() if (folder / name).exists()]
+        if stray:
+            fail(
+                f'the folder holds {", ".join(stray)} but meta.json has no "loss_mask": true; '
+                "remove the mask files to count every token, or set loss_mask to use them"
+            )
+    for file, count_name, file_itemsize, file_dtype in files:
         file_path = folder / file
         if not file_path.is_file():
             raise FileNotFoundError(
                 f"token folder {str(folder)!r} has no {file} (expected {str(file_path)!r})"
             )
         size = file_path.stat().st_size
-        expected = meta[count_name] * itemsize
+        expected = meta[count_name] * file_itemsize
         if size != expected:
             fail(
-                f"{count_name} = {meta[count_name]} ({expected} bytes of {dtype}) "
-                f"but {file} holds {size} bytes ({size / itemsize:g} tokens)"
+                f"{count_name} = {meta[count_name]} ({expected} bytes of {file_dtype}) "
+                f"but {file} holds {size} bytes ({size / file_itemsize:g} tokens)"
             )
 
     return TokenMeta(
@@ -147,6 +189,8 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
         train_tokens=meta["train_tokens"],
         val_tokens=meta["val_tokens"],
         eos_id=eos_id,
+        loss_mask=loss_mask,
+        pad_seq_len=pad_seq_len,
     )
 
 
@@ -158,6 +202,35 @@ def open_tokens(meta: TokenMeta, split: str) -> np.ndarray:
         # mmap cannot map an empty file.
         return np.zeros(0, meta.numpy_dtype)
     return np.memmap(meta.path / file, dtype=meta.numpy_dtype, mode="r", shape=(count,))
+
+
+def open_mask(meta: TokenMeta, split: str) -> np.ndarray | None:
+    """A read-only memory map of ``train.mask`` or ``val.mask``, ``uint8 [tokens]``, or ``None``
+    for a folder without a loss mask."""
+    if not meta.loss_mask:
+        return None
+    count = {"train": meta.train_tokens, "val": meta.val_tokens}[split]
+    if count == 0:
+        return np.zeros(0, MASK_DTYPE)
+    return np.memmap(meta.path / MASKS[split], dtype=MASK_DTYPE, mode="r", shape=(count,))
+
+
+def _as_mask_array(mask: Any, name: str, tokens: int) -> np.ndarray:
+    array = np.asarray(mask)
+    if array.shape != (tokens,):
+        raise ValueError(
+            f"{name} must hold one 0 or 1 per token ({tokens}), got shape {array.shape}"
+        )
+    if array.size and not (
+        (np.issubdtype(array.dtype, np.integer) or array.dtype == bool)
+        and int(array.min()) >= 0
+        and int(array.max()) <= 1
+    ):
+        raise ValueError(
+            f"{name} must hold only 0 and 1 (dtype {array.dtype}, values from {array.min()} to "
+            f"{array.max()})"
+        )
+    return array.astype(MASK_DTYPE)
 
 
 def _as_token_array(ids: Any, name: str, vocab_size: int, dtype: str) -> np.ndarray:
@@ -211,6 +284,10 @@ class TokenFolderWriter:
     exception. ``extra`` (the argument, or the ``extra`` dict until ``close``) adds fields to
     ``meta.json``, which ``read_meta`` ignores. The rule for existing files is
     ``write_token_folder``'s, checked when the writer is made.
+
+    ``loss_mask=True`` writes ``train.mask`` and ``val.mask`` too: every ``append`` then takes
+    ``mask``, one 0 or 1 per id (checked). ``pad_seq_len`` is recorded in ``meta.json`` (the
+    caller lays the documents out; ``dew.data.text`` does for ``--rows pad``).
     """
 
     def __init__(
@@ -222,11 +299,17 @@ class TokenFolderWriter:
         eos_id: int | None = None,
         overwrite: bool = False,
         extra: dict[str, Any] | None = None,
+        loss_mask: bool = False,
+        pad_seq_len: int | None = None,
     ):
         _check_header(tokenizer, vocab_size, eos_id)
         _check_extra(extra or {})
+        if pad_seq_len is not None:
+            positive_int("pad_seq_len", pad_seq_len)
         self.folder = Path(path)
-        existing = [name for name in (META, TRAIN, VAL) if (self.folder / name).exists()]
+        existing = [
+            name for name in (META, TRAIN, VAL, *MASKS.values()) if (self.folder / name).exists()
+        ]
         if existing and not overwrite:
             raise FileExistsError(
                 f"{str(self.folder)!r} already holds {', '.join(existing)}; "
@@ -236,6 +319,8 @@ class TokenFolderWriter:
         self.meta: TokenMeta | None = None
         self._header = {"tokenizer": tokenizer, "vocab_size": vocab_size, "eos_id": eos_id}
         self.extra = dict(extra or {})
+        self.loss_mask = bool(loss_mask)
+        self.pad_seq_len = pad_seq_len
         self.folder.mkdir(parents=True, exist_ok=True)
         suffix = f".tmp-{os.getpid()}"
         self._temps = {
@@ -243,22 +328,39 @@ class TokenFolderWriter:
             "val": self.folder / (VAL + suffix),
             "meta": self.folder / (META + suffix),
         }
+        # Mask files are keyed "train.mask" / "val.mask", beside the splits.
+        streams = ["train", "val"]
+        if self.loss_mask:
+            for split, name in MASKS.items():
+                self._temps[name] = self.folder / (name + suffix)
+                streams.append(name)
         self.counts = {"train": 0, "val": 0}
         self._files = {}
         try:
-            for split in ("train", "val"):
-                self._files[split] = open(self._temps[split], "wb")
+            for stream in streams:
+                self._files[stream] = open(self._temps[stream], "wb")
         except BaseException:
             self.abort()
             raise
 
-    def append(self, split: str, ids: Any) -> None:
-        """Adds ``ids`` (a flat integer sequence) to the end of ``split`` ("train" or "val")."""
+    def append(self, split: str, ids: Any, mask: Any = None) -> None:
+        """Adds ``ids`` (a flat integer sequence) to the end of ``split`` ("train" or "val"), and
+        ``mask`` (one 0 or 1 per id) to its loss mask: required with ``loss_mask=True``, refused
+        without."""
         if split not in self.counts:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if self.meta is not None or not self._files:
             raise ValueError("this TokenFolderWriter is closed")
+        if (mask is None) == self.loss_mask:
+            raise ValueError(
+                f"this writer has loss_mask={self.loss_mask}: "
+                + ("append needs a mask" if self.loss_mask else "it takes no mask")
+            )
         array = _as_token_array(ids, f"{split} ids", self._header["vocab_size"], self.dtype)
+        if self.loss_mask:
+            mask_array = _as_mask_array(mask, f"{split} mask", array.size)
+            # Both checked before either is written: the files never disagree in length.
+            mask_array.tofile(self._files[MASKS[split]])
         array.tofile(self._files[split])
         self.counts[split] += int(array.size)
 
@@ -279,6 +381,10 @@ class TokenFolderWriter:
             "eos_id": self._header["eos_id"],
             **self.extra,
         }
+        if self.loss_mask:
+            meta["loss_mask"] = True
+        if self.pad_seq_len is not None:
+            meta["pad_seq_len"] = self.pad_seq_len
         try:
             for file in self._files.values():
                 file.flush()
@@ -288,6 +394,11 @@ class TokenFolderWriter:
             (self.folder / META).unlink(missing_ok=True)
             os.replace(self._temps["train"], self.folder / TRAIN)
             os.replace(self._temps["val"], self.folder / VAL)
+            for name in MASKS.values():
+                if self.loss_mask:
+                    os.replace(self._temps[name], self.folder / name)
+                else:  # an overwritten folder's old mask would not describe these tokens
+                    (self.folder / name).unlink(missing_ok=True)
             os.replace(self._temps["meta"], self.folder / META)
         finally:
             self.abort()
@@ -322,6 +433,8 @@ def write_token_folder(
     vocab_size: int = 256,
     eos_id: int | None = None,
     overwrite: bool = False,
+    train_mask: Any = None,
+    val_mask: Any = None,
 ) -> TokenMeta:
     """Writes a token folder at ``path`` and returns its validated meta.
 
@@ -334,17 +447,31 @@ def write_token_folder(
     A folder that already holds any of the three files is left alone (FileExistsError) unless
     ``overwrite=True``; then the old ``meta.json`` is removed first, so an interrupted overwrite
     leaves no ``meta.json`` rather than one that describes the wrong files.
+
+    ``train_mask`` and ``val_mask`` (both or neither): the loss mask, one 0 or 1 per id, written
+    as ``train.mask`` / ``val.mask``.
     """
     _check_header(tokenizer, vocab_size, eos_id)
     dtype = smallest_dtype(vocab_size)
+    if (train_mask is None) != (val_mask is None):
+        raise ValueError("give both train_mask and val_mask, or neither")
     # Checked before anything is written.
     train = _as_token_array(train_ids, "train_ids", vocab_size, dtype)
     val = _as_token_array(val_ids, "val_ids", vocab_size, dtype)
+    masked = train_mask is not None
+    if masked:
+        train_mask = _as_mask_array(train_mask, "train_mask", train.size)
+        val_mask = _as_mask_array(val_mask, "val_mask", val.size)
     with TokenFolderWriter(
-        path, tokenizer=tokenizer, vocab_size=vocab_size, eos_id=eos_id, overwrite=overwrite
+        path,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        eos_id=eos_id,
+        overwrite=overwrite,
+        loss_mask=masked,
     ) as writer:
-        writer.append("train", train)
-        writer.append("val", val)
+        writer.append("train", train, train_mask)
+        writer.append("val", val, val_mask)
     return writer.meta
 
 

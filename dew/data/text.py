@@ -23,6 +23,23 @@ processes, and writes the token folder ``out`` (``dew.data.folder``'s format):
   behind (delete it), never a half-written ``out``. An existing ``out`` is left alone
   (FileExistsError) unless ``force=True``, and even then only a token folder (its files are
   ``meta.json``, ``train.bin`` and ``val.bin``) or an empty folder is replaced.
+
+Prompt-masked data (``fields``, ``dew tokenize --jsonl-fields``) writes a loss mask beside the
+tokens (``train.mask``, ``val.mask``: 1 where predicting the token counts in the loss):
+
+- ``fields=("prompt", "completion")``: each ``.jsonl`` line (``.parquet`` row) is a prompt and its
+  completion, tokenized apart and joined; the completion's tokens count, the prompt's do not.
+- ``fields=("messages",)``: a chat, a list of ``{"role": str, "content": str}``, rendered by
+  ``CHAT_TEMPLATE``: each message as ``<|ROLE|>\n`` then its content and ``\n``; an assistant
+  message's content and its closing ``\n`` count, nothing else does (headers, other roles).
+- The end-of-text id that follows a document counts when the document's last token does (a
+  completion, an assistant's last turn): the model learns to stop. Text files count every token.
+
+``rows="pad"`` (``--rows pad --seq-len S``) starts every document at a multiple of ``S`` tokens
+(``pad_seq_len`` in ``meta.json``), filling the rest of its last row with the end-of-text id (0
+without one), masked, so that no window of ``seq_len = S`` holds two documents: no token attends
+to another document. A document's first token never counts there (the row before would predict
+it). ``rows="pack"`` (the default) joins documents by the end-of-text id alone.
 """
 
 from __future__ import annotations
@@ -40,6 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from dew.data.folder import (
+    MASKS,
     META,
     TRAIN,
     VAL,
@@ -54,6 +72,14 @@ TEXT_SUFFIXES = (".txt", ".text", ".md")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
 # Text per chunk of documents handed to a worker (a chunk ends after the document that reaches it).
 CHUNK_BYTES = 1 << 20
+ROWS = ("pack", "pad")
+# How a chat renders (fields=("messages",)): each message is the header, then its content, then
+# the end; the content and the end count in the loss for an assistant message only. Documented in
+# docs/data.md: a model fine-tuned on it must be prompted the same way.
+CHAT_TEMPLATE = {"header": "<|{role}|>\n", "end": "\n", "trained_role": "assistant"}
+
+# A document: plain text (every token counts), or pieces ``(text, counts)`` tokenized one by one.
+Document = str | list[tuple[str, bool]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,12 +126,15 @@ def input_files(inputs: Sequence[str | os.PathLike]) -> list[Path]:
     return files
 
 
-def read_documents(path: Path, field: str = "text") -> Iterator[tuple[str, int]]:
-    """``(text, bytes)`` for each document of the file ``path`` (the rules are the module's)."""
+def read_documents(
+    path: Path, field: str = "text", fields: Sequence[str] | None = None
+) -> Iterator[tuple[Document, int]]:
+    """``(document, bytes)`` for each document of the file ``path`` (the rules are the module's):
+    text, or with ``fields`` the pieces of a prompt and completion or of a chat."""
     if path.suffix == ".jsonl":
-        yield from _jsonl(path, field)
+        yield from _jsonl(path, field, fields)
     elif path.suffix == ".parquet":
-        yield from _parquet(path, field)
+        yield from _parquet(path, field, fields)
     else:
         data = path.read_bytes()
         try:
@@ -124,7 +153,55 @@ def _document(value, where: str, field: str) -> str | None:
     return value
 
 
-def _jsonl(path: Path, field: str) -> Iterator[tuple[str, int]]:
+def _text_piece(value, where: str, field: str) -> str:
+    """A prompt's or completion's text: ``""`` for null."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {field!r} is a {type(value).__name__}, not a string")
+    return value
+
+
+def render_chat(messages, where: str = "chat") -> list[tuple[str, bool]]:
+    """The pieces ``(text, counts)`` of a chat by ``CHAT_TEMPLATE``: ``messages`` a list of
+    ``{"role": str, "content": str}``; ValueError naming ``where`` for anything else."""
+    if not isinstance(messages, list):
+        raise ValueError(f"{where}: messages must be a list, got a {type(messages).__name__}")
+    pieces = []
+    for number, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"{where}: message {number} must be an object with string 'role' and "
+                f"'content', got {message!r:.80}"
+            )
+        counts = message["role"] == CHAT_TEMPLATE["trained_role"]
+        pieces.append((CHAT_TEMPLATE["header"].format(role=message["role"]), False))
+        pieces.append((message["content"] + CHAT_TEMPLATE["end"], counts))
+    return pieces
+
+
+def _record_document(record, where: str, fields: Sequence[str]) -> list[tuple[str, bool]] | None:
+    """The pieces of one record under ``fields`` (prompt and completion, or messages); ``None``
+    for one with nothing to learn (no completion, no assistant message)."""
+    missing = [name for name in fields if name not in record]
+    if missing:
+        raise ValueError(
+            f"{where}: no field {missing[0]!r} (it has {', '.join(map(repr, record))}); "
+            "choose them with --jsonl-fields"
+        )
+    if len(fields) == 2:
+        prompt = _text_piece(record[fields[0]], where, fields[0])
+        completion = _text_piece(record[fields[1]], where, fields[1])
+        return [(prompt, False), (completion, True)] if completion else None
+    pieces = render_chat(record[fields[0]], where)
+    return pieces if any(counts for _, counts in pieces) else None
+
+
+def _jsonl(path: Path, field: str, fields: Sequence[str] | None = None):
     with open(path, "rb") as file:
         for number, line in enumerate(file, 1):
             where = f"{path}:{number}"
@@ -136,6 +213,11 @@ def _jsonl(path: Path, field: str) -> Iterator[tuple[str, int]]:
                 raise ValueError(f"{where}: not a line of JSON: {error}") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: a {type(record).__name__}, not a JSON object")
+            if fields:
+                document = _record_document(record, where, fields)
+                if document is not None:
+                    yield document, len(line)
+                continue
             if field not in record:
                 raise ValueError(
                     f"{where}: no field {field!r} (it has {', '.join(map(repr, record))}); "
@@ -146,7 +228,7 @@ def _jsonl(path: Path, field: str) -> Iterator[tuple[str, int]]:
                 yield text, len(line)
 
 
-def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
+def _parquet(path: Path, field: str, fields: Sequence[str] | None = None):
     try:
         import pyarrow.parquet as parquet
     except ImportError:
@@ -157,6 +239,21 @@ def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
         ) from None
     file = parquet.ParquetFile(path)
     names = file.schema_arrow.names
+    if fields:
+        missing = [name for name in fields if name not in names]
+        if missing:
+            raise ValueError(
+                f"{str(path)!r} has no column {missing[0]!r} (it has "
+                f"{', '.join(map(repr, names))}); choose them with --jsonl-fields"
+            )
+        row = 0
+        for batch in file.iter_batches(columns=list(fields), batch_size=1024):
+            for record in batch.to_pylist():
+                document = _record_document(record, f"{path}: row {row}", fields)
+                row += 1
+                if document is not None:
+                    yield document, sum(len(text.encode("utf-8")) for text, _ in document)
+        return
     if field not in names:
         raise ValueError(
             f"{str(path)!r} has no column {field!r} (it has {', '.join(map(repr, names))}); "
@@ -172,18 +269,23 @@ def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
 
 
 # One chunk: its documents, whether each goes to val, and the input bytes they came from.
-Chunk = tuple[list[str], list[bool], int]
+Chunk = tuple[list[Document], list[bool], int]
 
 
 def _chunks(
-    files: Sequence[Path], field: str, val_fraction: float, seed: int, chunk_bytes: int
+    files: Sequence[Path],
+    field: str,
+    val_fraction: float,
+    seed: int,
+    chunk_bytes: int,
+    fields: Sequence[str] | None = None,
 ) -> Iterator[Chunk]:
     rng = np.random.default_rng(seed)
-    texts: list[str] = []
+    texts: list[Document] = []
     to_val: list[bool] = []
     size = 0
     for path in files:
-        for text, nbytes in read_documents(path, field):
+        for text, nbytes in read_documents(path, field, fields):
             texts.append(text)
             to_val.append(bool(val_fraction > 0 and rng.random() < val_fraction))
             size += nbytes
@@ -194,10 +296,66 @@ def _chunks(
         yield texts, to_val, size
 
 
-def encode_chunk(tokenizer: Tokenizer, chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int, int]:
+@dataclasses.dataclass(frozen=True)
+class MaskRule:
+    """How a masked folder's documents are laid out: ``pad_seq_len`` (rows="pad") or ``None``
+    (packed)."""
+
+    pad_seq_len: int | None = None
+
+
+def encode_masked(tokenizer: Tokenizer, document: Document, rule: MaskRule):
+    """``(ids, mask)`` of one document, int64 and uint8 ``[tokens]``: its pieces tokenized one
+    by one, the end-of-text id after them (counting when the last token does), padded to whole
+    rows under ``rows="pad"``."""
+    pieces = [(document, True)] if isinstance(document, str) else document
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, counts in pieces:
+        encoded = tokenizer.encode(text)
+        ids.extend(encoded)
+        mask.extend([int(counts)] * len(encoded))
+    eos = tokenizer.eos_id
+    if eos is not None and ids:
+        ids.append(eos)
+        mask.append(mask[-1])
+    if rule.pad_seq_len is not None and ids:
+        mask[0] = 0  # the last target of the row before: another document's prediction
+        rows = -(-len(ids) // rule.pad_seq_len)
+        fill = rows * rule.pad_seq_len - len(ids)
+        ids.extend([pad_id(tokenizer)] * fill)
+        mask.extend([0] * fill)
+    return np.asarray(ids, np.int64), np.asarray(mask, np.uint8)
+
+
+def pad_id(tokenizer: Tokenizer) -> int:
+    """The id that fills a padded row (never a target): the end-of-text id, else 0."""
+    return 0 if tokenizer.eos_id is None else tokenizer.eos_id
+
+
+def encode_chunk(tokenizer: Tokenizer, chunk: Chunk, rule: MaskRule | None = None):
     """The train ids, val ids (each document followed by the end-of-text id) and the number of
-    train and val documents of one chunk."""
+    train and val documents of one chunk; with a ``MaskRule`` (a masked folder), the train and
+    val loss masks after the ids: ``(train, val, train_mask, val_mask, train_docs, val_docs)``."""
     texts, to_val, _ = chunk
+    if rule is not None:
+        parts: dict[bool, list] = {False: [], True: []}
+        for document, val in zip(texts, to_val):
+            parts[val].append(encode_masked(tokenizer, document, rule))
+
+        def joined(val: bool, which: int, dtype):
+            arrays = [part[which] for part in parts[val]]
+            return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
+
+        val_docs = sum(to_val)
+        return (
+            joined(False, 0, np.int64),
+            joined(True, 0, np.int64),
+            joined(False, 1, np.uint8),
+            joined(True, 1, np.uint8),
+            len(texts) - val_docs,
+            val_docs,
+        )
     ids: dict[bool, list[int]] = {False: [], True: []}
     eos = tokenizer.eos_id
     for text, val in zip(texts, to_val):
@@ -213,17 +371,19 @@ def encode_chunk(tokenizer: Tokenizer, chunk: Chunk) -> tuple[np.ndarray, np.nda
     )
 
 
-# A worker process's tokenizer, set once by _start_worker.
+# A worker process's tokenizer and mask rule, set once by _start_worker.
 _worker_tokenizer: Tokenizer | None = None
+_worker_rule: MaskRule | None = None
 
 
-def _start_worker(tokenizer: Tokenizer) -> None:
-    global _worker_tokenizer
+def _start_worker(tokenizer: Tokenizer, rule: MaskRule | None = None) -> None:
+    global _worker_tokenizer, _worker_rule
     _worker_tokenizer = tokenizer
+    _worker_rule = rule
 
 
 def _encode_in_worker(chunk: Chunk):
-    return encode_chunk(_worker_tokenizer, chunk)
+    return encode_chunk(_worker_tokenizer, chunk, _worker_rule)
 
 
 def _context():
@@ -237,13 +397,15 @@ def _context():
     return context
 
 
-def _encoded(tokenizer: Tokenizer, chunks: Iterator[Chunk], workers: int):
+def _encoded(
+    tokenizer: Tokenizer, chunks: Iterator[Chunk], workers: int, rule: MaskRule | None = None
+):
     """``(encode_chunk's result, chunk bytes)`` of each chunk, in order."""
     if workers == 1:
         for chunk in chunks:
-            yield encode_chunk(tokenizer, chunk), chunk[2]
+            yield encode_chunk(tokenizer, chunk, rule), chunk[2]
         return
-    with _context().Pool(workers, _start_worker, (tokenizer,)) as pool:
+    with _context().Pool(workers, _start_worker, (tokenizer, rule)) as pool:
         pending: deque = deque()
         for chunk in chunks:  # at most 2 chunks per worker in flight: memory stays bounded
             pending.append((pool.apply_async(_encode_in_worker, (chunk,)), chunk[2]))
@@ -255,7 +417,7 @@ def _encoded(tokenizer: Tokenizer, chunks: Iterator[Chunk], workers: int):
             yield result.get(), size
 
 
-_FOLDER_FILES = (META, TRAIN, VAL)
+_FOLDER_FILES = (META, TRAIN, VAL, *MASKS.values())
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -295,6 +457,30 @@ def _install(temp: Path, out: Path, force: bool) -> None:
     _fsync_folder(out.parent)
 
 
+def mask_rule(fields: Sequence[str] | None, rows: str, seq_len: int | None) -> MaskRule | None:
+    """The ``MaskRule`` of these settings (``None``: an unmasked, packed folder, as without
+    them), or a ValueError naming the values that do not go together."""
+    if rows not in ROWS:
+        raise ValueError(f"rows must be one of {', '.join(ROWS)}, got {rows!r}")
+    if fields is not None:
+        fields = tuple(fields)
+        if len(fields) not in (1, 2) or not all(isinstance(f, str) and f for f in fields):
+            raise ValueError(
+                "fields must be two names (prompt, completion) or one (a chat's messages), "
+                f"got {fields!r}"
+            )
+    if rows == "pad":
+        if not (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1):
+            raise ValueError(
+                f"rows='pad' needs seq_len, the model's (--seq-len): documents start at its "
+                f"multiples; got {seq_len!r}"
+            )
+        return MaskRule(pad_seq_len=seq_len)
+    if seq_len is not None:
+        raise ValueError(f"seq_len {seq_len} is for rows='pad' only (packed rows ignore it)")
+    return MaskRule() if fields else None
+
+
 def tokenize_files(
     inputs: Sequence[str | os.PathLike],
     out: str | os.PathLike,
@@ -308,15 +494,23 @@ def tokenize_files(
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
     chunk_bytes: int | None = None,
+    fields: Sequence[str] | None = None,
+    rows: str = "pack",
+    seq_len: int | None = None,
 ) -> TokenizeReport:
     """Tokenizes the documents of ``inputs`` into the token folder ``out`` (the module's rules)
     and returns what it wrote. ``tokenizer`` is a ``Tokenizer`` or a spec for ``tokenizer_for``;
     ``progress(bytes_read, tokens_written)`` is called after each chunk is written; a chunk holds
-    about ``chunk_bytes`` of input (default ``CHUNK_BYTES``)."""
+    about ``chunk_bytes`` of input (default ``CHUNK_BYTES``).
+
+    ``fields``: ``(prompt, completion)`` or ``(messages,)`` field names of ``.jsonl`` lines
+    (``.parquet`` columns) for prompt-masked data, in place of ``field``; ``rows``: ``"pack"``
+    or ``"pad"`` (with ``seq_len``, the model's). Either masked form writes a loss mask."""
     if not (isinstance(val_fraction, (int, float)) and 0 <= val_fraction < 1):
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    rule = mask_rule(fields, rows, seq_len)
     out = Path(out)
     _check_out(out, force)
     files = input_files(inputs)
@@ -329,13 +523,24 @@ def tokenize_files(
     bytes_read = 0
     try:
         writer = TokenFolderWriter(
-            temp, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id
+            temp,
+            tokenizer=tokenizer.name,
+            vocab_size=tokenizer.vocab_size,
+            eos_id=tokenizer.eos_id,
+            loss_mask=rule is not None,
+            pad_seq_len=None if rule is None else rule.pad_seq_len,
         )
         try:
-            chunks = _chunks(files, field, val_fraction, seed, chunk_bytes or CHUNK_BYTES)
-            for (train, val, train_docs, val_docs), size in _encoded(tokenizer, chunks, workers):
-                writer.append("train", train)
-                writer.append("val", val)
+            chunks = _chunks(files, field, val_fraction, seed, chunk_bytes or CHUNK_BYTES, fields)
+            for encoded, size in _encoded(tokenizer, chunks, workers, rule):
+                if rule is None:
+                    train, val, train_docs, val_docs = encoded
+                    writer.append("train", train)
+                    writer.append("val", val)
+                else:
+                    train, val, train_mask, val_mask, train_docs, val_docs = encoded
+                    writer.append("train", train, train_mask)
+                    writer.append("val", val, val_mask)
                 documents["train"] += train_docs
                 documents["val"] += val_docs
                 bytes_read += size
@@ -343,6 +548,11 @@ def tokenize_files(
                     progress(bytes_read, writer.counts["train"] + writer.counts["val"])
             if not documents["train"] + documents["val"]:
                 raise ValueError(f"no documents in {', '.join(map(str, files))}")
+            if rule is not None and rule.pad_seq_len is not None:
+                # The last row's last target: one more pad, so that the last row is whole.
+                for split in ("train", "val"):
+                    if writer.counts[split]:
+                        writer.append(split, [pad_id(tokenizer)], [0])
             writer.extra.update(
                 train_documents=documents["train"],
                 val_documents=documents["val"],

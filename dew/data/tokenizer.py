@@ -82,7 +82,7 @@ class ByteTokenizer:
 # most byte-level BPEs, Llama 3, Llama 2 / T5 / SentencePiece models, Gemma.
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 TOKENIZER_FILE = "tokenizer.json"
-TEXT_EXTRA = "pip install 'dew-ml[text]' (the tokenizers library)"
+TEXT_EXTRA = "pip install -e '.[text]' (the tokenizers library)"
 
 
 def _tokenizers_library():
@@ -100,7 +100,7 @@ class HFTokenizer:
     downloaded).
 
     ``path_or_json`` is the path of a ``tokenizer.json`` (or of a folder holding one), the JSON
-    text itself, or a ``tokenizers.Tokenizer``. Needs ``pip install 'dew-ml[text]'``.
+    text itself, or a ``tokenizers.Tokenizer``. Needs ``pip install -e '.[text]'``.
 
     - ``encode(text)`` adds no special tokens (no BOS/CLS a post-processor would add), and text that
       spells a special token (a document quoting ``"<|endoftext|>"``) is encoded as plain text, so

@@ -11,6 +11,10 @@ batches (the last ``records % batch`` windows of each epoch's order are dropped)
 ``k`` is batch ``k % batches_per_epoch`` of epoch ``k // batches_per_epoch``. Batch ``k`` therefore
 holds the same windows whatever the mesh, the number of processes or the loading settings; each
 process reads its own rows of it with ``rows=``.
+
+Loss mask: a folder with one (``dew.data.folder``) gives batches ``[rows, 2, seq_len + 1]``, the
+window's tokens at ``[:, 0]`` and their mask (0 or 1) at ``[:, 1]``, cut by the same rule; a
+folder without one gives ``[rows, seq_len + 1]`` tokens, as always.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from dew.checks import nonnegative_int, positive_int
-from dew.data.folder import TokenMeta, open_tokens, read_meta
+from dew.data.folder import TokenMeta, open_mask, open_tokens, read_meta
 from dew.data.loading import BatchStream, Loading
 
 # Windows are returned as int32; ids must fit.
@@ -99,7 +103,8 @@ class TokenWindows:
 
 
 class WindowDataset:
-    """Global batches of training windows, int32 ``[batch_size, seq_len + 1]``, indexed over epochs.
+    """Global batches of training windows, int32 ``[batch_size, seq_len + 1]``, indexed over epochs
+    (``[batch_size, 2, seq_len + 1]``, tokens then their loss mask, for a folder with a mask).
 
     Attributes:
       records: training windows in ``train.bin``: ``(train_tokens - seq_len - 1) // seq_len + 1``.
@@ -109,6 +114,7 @@ class WindowDataset:
       vocab_size, seed, path: from the folder and the ``TokenWindows`` that opened it.
       val_batches: how many batches ``validation()`` returns.
       meta: the folder's ``TokenMeta``.
+      loss_mask: whether batches carry the folder's loss mask (``[rows, 2, seq_len + 1]``).
     """
 
     def __init__(
@@ -133,7 +139,15 @@ class WindowDataset:
         self.val_batches = val_batches
         self.loading = loading
         self.seed = seed
+        self.loss_mask = meta.loss_mask
 
+        if meta.pad_seq_len is not None and meta.pad_seq_len != seq_len:
+            raise ValueError(
+                f"the token folder {str(meta.path)!r} was padded for seq_len {meta.pad_seq_len} "
+                f"(dew tokenize --rows pad), so its documents start every {meta.pad_seq_len} "
+                f"tokens; read at seq_len {seq_len} its rows would cut and join documents. Use "
+                f"seq_len {meta.pad_seq_len}, or tokenize again for {seq_len}"
+            )
         if meta.train_tokens < seq_len + 1:
             raise ValueError(
                 f"train.bin in {str(meta.path)!r} holds {meta.train_tokens} tokens, "
@@ -149,6 +163,9 @@ class WindowDataset:
         self.batches_per_epoch = self.records // batch_size
 
         self._val = _windows(open_tokens(meta, "val"), seq_len)
+        masks = {split: open_mask(meta, split) for split in ("train", "val")}
+        self._train_mask = None if masks["train"] is None else _windows(masks["train"], seq_len)
+        self._val_mask = None if masks["val"] is None else _windows(masks["val"], seq_len)
         if val_batches * batch_size > self._val.shape[0]:
             raise ValueError(
                 f"val_batches {val_batches} x batch {batch_size} needs "
@@ -184,9 +201,10 @@ class WindowDataset:
 
     def batch(self, index: int, rows: slice = slice(None)) -> np.ndarray:
         """Rows ``rows`` of global batch ``index`` (counting over epochs): int32
-        ``[len(rows), seq_len + 1]``. Reads only those rows' windows from the memory map."""
+        ``[len(rows), seq_len + 1]`` (``[len(rows), 2, seq_len + 1]``, tokens then mask, for a
+        folder with a loss mask). Reads only those rows' windows from the memory map."""
         picked = self.windows_of(index)[_row_indices(rows, self.batch_size)]
-        return self._train[picked].astype(np.int32)
+        return self._with_mask(self._train, self._train_mask, picked, "train.mask")
 
     def batches(self, start: int = 0, rows: slice = slice(None)) -> BatchStream:
         """``(index, batch(index, rows))`` for index = start, start + 1, ... forever, read ahead as
@@ -198,13 +216,31 @@ class WindowDataset:
 
     def validation(self, rows: slice = slice(None)) -> list[np.ndarray]:
         """The ``val_batches`` validation batches, rows ``rows`` of each: int32
-        ``[len(rows), seq_len + 1]``. Batch ``v`` holds val.bin's windows ``v * batch_size`` to
-        ``(v + 1) * batch_size - 1``, in order, the same every call."""
-        picked = _row_indices(rows, self.batch_size)
+        ``[len(rows), seq_len + 1]`` (``[len(rows), 2, seq_len + 1]`` with a loss mask). Batch
+        ``v`` holds val.bin's windows ``v * batch_size`` to ``(v + 1) * batch_size - 1``, in
+        order, the same every call."""
+        picked = np.asarray(_row_indices(rows, self.batch_size), np.int64)
         return [
-            self._val[v * self.batch_size : (v + 1) * self.batch_size][picked].astype(np.int32)
+            self._with_mask(self._val, self._val_mask, v * self.batch_size + picked, "val.mask")
             for v in range(self.val_batches)
         ]
+
+    def _with_mask(
+        self, windows: np.ndarray, masks: np.ndarray | None, picked, file: str
+    ) -> np.ndarray:
+        """Windows ``picked`` as int32 ``[rows, seq_len + 1]``, or with their mask
+        ``[rows, 2, seq_len + 1]``. A mask byte other than 0 or 1 (a damaged file: values are
+        not checked when the folder is opened) is a ValueError here, before it can train."""
+        tokens = windows[picked].astype(np.int32)
+        if masks is None:
+            return tokens
+        mask = masks[picked]
+        if mask.size and mask.max() > 1:
+            raise ValueError(
+                f"{file} in {str(self.path)!r} holds the value {int(mask.max())} where a loss "
+                "mask holds only 0 and 1: the file is damaged; tokenize the folder again"
+            )
+        return np.stack([tokens, mask.astype(np.int32)], axis=1)
 
     def process_rows(self, process_index: int, process_count: int) -> slice:
         """The contiguous rows of each global batch that process ``process_index`` of

@@ -61,11 +61,19 @@ REMAT_POLICIES = {
     "none": None,
 }
 REMAT_CHOICES = tuple(REMAT_POLICIES)
+# remat="auto": the least recomputation whose step fits the devices, chosen by compiling it
+# (``dew.planning.choose_remat``, which the Trainer calls before it builds a step).
+REMAT_AUTO = "auto"
 
 
 def remat_layer(layer, policy: str):
     """``layer`` under ``jax.checkpoint`` with the policy ``policy`` names (``REMAT_POLICIES``);
     ``"none"``: ``layer`` itself, every intermediate kept for the backward."""
+    if policy == REMAT_AUTO:
+        raise ValueError(
+            "remat='auto' is chosen by compiling the step (dew.planning.choose_remat; the Trainer "
+            "does it before its first step): choose it before tracing the model"
+        )
     if policy not in REMAT_POLICIES:
         raise ValueError(
             f"unknown remat policy {policy!r}; expected one of {', '.join(REMAT_CHOICES)}"
@@ -102,7 +110,8 @@ class CausalTransformer:
         backward recomputes the layer; least memory), ``"dots"`` the outputs of its weight
         matmuls, ``"attention"`` those and attention's output (and the Pallas kernels' and the
         ring's lse, so the backward does not rerun the forward kernel), ``"none"`` everything (no
-        ``jax.checkpoint``). Memory grows and recompute shrinks in that order.
+        ``jax.checkpoint``). Memory grows and recompute shrinks in that order. ``"auto"``: the
+        least recomputation whose step fits the devices (``dew.planning.choose_remat``).
       num_kv_heads: heads of K and V (grouped-query attention); default ``num_heads``.
       mlp_features: hidden width of the SwiGLU MLP; default ``4 * emb_features``.
       tie_embeddings: the output head is the embedding table transposed (default) or a weight of
@@ -129,6 +138,9 @@ class CausalTransformer:
         its fields (``factor``, ``low_freq_factor``, ``high_freq_factor``,
         ``original_max_position_embeddings``), or ``None`` for none.
       rms_norm_eps: the epsilon every RMSNorm adds to the mean square (Llama 3: 1e-5).
+      loss_chunk_tokens: tokens whose logits the loss makes at a time (``dew.nn.cross_entropy``):
+        ``None`` picks the fewest chunks whose float32 logits fit 512 MiB a chunk (all tokens at
+        once when they fit); a number overrides it (one at least the tokens: no chunking).
     """
 
     vocab_size: int
@@ -154,6 +166,7 @@ class CausalTransformer:
     rope_theta: float = rotary.DEFAULT_THETA
     rope_scaling: rotary.Llama3Scaling | None = None
     rms_norm_eps: float = 1e-6
+    loss_chunk_tokens: int | None = None
 
     def __post_init__(self):
         # A dict (a preset's, a config.json's) becomes the frozen, hashable Llama3Scaling.
@@ -165,6 +178,8 @@ class CausalTransformer:
         for name in ("vocab_size", "emb_features", "num_layers", "num_heads", "max_seq_len"):
             value = getattr(self, name)
             positive_int(name, value)
+        if self.loss_chunk_tokens is not None:
+            positive_int("loss_chunk_tokens", self.loss_chunk_tokens)
         resolve_dtype(self.dtype)
         resolve_dtype(self.param_dtype)
         if self.attention_impl not in attention.CHOICES:
@@ -172,9 +187,10 @@ class CausalTransformer:
                 f"unknown attention_impl {self.attention_impl!r}; expected one of "
                 f"{', '.join(attention.CHOICES)}"
             )
-        if self.remat not in REMAT_POLICIES:
+        if self.remat not in REMAT_POLICIES and self.remat != REMAT_AUTO:
             raise ValueError(
                 f"unknown remat policy {self.remat!r}; expected one of {', '.join(REMAT_CHOICES)}"
+                f" or {REMAT_AUTO!r}"
             )
         if self.emb_features % self.num_heads:
             raise ValueError(
@@ -565,37 +581,61 @@ class CausalTransformer:
         stats = stats._replace(load_balance=stats.load_balance * mean, z_loss=stats.z_loss * mean)
         return shards.pin(x), stats
 
-    def head(self, params: dict, x: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
-        """``x`` ``[rows, seq, embed]`` -> float32 logits ``[rows, seq, vocab]`` (this device's
-        slice of the vocabulary once it is split over ``tensor``): the final norm, then the
-        embedding table transposed (tied) or ``lm_head``."""
+    def _head_input(self, params: dict, x: jax.Array, shards: Shards):
+        """``(final norm of x, the output table [vocab, embed] as stored)``: the tied embedding
+        table or ``lm_head``'s kernel transposed, gathered over fsdp (this device's slice of the
+        vocabulary once it is split over ``tensor``)."""
         p = params["params"]
         x = norm.rms_norm(
             shards.gather(p["final_norm"], "params", "final_norm"), x, self.rms_norm_eps
         )
         if self.tie_embeddings:
-            table = shards.gather(p["embed_tokens"], "params", "embed_tokens")["embedding"]
-        else:
-            table = shards.gather(p["lm_head"], "params", "lm_head")["kernel"].T
+            return x, shards.gather(p["embed_tokens"], "params", "embed_tokens")["embedding"]
+        return x, shards.gather(p["lm_head"], "params", "lm_head")["kernel"].T
+
+    def head(self, params: dict, x: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
+        """``x`` ``[rows, seq, embed]`` -> float32 logits ``[rows, seq, vocab]`` (this device's
+        slice of the vocabulary once it is split over ``tensor``): the final norm, then the
+        embedding table transposed (tied) or ``lm_head``. For inference: the loss never makes
+        them (``head_loss_sum``)."""
+        x, table = self._head_input(params, x, shards)
         return tensor.vocab_logits(x, table.astype(resolve_dtype(self.dtype)), shards)
 
     def head_loss_sum(
-        self, params: dict, x: jax.Array, targets: jax.Array, shards: Shards = ONE_DEVICE
+        self,
+        params: dict,
+        x: jax.Array,
+        targets: jax.Array,
+        shards: Shards = ONE_DEVICE,
+        weights: jax.Array | None = None,
     ) -> jax.Array:
         """The cross-entropy of predicting ``targets`` ``[rows, seq]`` from the blocks' output
-        ``x`` ``[rows, seq, embed]``, summed over this device's tokens (float32 scalar): ``head``
-        and ``dew.parallel.tensor.cross_entropy``, or, when the vocabulary is split over fsdp and
-        this device holds fewer tokens than table rows, ``dew.parallel.vocabulary.loss_sum``."""
+        ``x`` ``[rows, seq, embed]``, each token's loss times its ``weights`` (``None``: 1; float32
+        ``[rows, seq]``), summed over this device's tokens (float32 scalar).
+
+        The head and the loss run together over chunks of ``loss_chunk_tokens`` tokens
+        (``dew.nn.cross_entropy``), so the ``[tokens, vocab]`` logits never exist: through
+        ``dew.parallel.tensor.head_loss_sum`` (the vocabulary split over ``tensor``, or not split),
+        or, when the vocabulary is split over fsdp and this device holds fewer tokens than table
+        rows, ``dew.parallel.vocabulary.loss_sum``."""
         weight, spec, dim = self._output_table(params, shards)
+        chunk = self.loss_chunk_tokens
+        pinned = shards.pinned_activations
+        if pinned is not None and pinned.mesh.size > 1:
+            # The GSPMD baseline over several devices scores all tokens at once: the partitioner
+            # cannot keep a loop's float32 table gradient as each device's partial sum, and
+            # would all-reduce it every chunk. Only shard_map chunks there.
+            chunk = targets.size
+        options = dict(chunk=chunk, dtype=resolve_dtype(self.dtype))
         if vocabulary.moves_tokens(spec, dim, weight.shape[dim], targets.size, shards):
             p = params["params"]
             x = norm.rms_norm(
                 shards.gather(p["final_norm"], "params", "final_norm"), x, self.rms_norm_eps
             )
             table = weight if dim == 0 else weight.T
-            return vocabulary.loss_sum(x, table.astype(resolve_dtype(self.dtype)), targets)
-        logits = self.head(params, x, shards)
-        return jnp.sum(tensor.cross_entropy(logits, targets, shards))
+            return vocabulary.loss_sum(x, table, targets, weights, **options)
+        x, table = self._head_input(params, x, shards)
+        return tensor.head_loss_sum(x, table, targets, shards, weights, **options)
 
     def apply(self, params: dict, tokens: jax.Array, shards: Shards = ONE_DEVICE) -> jax.Array:
         """``tokens`` ``[batch, seq]`` -> float32 logits ``[batch, seq, vocab]``:

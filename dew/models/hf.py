@@ -81,7 +81,7 @@ __all__ = [
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-# Hugging Face's default shard size for save_pretrained.
+# Dew's default shard size: transformers 4.x's save_pretrained default (5.x writes 50 GB files).
 MAX_SHARD_BYTES = 5 * 10**9
 
 # How a Dew parameter is laid out in a Hugging Face tensor.

@@ -105,7 +105,7 @@ PRESETS: dict[str, dict] = {
 #   float32: ``param_dtype``); softmax, norms and the loss run in float32 regardless.
 # - attention "auto": the Mosaic kernels on TPU, cuDNN on GPU (Triton where cuDNN does not take the
 #   shapes), XLA on CPU.
-# - remat "dots" (keep the weight matmuls' outputs) for the models up to 1B weights: on one H200
+# - remat "dots" (keep the weight matmuls' outputs) for Llama-3.2-1B: on one H200
 #   (issue 32) Llama-3.2-1B at 8 x 2048 tokens stepped in 295 ms against full recompute's 329 ms
 #   with the Pallas kernels, well within memory. "full" for 8B and 70B: "dots" keeps about 11 times
 #   the activations of "full" there (2 e + q + k + v + 2 mlp = 43k values a token a layer for 8B,
@@ -113,11 +113,15 @@ PRESETS: dict[str, dict] = {
 #   memory-safe choice stays until a plan or a run says otherwise.
 # - remat "attention" for GPT-2 small: on one v5e chip (2026-12-05) at 16 x 1024 tokens, its
 #   step took 172 ms against "dots"' 182 ms (the backward does not rerun the attention kernels'
-#   forward), within the chip's 15.75 GiB; "none" does not fit there (17.0 GiB of temporaries).
+#   forward), within the chip's 15.75 GiB. With the loss over chunks (dew.nn.cross_entropy) "none"
+#   fits too, and is slower: 180 ms against 170 (docs/benchmarks.md, "The loss over chunks").
+# - remat "full" for GPT-2 medium: on one v5e chip at 16 x 1024 tokens "dots" needs 16.6 GiB, over
+#   the 15.75 a program may use, and "full" 7.6 (`dew plan --target v5e-1 --model gpt2-medium
+#   --remat auto`, 2026-12-05, with the loss over chunks).
 TRAINING_DEFAULTS = dict(dtype="bfloat16", attention_impl="auto")
 REMAT_DEFAULTS = {
     "gpt2-small": "attention",
-    "gpt2-medium": "dots",
+    "gpt2-medium": "full",
     "llama-3.2-1b": "dots",
     "llama-3.1-8b": "full",
     "llama-3.1-70b": "full",

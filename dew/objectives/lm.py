@@ -1,4 +1,18 @@
-"""Next-token prediction: mean cross-entropy of every position of every row of the batch."""
+"""Next-token prediction: mean cross-entropy of every position of every row of the batch, or, for
+a batch with a loss mask, of the positions the mask keeps.
+
+A batch is ``[rows, seq_len + 1]`` int tokens, or ``[rows, 2, seq_len + 1]``: the tokens at
+``[:, 0]`` and their loss mask at ``[:, 1]`` (``dew.data``: 1 where predicting the token counts).
+Target ``j`` of a row is token ``j + 1``, so its mask is ``batch[:, 1, j + 1]``.
+
+Masked mean: the loss divides by the global count ``n`` of unmasked targets, not by
+``rows x seq_len``. The step keeps its one divisor, ``N = rows x seq_len`` of the global batch,
+and weighs each target's cross-entropy by ``mask x N / n`` (``loss_weights``): then
+``sum(weights x ce) / N = sum(mask x ce) / n``, the mean over unmasked targets, whatever the layout
+and the accumulation (``n`` is counted over the whole global batch before any microbatch runs),
+and an MoE model's router losses stay means over every token, prompt tokens included (they are
+routed too). A batch without an unmasked target has loss 0 (``n`` is taken as at least 1).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +27,27 @@ from dew.nn.moe import RouterStats
 from dew.parallel import ONE_DEVICE, Shards
 
 
+def split_mask(batch: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """``(tokens [rows, seq_len + 1], target mask [rows, seq_len] or None)`` of a batch with or
+    without a loss mask (the module's two shapes); ValueError for any other rank."""
+    if batch.ndim == 2:
+        return batch, None
+    if batch.ndim == 3 and batch.shape[1] == 2:
+        return batch[:, 0], batch[:, 1, 1:]
+    raise ValueError(
+        f"a batch is [rows, seq_len + 1] tokens or [rows, 2, seq_len + 1] tokens and loss mask, "
+        f"got shape {batch.shape}"
+    )
+
+
+def loss_weights(target_mask: jax.Array, count: jax.Array, total: int) -> jax.Array:
+    """float32 weights ``mask x total / max(count, 1)`` of targets whose ``target_mask`` (0 or 1,
+    any shape) has ``count`` ones over the whole global batch of ``total`` targets: with them,
+    the weighted loss sum over ``total`` is the mean over the unmasked targets (module doc)."""
+    scale = jnp.float32(total) / jnp.maximum(count, 1).astype(jnp.float32)
+    return target_mask.astype(jnp.float32) * scale
+
+
 @dataclasses.dataclass(frozen=True)
 class LMObjective:
     """The loss of a causal language model on windows of ``seq_len + 1`` tokens.
@@ -21,7 +56,8 @@ class LMObjective:
       model: a model with ``init(key)``, ``share_embedding(params, shards)``,
         ``embed(params, tokens, shards)``, ``blocks(params, x, positions, shards)``,
         ``head(params, x, shards)``, ``logical_axes()`` and ``max_seq_len`` (``CausalTransformer``).
-      seq_len: positions predicted per row; a batch is ``[rows, seq_len + 1]`` token ids.
+      seq_len: positions predicted per row; a batch is ``[rows, seq_len + 1]`` token ids, or
+        ``[rows, 2, seq_len + 1]`` tokens and their loss mask (the module's doc).
       ema_decay: ``None``, or a float in ``[0, 1)``: the train state then keeps
         ``ema = decay * ema + (1 - decay) * params`` after every step.
     """
@@ -48,15 +84,24 @@ class LMObjective:
         nothing (``{}``) for a dense model, so that only the loss travels."""
         return stats if self._moe else {}
 
-    def loss_sum(self, params, batch: jax.Array, shards: Shards = ONE_DEVICE):
+    def loss_sum(
+        self,
+        params,
+        batch: jax.Array,
+        shards: Shards = ONE_DEVICE,
+        weights: jax.Array | None = None,
+    ):
         """``(loss_sum, aux)`` of ``batch``'s rows and positions: ``token_loss_sum`` on the
         shifted batch.
 
         ``batch``: ``[rows, seq_len + 1]`` integer tokens, whole rows. Divide by the global number
         of predicted tokens for the mean; summing first lets devices add up their parts exactly.
+        ``weights``: ``None``, or float32 ``[rows, seq_len]`` multipliers of each target's loss
+        (``loss_weights`` of the batch's mask).
         """
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        return self.token_loss_sum(params, inputs, targets, jnp.arange(inputs.shape[1]), shards)
+        positions = jnp.arange(inputs.shape[1])
+        return self.token_loss_sum(params, inputs, targets, positions, shards, weights)
 
     def token_loss_sum(
         self,
@@ -65,10 +110,14 @@ class LMObjective:
         targets: jax.Array,
         positions: jax.Array,
         shards: Shards = ONE_DEVICE,
+        weights: jax.Array | None = None,
     ):
         """``(loss_sum, aux)``: the loss of predicting ``targets`` from ``inputs``, summed over
         tokens (float32 scalar), and the statistics the step sums over devices without reading
         them: the MoE layers' ``RouterStats``, ``{}`` for a dense model (``metrics`` reads them).
+        ``weights``: ``None`` (every token's cross-entropy counts once) or float32 ``[rows,
+        positions]``, each token's cross-entropy times its weight (the router losses are not
+        weighted).
 
         The loss is the cross-entropy's sum plus, for an MoE model, ``tokens x (router_aux_weight
         x load balance + router_z_weight x z-loss)`` with ``tokens`` the microbatch's token count
@@ -87,8 +136,13 @@ class LMObjective:
         params, shards = model.share_embedding(params, shards, inputs.size)
         x = model.embed(params, inputs, shards)
         x, stats = model.blocks(params, x, positions, shards)
-        loss = model.head_loss_sum(params, x, targets, shards)
+        loss = self._head_loss_sum(params, x, targets, shards, weights)
         return loss + self.router_loss(stats), self._aux(stats)
+
+    def _head_loss_sum(self, params, x, targets, shards, weights):
+        if weights is None:  # unmasked: the model's call exactly as without masks
+            return self.model.head_loss_sum(params, x, targets, shards)
+        return self.model.head_loss_sum(params, x, targets, shards, weights=weights)
 
     def router_loss(self, stats: RouterStats) -> jax.Array:
         """The weighted router losses ``token_loss_sum`` adds for an MoE model (0 when dense):
@@ -128,8 +182,10 @@ class LMObjective:
         positions: jax.Array,
         shards: Shards,
         stage_axis: str = "stage",
+        weights: jax.Array | None = None,
     ):
-        """One pipeline stage's part of ``token_loss_sum``: ``(y, loss_sum, aux)``.
+        """One pipeline stage's part of ``token_loss_sum``: ``(y, loss_sum, aux)``; ``weights``
+        as ``token_loss_sum`` takes them (read by the last stage, with the targets).
 
         Stage ``s`` of ``S`` (``lax.axis_index(stage_axis)``) runs ``blocks`` on the layers it
         holds, after ``embed(inputs)`` on stage 0 (``x_in`` elsewhere, the activation from stage
@@ -149,12 +205,16 @@ class LMObjective:
         y, stats = model.blocks(params, x, positions, shards)
 
         def cross_entropy():
-            return model.head_loss_sum(params, y, targets, shards)
+            return self._head_loss_sum(params, y, targets, shards, weights)
 
         loss = lax.cond(stage == last, cross_entropy, lambda: jnp.zeros((), jnp.float32))
         return y, loss + self.router_loss(stats), self._aux(stats)
 
     def loss(self, params, batch: jax.Array) -> jax.Array:
         """The mean loss of ``batch`` on one device (cross-entropy, plus the weighted router
-        losses of an MoE model): the reference every layout must reproduce."""
-        return self.loss_sum(params, batch)[0] / (batch.shape[0] * self.seq_len)
+        losses of an MoE model): the reference every layout must reproduce. With a loss mask the
+        cross-entropy is the mean over the unmasked targets (the module's doc)."""
+        tokens, mask = split_mask(batch)
+        total = tokens.shape[0] * self.seq_len
+        weights = None if mask is None else loss_weights(mask, jnp.sum(mask), total)
+        return self.loss_sum(params, tokens, weights=weights)[0] / total

@@ -14,7 +14,7 @@ block ``i`` of ``n`` along the split dimension), and ``RingSplit.einsum`` runs
 
 Device ``i`` computes the block of the weight gradient the running sum it holds is for, adds it,
 and passes the sum on; after ``n - 1`` steps it holds the sum of its own block over the fsdp
-group (``fsdp.ring_scatter``'s order). No device ever holds the whole weight gradient: a block,
+group (``ring.ring_scatter``'s order). No device ever holds the whole weight gradient: a block,
 the one arriving and the one leaving, where the gather's transpose (``fsdp._gather_summed``)
 receives the whole gradient (with bfloat16 activations, the matmul's bfloat16 output converted
 to float32: 224 MiB for a Llama-3.1-8B MLP matrix) and scatters it (docs/benchmarks.md). Each
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dew.parallel import fsdp
+from dew.parallel.ring import AXIS, ring_gather, ring_pairs
 
 
 def _labels(spec: str) -> tuple[str, str, str]:
@@ -77,7 +77,7 @@ def _ring_einsum(x, shard, spec: str, dim: int, n: int, also_sum: tuple, sum_dty
 
 
 def _ring_einsum_fwd(x, shard, spec, dim, n, also_sum, sum_dtype, weight_dtype):
-    whole = fsdp.ring_gather(shard, dim, n).astype(x.dtype)
+    whole = ring_gather(shard, dim, n).astype(x.dtype)
     return jnp.einsum(spec, x, whole), (x, whole)
 
 
@@ -86,12 +86,12 @@ def _ring_einsum_bwd(spec, dim, n, also_sum, sum_dtype, weight_dtype, residuals,
     x_labels, w_labels, out_labels = _labels(spec)
     dx = jnp.einsum(f"{out_labels},{w_labels}->{x_labels}", d_out, whole).astype(x.dtype)
     dtype = jnp.dtype(sum_dtype)
-    i = lax.axis_index(fsdp.AXIS)
+    i = lax.axis_index(AXIS)
     # The running sum of block b starts on device b + 1 and reaches device b after n - 1 steps;
     # each step moves one block, 1 / n of the weight, in ``dtype``.
     total = _weight_gradient_block(spec, x, d_out, dim, i - 1, n, dtype)
     for s in range(1, n):
-        total = lax.ppermute(total, fsdp.AXIS, fsdp.ring_pairs(n))
+        total = lax.ppermute(total, AXIS, ring_pairs(n))
         total = total + _weight_gradient_block(spec, x, d_out, dim, i - 1 - s, n, dtype)
     if also_sum:
         # This device's block, 1 / n of the gradient, summed over the other devices holding it.

@@ -68,6 +68,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dew.layout import weight_dimensions
+from dew.nn import cross_entropy
 
 AXIS = "tensor"
 # Activations between blocks are [rows, seq, embed]: sequence parallelism splits dimension 1.
@@ -318,52 +319,55 @@ def vocab_logits(x: jax.Array, table_local: jax.Array, shards) -> jax.Array:
     )
 
 
-def cross_entropy(logits_local: jax.Array, targets: jax.Array, shards) -> jax.Array:
-    """Per-token cross-entropy from this device's slice of the vocabulary's logits.
+def head_loss_sum(
+    x: jax.Array,
+    table_local: jax.Array,
+    targets: jax.Array,
+    shards,
+    weights: jax.Array | None = None,
+    *,
+    chunk: int | None = None,
+    dtype=None,
+) -> jax.Array:
+    """The head's cross-entropy, summed (float32 scalar), from this device's slice of the
+    vocabulary: ``dew.nn.cross_entropy.loss_sum`` over ``tensor``, chunk by chunk over tokens.
 
-    The ``[rows, seq, vocab]`` logits are never gathered: the max over the vocabulary comes from a
-    ``pmax`` (a shift for stability only, under ``stop_gradient``), and the sum of exponentials and
-    the target's logit (picked on the one device whose slice holds it, zero on the others) from one
-    ``psum`` of both. That ``psum`` is ``reduce_from_region``: its backward gives each device the
-    gradient of the loss unchanged, so the gradient of ``logits_local`` is this device's slice of
-    ``softmax - onehot(targets)``, times the incoming gradient, with no collective.
-
-    The logits' input must have entered the region (``vocab_logits`` does): the head's input is the
-    same on every device while its weight is split by vocabulary, so its gradient is a sum over
-    ``tensor`` (``copy_to_region``'s backward).
+    The ``[rows, seq, vocab]`` logits are never gathered, nor held whole on one device: the max
+    over the vocabulary comes from a ``pmax`` and the sum of exponentials and the target's logit
+    (picked on the one device whose slice holds it) from one ``psum`` of both, ``[chunk]`` and
+    ``[chunk, 2]`` float32 a chunk. The loss is the same on every device of the group, and each
+    device's gradient of it is its cotangent unchanged: the gradient of ``table_local`` is this
+    slice's, and the activations' gradient is this slice's part of it, which entering the region
+    (``enter``: the head's input is the same on every device while its weight is split by
+    vocabulary) sums over ``tensor`` in the backward.
 
     Args:
-      logits_local: ``[rows, seq, vocab / n]``, device ``i``'s ids ``[i vocab/n, (i+1) vocab/n)``;
-        computed in float32 whatever their dtype.
+      x: ``[rows, seq, embed]`` (``[rows, seq / n, embed]`` when sequence parallel), the final
+        norm's output.
+      table_local: ``[vocab / n, embed]``, device ``i``'s ids ``[i vocab/n, (i+1) vocab/n)``; for an
+        untied ``[embed, vocab / n]`` kernel, its ``.T``. As stored: its gradient comes back in its
+        dtype, added up in float32.
       targets: ``[rows, seq]`` integer ids in ``[0, vocab)``, the same on every device of the group.
       shards: the step's ``Shards``.
-
-    Returns:
-      float32 ``[rows, seq]``: ``logsumexp(logits) - logits[target]``, the same on every device of
-      the group.
+      weights: ``None``, or float32 ``[rows, seq]`` multipliers of each token's loss.
+      chunk, dtype: tokens per chunk (``None``: ``dew.nn.cross_entropy.auto_chunk``) and the
+        matmuls' input dtype (default ``x``'s).
     """
-    if logits_local.shape[:-1] != targets.shape:
+    if x.shape[-1] != table_local.shape[-1] or targets.ndim != 2:
         raise ValueError(
-            f"cross_entropy: logits_local {logits_local.shape} must be targets {targets.shape} "
-            "plus a vocabulary dimension"
+            f"head_loss_sum: x {x.shape}, table_local {table_local.shape} and targets "
+            f"{targets.shape} must be [rows, seq, embed], [vocab / n, embed] and [rows, seq]"
         )
-    logits = logits_local.astype(jnp.float32)
-    vocab_local = logits.shape[-1]
-    # The shift's gradient cancels over the whole vocabulary but not within one device's slice, so
-    # it is stopped before the pmax (which has no derivative of its own).
-    shift = jnp.max(lax.stop_gradient(logits), axis=-1)
-    if _size(shards) > 1:
-        # All-reduce (max) of [rows, seq] float32: 2 (n - 1) / n * 4 rows seq bytes sent.
-        shift = lax.pmax(shift, AXIS)
-    shifted = logits - shift[..., None]
-    local = targets.astype(jnp.int32) - _vocab_start(vocab_local, shards)
-    mine = (local >= 0) & (local < vocab_local)
-    picked = jnp.take_along_axis(shifted, jnp.where(mine, local, 0)[..., None], axis=-1)[..., 0]
-    partial = jnp.stack([jnp.sum(jnp.exp(shifted), axis=-1), jnp.where(mine, picked, 0.0)], -1)
-    # One all-reduce of [rows, seq, 2] float32 for both sums: 2 (n - 1) / n * 8 rows seq bytes sent,
-    # against (n - 1) / n * 4 rows seq vocab to gather the logits.
-    sum_exp, target_logit = jnp.moveaxis(reduce_from_region(partial, shards), -1, 0)
-    return jnp.log(sum_exp) - target_logit
+    x = enter(x, shards)
+    return cross_entropy.loss_sum(
+        x,
+        table_local,
+        targets,
+        weights,
+        chunk=chunk,
+        dtype=dtype,
+        axis=AXIS if _size(shards) > 1 else None,
+    )
 
 
 # --- Grouped-query attention with fewer kv heads than devices -------------------------------------

@@ -15,12 +15,11 @@ parallelism runs them over ``tensor``, but across the fsdp group's rows:
   exact). Backward (autodiff's transposes): ``all_gather`` of the rows' gradient, scatter-added
   into the local slice.
 - ``loss_sum``: ``all_gather`` the normalized activations over the rows; the local slice's logits
-  for each device's block of rows in turn (``[rows, seq, vocab / n]``, recomputed in the
-  backward); the cross-entropy's max and sums over the vocabulary by ``pmax`` and ``psum`` over
-  fsdp; each device keeps its own block's losses. Backward: under
-  ``check_vma=False`` the ``psum`` transposes to a ``psum`` of every device's rows' cotangents, so
-  each slice's gradient comes from every row of the group; the ``all_gather`` transposes to a
-  ``psum_scatter`` of the activations' gradient back to their rows.
+  for the group's tokens a chunk at a time (``dew.nn.cross_entropy``: ``[chunk, vocab / n]``,
+  never the whole ``[tokens, vocab / n]``), the cross-entropy's max and sums over the vocabulary
+  by ``pmax`` and ``psum`` over fsdp, device 0 counting the group's loss. Backward: the loss's
+  cotangent summed over fsdp scales each slice's gradient, made in the forward; the
+  ``all_gather`` transposes to a ``psum_scatter`` of the activations' gradient back to their rows.
 
 Either way a table slice's gradient is the fsdp group's sum for that slice, as the gathered path's
 ``psum_scatter`` leaves it, so ``dew.parallel.gradients`` sums it over no further axis.
@@ -32,21 +31,20 @@ bytes per activation element, the table ``V x D`` (``e`` bytes once cast):
   recomputes it) and ``(n - 1) / n x V x D x 4`` to reduce-scatter the float32 gradient; the whole
   table and its float32 gradient are live on every device.
 - here: ``(n - 1) x T x D x e`` for each of the head's ``all_gather`` and the embedding's
-  ``psum_scatter``, as much again backward, plus ``[n T, 2]`` float32 sums. Nothing of size
-  ``V x D`` beyond the local slice.
+  ``psum_scatter``, as much again backward, plus ``[n T]`` and ``[n T, 2]`` float32 sums. Nothing
+  of size ``V x D`` beyond the local slice.
 
 ``T <= V / n`` makes the second the smaller, which is the rule ``moves_tokens`` applies.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dew.nn import cross_entropy
 from dew.parallel import fsdp, tensor
 
 AXIS = fsdp.AXIS
@@ -78,50 +76,45 @@ def embed(table_local: jax.Array, ids: jax.Array, dtype) -> jax.Array:
     return lax.psum_scatter(partial, AXIS, scatter_dimension=0, tiled=True)
 
 
-def loss_sum(x: jax.Array, table_local: jax.Array, targets: jax.Array) -> jax.Array:
+def loss_sum(
+    x: jax.Array,
+    table_local: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array | None = None,
+    *,
+    chunk: int | None = None,
+    dtype=None,
+) -> jax.Array:
     """The cross-entropy of this device's tokens, summed (float32 scalar), through the head
-    ``table_local`` ``[vocab / n, embed]`` (the tied table, or an untied kernel's ``.T``).
+    ``table_local`` ``[vocab / n, embed]`` (the tied table, or an untied kernel's ``.T``, as
+    stored: its gradient comes back in its dtype, added up in float32).
 
-    ``x``: ``[rows, seq, embed]``, the final norm's output; ``targets``: ``[rows, seq]`` ids.
+    ``x``: ``[rows, seq, embed]``, the final norm's output; ``targets``: ``[rows, seq]`` ids;
+    ``weights``: ``None`` or float32 ``[rows, seq]`` multipliers of each token's loss; ``chunk``,
+    ``dtype``: as ``dew.nn.cross_entropy.loss_sum``.
 
-    The group's rows are scored one device's block at a time (a ``scan`` over the ``n`` blocks,
-    each recomputed in the backward), so a device holds one block's logits, ``[rows, seq,
-    vocab / n]`` float32, and their gradient: ``1/n`` of one device's whole-vocabulary logits,
-    where scoring every row at once would hold ``n`` blocks' worth twice over.
+    Every device scores the whole group's tokens on its slice of the vocabulary, ``chunk`` tokens
+    at a time (``dew.nn.cross_entropy``: ``[chunk, vocab / n]`` float32 logits at most, no
+    recompute), its max and sums over the vocabulary reduced over fsdp. The group's loss is then
+    the same on every device, and device 0 counts it. Each slice's gradient needs the loss's
+    cotangent, which only device 0 holds: the backward sums it over fsdp (``sum_cotangent``, one
+    float32), as a ``psum``'s transpose would under ``check_vma=False``.
     """
-    vocab_local = table_local.shape[0]
-    me = lax.axis_index(AXIS)
-    # All-gathers over the rows, [n, rows, seq, ...] by device: (n - 1) x rows seq embed x e
-    # bytes sent for the activations (backward: their psum_scatter, as much), and the targets.
-    group_x = lax.all_gather(x, AXIS)
-    group_targets = lax.all_gather(targets, AXIS)
-    table = table_local.astype(x.dtype)
-
-    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-    def block_loss(block_x, block_targets):
-        logits = jnp.einsum("bse,ve->bsv", block_x, table, preferred_element_type=jnp.float32)
-        # The shift is for stability only; its gradient cancels over the vocabulary, not a
-        # slice. All-reduce (max) of [rows, seq] float32.
-        shift = lax.pmax(jnp.max(lax.stop_gradient(logits), axis=-1), AXIS)
-        shifted = logits - shift[..., None]
-        local = block_targets.astype(jnp.int32) - me * vocab_local
-        mine = (local >= 0) & (local < vocab_local)
-        picked = jnp.take_along_axis(shifted, jnp.where(mine, local, 0)[..., None], axis=-1)
-        partial = jnp.stack(
-            [jnp.sum(jnp.exp(shifted), axis=-1), jnp.where(mine, picked[..., 0], 0.0)], -1
-        )
-        # One all-reduce of [rows, seq, 2] float32 for both sums: 2 (n - 1) / n x 8 rows seq
-        # bytes sent. Its transpose (check_vma=False) is a psum of the devices' cotangents, of
-        # which only the block's owner's is nonzero: every slice gets the block's gradient.
-        sum_exp, target_logit = jnp.moveaxis(lax.psum(partial, AXIS), -1, 0)
-        return jnp.sum(jnp.log(sum_exp) - target_logit)
-
-    def score(total, block):
-        owner, block_x, block_targets = block
-        loss = block_loss(block_x, block_targets)
-        # Every device computes the block's loss; its owner counts it.
-        return total + jnp.where(owner == me, loss, 0.0), None
-
-    blocks = (jnp.arange(group_x.shape[0]), group_x, group_targets)
-    total, _ = lax.scan(score, jnp.zeros((), jnp.float32), blocks)
-    return total
+    # All-gathers over the rows, the group's tokens by device: (n - 1) x rows seq embed x e bytes
+    # sent for the activations (backward: their psum_scatter, as much, which also sums the
+    # slices' parts of each row's gradient and hands the rows back to their device), the targets
+    # (int32) and the weights (float32).
+    group_x = lax.all_gather(x, AXIS, tiled=True)
+    group_targets = lax.all_gather(targets, AXIS, tiled=True)
+    group_weights = None if weights is None else lax.all_gather(weights, AXIS, tiled=True)
+    loss = cross_entropy.loss_sum(
+        group_x,
+        table_local,
+        group_targets,
+        group_weights,
+        chunk=chunk,
+        dtype=dtype,
+        axis=AXIS,
+        sum_cotangent=True,
+    )
+    return jnp.where(lax.axis_index(AXIS) == 0, loss, 0.0)

@@ -73,7 +73,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dew.mesh import BATCH_AXES
+from dew.objectives.lm import loss_weights, split_mask
 from dew.parallel import Shards, data, fsdp, pipeline, sequence
+from dew.training.optimizer import global_norm, learning_rate
 from dew.training.state import TrainState
 
 ENGINES = ("shard_map", "gspmd", "gspmd_unpinned")
@@ -126,15 +128,22 @@ def split_tokens(mesh: Mesh, seq_len: int) -> Callable:
     blocks (``TOKEN_SPEC``) gives device ``i`` chunks ``i`` and ``2n - 1 - i``; ``positions`` are
     the global positions, split alike. Every device of a sequence group holds the whole rows of
     its batch slice, so the reorder is a local slice, not a collective.
+
+    A batch with a loss mask (``[rows, 2, seq_len + 1]``, ``dew.objectives.lm``) gives a fourth
+    array, the targets' mask ``[rows, seq_len]`` (int32, 0 or 1), ordered and split as the
+    targets.
     """
     n = mesh.shape["sequence"]
     order = np.arange(seq_len) if n == 1 else sequence.zigzag_positions(seq_len, n)
 
     def split(batch):
+        batch, mask = split_mask(batch)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if n > 1:
             inputs, targets = inputs[:, order], targets[:, order]
-        return inputs, targets, jnp.asarray(order, jnp.int32)
+            mask = None if mask is None else mask[:, order]
+        positions = jnp.asarray(order, jnp.int32)
+        return (inputs, targets, positions) + (() if mask is None else (mask,))
 
     return split
 
@@ -155,13 +164,15 @@ def _plain_gradients(objective, shards: Shards, accumulation: int, global_tokens
     batch's."""
 
     def share(params, micro):
-        inputs, targets, positions = micro
-        loss, aux = objective.token_loss_sum(params, inputs, targets, positions, shards)
+        inputs, targets, positions, *weights = micro
+        loss, aux = objective.token_loss_sum(params, inputs, targets, positions, shards, *weights)
         return loss / global_tokens, aux
 
-    def fn(params, inputs, targets, positions):
+    def fn(params, inputs, targets, positions, weights=None):
         every = jnp.broadcast_to(positions, (accumulation, *positions.shape))
         micro = (_cut(inputs, accumulation), _cut(targets, accumulation), every)
+        if weights is not None:
+            micro += (_cut(weights, accumulation),)
         loss, aux, grads = accumulated_gradients(share, params, micro)
         return grads, loss, aux
 
@@ -169,8 +180,9 @@ def _plain_gradients(objective, shards: Shards, accumulation: int, global_tokens
 
 
 def _plain_forward(objective, shards: Shards):
-    def fn(params, inputs, targets, positions):
-        return objective.token_loss_sum(params, inputs, targets, positions, shards)
+    def fn(params, inputs, targets, positions, weights=None):
+        weights = () if weights is None else (weights,)
+        return objective.token_loss_sum(params, inputs, targets, positions, shards, *weights)
 
     return fn
 
@@ -186,7 +198,11 @@ def _stage_fn(objective, shards: Shards, positions: jax.Array) -> Callable:
     objective on one microbatch (``LMObjective.stage_loss_sum``), for ``dew.parallel.pipeline``."""
 
     def stage_fn(params, x_in, micro):
-        inputs, targets = micro
+        inputs, targets, *weights = micro
+        if weights:
+            return objective.stage_loss_sum(
+                params, x_in, inputs, targets, positions, shards, weights=weights[0]
+            )
         return objective.stage_loss_sum(params, x_in, inputs, targets, positions, shards)
 
     return stage_fn
@@ -215,8 +231,10 @@ def _pipelined_gradients(objective, shards: Shards, accumulation: int, global_to
     stages = shards.size(pipeline.AXIS)
     schedule = pipeline.SCHEDULES[shards.options.pipeline_schedule](stages, count)
 
-    def fn(params, inputs, targets, positions):
+    def fn(params, inputs, targets, positions, weights=None):
         micro = (_cut(inputs, count), _cut(targets, count))
+        if weights is not None:
+            micro += (_cut(weights, count),)
         grads, loss, aux = pipeline.pipeline_gradients(
             _stage_fn(objective, shards, positions),
             params,
@@ -236,9 +254,11 @@ def _pipelined_forward(objective, shards: Shards):
     (``dew.parallel.pipeline.pipeline_forward``: ``M + S - 1`` ticks, one ``ppermute`` of an
     activation each)."""
 
-    def fn(params, inputs, targets, positions):
+    def fn(params, inputs, targets, positions, weights=None):
         count = shards.microbatches
         micro = (_cut(inputs, count), _cut(targets, count))
+        if weights is not None:
+            micro += (_cut(weights, count),)
         return pipeline.pipeline_forward(
             _stage_fn(objective, shards, positions),
             params,
@@ -269,10 +289,23 @@ def local_gradients(objective, shards: Shards, accumulation: int, global_tokens:
     shards = dataclasses.replace(shards, loop_sums=fsdp.loop_sum_axes(shards, accumulation))
     part = parts(objective, shards, accumulation, global_tokens)
 
-    def fn(params, inputs, targets, positions):
-        return _summed(objective, shards, *part(params, inputs, targets, positions))
+    def fn(params, inputs, targets, positions, mask=None):
+        weights = () if mask is None else (_mask_weights(mask, shards, global_tokens),)
+        return _summed(objective, shards, *part(params, inputs, targets, positions, *weights))
 
     return fn
+
+
+def _mask_weights(mask: jax.Array, shards: Shards, global_tokens: int) -> jax.Array:
+    """This device's targets' weights ``[rows, positions]`` from their mask: ``loss_weights``
+    with the count of unmasked targets over the whole global batch, before any microbatch runs.
+    One ``psum`` of an int32 scalar (4 bytes) over the token axes, which hold different tokens
+    (not over tensor or stage, whose devices hold the same ones)."""
+    count = jnp.sum(mask, dtype=jnp.int32)
+    axes = shards.token_axes()
+    if axes:
+        count = jax.lax.psum(count, axes)
+    return loss_weights(mask, count, global_tokens)
 
 
 def _summed(objective, shards: Shards, grads, loss, aux):
@@ -297,19 +330,36 @@ def global_gradients(
     """
 
     def share(params, micro):
-        loss, aux = objective.loss_sum(params, micro, shards)
+        tokens, *weights = micro
+        loss, aux = objective.loss_sum(params, tokens, shards, *weights)
         return loss / global_tokens, aux
 
+    def cut(x):
+        rows, *rest = x.shape
+        x = x.reshape(batch_splits, accumulation, rows // (batch_splits * accumulation), *rest)
+        return x.swapaxes(0, 1).reshape(accumulation, rows // accumulation, *rest)
+
     def fn(params, batch):
-        rows, width = batch.shape
-        micro = batch.reshape(
-            batch_splits, accumulation, rows // (batch_splits * accumulation), width
-        )
-        micro = micro.swapaxes(0, 1).reshape(accumulation, rows // accumulation, width)
+        tokens, mask = split_mask(batch)
+        micro = (cut(tokens),)
+        if mask is not None:  # counted over the global array: XLA all-reduces the count
+            micro += (cut(loss_weights(mask, jnp.sum(mask, dtype=jnp.int32), global_tokens)),)
         loss, aux, grads = accumulated_gradients(share, params, micro)
         return grads, loss, aux
 
     return fn
+
+
+def optimizer_metrics(grads, optimizer, opt_state) -> dict:
+    """``grad_norm``: the global norm of the gradients (float32, before any clipping), over the
+    global arrays as laid out (XLA adds one all-reduce of a scalar per split weight); and ``lr``,
+    the learning rate this step's update uses, for an optimizer that says it
+    (``dew.training.optimizer.learning_rate``)."""
+    metrics = {"grad_norm": global_norm(grads)}
+    lr = learning_rate(optimizer, opt_state)
+    if lr is not None:
+        metrics["lr"] = lr
+    return metrics
 
 
 def apply_updates(
@@ -333,16 +383,25 @@ def _shard_map_step(
 
     ``check_vma=False``: gradients are summed where dew.parallel says, not by the transposes of
     implicit casts, so the collectives of a step are exactly those written in dew.parallel.
+
+    A batch with a loss mask passes ``local`` a fifth argument, the targets' mask, split as the
+    targets are.
     """
     split = split_tokens(mesh, seq_len)
-    mapped = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(shards.param_specs, TOKEN_SPEC, TOKEN_SPEC, POSITION_SPEC),
-        out_specs=out_specs,
-        check_vma=False,
-    )
-    return lambda params, batch: mapped(params, *split(batch))
+
+    def run(params, batch):
+        arrays = split(batch)
+        specs = (TOKEN_SPEC, TOKEN_SPEC, POSITION_SPEC) + (TOKEN_SPEC,) * (len(arrays) - 3)
+        mapped = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(shards.param_specs, *specs),
+            out_specs=out_specs,
+            check_vma=False,
+        )
+        return mapped(params, *arrays)
+
+    return run
 
 
 def build_loss(objective, mesh: Mesh, shards: Shards, *, global_rows: int) -> Callable:
@@ -356,8 +415,9 @@ def build_loss(objective, mesh: Mesh, shards: Shards, *, global_rows: int) -> Ca
     global_tokens = global_rows * objective.seq_len
     forward = (_pipelined_forward if _pipelined(shards) else _plain_forward)(objective, shards)
 
-    def local_loss(params, inputs, targets, positions):
-        loss, aux = data.sum_loss(forward(params, inputs, targets, positions), shards)
+    def local_loss(params, inputs, targets, positions, mask=None):
+        weights = () if mask is None else (_mask_weights(mask, shards, global_tokens),)
+        loss, aux = data.sum_loss(forward(params, inputs, targets, positions, *weights), shards)
         return loss / global_tokens, aux
 
     loss = _shard_map_step(local_loss, mesh, shards, objective.seq_len, (P(), P()))
@@ -382,7 +442,8 @@ def build_gradients(
         ``PartitionSpec`` s, the ``StepOptions``. The GSPMD engines read only the
         specs' absence: they run the model on the global arrays.
       global_rows: rows of the global batch (the loss is a mean over ``global_rows * seq_len``
-        tokens).
+        tokens, or, for a batch with a loss mask ``[rows, 2, seq_len + 1]``, over its unmasked
+        targets: ``dew.objectives.lm``).
     """
     global_tokens = global_rows * objective.seq_len
     if engine == "shard_map":
@@ -415,7 +476,8 @@ def build_train_step(
 
     ``metrics``: the objective's ``metrics(loss, aux, global_tokens)``, a dict of scalars with
     ``"loss"`` (for an MoE language model also ``"load_balance_loss"``, ``"router_z_loss"`` and
-    ``"dropped_fraction"``).
+    ``"dropped_fraction"``), and ``optimizer_metrics``: ``"grad_norm"`` and, where the optimizer
+    says it, ``"lr"``.
 
     ``state_shardings`` is the ``NamedSharding`` tree of the whole ``TrainState``; the other
     arguments are ``build_gradients``'.
@@ -434,6 +496,7 @@ def build_train_step(
     def step(state: TrainState, batch: jax.Array):
         grads, loss, aux = gradients(state.params, batch)
         metrics = objective.metrics(loss, aux, global_tokens)
+        metrics.update(optimizer_metrics(grads, optimizer, state.opt_state))
         return apply_updates(state, grads, optimizer, objective.ema_decay), metrics
 
     return jax.jit(

@@ -9,7 +9,7 @@ A tracker is anything with two methods:
 docs/metrics.md), and, on a step that evaluated, ``val_weights``: the string ``"params"`` or
 ``"ema"``. ``fit`` calls trackers on process 0 only, so a tracker writes once per run whatever the
 process count. Two come with Dew: ``JsonLines`` (one JSON line per step, ``fit(metrics=FILE)``)
-and ``TensorBoard`` (event files, with the optional extra ``dew-ml[tensorboard]``). Both open
+and ``TensorBoard`` (event files, with the optional extra ``tensorboard``). Both open
 their file at the first ``log`` and reopen after ``close``, so one tracker serves several ``fit``
 calls.
 """
@@ -65,7 +65,7 @@ class JsonLines:
 class TensorBoard:
     """Writes each number of ``metrics`` as a TensorBoard scalar (its name the tag, ``step`` the
     step) to event files in ``logdir``, through ``tensorboardX``'s ``SummaryWriter`` (no
-    TensorFlow): ``pip install 'dew-ml[tensorboard]'``. Strings (``val_weights``) are left out.
+    TensorFlow): ``pip install -e '.[tensorboard]'``. Strings (``val_weights``) are left out.
     Flushed after every step. View with ``tensorboard --logdir DIR``."""
 
     def __init__(self, logdir: str | os.PathLike):
@@ -73,7 +73,7 @@ class TensorBoard:
             import tensorboardX  # noqa: F401
         except ImportError:
             raise MissingExtra(
-                "TensorBoard files need tensorboardX: pip install 'dew-ml[tensorboard]'"
+                "TensorBoard files need tensorboardX: pip install -e '.[tensorboard]'"
             ) from None
         self.logdir = Path(logdir)
         if self.logdir.exists() and not self.logdir.is_dir():

@@ -34,6 +34,7 @@ from dew.mesh import BATCH_AXES, MeshSpec, build_mesh
 from dew.parallel import Shards, expert, fsdp, pipeline, sequence, tensor
 from dew.parallel.options import StepOptions
 from dew.training.flops import model_flops_per_token, peak_flops
+from dew.training.optimizer import host_state_shardings
 from dew.training.preemption import RUN, stop_signals
 from dew.training.state import TrainState
 from dew.training.step import (
@@ -73,12 +74,21 @@ def _router_line(metrics: dict) -> str:
     )
 
 
+def _optimizer_line(metrics: dict) -> str:
+    """The end of a step's log line: the gradients' global norm, and the learning rate where the
+    optimizer says it."""
+    line = f", grad norm {metrics['grad_norm']:.4g}" if "grad_norm" in metrics else ""
+    return line + (f", lr {metrics['lr']:.4g}" if "lr" in metrics else "")
+
+
 class Trainer:
     """Trains ``objective`` with ``optimizer`` over a device mesh.
 
     Args:
       objective: e.g. ``LMObjective(model, seq_len)``.
       optimizer: any ``optax.GradientTransformation``; it gives its one-device result.
+        ``dew.training.optimizer.adamw`` adds a schedule (its ``lr`` goes into the metrics),
+        clipping, masked weight decay and smaller state (bfloat16 moments, state in host memory).
       key: a PRNG key (``jax.random.key(0)``); the initial weights depend on it alone.
       mesh: a ``MeshSpec``; ``data`` takes the devices the other axes leave.
       layout: a ``Layout`` placing each weight (and its optimizer state and EMA) on the mesh.
@@ -94,6 +104,10 @@ class Trainer:
         (``dew.parallel.options``). Checked against the mesh here, before anything compiles: an
         option the mesh gives no axis for is an error. The shard_map engine's only: the GSPMD
         engines take the default.
+      memory_limit_bytes: a device's memory, for a model with ``remat="auto"``: the first step
+        built (``train_step``, at its batch size) takes the least recomputation whose step fits
+        it (``dew.planning.choose_remat``, a compile per policy tried). Default: what the device
+        reports (TPUs and GPUs do; CPU devices do not, so give it there).
     """
 
     def __init__(
@@ -108,6 +122,7 @@ class Trainer:
         engine: str = "shard_map",
         devices=None,
         options: StepOptions = StepOptions(),
+        memory_limit_bytes: int | None = None,
     ):
         if not isinstance(mesh, MeshSpec):
             raise TypeError(f"mesh must be a dew.MeshSpec, got {type(mesh).__name__}")
@@ -144,12 +159,14 @@ class Trainer:
         self.accumulation = accumulation
         self.engine = engine
         self.options = options
+        self.memory_limit_bytes = memory_limit_bytes
         # Pipeline microbatches per accumulation microbatch (1 without a stage axis).
         self.microbatches = mesh.microbatches or 1
 
         mesh_shape = dict(self.mesh.shape)
         objective.model.check_split(mesh_shape, options.sequence_scheme)
-        sequence.check_seq_len(objective.seq_len, mesh_shape["sequence"])
+        if mesh_shape["sequence"] > 1:  # zigzag chunks only where a sequence axis splits rows
+            sequence.check_seq_len(objective.seq_len, mesh_shape["sequence"])
         if engine == "shard_map":
             options.check(mesh_shape, objective.seq_len)
         if hasattr(objective.model, "attention_for"):
@@ -177,6 +194,10 @@ class Trainer:
             expert.check_layout(self.param_specs, axes, mesh_shape["expert"])
             pipeline.check_layout(self.param_specs, axes, mesh_shape["stage"])
         self.state_shardings = layout.shardings(self.mesh, abstract_state, axes)
+        # An optimizer that offloads its state keeps it in host memory between steps.
+        self.state_shardings = self.state_shardings.replace(
+            opt_state=host_state_shardings(optimizer, self.state_shardings.opt_state)
+        )
         self._abstract_state = abstract_state
         self._steps: dict[int, Any] = {}
         self._losses: dict[int, Any] = {}
@@ -218,7 +239,16 @@ class Trainer:
         target = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
         )
-        tree, metadata = self.checkpoints.restore(target)
+        on_device = jax.tree_util.tree_map(
+            lambda t: jax.ShapeDtypeStruct(
+                t.shape, t.dtype, sharding=t.sharding.with_memory_kind("device")
+            ),
+            target,
+        )
+        # The reader places arrays in device memory; an offloaded optimizer state then moves to
+        # host memory, where the step takes it.
+        tree, metadata = self.checkpoints.restore(on_device)
+        tree = jax.device_put(tree, shardings)
         key = jax.random.wrap_key_data(tree.key, impl=jax.random.key_impl(self.key))
         return tree.replace(key=key), metadata
 
@@ -322,6 +352,7 @@ class Trainer:
         batches of ``batch_size`` rows; ``metrics["loss"]`` is the batch's mean loss (see
         ``dew.training.step.build_train_step`` for the MoE entries)."""
         self.check_batch(batch_size)
+        self._choose_remat(batch_size)
         if batch_size not in self._steps:
             self._steps[batch_size] = build_train_step(
                 self.objective,
@@ -335,11 +366,23 @@ class Trainer:
             )
         return self._steps[batch_size]
 
+    def _choose_remat(self, batch_size: int) -> None:
+        """A model with ``remat="auto"`` gets its policy here, once, from the first batch size a
+        computation is built for: ``dew.planning.choose_remat`` (which says what it chose)."""
+        if getattr(self.objective.model, "remat", None) != "auto":
+            return
+        from dew.planning import choose_remat
+
+        choice = choose_remat(self, batch_size, memory_limit_bytes=self.memory_limit_bytes)
+        print(choice.reason(), flush=True)
+        self.objective = choice.objective
+
     def gradients(self, params, batch: jax.Array):
         """``(grads, loss)`` of the mean loss of the global ``batch``, computed as the step computes
         them (for tests and inspection; ``fit`` does not call it)."""
         rows = batch.shape[0]
         self.check_batch(rows)
+        self._choose_remat(rows)
         if rows not in self._gradients:
             fn = build_gradients(
                 self.objective,
@@ -385,6 +428,7 @@ class Trainer:
                 f"params must be 'params' or 'ema' (with ema_decay set), got {params!r}"
             )
         self.check_batch(data.batch_size)
+        self._choose_remat(data.batch_size)
         # Evaluation runs the shard_map forward whatever the step's engine.
         self.options.check(dict(self.mesh.shape), self.objective.seq_len)
         if data.batch_size not in self._losses:
@@ -423,11 +467,12 @@ class Trainer:
         return slice(lo, hi)
 
     def device_batch(self, rows: np.ndarray, batch_size: int) -> jax.Array:
-        """A global batch array from this process's ``rows`` of it."""
+        """A global batch array from this process's ``rows`` of it (``[rows, seq_len + 1]``, or
+        ``[rows, 2, seq_len + 1]`` with a loss mask)."""
         if jax.process_count() == 1:
             return jax.device_put(rows, self.batch_sharding)
         return jax.make_array_from_process_local_data(
-            self.batch_sharding, rows, (batch_size, rows.shape[1])
+            self.batch_sharding, rows, (batch_size, *rows.shape[1:])
         )
 
     # ----------------------------------------------------------------------------- fit
@@ -460,15 +505,17 @@ class Trainer:
           checkpoint_every: saves every this many steps (and always at the end, when checkpoints
             are on).
           metrics: a file to append one JSON line per step to (``dew.training.tracking.JsonLines``:
-            ``{"step", "loss", "step_time_s", "tokens_per_s", "model_tflops_per_device", "mfu"}``,
-            for an MoE model ``"load_balance_loss"``, ``"router_z_loss"`` and
-            ``"dropped_fraction"``, on a step that evaluated ``"val_loss"`` and ``"val_weights"``;
-            docs/metrics.md), written by process 0 and flushed as each step ends; its folder is
-            created. ``step_time_s`` is the wall time from the step's start (its dispatch, or the
-            end of the step before when later: steps queue on the devices) to its loss (the
-            first step of a run includes compiling); ``mfu`` only where the device's peak is known
-            (``dew.training.flops``). A resumed run appends, so steps trained again after the
-            checkpoint it resumed from appear twice: the later line is the run's.
+            ``{"step", "loss", "step_time_s", "tokens_per_s", "model_tflops_per_device", "mfu",
+            "grad_norm"}`` and ``"lr"`` where the optimizer says it (``dew.training.optimizer``;
+            both also end the log line), for an MoE model ``"load_balance_loss"``,
+            ``"router_z_loss"`` and ``"dropped_fraction"``, on a step that evaluated
+            ``"val_loss"`` and ``"val_weights"``; docs/metrics.md), written by process 0 and
+            flushed as each step ends; its folder is created. ``step_time_s`` is the wall time
+            from the step's start (its dispatch, or the end of the step before when later: steps
+            queue on the devices) to its loss (the first step of a run includes compiling);
+            ``mfu`` only where the device's peak is known (``dew.training.flops``). A resumed
+            run appends, so steps trained again after the checkpoint it resumed from appear
+            twice: the later line is the run's.
           eval_every: evaluates every this many steps, and at the last step: the mean loss over
             ``data``'s validation batches (``validation_metrics``, compiled once, on the step's
             layout) of the EMA weights when the objective keeps them (``ema_decay``), else of the
@@ -572,7 +619,10 @@ class Trainer:
                 timing["in_steps"] += seconds
             window.add(seconds)
             if step % log_every == 0 or step == steps or last:
-                print(f"step {step}: loss {loss:.4f}{_router_line(step_metrics)}, {window.line()}")
+                print(
+                    f"step {step}: loss {loss:.4f}{_router_line(step_metrics)}, {window.line()}"
+                    f"{_optimizer_line(step_metrics)}"
+                )
             validation = None
             if (
                 state is not None

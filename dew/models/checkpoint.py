@@ -1,0 +1,107 @@
+"""A trained model back from its Dew checkpoint: ``load_checkpoint``.
+
+    import dew
+
+    model, params = dew.load_checkpoint("runs/dew-train")           # the latest step
+    model, params = dew.load_checkpoint("runs/dew-train", step=200)
+    logits = model.apply(params, tokens)                             # [batch, seq, vocab]
+
+A checkpoint of ``dew train`` (``Trainer.save``) records its model in its metadata (``"model"``:
+the ``CausalTransformer``'s fields) and holds the whole training state, whose ``.params`` are the
+weights; a checkpoint of ``dew convert`` holds the weights alone (metadata ``"contents":
+"params"``). Either loads. ``dew convert --to hf`` and ``dew train --init-from`` read checkpoints
+through the same two functions, ``checkpoint_model`` and ``restore_params``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# A run directory of dew train keeps its checkpoints here (RUN_DIR/checkpoints).
+RUN_CHECKPOINTS = "checkpoints"
+
+
+def checkpoint_directory(path: str | os.PathLike) -> Path:
+    """The checkpoint directory of ``path``: ``path/checkpoints`` when ``path`` is a run
+    directory of ``dew train`` (``--run-dir``), else ``path`` itself. ``FileNotFoundError`` when
+    ``path`` does not exist, ``NotADirectoryError`` when it is a file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file, not a run or checkpoint directory")
+    inner = path / RUN_CHECKPOINTS
+    return inner if inner.is_dir() and not _has_steps(path) else path
+
+
+def _has_steps(directory: Path) -> bool:
+    from dew.checkpoints import Checkpoints
+
+    return Checkpoints(directory).latest is not None
+
+
+def checkpoint_model(directory, step: int | None = None):
+    """``(checkpoints, model, prefix)`` of a Dew checkpoint directory: the model its metadata
+    records, and where its weights are (``hf.params_prefix``). ``ValueError`` naming the steps
+    there are when ``step`` is not one of them, or when ``directory`` holds no checkpoint."""
+    from dew.checkpoints import Checkpoints
+    from dew.models import hf
+
+    checkpoints = Checkpoints(directory)
+    steps = checkpoints.steps
+    if not steps:
+        raise ValueError(f"{directory} holds no Dew checkpoint (no step_NNNNNNNN folder)")
+    if step is not None and step not in steps:
+        raise ValueError(f"{directory} has no step {step}; its steps are {_few_steps(steps)}")
+    metadata = checkpoints.metadata(step)
+    model = hf.model_of_metadata(metadata, f"the checkpoint in {directory}")
+    return checkpoints, model, hf.params_prefix(checkpoints, step)
+
+
+def _few_steps(steps: list[int]) -> str:
+    shown = ", ".join(str(s) for s in steps[-8:])
+    return ("..., " if len(steps) > 8 else "") + shown
+
+
+def restore_params(checkpoints, model, prefix: str, shardings, step: int | None = None):
+    """The weights of a Dew checkpoint laid out by ``shardings`` (a tree shaped like them), in
+    the model's ``param_dtype``."""
+    import jax
+
+    from dew.models.causal_transformer import resolve_dtype
+
+    abstract = jax.eval_shape(model.init, jax.random.key(0))
+    dtype = resolve_dtype(model.param_dtype)
+    target = jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), abstract, shardings
+    )
+    params, _ = checkpoints.restore(target, step, under=prefix)
+    return params
+
+
+def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None):
+    """``(model, params)`` of a Dew checkpoint, for inference or export.
+
+    Args:
+      run_dir: a run directory of ``dew train`` (its ``--run-dir``, which holds
+        ``checkpoints/``), or a checkpoint directory itself (``Trainer(checkpoints=...)``'s, or
+        one ``dew convert`` wrote).
+      step: the step to load (default: the latest complete one).
+
+    Returns the ``CausalTransformer`` the checkpoint records and its weights ``{"params": ...}``
+    on one device (``jax.devices()[0]``), in the model's ``param_dtype``: ``model.apply(params,
+    tokens)`` gives float32 logits ``[batch, seq, vocab]``.
+
+    Raises ``FileNotFoundError`` / ``NotADirectoryError`` for a path that is missing or a file,
+    ``ValueError`` for a directory with no checkpoint, a ``step`` it does not have (naming the
+    steps it has), or a checkpoint written before Dew recorded its model, and
+    ``dew.checkpoints.CorruptCheckpointError`` for a damaged step.
+    """
+    import jax
+
+    directory = checkpoint_directory(run_dir)
+    checkpoints, model, prefix = checkpoint_model(directory, step)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree_util.tree_map(lambda _: one, jax.eval_shape(model.init, jax.random.key(0)))
+    return model, restore_params(checkpoints, model, prefix, shardings, step)

@@ -1,0 +1,103 @@
+"""``dew train --init-from`` a Hugging Face folder and back out by ``dew convert --to hf``: the
+export's ``config.json`` is the folder's model (its context kept, or lengthened only by
+``--extend-context``), the tokenizer the run's token folder was written with travels into the
+export, and ``dew.load_checkpoint`` gives the trained model and weights back in Python.
+
+A learning rate of 1e-30, below any weight's rounding: the weights stay as loaded, so everything
+can be compared with the folder's own tensors and transformers' logits (tests/data/hf,
+scripts/make_hf_reference.py).
+"""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import dew
+from dew.models import hf
+from tests.helpers import relative_error
+
+TIED = Path(__file__).resolve().parent / "data" / "hf" / "llama3_tied"
+TRAIN = ("--steps", "1", "--lr", "1e-30", "--mesh", "fsdp=8", "--batch", "8")
+
+
+def exported_model(folder):
+    """The model a folder's ``config.json`` describes, and its context as written."""
+    config = hf.read_config(folder)
+    return hf.model_from_config(config, str(folder)), config["max_position_embeddings"]
+
+
+def test_init_from_keeps_the_folders_model_and_tokenizer_and_loads_back(dew_here, tmp_path):
+    run = dew_here(
+        *("tokenize", "text.txt", "--tokenizer", str(TIED), "--out", "tokens"),
+        *("--eos", "~", "--val-fraction", "0"),
+        cwd=_with_text(tmp_path),
+    )
+    assert run.returncode == 0, run.stderr
+    run = dew_here(
+        *("train", "--init-from", str(TIED), "--data", "tokens", "--run-dir", "run"),
+        *TRAIN,
+        *("--seq-len", "16"),
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    run = dew_here("convert", "run", "out", "--to", "hf", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "tokenizer.json" in run.stdout and "No tokenizer" not in run.stdout
+
+    # config.json: the folder's model, its context (64) kept although the rows were 16 tokens.
+    model, context = exported_model(tmp_path / "out")
+    want, want_context = exported_model(TIED)
+    assert context == want_context == 64
+    assert model == want
+    # The tokenizer the tokens were written with, byte for byte.
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
+        TIED / "tokenizer.json"
+    ).read_bytes()
+
+    # dew.load_checkpoint: the run directory's latest step, on one device: transformers' logits.
+    model, params = dew.load_checkpoint(tmp_path / "run")
+    assert hf.architecture(model) == hf.architecture(want) and model.max_seq_len == 64
+    tokens, logits = np.load(TIED / "tokens.npy"), np.load(TIED / "logits.npy")
+    error = relative_error(np.asarray(jax.jit(model.apply)(params, tokens)), logits)
+    assert error < 1e-5, error
+    # Steps by number, from the checkpoint directory itself too; a missing one names those there.
+    _, at_zero = dew.load_checkpoint(tmp_path / "run" / "checkpoints", step=0)
+    assert relative_error(at_zero, params) == 0.0
+    with pytest.raises(ValueError, match=r"has no step 7; its steps are 0, 1"):
+        dew.load_checkpoint(tmp_path / "run", step=7)
+
+
+def test_extend_context_lengthens_it_and_says_so(dew_here, tmp_path):
+    # Without --extend-context the longer rows are refused (tests/test_cli_errors.py); with it
+    # the context becomes --seq-len, in the model and the export. The example corpus is bytes:
+    # the export says it has no tokenizer files.
+    run = dew_here(
+        *("train", "--init-from", str(TIED), "--run-dir", "run", "--extend-context"),
+        *TRAIN,
+        *("--seq-len", "96"),
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "--extend-context: the context goes from 64 to 96 tokens" in run.stdout
+    run = dew_here("convert", "run/checkpoints", "out", "--to", "hf", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "No tokenizer files" in run.stdout
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    model, context = exported_model(tmp_path / "out")
+    assert context == 96
+    want, _ = exported_model(TIED)
+    assert hf.architecture(model) == hf.architecture(want)
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["rope_scaling"][
+            "original_max_position_embeddings"
+        ]
+        == 32
+    )  # the rotary frequencies as they were
+
+
+def _with_text(folder):
+    (folder / "text.txt").write_text("A few words for a tiny Llama to read. " * 100)
+    return folder
