@@ -22,6 +22,7 @@ from dew.cli import optimizer_flags
 from dew.cli.main import build_parser
 from dew.data import TokenWindows
 from dew.training import optimizer as opt
+from dew.training import schedule as lr_schedules
 from tests.helpers import (
     SEQ,
     child_env,
@@ -49,7 +50,9 @@ def expected_lr(step, lr, steps, warmup, schedule, lr_min):
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_the_schedule_is_its_formula_at_every_step(schedule, warmup):
     lr_min = 0.0 if schedule == "constant" else 3e-5
-    lr_at = opt.schedule(3e-4, steps=10, warmup_steps=warmup, lr_schedule=schedule, lr_min=lr_min)
+    lr_at = lr_schedules.schedule(
+        3e-4, steps=10, warmup_steps=warmup, lr_schedule=schedule, lr_min=lr_min
+    )
     got = [float(lr_at(count)) for count in range(12)]  # two counts past the end
     want = [expected_lr(s, 3e-4, 10, warmup, schedule, lr_min) for s in range(1, 13)]
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -89,7 +92,7 @@ def test_the_cli_refuses_bad_optimizer_flags_and_its_choices_are_the_modules():
         optimizer_flags.optimizer_from(parse(["train", "--clip-norm", "-1"]))
     with pytest.raises(ValueError, match="warmup_steps 30 is above steps 20"):
         optimizer_flags.optimizer_from(parse(["train", "--warmup-steps", "30"]))
-    assert optimizer_flags.SCHEDULES == opt.SCHEDULES
+    assert optimizer_flags.SCHEDULES == lr_schedules.SCHEDULES
     assert optimizer_flags.MOMENTS_DTYPES == opt.MOMENTS_DTYPES
     assert optimizer_flags.MASTER_WEIGHTS == opt.MASTER_WEIGHTS
     assert (optimizer_flags.CLIP_NORM, optimizer_flags.WEIGHT_DECAY) == (

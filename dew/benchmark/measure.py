@@ -26,6 +26,9 @@ step runs out of device memory: ``out_of_memory``) is a ``DidNotFit`` row instea
 what it needed (``needed_bytes``) and what the device has (``device_bytes``).
 
 Which contestants run, and in what order, is ``dew.benchmark.rounds``'s business.
+
+(Past 450 lines: a contestant's build, its compile, its timed rounds and its out-of-memory row
+share one Trainer and its parked state; the rounds' order lives in ``dew.benchmark.rounds``.)
 """
 
 from __future__ import annotations

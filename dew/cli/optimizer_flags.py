@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-# dew.training.optimizer's SCHEDULES, MOMENTS_DTYPES, MASTER_WEIGHTS and defaults, written out so
-# that building the parser imports no JAX (tests/test_optimizer.py checks they agree).
+# dew.training.schedule's SCHEDULES, dew.training.optimizer's MOMENTS_DTYPES, MASTER_WEIGHTS and
+# defaults, written out so that building the parser imports no JAX (tests/test_optimizer.py
+# checks they agree).
 SCHEDULES = ("constant", "cosine", "linear")
 MOMENTS_DTYPES = ("float32", "bfloat16")
 MASTER_WEIGHTS = ("vectors", "all")

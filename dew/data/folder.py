@@ -18,6 +18,9 @@ bytes long, ``mask[i] = 1`` when predicting token ``i`` counts in the loss (``de
 --jsonl-fields``: a completion's tokens count, its prompt's do not). A folder without one counts
 every token. ``"pad_seq_len": S`` records that each document starts at a multiple of ``S`` tokens
 (``dew tokenize --rows pad``), so windows of ``seq_len = S`` never hold two documents.
+
+(Past 450 lines: the folder's format, its writer and its checked reader, masks included, are
+one contract; apart, a change to the format could reach one side only.)
 """
 
 from __future__ import annotations

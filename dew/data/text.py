@@ -40,6 +40,9 @@ tokens (``train.mask``, ``val.mask``: 1 where predicting the token counts in the
 without one), masked, so that no window of ``seq_len = S`` holds two documents: no token attends
 to another document. A document's first token never counts there (the row before would predict
 it). ``rows="pack"`` (the default) joins documents by the end-of-text id alone.
+
+(Past 450 lines: reading text, jsonl and parquet, the prompt/chat masks and the pack/pad rows
+are one pass over the documents that writes tokens and mask together.)
 """
 
 from __future__ import annotations

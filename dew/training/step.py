@@ -57,6 +57,9 @@ pipeline schedule do not apply).
 ``gspmd_unpinned``: the same, with activations left to the partitioner. It is kept to show what
 pinning buys: at fsdp it splits the matmuls along the weights' split dimension and all-reduces
 whole-batch activations (docs/benchmarks.md has its bytes).
+
+(Past 450 lines: the three engines share the loss's cut into microbatches, the token split, the
+one tail of gradient sums and the optax update; apart, each would import the others' halves.)
 """
 
 from __future__ import annotations
