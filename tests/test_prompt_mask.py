@@ -63,8 +63,14 @@ def test_the_one_device_reference_is_the_hand_masked_mean(dense, seed):
     objective, _, batches, reference = dense
     expected = hand_masked_loss(objective.model, reference["initial"], batches[0])
     np.testing.assert_allclose(reference["losses"][0], expected, rtol=TOL, err_msg=f"seed {seed}")
-    unmasked = float(objective.loss(reference["initial"], batches[0][:, 0]))
-    assert abs(unmasked - expected) > 1e-3, f"the mask changed nothing, seed {seed}"
+    # Not vacuous: row 0 is all masked, so other tokens there leave the loss as it was, where a
+    # loss that ignored the mask would move with them.
+    other = np.array(batches[0])
+    other[0, 0] = (other[0, 0] + 1) % VOCAB
+    again = float(objective.loss(reference["initial"], other))
+    np.testing.assert_allclose(again, expected, rtol=TOL, err_msg=f"seed {seed}")
+    plain = [float(objective.loss(reference["initial"], b[:, 0])) for b in (batches[0], other)]
+    assert plain[0] != plain[1], f"row 0's tokens changed nothing unmasked, seed {seed}"
 
 
 M = dew.MeshSpec
