@@ -192,7 +192,7 @@ def _config(q, k, v, *, causal, sm_scale, block_q, block_k, interpret) -> _Confi
             f"flash_attention: sm_scale must be a finite Python number, got {sm_scale!r}"
         )
     q_len, kv_len = int(q.shape[1]), int(k.shape[1])
-    defaults = default_blocks(target, head_dim, q.dtype, kv_len)
+    defaults = default_blocks(target, head_dim, q.dtype, causal)
     tiling = Tiling(
         q_len=q_len,
         kv_len=kv_len,

@@ -106,18 +106,20 @@ LANES = 128
 # computes, so larger blocks keep the fixed cost small; v4's 16 MiB of VMEM holds 512 x 512.
 # v5e's were measured on the chip (docs/kernels.md, "TPU performance"): (1024, 2048) with keys
 # computed 512 at a time (TPU_PIECES) beat (1024, 1024), (512, 512) and (2048, 2048) at 8k
-# tokens; at up to SHORT_KV keys, (512, 512) won. v5p's and v6e's follow v5e's and are not
-# measured.
+# tokens. v5p's and v6e's follow v5e's and are not measured.
 TPU_BLOCKS = {
     "v4": (512, 512),
     "v5e": (1024, 2048),
     "v5p": (1024, 2048),
     "v6e": (1024, 2048),
 }
-# At kv_len up to this, blocks of at most SHORT_BLOCK: on v5e, 2-5% faster than the long blocks
-# at 2048 keys (more grid steps, but fewer masked logits on the causal diagonal).
-SHORT_KV = 2048
-SHORT_BLOCK = 512
+# Causal calls take query blocks of at most this: a diagonal block pair computes block_q *
+# block_k logits of which about half are masked, so a shorter query block halves the waste while
+# the key block stays long. On v5e, 512 x 2048 against the 1024 x 2048 (and 512 x 512 at up to
+# 2048 keys) of before, keys 512 at a time, forward and forward+backward: +1.7% and +0.4% at 8192
+# keys, d128; +5% and +4% at 2048, d64; +2.5% and +3% at 1024, d64 (docs/kernels.md). Without a
+# mask the long query block stays: 512 rows were 5% slower at 4096 keys, d128.
+CAUSAL_BLOCK_Q = 512
 # Scoped VMEM the Mosaic kernels may ask for, per generation: most of a TensorCore's VMEM
 # (pltpu.get_tpu_info_for_chip: v4 16 MiB, v5e 128, v5p 64, v6e 128), leaving room for what the
 # compiler keeps there itself. None: the compiler's default limit (v4's is its whole VMEM).
@@ -186,7 +188,7 @@ def triton_float32_blocks(head_dim: int) -> BlockConfig:
     return BlockConfig(block, block, num_warps=FLOAT32_WARPS, num_stages=1)
 
 
-def default_blocks(target: str, head_dim: int, dtype, kv_len: int | None = None) -> BlockConfig:
+def default_blocks(target: str, head_dim: int, dtype, causal: bool = False) -> BlockConfig:
     """Default block sizes of ``target`` (a name in ``TARGETS``).
 
     Triton, bfloat16: a query block of at most 32 KiB (128 rows up to head_dim 128, 64 at 256)
@@ -196,8 +198,8 @@ def default_blocks(target: str, head_dim: int, dtype, kv_len: int | None = None)
     yet tuned on a GPU of ours.
     Triton, float32: ``triton_float32_blocks`` (the matmuls run on CUDA cores, not tensor cores).
     Mosaic (and TPU interpret mode): ``TPU_BLOCKS`` of the compiled-for device's generation,
-    block_q halved above head_dim 128, both at most ``SHORT_BLOCK`` when ``kv_len`` is at most
-    ``SHORT_KV``.
+    block_q at most ``CAUSAL_BLOCK_Q`` when ``causal``, then halved above head_dim 128 (a block
+    longer than its length is shrunk to it by the caller).
     Interpret mode: 64 x 64, small enough to exercise several blocks on test-sized inputs, large
     enough to keep the emulated loops short.
     """
@@ -213,10 +215,10 @@ def default_blocks(target: str, head_dim: int, dtype, kv_len: int | None = None)
         )
     if target in ("mosaic", "mosaic_interpret"):
         block_q, block_k = TPU_BLOCKS[tpu_generation(compile_device().device_kind)]
+        if causal:
+            block_q = min(block_q, CAUSAL_BLOCK_Q)
         if head_dim > 128:
             block_q //= 2
-        if kv_len is not None and kv_len <= SHORT_KV:
-            block_q, block_k = min(block_q, SHORT_BLOCK), min(block_k, SHORT_BLOCK)
         block_q, block_k = _overrides.get("block_q", block_q), _overrides.get("block_k", block_k)
         return BlockConfig(block_q, block_k)
     return BlockConfig(64, 64)

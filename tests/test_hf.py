@@ -197,6 +197,27 @@ def test_export_writes_transformers_tensors_back_bit_for_bit(name, tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, params_again, params)
 
 
+def special_ids(folder) -> dict:
+    """``bos_token_id`` and ``eos_token_id`` of a folder's ``config.json``, where it has them."""
+    config = hf.read_config(folder)
+    return {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+
+
+def test_export_carries_the_special_tokens_ids_given_and_no_other_field(tmp_path):
+    folder, _, _ = reference("llama3_tied")
+    model, params = hf.load(folder)
+    carried = hf.carried_fields(hf.read_config(folder))
+    assert carried == {"bos_token_id": 1, "eos_token_id": 2}  # pad_token_id null: left out
+    hf.save(model, params, tmp_path / "out", carried={**carried, "eos_token_id": [2, 5]})
+    assert special_ids(tmp_path / "out") == {"bos_token_id": 1, "eos_token_id": [2, 5]}
+    hf.save(model, params, tmp_path / "plain")
+    assert special_ids(tmp_path / "plain") == {}
+    with pytest.raises(ValueError, match="torch_dtype are not among bos_token_id"):
+        hf.save(model, params, tmp_path / "refused", carried={"torch_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="config.json: eos_token_id '</s>' is not a token id"):
+        hf.carried_fields({"eos_token_id": "</s>"})
+
+
 def test_export_shards_large_models_with_an_index_and_keeps_bfloat16(tmp_path):
     folder, _, _ = reference("llama3_untied")
     model, params = hf.load(folder, dtype="bfloat16")
@@ -363,6 +384,12 @@ def test_dew_convert_both_ways_and_train_init_from(dew_here, tmp_path):
     run = dew_here("convert", "ckpt", "back", "--to", "hf", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert tensors_of(tmp_path / "back") == tensors_of(untied)
+    # The folder's special tokens' ids travel through the checkpoint into the export.
+    assert (
+        special_ids(tmp_path / "back")
+        == special_ids(untied)
+        == {"bos_token_id": 1, "eos_token_id": 2}
+    )
 
     # Tokenize with the folder's tokenizer.json, fine-tune from the folder (learning rate 1e-30:
     # the weights stay as loaded), and convert the run's checkpoint back: the same tensors.
@@ -384,3 +411,4 @@ def test_dew_convert_both_ways_and_train_init_from(dew_here, tmp_path):
     run = dew_here("convert", "run/checkpoints", "tuned", "--to", "hf", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert tensors_of(tmp_path / "tuned") == tensors_of(tied)
+    assert special_ids(tmp_path / "tuned") == special_ids(tied)

@@ -1,7 +1,8 @@
 """``dew train --init-from`` a Hugging Face folder and back out by ``dew convert --to hf``: the
 export's ``config.json`` is the folder's model (its context kept, or lengthened only by
-``--extend-context``), the tokenizer the run's token folder was written with travels into the
-export, and ``dew.load_checkpoint`` gives the trained model and weights back in Python.
+``--extend-context``) with the folder's special tokens' ids, the tokenizer the run's token folder
+was written with travels into the export (its end-of-text id too, where the folder gives none),
+and ``dew.load_checkpoint`` gives the trained model and weights back in Python.
 
 A learning rate of 1e-30, below any weight's rounding: the weights stay as loaded, so everything
 can be compared with the folder's own tensors and transformers' logits (tests/data/hf,
@@ -16,6 +17,8 @@ import numpy as np
 import pytest
 
 import dew
+from dew.cli import convert
+from dew.data import write_token_folder
 from dew.models import hf
 from tests.helpers import relative_error
 
@@ -27,6 +30,12 @@ def exported_model(folder):
     """The model a folder's ``config.json`` describes, and its context as written."""
     config = hf.read_config(folder)
     return hf.model_from_config(config, str(folder)), config["max_position_embeddings"]
+
+
+def special_ids(folder) -> dict:
+    """``bos_token_id`` and ``eos_token_id`` of a folder's ``config.json``, where it has them."""
+    config = hf.read_config(folder)
+    return {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
 
 
 def test_init_from_keeps_the_folders_model_and_tokenizer_and_loads_back(dew_here, tmp_path):
@@ -46,12 +55,18 @@ def test_init_from_keeps_the_folders_model_and_tokenizer_and_loads_back(dew_here
     run = dew_here("convert", "run", "out", "--to", "hf", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "tokenizer.json" in run.stdout and "No tokenizer" not in run.stdout
+    assert "config.json carries bos_token_id 1, eos_token_id 2, as run records" in run.stdout
 
     # config.json: the folder's model, its context (64) kept although the rows were 16 tokens.
     model, context = exported_model(tmp_path / "out")
     want, want_context = exported_model(TIED)
     assert context == want_context == 64
     assert model == want
+    # The folder's special tokens' ids, not the end-of-text id the tokens were written with ("~").
+    assert json.loads((tmp_path / "tokens" / "meta.json").read_text())["eos_id"] != 2
+    assert (
+        special_ids(tmp_path / "out") == special_ids(TIED) == {"bos_token_id": 1, "eos_token_id": 2}
+    )
     # The tokenizer the tokens were written with, byte for byte.
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
         TIED / "tokenizer.json"
@@ -90,6 +105,7 @@ def test_extend_context_lengthens_it_and_says_so(dew_here, tmp_path):
     assert context == 96
     want, _ = exported_model(TIED)
     assert hf.architecture(model) == hf.architecture(want)
+    assert special_ids(tmp_path / "out") == special_ids(TIED)
     assert (
         json.loads((tmp_path / "out" / "config.json").read_text())["rope_scaling"][
             "original_max_position_embeddings"
@@ -101,3 +117,48 @@ def test_extend_context_lengthens_it_and_says_so(dew_here, tmp_path):
 def _with_text(folder):
     (folder / "text.txt").write_text("A few words for a tiny Llama to read. " * 100)
     return folder
+
+
+def weights_alone(source, folder, *, ids: bool):
+    """``folder``: ``source``'s config.json (less its special tokens' ids unless ``ids``) and
+    weights, without its tokenizer (so that a run's tokenizer is the one kept)."""
+    folder.mkdir()
+    config = hf.read_config(source)
+    if not ids:
+        del config["bos_token_id"], config["eos_token_id"]
+    (folder / hf.CONFIG).write_text(json.dumps(config))
+    (folder / hf.SINGLE).write_bytes((source / hf.SINGLE).read_bytes())
+    return folder
+
+
+def test_the_export_takes_the_tokenizers_end_of_text_id_where_the_folder_gives_none(
+    dew_here, tmp_path
+):
+    # TIED without its special tokens' ids, converted: its checkpoint records none, and its
+    # export says so.
+    convert.to_checkpoint(weights_alone(TIED, tmp_path / "no_ids", ids=False), tmp_path / "ckpt")
+    run = dew_here("convert", "ckpt", "bare", "--to", "hf", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert special_ids(tmp_path / "bare") == {}
+    assert "config.json has no bos_token_id or eos_token_id: ckpt records none" in run.stdout
+
+    # A token folder written with TIED's tokenizer.json and end-of-text id 7: a run on it keeps
+    # the tokenizer, and its id becomes the export's eos_token_id (no bos_token_id: none known).
+    tokens = tmp_path / "tokens"
+    tokenizer = str(TIED / "tokenizer.json")
+    write_token_folder(tokens, [3, 7] * 8, [3, 7], tokenizer=tokenizer, eos_id=7)
+    assert convert.keep_tokenizer(tmp_path / "ckpt", tokens) == ["tokenizer.json"]
+    run = dew_here("convert", "ckpt", "out", "--to", "hf", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert special_ids(tmp_path / "out") == {"eos_token_id": 7}
+    assert "config.json has no bos_token_id: ckpt records none" in run.stdout
+
+    # Where the folder gives an eos_token_id, the tokenizer's gives way to it.
+    convert.to_checkpoint(weights_alone(TIED, tmp_path / "ids", ids=True), tmp_path / "tied_ckpt")
+    assert convert.keep_tokenizer(tmp_path / "tied_ckpt", tokens) == ["tokenizer.json"]
+    # What dew train --init-from this checkpoint would keep: the folder's ids.
+    assert convert.source_carried(tmp_path / "tied_ckpt") == special_ids(TIED)
+    run = dew_here("convert", "tied_ckpt", "tied_out", "--to", "hf", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert special_ids(tmp_path / "tied_out") == special_ids(TIED)
+    assert "config.json has no" not in run.stdout

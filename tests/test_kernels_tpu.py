@@ -33,8 +33,7 @@ from dew.kernels import (
 )
 from dew.kernels.mosaic import Tuning
 from dew.kernels.platform import (
-    SHORT_BLOCK,
-    SHORT_KV,
+    CAUSAL_BLOCK_Q,
     TPU_BLOCKS,
     UNKNOWN_TPU,
     choose_target,
@@ -198,6 +197,22 @@ CASES = [
         32,
         {"block_k_compute": 8, "backward_block_k_compute": 16},
         id="q200-kv72-empty-rows-bf16-pieces",
+    ),
+    # An offset of 6 and pieces of 8: the piece of keys 0-7 ends one key past what the query
+    # block's first row sees, so it is the first piece that needs its mask.
+    pytest.param(
+        1,
+        200,
+        206,
+        2,
+        1,
+        16,
+        True,
+        jnp.float32,
+        128,
+        64,
+        {"block_k_compute": 8, "backward_block_k_compute": 8},
+        id="q200-kv206-pieces-one-key-past-the-first-row",
     ),
 ]
 
@@ -465,38 +480,38 @@ def test_the_target_follows_the_mesh_devices_not_the_default_backend():
     assert (blocks.block_q, blocks.block_k) == TPU_BLOCKS[UNKNOWN_TPU]
 
 
-def call_blocks(q_len, kv_len, head_dim=128, **blocks):
-    """(block_q, block_k) of a causal Mosaic call (traced for the mesh's devices, if any)."""
+def call_blocks(q_len, kv_len, head_dim=128, causal=True, **blocks):
+    """(block_q, block_k) of a Mosaic call (traced for the mesh's devices, if any)."""
     q = jax.ShapeDtypeStruct((1, q_len, 2, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, kv_len, 1, head_dim), jnp.bfloat16)
     blocks = {"block_q": None, "block_k": None, **blocks}
-    config = attention_module._config(q, k, k, causal=True, sm_scale=None, interpret=None, **blocks)
+    config = attention_module._config(
+        q, k, k, causal=causal, sm_scale=None, interpret=None, **blocks
+    )
     assert config.target == "mosaic"
     return config.tiling.block_q, config.tiling.block_k
 
 
 @pytest.mark.parametrize("generation", sorted(GENERATIONS))
-def test_default_mosaic_blocks_follow_the_generation_head_dim_and_kv_len(generation):
-    # A generation's TPU_BLOCKS; block_q halved above head_dim 128; both at most SHORT_BLOCK when
-    # kv_len is at most SHORT_KV. Read through a call's own block choice (kv_len from k).
+def test_default_mosaic_blocks_follow_the_generation_mask_and_head_dim(generation):
+    # A generation's TPU_BLOCKS without a mask; causal calls' query blocks at most CAUSAL_BLOCK_Q;
+    # block_q then halved above head_dim 128; a block longer than its length shrunk to it. Read
+    # through a call's own block choice.
     kind = GENERATIONS[generation].device_kind
     block_q, block_k = TPU_BLOCKS[GENERATIONS[generation].name]
-    short = min(block_q, SHORT_BLOCK), min(block_k, SHORT_BLOCK)
-    long_kv = max(SHORT_KV + 1, 2 * block_k)  # several key blocks: none is shrunk to the length
+    causal_q = min(block_q, CAUSAL_BLOCK_Q)
+    long = 4 * block_k  # several blocks each way: none is shrunk to the length
     with jax.sharding.use_abstract_mesh(tpu_mesh(kind)):
-        assert call_blocks(2 * block_q, long_kv) == (block_q, block_k)
-        assert call_blocks(block_q, long_kv, head_dim=256) == (block_q // 2, block_k)
-        assert call_blocks(SHORT_KV, SHORT_KV) == short
-        assert call_blocks(SHORT_KV, SHORT_KV, head_dim=256) == (
-            min(block_q // 2, SHORT_BLOCK),
-            short[1],
-        )
-        # SHORT_KV is a bound on the keys: a long query over short keys gets the short blocks.
-        assert call_blocks(2 * block_q, SHORT_KV) == short
+        assert call_blocks(long, long, causal=False) == (block_q, block_k)
+        assert call_blocks(long, long) == (causal_q, block_k)
+        assert call_blocks(long, long, head_dim=256, causal=False) == (block_q // 2, block_k)
+        assert call_blocks(long, long, head_dim=256) == (causal_q // 2, block_k)
+        short = block_k // 2 + 8  # fewer keys than a block: the block is their length
+        assert call_blocks(long, short) == (causal_q, short)
         # platform.tuned overrides the defaults; a call's own blocks win over both.
         with platform.tuned(block_q=256, block_k=128):
-            assert call_blocks(2048, long_kv) == call_blocks(2048, SHORT_KV) == (256, 128)
-            assert call_blocks(2048, long_kv, block_q=384, block_k=64) == (384, 64)
+            assert call_blocks(2048, long) == call_blocks(2048, long, causal=False) == (256, 128)
+            assert call_blocks(2048, long, block_q=384, block_k=64) == (384, 64)
 
 
 def pallas_calls(jaxpr):
@@ -734,10 +749,11 @@ def test_the_step_compiles_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh, 
     reason="compiling for a TPU slice needs libtpu (pip install -e '.[tpu]')",
 )
 def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
-    # Past SHORT_KV, v5e's defaults (1024 x 2048, pieces of 512) ask the Mosaic compiler for more
-    # scoped VMEM than its 16 MiB default: the two-kernel backward, the fallback where the fused
-    # one's dq does not fit, must carry the generation's limit as the fused one does. (At this
-    # shape its dk/dv kernel needs 16.3 MiB; at others just under 16, so the shape is pinned.)
+    # v5e's long blocks (1024 x 2048, pieces of 512: its defaults without a mask, pinned here on a
+    # causal call) ask the Mosaic compiler for more scoped VMEM than its 16 MiB default: the
+    # two-kernel backward, the fallback where the fused one's dq does not fit, must carry the
+    # generation's limit as the fused one does. (At this shape its dk/dv kernel needs 16.3 MiB;
+    # at others just under 16, so the shape is pinned.)
     devices = target("v5e-1").devices()
     mesh = jax.sharding.Mesh(devices, ("x",))
     sharding = jax.sharding.NamedSharding(mesh, P())
@@ -747,7 +763,7 @@ def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
         out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v)
         return out, vjp(do)
 
-    with platform.tuned(fused_backward=False), jax.set_mesh(mesh):
+    with platform.tuned(fused_backward=False, block_q=1024), jax.set_mesh(mesh):
         text = jax.jit(forward_and_backward).lower(q, q, q, q).compile().as_text()
     named = set(re.findall(r"dew_flash_attention_\w+", text))
     assert named == set(TWO_KERNELS), named

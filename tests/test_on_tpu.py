@@ -86,10 +86,10 @@ def one_chip_trainer(objective, optimizer=None, **kwargs) -> dew.Trainer:
 
 KERNEL_CASES = [
     # batch, q_len, kv_len, heads, kv_heads, head_dim, causal
-    (1, 2048, 2048, 8, 2, 128, True),  # grouped queries, the long blocks' diagonal
+    (1, 2048, 2048, 8, 2, 128, True),  # grouped queries, a key block of 2048 on the diagonal
     (1, 1000, 1537, 4, 4, 64, True),  # odd lengths, bottom-right causal, padded tails
     (2, 777, 777, 4, 1, 128, False),  # one kv head, no mask, an odd length
-    (1, 4096, 4096, 2, 2, 128, True),  # past SHORT_KV: the (1024, 2048) blocks with pieces
+    (1, 4096, 4096, 2, 2, 128, True),  # several (512, 2048) causal blocks, with pieces
 ]
 
 

@@ -20,6 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from dew.cli import choices
 from dew.cli.flags import (
     add_device_flag,
     add_mesh_flag,
@@ -73,16 +74,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="skip the one-device row (the same model and global batch on one device)",
     )
     add_device_flag(parser)
-    from dew.benchmark import ModelSize
-
-    size = ModelSize()
     add_model_flags(
         parser,
-        batch=size.batch,
-        seq_len=size.seq_len,
-        layers=size.layers,
-        width=size.width,
-        heads=size.heads,
+        **choices.BENCH_SIZES,  # dew.benchmark.ModelSize()'s
         several=("dtype", "remat", "attention", "loss_chunk"),
     )
     add_moe_flags(parser)

@@ -15,6 +15,12 @@ Tokenizer files travel with the weights: ``dew convert`` keeps the folder's (``T
 in ``CKPT_DIR/tokenizer/``, ``dew train`` keeps there the tokenizer its token folder was written
 with (``meta.json``'s ``tokenizer``, when it is a file), and ``--to hf`` copies them into the
 Hugging Face folder, or says that the checkpoint has none.
+
+The special tokens' ids travel the same way (``CARRIED_FILE``): ``dew convert`` and ``dew train
+--init-from`` keep the ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` of the folder's
+``config.json`` (or of the Dew checkpoint started from), ``dew train`` the end-of-text id of its
+token folder where the source gave no ``eos_token_id``, and ``--to hf`` writes them into the
+export's ``config.json``, or says that the checkpoint records none.
 """
 
 from __future__ import annotations
@@ -71,10 +77,21 @@ def convert_command(args) -> int:
         kept = f", with its {', '.join(copied)}" if copied else ", no tokenizer files beside it"
         print(f"Wrote {args.source} as a Dew checkpoint (step 0) in {args.dest}{kept}")
     else:
-        written, copied = to_hf(
+        written, copied, carried = to_hf(
             args.source, args.dest, step=args.step, max_shard_bytes=args.max_shard_bytes
         )
         print(f"Wrote {', '.join(written + copied)} to {args.dest}")
+        if carried:
+            ids = ", ".join(f"{field} {value}" for field, value in carried.items())
+            print(f"config.json carries {ids}, as {args.source} records them")
+        missing = [f for f in ("bos_token_id", "eos_token_id") if f not in carried]
+        if missing:
+            print(
+                f"config.json has no {' or '.join(missing)}: {args.source} records none (its run "
+                "started from no Hugging Face folder that gives it, and its tokens were not "
+                "written with a tokenizer.json; or it was written before Dew kept them). Add "
+                "them from the model's config.json if generation needs them"
+            )
         if not copied:
             print(
                 f"No tokenizer files: {args.source} records none (its run read bytes or the "
@@ -115,17 +132,74 @@ def keep_tokenizer(checkpoint_dir, data_dir) -> list[str]:
     when its ``meta.json`` names a tokenizer file that still exists (``dew tokenize
     --tokenizer``), with the ``tokenizer_config.json`` and ``special_tokens_map.json`` beside
     it; nothing for bytes, or when the checkpoint directory has a tokenizer already (a resumed
-    run). Returns the names copied."""
+    run). Its end-of-text id (``meta.json``'s ``eos_id``) is kept as the export's
+    ``eos_token_id`` where the run's source gave none (``keep_carried``). Returns the names
+    copied."""
     from dew.data import read_meta
 
     kept = Path(checkpoint_dir) / TOKENIZER_DIR
-    source = Path(read_meta(data_dir).tokenizer)
+    meta = read_meta(data_dir)
+    source = Path(meta.tokenizer)
     if kept.exists() or not source.is_file():
         return []
     pairs = [(source, kept / TOKENIZER_FILES[0])]
     if source.name == TOKENIZER_FILES[0]:  # a model's folder: its companions too
         pairs += [(f, kept / f.name) for f in tokenizer_files(source.parent) if f != source]
-    return _copy_files(pairs)
+    copied = _copy_files(pairs)
+    if meta.eos_id is not None:
+        keep_carried(checkpoint_dir, {"eos_token_id": meta.eos_id}, replace=False)
+    return copied
+
+
+# --- The special tokens' ids ---------------------------------------------------------------------
+
+# Where a Dew checkpoint directory keeps the config.json fields its export carries
+# (``hf_config.CARRIED_FIELDS``: the special tokens' ids), beside its step folders.
+CARRIED_FILE = "hf_carried.json"
+
+
+def read_carried(checkpoint_dir) -> dict:
+    """The ``config.json`` fields ``checkpoint_dir`` keeps for its export (``CARRIED_FILE``;
+    empty when it keeps none)."""
+    import json
+
+    from dew.models.hf_config import carried_fields
+
+    path = Path(checkpoint_dir) / CARRIED_FILE
+    if not path.is_file():
+        return {}
+    try:
+        fields = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} cannot be read as JSON ({error})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return carried_fields(fields, str(path))
+
+
+def keep_carried(checkpoint_dir, fields: dict, *, replace: bool) -> dict:
+    """Adds ``fields`` to those ``checkpoint_dir`` keeps for its export: over the ones kept
+    (``replace``: the source's own ids), or only where none is kept yet (a tokenizer's
+    end-of-text id, which the source's gives way to). Returns what it now keeps."""
+    import json
+
+    kept = read_carried(checkpoint_dir)
+    kept = {**kept, **fields} if replace else {**fields, **kept}
+    if kept:
+        path = Path(checkpoint_dir) / CARRIED_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(kept, indent=2) + "\n")
+    return kept
+
+
+def source_carried(path) -> dict:
+    """The special tokens' ids of ``path``, a Hugging Face folder (its ``config.json``'s) or a
+    Dew checkpoint directory (those it keeps)."""
+    from dew.models import hf
+
+    if hf.is_hf_folder(path):
+        return hf.carried_fields(hf.read_config(path), str(Path(path) / hf.CONFIG))
+    return read_carried(path)
 
 
 def to_checkpoint(folder, directory, dtype: str = "float32") -> list[str]:
@@ -143,9 +217,11 @@ def to_checkpoint(folder, directory, dtype: str = "float32") -> list[str]:
     if checkpoints.latest is not None:
         raise FileExistsError(f"{directory} already holds checkpoints {checkpoints.steps}")
     model, params = hf.load(folder, dtype=dtype)
+    carried = source_carried(folder)
     metadata = {"contents": "params", "model": hf.describe(model), "converted_from": str(folder)}
     checkpoints.save(0, params, metadata=metadata)
     checkpoints.wait()
+    keep_carried(directory, carried, replace=True)
     kept = Path(directory) / TOKENIZER_DIR
     if kept.exists():
         return []
@@ -154,8 +230,9 @@ def to_checkpoint(folder, directory, dtype: str = "float32") -> list[str]:
 
 def to_hf(directory, folder, step: int | None = None, max_shard_bytes: int | None = None):
     """Step ``step`` (default: the latest) of a Dew checkpoint (or of the run directory holding
-    it) as a Hugging Face folder, with the tokenizer files the checkpoint keeps. Returns
-    ``(weights and config written, tokenizer files copied)``."""
+    it) as a Hugging Face folder, with the tokenizer files and the special tokens' ids
+    (``read_carried``) the checkpoint keeps. Returns ``(weights and config written, tokenizer
+    files copied, config.json fields carried)``."""
     from dew.models import hf
     from dew.models.checkpoint import checkpoint_directory, load_checkpoint
 
@@ -164,10 +241,11 @@ def to_hf(directory, folder, step: int | None = None, max_shard_bytes: int | Non
     taken = [f.name for f in tokenizer if (Path(folder) / f.name).exists()]
     if taken:  # refused before the weights are written, not after
         raise FileExistsError(f"{folder} already holds {', '.join(taken)}; not overwriting")
+    carried = read_carried(directory)
     model, params = load_checkpoint(directory, step)
     extra = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-    written = hf.save(model, params, folder, **extra)
-    return written, _copy_files([(f, Path(folder) / f.name) for f in tokenizer])
+    written = hf.save(model, params, folder, carried=carried, **extra)
+    return written, _copy_files([(f, Path(folder) / f.name) for f in tokenizer]), carried
 
 
 # --- dew train --init-from ---------------------------------------------------------------------
@@ -297,7 +375,8 @@ def init_model(args, model, path, data_vocab: int):
 def init_from(trainer, path) -> None:
     """Starts ``trainer``'s run from the weights of ``path`` (a Hugging Face folder or a Dew
     checkpoint directory), laid out on its mesh, with a fresh optimizer state: written as step 0
-    of its checkpoints, from which ``fit`` starts. A run that already has checkpoints resumes from
+    of its checkpoints, from which ``fit`` starts, with the special tokens' ids ``path`` gives
+    kept for the export (``source_carried``). A run that already has checkpoints resumes from
     them instead (``path`` is not read)."""
     import jax
     import jax.numpy as jnp
@@ -309,6 +388,7 @@ def init_from(trainer, path) -> None:
     if trainer.checkpoints.latest is not None:
         print(f"--init-from {path}: resuming from {trainer.checkpoints.directory} instead")
         return
+    carried = source_carried(path)  # read (and checked) before anything is written
     shardings = trainer.state_shardings
     if hf.is_hf_folder(path):
         _, params = hf.load(path, trainer=trainer)
@@ -328,4 +408,5 @@ def init_from(trainer, path) -> None:
     )
     trainer.save(state)
     trainer.checkpoints.wait()
+    keep_carried(trainer.checkpoints.directory, carried, replace=True)
     print(f"Initialized from {path}")

@@ -1,11 +1,14 @@
 """Flags that more than one ``dew`` command reads, defined once.
 
-Nothing here imports JAX's backends: the device flags must be read before any device is created.
+Nothing here imports JAX: the device flags must be read before any device is created, and
+``dew COMMAND --help`` needs no JAX at all (the choices are ``dew.cli.choices``' copies).
 """
 
 from __future__ import annotations
 
 import argparse
+
+from dew.cli import choices
 
 
 class _GivenOnce(argparse._StoreAction):
@@ -47,18 +50,14 @@ class Parser(argparse.ArgumentParser):
 
 
 def engine_names() -> tuple[str, ...]:
-    """The step engines, from their one definition (``dew.training.step.ENGINES``)."""
-    from dew.training.step import ENGINES
-
-    return ENGINES
+    """The step engines (``dew.training.step.ENGINES``, as ``dew.cli.choices`` copies it)."""
+    return choices.ENGINES
 
 
 def sequence_scheme_names() -> tuple[str, ...]:
-    """The sequence-parallel attention schemes, from their one definition
-    (``dew.parallel.sequence.SCHEMES``)."""
-    from dew.parallel.sequence import SCHEMES
-
-    return tuple(SCHEMES)
+    """The sequence-parallel attention schemes (``dew.parallel.sequence.SCHEMES``' names, as
+    ``dew.cli.choices`` copies them)."""
+    return choices.SEQUENCE_SCHEMES
 
 
 def add_device_flag(parser: argparse.ArgumentParser) -> None:
@@ -83,15 +82,14 @@ def add_accumulation_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_min_shard_flag(parser: argparse.ArgumentParser) -> None:
-    """``--min-shard``, whose default is ``Layout()``'s: one default from Python and the CLI."""
-    from dew.layout import DEFAULT_MIN_SHARD
-
+    """``--min-shard``, whose default is ``Layout()``'s (``dew.layout.DEFAULT_MIN_SHARD``, as
+    ``dew.cli.choices`` copies it): one default from Python and the CLI."""
     parser.add_argument(
         "--min-shard",
         type=int,
-        default=DEFAULT_MIN_SHARD,
+        default=choices.DEFAULT_MIN_SHARD,
         help="weights with fewer elements are not split over fsdp; tensor splits always apply "
-        f"(default {DEFAULT_MIN_SHARD}, as Layout())",
+        f"(default {choices.DEFAULT_MIN_SHARD}, as Layout())",
     )
 
 
@@ -171,13 +169,11 @@ def add_sequence_scheme_flag(parser: argparse.ArgumentParser, *, several: bool =
 def add_pipeline_schedule_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     """``--pipeline-schedule``: ``StepOptions(pipeline_schedule=...)``; ``several=True`` takes one
     or more, each run side by side on the layouts with a stage axis."""
-    from dew.parallel.pipeline import SCHEDULES
-
     parser.add_argument(
         "--pipeline-schedule",
         nargs="+" if several else None,
         default=["1f1b"] if several else "1f1b",
-        choices=list(SCHEDULES),
+        choices=choices.PIPELINE_SCHEDULES,
         metavar="SCHEDULE",
         help="the pipeline's schedule over a stage axis above 1 (default 1f1b"
         + ("; several: one contestant each" if several else "")
@@ -189,13 +185,11 @@ def add_pipeline_schedule_flag(parser: argparse.ArgumentParser, *, several: bool
 def add_fsdp_scheme_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     """``--fsdp-scheme``: ``StepOptions(fsdp_scheme=...)``; ``several=True`` takes one or more,
     each a step of its own (``step_option_variants``)."""
-    from dew.parallel.options import FSDP_SCHEMES
-
     parser.add_argument(
         "--fsdp-scheme",
         nargs="+" if several else None,
         default=["gather"] if several else "gather",
-        choices=FSDP_SCHEMES,
+        choices=choices.FSDP_SCHEMES,
         metavar="SCHEME",
         help="how weights cross an fsdp axis above 1 (default gather: all_gather, its gradient a "
         "psum_scatter); ring: rings of ppermutes with the same bytes (fsdp of 2 to 32), which "
@@ -208,13 +202,11 @@ def add_fsdp_scheme_flag(parser: argparse.ArgumentParser, *, several: bool = Fal
 def add_gradient_sum_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     """``--gradient-sum-dtype``: ``StepOptions(gradient_sum_dtype=...)``; ``several=True``
     takes one or more (``step_option_variants``)."""
-    from dew.parallel.options import GRADIENT_SUM_DTYPES
-
     parser.add_argument(
         "--gradient-sum-dtype",
         nargs="+" if several else None,
         default=[None] if several else None,
-        choices=GRADIENT_SUM_DTYPES,
+        choices=choices.GRADIENT_SUM_DTYPES,
         metavar="DTYPE",
         help="the dtype gradients are summed across devices in (default: each weight's own, "
         "float32 for float32 weights); bfloat16 halves the sums' bytes and their temporaries, "

@@ -31,12 +31,6 @@ import time
 from pathlib import Path
 
 from dew.checks import positive_int
-from dew.training.runtime import (
-    COORDINATOR_VARIABLE,
-    CPU_DEVICES_VARIABLE,
-    NUM_PROCESSES_VARIABLE,
-    PROCESS_ID_VARIABLE,
-)
 
 DEFAULT_GRACE_S = 10.0
 
@@ -143,6 +137,14 @@ def process_variables(
 ) -> dict[str, str]:
     """The variables process ``rank`` gets (Python's output unbuffered, so lines arrive as they
     are printed)."""
+    # Here, not at the top: dew.training imports JAX, which ``dew launch --help`` must not.
+    from dew.training.runtime import (
+        COORDINATOR_VARIABLE,
+        CPU_DEVICES_VARIABLE,
+        NUM_PROCESSES_VARIABLE,
+        PROCESS_ID_VARIABLE,
+    )
+
     variables = {
         COORDINATOR_VARIABLE: address,
         NUM_PROCESSES_VARIABLE: str(processes),

@@ -4,8 +4,9 @@ or the example decoder's sizes, the model's choices (``--dtype``, ``--param-dtyp
 ``model_config`` (one model), ``model_variants`` (one per value of a choice given several),
 ``sizes_text`` (a command's first line).
 
-Like ``dew.cli.flags``, nothing here starts JAX's backends: the parser is built before the device
-flags are read.
+Like ``dew.cli.flags``, nothing here imports JAX at the top, and building the parser imports none
+(the choices are ``dew.cli.choices``' copies): the parser is built before the device flags are
+read, and ``dew COMMAND --help`` needs no JAX.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from dew.cli import choices
+
 
 def preset_names() -> tuple[str, ...]:
-    from dew.models.presets import PRESETS
-
-    return tuple(PRESETS)
+    """The presets (``dew.models.presets.PRESETS``' names, as ``dew.cli.choices`` copies them)."""
+    return choices.PRESET_NAMES
 
 
 def add_model_flags(
@@ -38,9 +40,6 @@ def add_model_flags(
     float32 and XLA attention). ``several`` names those of ``dtype``, ``remat`` and
     ``attention`` that take one or more values, each a contestant of its own (read them with
     ``model_variants``); read the rest with ``model_config``."""
-    from dew.models.causal_transformer import DTYPES, REMAT_AUTO, REMAT_CHOICES
-    from dew.nn.attention import CHOICES as ATTENTION_CHOICES
-
     parser.add_argument(
         "--model",
         default=None,
@@ -79,7 +78,7 @@ def add_model_flags(
     parser.add_argument(
         "--dtype",
         default=None,
-        choices=tuple(DTYPES),
+        choices=choices.DTYPES,
         help="activations' dtype (default: the model's own, bfloat16 for a preset and float32 "
         "for the example decoder); softmax, norms and the loss run in float32 regardless" + more,
         **nargs,
@@ -87,14 +86,14 @@ def add_model_flags(
     parser.add_argument(
         "--param-dtype",
         default=None,
-        choices=tuple(DTYPES),
+        choices=choices.DTYPES,
         help="the weights' dtype (default float32; the optimizer's moments follow it)",
     )
     nargs, more = takes("remat")
     parser.add_argument(
         "--remat",
         default=None,
-        choices=(*REMAT_CHOICES, REMAT_AUTO),
+        choices=(*choices.REMAT_CHOICES, choices.REMAT_AUTO),
         metavar="POLICY",
         help="what each layer keeps for the backward (default: the model's own): full "
         "(nothing: the layer is recomputed), dots (the matmul outputs), attention (those and "
@@ -106,7 +105,7 @@ def add_model_flags(
     parser.add_argument(
         "--attention",
         default=None,
-        choices=ATTENTION_CHOICES,
+        choices=choices.ATTENTION_CHOICES,
         help="the attention kernel (default: the model's own, auto for a preset, xla for the "
         "example decoder): auto (Pallas on TPU, cuDNN on GPU where it takes the shapes, else "
         "Pallas, XLA on CPU, by the devices the step is compiled for), xla, pallas, cudnn (GPU "

@@ -53,8 +53,10 @@ from dew.models.causal_transformer import CausalTransformer, resolve_dtype
 from dew.models.hf_config import (
     ARCHITECTURE,
     ARCHITECTURE_FIELDS,
+    CARRIED_FIELDS,
     CONFIG,
     architecture,
+    carried_fields,
     is_hf_folder,
     model_from_config,
     read_config,
@@ -73,6 +75,8 @@ __all__ = [
     "read_config",
     "is_hf_folder",
     "architecture",
+    "carried_fields",
+    "CARRIED_FIELDS",
     "CONFIG",
     "SINGLE",
     "INDEX",
@@ -419,12 +423,17 @@ def save(
     folder: str | os.PathLike,
     *,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    carried: dict | None = None,
 ) -> list[str]:
     """Writes ``params`` of ``model`` as a Hugging Face Llama folder: ``config.json`` and
     ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files of at most
     ``max_shard_bytes`` each (a larger tensor gets a file of its own) with
     ``model.safetensors.index.json``. Each tensor keeps its parameter's dtype. Returns the files
     written.
+
+    ``carried``: ``config.json`` fields Dew does not model, written as given: the special tokens'
+    ids of the folder the weights came from (``hf_config.carried_fields``; ``ValueError`` for a
+    field not in ``CARRIED_FIELDS``).
 
     ``params``: ``{"params": ...}`` on one device or laid out on a mesh of this process's devices;
     one layer's tensor at a time is brought to the host. ``folder`` may exist, but not with a
@@ -433,6 +442,13 @@ def save(
     """
     folder = Path(folder)
     ms = mappings(model)
+    carried = dict(carried or {})
+    unknown = sorted(set(carried) - set(CARRIED_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"carried config.json fields {', '.join(unknown)} are not among "
+            f"{', '.join(CARRIED_FIELDS)}"
+        )
     if folder.exists():
         taken = [n for n in (CONFIG, SINGLE, INDEX) if (folder / n).exists()]
         taken += sorted(p.name for p in folder.glob("model-*.safetensors"))
@@ -480,7 +496,7 @@ def save(
             written.append(INDEX)
         dtype_name = str(max(dtypes, key=lambda d: d.itemsize)) if dtypes else "float32"
         (folder / (CONFIG + ".tmp")).write_text(
-            json.dumps(config_of(model, dtype_name), indent=2) + "\n"
+            json.dumps({**config_of(model, dtype_name), **carried}, indent=2) + "\n"
         )
         written.append(CONFIG)
     except BaseException:

@@ -31,6 +31,28 @@ ARCHITECTURE_FIELDS = (
 )
 
 
+# config.json fields Dew does not model that an export (``dew convert --to hf``) carries over from
+# the Hugging Face folder its weights came from: the special tokens' ids, which transformers'
+# ``generate`` reads when a folder has no generation_config.json. Fields that describe the weights
+# written (``torch_dtype``, ``dtype``) are the export's own, as are the model's (``config_of``).
+CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def carried_fields(config: dict, where: str = CONFIG) -> dict:
+    """The ``CARRIED_FIELDS`` of a Hugging Face ``config`` that hold a value (null ones left out):
+    a token id or a list of them. ``ValueError`` naming the field for anything else."""
+    carried = {}
+    for field in CARRIED_FIELDS:
+        value = config.get(field)
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"{where}: {field} {value!r} is not a token id or a list of them")
+        carried[field] = value
+    return carried
+
+
 def _rope(config: dict, where: str) -> tuple[float, rotary.Llama3Scaling | None]:
     """``(rope_theta, scaling)`` of a config: transformers 5's ``rope_parameters`` or the
     ``rope_theta`` and ``rope_scaling`` of earlier versions (Meta's published files)."""

@@ -1,0 +1,32 @@
+"""The choices and defaults the ``dew`` command's parsers offer, written out so that building the
+parsers imports no JAX: ``dew --help`` and every ``dew COMMAND --help`` answer without it.
+
+Each is a copy of one definition in a module that imports JAX, named beside it;
+tests/test_cli_help.py checks that every copy equals its original.
+"""
+
+from __future__ import annotations
+
+# dew.training.step.ENGINES
+ENGINES = ("shard_map", "gspmd", "gspmd_unpinned")
+# dew.parallel.sequence.SCHEMES' names
+SEQUENCE_SCHEMES = ("ring", "all_to_all")
+# dew.parallel.pipeline.SCHEDULES' names
+PIPELINE_SCHEDULES = ("1f1b", "1f1b_phased", "gpipe")
+# dew.parallel.options.FSDP_SCHEMES
+FSDP_SCHEMES = ("gather", "ring")
+# dew.parallel.options.GRADIENT_SUM_DTYPES
+GRADIENT_SUM_DTYPES = ("float32", "bfloat16")
+# dew.layout.DEFAULT_MIN_SHARD
+DEFAULT_MIN_SHARD = 4096
+# dew.models.causal_transformer.DTYPES' names
+DTYPES = ("float32", "bfloat16", "float16")
+# dew.models.causal_transformer.REMAT_CHOICES and REMAT_AUTO
+REMAT_CHOICES = ("full", "dots", "attention", "none")
+REMAT_AUTO = "auto"
+# dew.nn.attention.CHOICES
+ATTENTION_CHOICES = ("xla", "pallas", "pallas_tpu_interpret", "cudnn", "auto")
+# dew.models.presets.PRESETS' names
+PRESET_NAMES = ("gpt2-small", "gpt2-medium", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b")
+# dew.benchmark.ModelSize()'s decoder and batch: dew bench's defaults
+BENCH_SIZES = dict(batch=32, seq_len=128, layers=4, width=256, heads=8)

@@ -1,0 +1,136 @@
+"""``dew --help`` and every ``dew COMMAND --help`` answer without importing JAX, and the JAX-free
+copies their parsers offer (``dew.cli.choices``) equal the lists they copy."""
+
+import json
+import subprocess
+import sys
+
+from dew.cli import choices
+from dew.cli.main import build_parser
+from tests.helpers import child_env
+
+# In a fresh interpreter: every command's help (and the top level's), then which JAX modules got
+# imported. One process for all commands, to keep it fast.
+HELP_SCRIPT = """
+import contextlib, io, json, sys
+from dew.cli.main import build_parser, main
+
+commands = [None, *build_parser()._subparsers._group_actions[0].choices]
+helps = {}
+for command in commands:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(([command] if command else []) + ["--help"])
+        except SystemExit as exit:
+            assert exit.code == 0, (command, exit.code)
+        else:
+            raise AssertionError(f"{command} --help did not exit")
+    helps[command or "dew"] = out.getvalue()
+jax_modules = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib"))
+print(json.dumps({"helps": helps, "jax_modules": jax_modules}))
+"""
+
+
+def subcommands() -> dict:
+    """``{name: parser}`` of the ``dew`` command's subcommands."""
+    return dict(build_parser()._subparsers._group_actions[0].choices)
+
+
+def test_every_commands_help_imports_no_jax():
+    run = subprocess.run(
+        [sys.executable, "-c", HELP_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    answer = json.loads(run.stdout.splitlines()[-1])
+    helps = answer["helps"]
+    assert set(helps) == {"dew", *subcommands()}
+    # The commands the issue names, so that a parser not added to build_parser fails here.
+    assert {"train", "plan", "bench", "tokenize", "convert", "plot"} <= set(helps)
+    for command, text in helps.items():
+        prog = "dew" if command == "dew" else f"dew {command}"
+        assert text.startswith(f"usage: {prog} "), (command, text[:80])
+        assert "--help" in text, command
+    assert answer["jax_modules"] == [], answer["jax_modules"]
+
+
+def real_choices() -> dict:
+    """``{argparse dest: the choices its one definition allows}`` (importing JAX is fine here)."""
+    from dew.models.causal_transformer import DTYPES, REMAT_AUTO, REMAT_CHOICES
+    from dew.models.presets import PRESETS
+    from dew.nn.attention import CHOICES
+    from dew.parallel.options import FSDP_SCHEMES, GRADIENT_SUM_DTYPES
+    from dew.parallel.pipeline import SCHEDULES
+    from dew.parallel.sequence import SCHEMES
+    from dew.training.step import ENGINES
+
+    return {
+        "attention": tuple(CHOICES),
+        "model": tuple(PRESETS),
+        "remat": (*REMAT_CHOICES, REMAT_AUTO),
+        "dtype": tuple(DTYPES),
+        "param_dtype": tuple(DTYPES),
+        "engines": tuple(ENGINES),
+        "sequence_scheme": tuple(SCHEMES),
+        "pipeline_schedule": tuple(SCHEDULES),
+        "fsdp_scheme": tuple(FSDP_SCHEMES),
+        "gradient_sum_dtype": tuple(GRADIENT_SUM_DTYPES),
+    }
+
+
+def test_the_parsers_choices_are_the_real_ones():
+    expected = real_choices()
+    seen = set()
+    for name, parser in subcommands().items():
+        for action in parser._actions:
+            if action.dest in expected:
+                assert tuple(action.choices) == expected[action.dest], (name, action.dest)
+                seen.add(action.dest)
+    assert seen == set(expected)
+
+
+def test_the_parsers_defaults_are_the_real_ones():
+    from dew.benchmark import ModelSize
+    from dew.layout import DEFAULT_MIN_SHARD
+
+    parsers = subcommands()
+    for name in ("train", "collectives", "bench", "plan"):
+        assert parsers[name].get_default("min_shard") == DEFAULT_MIN_SHARD, name
+    size = ModelSize()
+    bench = parsers["bench"]
+    assert (bench.get_default("batch"), bench.get_default("seq_len")) == (
+        size.batch,
+        size.seq_len,
+    )
+    assert bench.get_default("example_model") == dict(
+        vocab_size=size.vocab,
+        num_layers=size.layers,
+        emb_features=size.width,
+        num_heads=size.heads,
+    )
+
+
+def test_every_copy_equals_its_original():
+    """``dew.cli.choices`` constant by constant, including those no parser test above reads."""
+    from dew.benchmark import ModelSize
+    from dew.layout import DEFAULT_MIN_SHARD
+    from dew.models.causal_transformer import REMAT_AUTO, REMAT_CHOICES
+
+    expected = real_choices()
+    size = ModelSize()
+    assert choices.ENGINES == expected["engines"]
+    assert choices.SEQUENCE_SCHEMES == expected["sequence_scheme"]
+    assert choices.PIPELINE_SCHEDULES == expected["pipeline_schedule"]
+    assert choices.FSDP_SCHEMES == expected["fsdp_scheme"]
+    assert choices.GRADIENT_SUM_DTYPES == expected["gradient_sum_dtype"]
+    assert choices.DEFAULT_MIN_SHARD == DEFAULT_MIN_SHARD
+    assert choices.DTYPES == expected["dtype"]
+    assert (choices.REMAT_CHOICES, choices.REMAT_AUTO) == (REMAT_CHOICES, REMAT_AUTO)
+    assert choices.ATTENTION_CHOICES == expected["attention"]
+    assert choices.PRESET_NAMES == expected["model"]
+    assert choices.BENCH_SIZES == {name: getattr(size, name) for name in choices.BENCH_SIZES}
+    assert set(choices.BENCH_SIZES) == {"batch", "seq_len", "layers", "width", "heads"}
