@@ -198,12 +198,13 @@ CASES = [
         {"block_k_compute": 8, "backward_block_k_compute": 16},
         id="q200-kv72-empty-rows-bf16-pieces",
     ),
-    # An offset of 6 and pieces of 8: the piece of keys 0-7 ends one key past what the query
-    # block's first row sees, so it is the first piece that needs its mask.
+    # An offset of 1 and pieces of 8: in each query block, only the last row sees the first key
+    # of the piece that starts just past it (keys 128-135 for rows 0-127): a piece that one
+    # row's one key puts in the walk.
     pytest.param(
         1,
         200,
-        206,
+        201,
         2,
         1,
         16,
@@ -212,7 +213,7 @@ CASES = [
         128,
         64,
         {"block_k_compute": 8, "backward_block_k_compute": 8},
-        id="q200-kv206-pieces-one-key-past-the-first-row",
+        id="q200-kv201-pieces-seen-by-one-row",
     ),
 ]
 

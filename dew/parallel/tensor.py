@@ -55,7 +55,7 @@ not needed to differentiate the layer, so its recomputation is dropped): five in
 sequence parallelism each ``enter`` is an all-gather (recomputed too) and each ``leave`` a
 reduce-scatter, and their backwards the other one.
 
-(At 450 lines: Megatron's pairs, the vocabulary-parallel embedding and loss and the layout checks
+(Past 450 lines: Megatron's pairs, the vocabulary-parallel embedding and loss and the layout checks
 are one technique, each piece calling the pairs above it.)
 """
 
