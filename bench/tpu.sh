@@ -11,7 +11,8 @@
 # 2. dew bench on the one chip (--cpu-devices 0): GPT-2 small at 16 x 1024 tokens, each attention
 #    x recompute choice a contestant of its own (auto and xla attention; attention and full
 #    recompute), with step time, tokens/s and MFU.
-# Where the step's time goes is a command of its own (about 90 s): python bench/step_parts.py.
+# Where the step's time goes is a command of its own: python bench/step_parts.py (each part
+# timed alone, about 90 s) or python bench/step_profile.py (a profiler trace of the step, op by op).
 #
 # Dew installs over the machine's JAX and nothing is downloaded: the wheel built elsewhere
 # (pip wheel --no-deps -w .whl .) and optax from a local index, as docs/benchmarks.md says; or an

@@ -95,13 +95,29 @@ def test_bad_shapes_are_refused():
         tiny_objective(loss_chunk_tokens=0)
 
 
-def test_auto_chunk_fits_the_budget():
-    budget = cross_entropy.CHUNK_BYTES
-    # GPT-2 small at 16 x 1024 tokens: 3.3 GB of float32 logits, 7 chunks of 2,344 tokens (the
-    # last one 2,320); 6 would be over the budget.
-    chunk = cross_entropy.auto_chunk(16 * 1024, 50304)
-    assert chunk % 8 == 0 and chunk == 2344
-    assert chunk * 50304 * 4 <= budget < 16 * 1024 / 6 * 50304 * 4
+def test_auto_chunk_fits_the_budget_in_aligned_chunks_of_least_cost():
+    budget, align = cross_entropy.CHUNK_BYTES, cross_entropy.CHUNK_ALIGN
+    per_chunk = cross_entropy.CHUNK_COST_TOKENS
+
+    def cost(tokens, size):  # the padded tokens and the chunks' own cost, in tokens
+        chunks = -(-tokens // size)
+        return chunks * (size + per_chunk)
+
+    # GPT-2 small at 16 x 1024 tokens: 3.3 GB of float32 logits; up to 2,668 tokens fit. 8 chunks
+    # of 2,048 pad nothing; 7 of 2,432 pad 640 tokens, more than the chunk they save.
+    assert cross_entropy.auto_chunk(16 * 1024, 50304) == 2048
+    # 12,000 tokens: 5 chunks of 2,432 pad 160, against 6 of 2,048 (288) or 47 of 256 (32).
+    assert cross_entropy.auto_chunk(12000, 50304) == 2432
+    for tokens, vocab in [(16 * 1024, 50304), (12000, 50304), (7 * 4096, 128256), (999, 4 * 2**20)]:
+        chunk = cross_entropy.auto_chunk(tokens, vocab)
+        assert chunk * vocab * 4 <= budget, (tokens, vocab, chunk)
+        fitting = range(align, budget // (vocab * 4) + 1, align)
+        if fitting:
+            assert chunk % align == 0, (tokens, vocab, chunk)
+            assert all(cost(tokens, s) >= cost(tokens, chunk) for s in fitting)
+        else:
+            # A vocabulary of 4 Mi: 32 rows fit; alignment is given up, not the budget.
+            assert chunk == 32, chunk
     # Logits that fit are made at once.
     assert cross_entropy.auto_chunk(1000, 64) == 1000
 

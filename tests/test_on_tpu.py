@@ -6,6 +6,8 @@ so CI, on CPUs, stays green):
 - ``attention_impl="auto"`` runs Dew's Mosaic kernels on the chip, and its step gives the loss XLA's
   attention gives;
 - the shard_map step equals the GSPMD step on the chip;
+- the rotary embedding in float32 is exact on the chip (its swap of halves is a matmul, which a TPU
+  would round to bfloat16 at the default precision);
 - ``dew plan --target v5e-1``, which compiles the step for a chip this process does not use,
   predicts the temporaries of the same step compiled for the chip it runs on.
 
@@ -34,12 +36,14 @@ import dew
 from dew.cli import plan as plan_command
 from dew.cli.main import build_parser
 from dew.kernels import flash_attention
+from dew.nn import rotary
 from dew.objectives.lm import LMObjective
 from dew.targets import GENERATIONS, Target, target
 from tests.equivalence import ROWS, sharded_run
 from tests.helpers import fresh_batch, relative_error, seeded_key, smooth_optimizer
 from tests.test_kernels import TOLERANCE, random_inputs, reference_attention
 from tests.test_kernels import relative_error as kernel_relative_error
+from tests.test_rotary import halves_rotation
 
 # Relative, against float64. The output holds the CPU's 1e-5 on the chip (1e-6 measured). The
 # gradients do not: on one v5e chip (2026-12-05) dq, dk and dv were 2.5e-5 to 2.9e-5 from float64
@@ -80,6 +84,21 @@ def one_chip_trainer(objective, optimizer=None, **kwargs) -> dew.Trainer:
         devices=jax.devices()[:1],
         **kwargs,
     )
+
+
+# ------------------------------------------------------------------------------ rotary
+
+
+def test_rotary_in_float32_is_the_halves_formula_to_the_bit_on_the_chip(seed):
+    print(f"seed {seed}")
+    key_x, key_g = jax.random.split(jax.random.key(seed))
+    x = 3 * jax.random.normal(key_x, (2, 512, 4, 128), jnp.float32)
+    grad = jax.random.normal(key_g, x.shape, jnp.float32)
+    positions = jnp.arange(512) + 1000
+    out, vjp = jax.jit(lambda x: jax.vjp(lambda x: rotary.rotate(x, positions), x))(x)
+    want, want_vjp = jax.jit(lambda x: jax.vjp(lambda x: halves_rotation(x, positions), x))(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(vjp(grad)[0]), np.asarray(want_vjp(grad)[0]))
 
 
 # ------------------------------------------------------------------------------ the kernels

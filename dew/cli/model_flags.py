@@ -118,8 +118,9 @@ def add_model_flags(
         type=int,
         default=None,
         metavar="TOKENS",
-        help="tokens whose logits the loss makes at a time (default: the fewest chunks of at most "
-        "512 MiB of float32 logits; at least the tokens a device holds: no chunking)" + more,
+        help="tokens whose logits the loss makes at a time (default: chunks of at most 512 MiB "
+        "of float32 logits, a multiple of 128 tokens; at least the tokens a device holds: no "
+        "chunking)" + more,
         **nargs,
     )
     parser.set_defaults(

@@ -139,8 +139,8 @@ class CausalTransformer:
         ``original_max_position_embeddings``), or ``None`` for none.
       rms_norm_eps: the epsilon every RMSNorm adds to the mean square (Llama 3: 1e-5).
       loss_chunk_tokens: tokens whose logits the loss makes at a time (``dew.nn.cross_entropy``):
-        ``None`` picks the fewest chunks whose float32 logits fit 512 MiB a chunk (all tokens at
-        once when they fit); a number overrides it (one at least the tokens: no chunking).
+        ``None``: ``cross_entropy.auto_chunk``, chunks whose float32 logits fit 512 MiB (all tokens
+        at once when they fit); a number overrides it (one at least the tokens: no chunking).
     """
 
     vocab_size: int

@@ -41,15 +41,34 @@ from jax import lax
 # at 16 x 1024 tokens took 170 ms in chunks of 1,264 tokens (254 MB of logits), 166 ms in chunks of
 # 2,048 or 4,096 and 165 ms at once (docs/benchmarks.md, "The loss over chunks").
 CHUNK_BYTES = 512 * 2**20
+# Chunks of several are a multiple of this many tokens: the logits' rows fill whole MXU tiles.
+# Chunks of 2,344 tokens (7 under the budget) took 141.9 ms a GPT-2 small step on v5e, chunks of
+# 2,048 (8) 139.0 ms (docs/benchmarks.md, "The step after the rotary change").
+CHUNK_ALIGN = 128
+# What one more chunk costs, in tokens: a chunk reads and writes the float32 table gradient
+# (8 vocab x embed bytes), a token takes three matmuls with the table (6 vocab x embed flops), so
+# one chunk costs about (8 / HBM bytes/s) / (6 / matmul flop/s) tokens, some 250 on a v5e
+# (819 GB/s, about 150 TFLOP/s achieved) and as many on an H100: the sizes do not enter it.
+CHUNK_COST_TOKENS = 256
 
 
 def auto_chunk(tokens: int, vocab_local: int) -> int:
     """Tokens per chunk: all ``tokens`` when their float32 logits ``[tokens, vocab_local]`` fit in
-    ``CHUNK_BYTES``; else the fewest equal chunks that fit, each a multiple of 8 tokens."""
-    chunks = math.ceil(tokens * vocab_local * 4 / CHUNK_BYTES)
-    if chunks <= 1:
+    ``CHUNK_BYTES``; else the multiple of ``CHUNK_ALIGN`` that fits and costs least, counting the
+    padded last chunk's tokens and ``CHUNK_COST_TOKENS`` a chunk (16 x 1024 tokens of a 50,304
+    vocabulary: 8 chunks of 2,048). A vocabulary so large that ``CHUNK_ALIGN`` tokens do not fit
+    takes the most multiples of 8 that do."""
+    most = CHUNK_BYTES // (vocab_local * 4)
+    if tokens <= most:
         return tokens
-    return min(tokens, 8 * math.ceil(tokens / chunks / 8))
+    if most < CHUNK_ALIGN:
+        return max(8, most // 8 * 8)
+
+    def cost(size: int) -> tuple[int, int]:
+        chunks = -(-tokens // size)
+        return chunks * size + chunks * CHUNK_COST_TOKENS, -size
+
+    return min(range(CHUNK_ALIGN, most + 1, CHUNK_ALIGN), key=cost)
 
 
 def loss_sum(

@@ -113,11 +113,52 @@ def rotate(
     ``base``: theta of the frequencies; ``scaling``: Llama 3's frequency scaling, or ``None``.
 
     Positions are explicit so that a device holding a slice of the sequence rotates by its own
-    offsets.
+    offsets. Computed in float32, returned in ``x``'s dtype; the gradient is the rotation back
+    (by the negated angles), in the cotangent's dtype.
     """
-    half = x.shape[-1] // 2
     freqs = frequencies(x.shape[-1], base, scaling)
     angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [seq, half]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    # Whole head_dim rows: [cos, cos] and [sin, sin], broadcast over batch and heads.
+    cos = jnp.tile(jnp.cos(angles), 2)[None, :, None, :]
+    sin = jnp.tile(jnp.sin(angles), 2)[None, :, None, :]
+    return _rotate(x, cos, sin)
+
+
+@jax.custom_vjp
+def _rotate(x, cos, sin):
+    # x * [cos, cos] + [-x2, x1] * [sin, sin] is [x1 cos - x2 sin, x2 cos + x1 sin] to the bit.
+    return (x.astype(jnp.float32) * cos + _turn_halves(x) * sin).astype(x.dtype)
+
+
+def _rotate_forward(x, cos, sin):
+    return _rotate(x, cos, sin), (cos, sin)
+
+
+def _rotate_backward(residuals, grad):
+    # A rotation's transpose is the rotation back. Angles are not trained: no gradient for them.
+    cos, sin = residuals
+    return _rotate(grad, cos, -sin), None, None
+
+
+_rotate.defvjp(_rotate_forward, _rotate_backward)
+
+
+def _turn_halves(x: jax.Array) -> jax.Array:
+    """``[x1, x2] -> [-x2, x1]`` over the last axis, in float32, exact.
+
+    A matmul with a signed permutation, not slices and a concatenate: on a TPU the slices became
+    ``[..., head_dim / 2]`` arrays in HBM around the rotation, forward and backward (at head_dim
+    64 a lane dimension of 32, padded to 128), which cost more than the rotation itself. Each
+    output is one input times +-1, so the product is exact in any precision that keeps ``x``
+    (HIGHEST: float32 inputs are not rounded to bfloat16 on a TPU)."""
+    d = x.shape[-1]
+    half = d // 2
+    # turn[i, j] = 1 where i == j - half (j >= half), -1 where i == j + half (j < half).
+    turn = jnp.eye(d, k=half, dtype=x.dtype) - jnp.eye(d, k=-half, dtype=x.dtype)
+    return jnp.einsum(
+        "...i,ij->...j",
+        x,
+        turn,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
