@@ -2,22 +2,26 @@
 
     python bench/step_profile.py [--model gpt2-small] [--batch 16] [--seq-len 1024]
                                  [--attention auto] [--remat attention] [--loss-chunk N]
-                                 [--steps 5] [--top 40] [--hlo FILE]
+                                 [--engine gspmd] [--steps 5] [--top 40] [--depth 2]
+                                 [--hlo FILE] [--trace-dir DIR] [--set NAME=VALUE ...]
 
 Runs the Trainer's one-device step (``--engine``: GSPMD, as ``bench/step_parts.py``, or
 shard_map) ``--steps`` times under ``jax.profiler.trace`` after a warm-up, and reads the trace
 back with ``jax.profiler.ProfileData`` (no TensorBoard needed). Every op the device ran is grouped:
 
 - by op, the ``--top`` ops by device time per step: the HLO instruction's name, what it is
-  (``fusion`` kind, ``convolution``, ``custom-call`` for a Pallas kernel, ...), its output shape,
-  and where in the model it came from (the HLO's ``op_name`` metadata, which names the JAX
-  function and primitive: ``rms_norm``, ``rotate``, ``transpose``, ...);
-- by where it came from: the same time summed over the JAX scopes of ``--depth`` names.
+  (``fusion`` and its kind, ``convolution``, ``custom-call``), its output shape, and the line of
+  Dew's code it came from (the compiled HLO's stack-frame tables: ``rotary.py:rotate:124``), with
+  its JAX primitive and ``(bwd)`` for an op of the backward;
+- by where it came from: the same time summed over the innermost ``--depth`` frames of each op.
 
-Times are per step (the sum over the trace divided by ``--steps``); the step's own wall time and
-the device's busy time are printed beside them, so what the ops leave idle shows too. ``--hlo``
-writes the compiled step's HLO text, for reading an op in full. On a backend whose trace has no
-device plane (the CPU), the host's XLA threads stand in, which time ops but overlap them.
+Loops (``while``) are printed first with their whole time: the ops inside them are counted in the
+tables once, on their own. Times are per step (the sum over the trace divided by ``--steps``); the
+step's own wall time and the ops' summed time are printed beside them, so what the ops leave idle
+shows too. A Pallas kernel's op carries the kernel's name. ``--hlo`` writes the compiled step's HLO
+text, for reading an op in full; ``--trace-dir`` keeps the trace (TensorBoard reads it). On a
+backend whose trace has no device plane (the CPU), the host's XLA threads stand in, which time ops
+but overlap them.
 """
 
 from __future__ import annotations
