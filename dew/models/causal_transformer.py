@@ -296,17 +296,28 @@ class CausalTransformer:
         return logical_axes(self.declare())
 
     def attention_for(
-        self, platform: str, axis_sizes: dict | None = None, sequence_scheme: str = "ring"
+        self,
+        platform: str,
+        axis_sizes: dict | None = None,
+        sequence_scheme: str = "ring",
+        partitioned_over: int = 1,
     ) -> str:
         """The attention implementation a step compiled for ``platform`` devices (``"cpu"``,
         ``"gpu"``, ``"tpu"``) on a mesh of ``axis_sizes`` runs: ``attention_impl`` resolved
-        (``dew.nn.attention.resolve``) for this model's dtype and head_dim, and for a ring when
-        the ``sequence`` axis is above 1 under the ring scheme. ``ValueError`` for ``"cudnn"``
-        where cuDNN cannot run (not a GPU, float32, a ring): what the step raises while tracing,
-        for callers that want to say so before building anything."""
+        (``dew.nn.attention.resolve``) for this model's dtype and head_dim, for a ring when the
+        ``sequence`` axis is above 1 under the ring scheme, and for XLA's partitioner splitting
+        the call over ``partitioned_over`` devices (the GSPMD engine). ``ValueError`` for
+        ``"cudnn"`` where cuDNN cannot run (not a GPU, float32, a ring) and for ``"pallas"`` where
+        XLA would partition it: what the step raises while tracing, for callers that want to say
+        so before building anything."""
         ring = (axis_sizes or {}).get(sequence.AXIS, 1) > 1 and sequence_scheme == "ring"
         return attention.resolve(
-            self.attention_impl, platform, resolve_dtype(self.dtype), self.head_dim, ring
+            self.attention_impl,
+            platform,
+            resolve_dtype(self.dtype),
+            self.head_dim,
+            ring,
+            partitioned_over,
         )
 
     def check_split(self, axis_sizes: dict, sequence_scheme: str = "ring") -> None:
@@ -492,6 +503,7 @@ class CausalTransformer:
             ragged.compiled_platform(),
             {sequence.AXIS: shards.size(sequence.AXIS)},
             shards.options.sequence_scheme,
+            ragged.partitioned_devices(),
         )
         # Over a sequence axis, attention spans every device's positions (ring or all-to-all);
         # elsewhere it is the plain call.

@@ -72,6 +72,16 @@ def compiled_platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
+def partitioned_devices() -> int:
+    """The devices XLA's partitioner splits the computation being traced over: the abstract
+    mesh's axes that are not manual. 1 inside a shard_map body over every axis (Dew's engine) and
+    where no mesh is set; the mesh's size under the GSPMD engine (traced on its abstract mesh:
+    ``dew.training.step.on_abstract_mesh``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes)
+    return math.prod(n for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a not in manual)
+
+
 def resolve(exchange: str, platform: str) -> str:
     """``"ragged"`` or ``"padded"`` for the setting ``exchange`` on ``platform``."""
     if exchange == "auto":

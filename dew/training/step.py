@@ -427,6 +427,21 @@ def build_loss(objective, mesh: Mesh, shards: Shards, *, global_rows: int) -> Ca
     return jax.jit(loss, out_shardings=NamedSharding(mesh, P()))
 
 
+def on_abstract_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """``fn`` traced with ``mesh``'s abstract mesh as the context, as a shard_map body is.
+
+    The model's ``"auto"`` choices (the attention kernel, the MoE exchange) read the platform of
+    the devices the step is compiled for from it (``dew.parallel.ragged.compiled_platform``).
+    Without it a GSPMD step read the host's backend: compiled for a TPU slice on a CPU host, it
+    planned XLA's attention where the chip runs the Mosaic kernels."""
+
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+
+    return traced
+
+
 def build_gradients(
     objective,
     mesh: Mesh,
@@ -458,9 +473,10 @@ def build_gradients(
         # sequence axis), as the shard_map step holds them.
         pinned = NamedSharding(mesh, TOKEN_SPEC) if engine == "gspmd" else None
         splits = math.prod(mesh.shape[a] for a in BATCH_AXES)
-        return global_gradients(
+        fn = global_gradients(
             objective, Shards(pinned_activations=pinned), splits, accumulation, global_tokens
         )
+        return on_abstract_mesh(fn, mesh)
     raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
 
 
