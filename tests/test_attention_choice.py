@@ -55,21 +55,6 @@ def test_explicit_choices_are_kept():
     assert attention.resolve("cudnn", "gpu", BF16, 64) == "cudnn"
 
 
-def test_a_call_xla_partitions_takes_no_pallas_kernel_off_the_cpu():
-    # The GSPMD engine over several devices: XLA cannot split a Mosaic or Triton kernel.
-    assert attention.resolve("auto", "tpu", BF16, 128, partitioned_over=8) == "xla"
-    assert attention.resolve("auto", "gpu", BF16, 64, partitioned_over=8) == "cudnn"
-    assert attention.resolve("auto", "gpu", F32, 64, partitioned_over=8) == "xla"
-    # One device, or the CPU (the kernels run interpreted, as XLA's own ops), keep them.
-    assert attention.resolve("auto", "tpu", BF16, 128, partitioned_over=1) == "pallas"
-    assert attention.resolve("pallas", "cpu", F32, 64, partitioned_over=8) == "pallas"
-    for platform in ("tpu", "gpu"):
-        with pytest.raises(ValueError, match=rf"GSPMD engine over 4 {platform.upper()} devices"):
-            attention.resolve("pallas", platform, BF16, 64, partitioned_over=4)
-    model = build(dtype="bfloat16", emb_features=256, attention_impl="auto")
-    assert model.attention_for("tpu", partitioned_over=8) == "xla"
-
-
 @pytest.mark.parametrize(
     "platform, dtype, head_dim, ring, message",
     [

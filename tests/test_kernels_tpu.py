@@ -749,37 +749,34 @@ def test_the_step_compiles_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh, 
     importlib.util.find_spec("libtpu") is None,
     reason="compiling for a TPU slice needs libtpu (pip install -e '.[tpu]')",
 )
-def test_the_gspmd_step_chooses_its_attention_for_the_tpu_it_is_compiled_for():
+@pytest.mark.parametrize(
+    "slice_name, mesh",
+    [
+        pytest.param("v5e-1", dew.MeshSpec(), id="v5e-1"),
+        pytest.param("v5e-8", dew.MeshSpec(fsdp=8), id="v5e-8-fsdp8"),
+        pytest.param("v5e-8", dew.MeshSpec(data=2, fsdp=2, tensor=2), id="v5e-8-tensor2"),
+    ],
+)
+def test_the_gspmd_step_runs_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh):
     # The GSPMD engine has no shard_map body to say the devices' platform: it is traced on its
-    # mesh's abstract mesh (dew.training.step.on_abstract_mesh). On one v5e chip, compiled on this
-    # CPU host, "auto" runs the Mosaic kernels, as the chip runs them (before, the host's backend
-    # chose XLA's attention: GPT-2 small's step at 16 x 1024 planned 7.0 GiB of temporaries
-    # where the chip's needs 6.4). Over 8 chips XLA would have to partition the kernels, which it
-    # cannot: "auto" runs XLA's attention, and "pallas" is refused before anything is traced.
+    # mesh's abstract mesh (dew.training.step.on_abstract_mesh), so "auto" picks the Mosaic
+    # kernels compiled on this CPU host as on the chip (before, the host's backend chose XLA's
+    # attention: GPT-2 small's step at 16 x 1024 planned 7.0 GiB of temporaries for v5e-1, where
+    # the chip's needs 6.4). Over several chips XLA cannot partition the kernels: they run in a
+    # shard_map over the rows and heads (dew.parallel.gspmd_kernel), and the step compiles.
     config = dict(vocab_size=64, emb_features=256, num_layers=1, num_heads=2, dtype="bfloat16")
-
-    def trainer(slice_name, impl):
-        model = dew.models.build(
-            "causal_transformer", max_seq_len=SEQ, attention_impl=impl, **config
-        )
-        return dew.Trainer(
-            LMObjective(model, SEQ),
-            optax.adamw(1e-3),
-            jax.random.key(0),
-            mesh=dew.MeshSpec(fsdp=len(target(slice_name).devices())),
-            engine="gspmd",
-            devices=target(slice_name).devices(),
-        )
-
-    def mosaic_kernels(trainer) -> set:
-        text = trainer.compiled_step(8).as_text()
-        calls = [line for line in text.splitlines() if "tpu_custom_call" in line]
-        return set(re.findall(r"dew_flash_attention_\w+", "\n".join(calls)))
-
-    assert mosaic_kernels(trainer("v5e-1", "auto")) == set(KERNELS)
-    assert mosaic_kernels(trainer("v5e-8", "auto")) == set()
-    with pytest.raises(ValueError, match=r"'pallas' cannot run under the GSPMD engine over 8 TPU"):
-        trainer("v5e-8", "pallas")
+    model = dew.models.build("causal_transformer", max_seq_len=SEQ, attention_impl="auto", **config)
+    trainer = dew.Trainer(
+        LMObjective(model, SEQ),
+        optax.adamw(1e-3),
+        jax.random.key(0),
+        mesh=mesh,
+        engine="gspmd",
+        devices=target(slice_name).devices(),
+    )
+    text = trainer.compiled_step(8).as_text()
+    calls = [line for line in text.splitlines() if "tpu_custom_call" in line]
+    assert set(re.findall(r"dew_flash_attention_\w+", "\n".join(calls))) == set(KERNELS)
 
 
 @pytest.mark.xdist_group("tpu")

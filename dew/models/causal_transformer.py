@@ -42,7 +42,17 @@ from dew.checks import positive_int
 from dew.layout import path_names
 from dew.nn import attention, embed, mlp, moe, norm, rotary
 from dew.nn.param import Param, init_params, logical_axes, normal
-from dew.parallel import ONE_DEVICE, Shards, expert, fsdp, ragged, sequence, tensor, vocabulary
+from dew.parallel import (
+    ONE_DEVICE,
+    Shards,
+    expert,
+    fsdp,
+    gspmd_kernel,
+    ragged,
+    sequence,
+    tensor,
+    vocabulary,
+)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -296,28 +306,17 @@ class CausalTransformer:
         return logical_axes(self.declare())
 
     def attention_for(
-        self,
-        platform: str,
-        axis_sizes: dict | None = None,
-        sequence_scheme: str = "ring",
-        partitioned_over: int = 1,
+        self, platform: str, axis_sizes: dict | None = None, sequence_scheme: str = "ring"
     ) -> str:
         """The attention implementation a step compiled for ``platform`` devices (``"cpu"``,
         ``"gpu"``, ``"tpu"``) on a mesh of ``axis_sizes`` runs: ``attention_impl`` resolved
-        (``dew.nn.attention.resolve``) for this model's dtype and head_dim, for a ring when the
-        ``sequence`` axis is above 1 under the ring scheme, and for XLA's partitioner splitting
-        the call over ``partitioned_over`` devices (the GSPMD engine). ``ValueError`` for
-        ``"cudnn"`` where cuDNN cannot run (not a GPU, float32, a ring) and for ``"pallas"`` where
-        XLA would partition it: what the step raises while tracing, for callers that want to say
-        so before building anything."""
+        (``dew.nn.attention.resolve``) for this model's dtype and head_dim, and for a ring when
+        the ``sequence`` axis is above 1 under the ring scheme. ``ValueError`` for ``"cudnn"``
+        where cuDNN cannot run (not a GPU, float32, a ring): what the step raises while tracing,
+        for callers that want to say so before building anything."""
         ring = (axis_sizes or {}).get(sequence.AXIS, 1) > 1 and sequence_scheme == "ring"
         return attention.resolve(
-            self.attention_impl,
-            platform,
-            resolve_dtype(self.dtype),
-            self.head_dim,
-            ring,
-            partitioned_over,
+            self.attention_impl, platform, resolve_dtype(self.dtype), self.head_dim, ring
         )
 
     def check_split(self, axis_sizes: dict, sequence_scheme: str = "ring") -> None:
@@ -499,15 +498,19 @@ class CausalTransformer:
         # shared kv heads are cut from the whole k and v first.
         attention_matmuls = () if shared_kv else ("attn",)
         # "auto" (and the checks of "cudnn") by the devices this step is compiled for.
+        platform = ragged.compiled_platform()
         impl = self.attention_for(
-            ragged.compiled_platform(),
+            platform,
             {sequence.AXIS: shards.size(sequence.AXIS)},
             shards.options.sequence_scheme,
-            ragged.partitioned_devices(),
         )
         # Over a sequence axis, attention spans every device's positions (ring or all-to-all);
         # elsewhere it is the plain call.
         attend = sequence.attention(shards, impl)
+        if gspmd_kernel.wraps(impl, platform):
+            # The GSPMD engine over several devices: XLA cannot split the kernel's custom call,
+            # so it runs per device, as a user's GSPMD code runs it.
+            attend = gspmd_kernel.kernel_on_mesh(attend, self.num_heads, self.kv_heads)
 
         def attention_half(x, w):
             attn = w["attn"]

@@ -134,14 +134,7 @@ def _pallas_fits(platform: str, dtype, head_dim: int) -> bool:
     return platform != "gpu" or head_dim in TRITON_HEAD_DIMS
 
 
-def resolve(
-    impl: str,
-    platform: str,
-    dtype,
-    head_dim: int,
-    needs_lse: bool = False,
-    partitioned_over: int = 1,
-) -> str:
+def resolve(impl: str, platform: str, dtype, head_dim: int, needs_lse: bool = False) -> str:
     """The implementation (a key of ``IMPLEMENTATIONS``) a choice runs as; pure, for tests.
 
     Args:
@@ -151,36 +144,24 @@ def resolve(
       dtype: the activations' (q, k, v's) dtype; head_dim: their last dimension.
       needs_lse: the call merges blocks by their log-sum-exp (ring attention over a sequence
         axis above 1).
-      partitioned_over: the devices XLA's partitioner splits the call over (the GSPMD engine's
-        mesh; 1 in a shard_map body: ``dew.parallel.ragged.partitioned_devices()``).
 
     ``"auto"``: on TPU the Mosaic Pallas kernels; on GPU cuDNN where it takes the call
     (``cudnn_refusal`` is ``None``), else the Triton Pallas kernels where they take it (float32 or
     bfloat16, head_dim a power of two from 16 to 256), else XLA; XLA on CPU (and wherever the
-    kernels do not take the dtype). A call XLA partitions over several GPU or TPU devices does not
-    take the Pallas kernels (XLA cannot split a Mosaic or Triton kernel): ``"auto"`` runs cuDNN or
-    XLA there. Any other name is returned as is, except ``"cudnn"`` where cuDNN cannot run the
-    call and ``"pallas"`` where XLA would have to partition it: a ``ValueError`` saying why,
-    raised while tracing, before anything is compiled.
+    kernels do not take the dtype). Any other name is returned as is, except ``"cudnn"`` where
+    cuDNN cannot run the call: a ``ValueError`` saying why, raised while tracing, before anything
+    is compiled.
     """
     if impl not in CHOICES:
         raise ValueError(f"unknown attention_impl {impl!r}; expected one of {', '.join(CHOICES)}")
     refusal = cudnn_refusal(platform, dtype, head_dim, needs_lse)
     if impl == "cudnn" and refusal is not None:
         raise ValueError(f"attention_impl 'cudnn' cannot run this step: {refusal}")
-    # Off the CPU a Pallas kernel is one custom call (Mosaic, Triton) that XLA cannot split.
-    unsplittable = platform in ("gpu", "tpu") and partitioned_over > 1
-    if impl == "pallas" and unsplittable:
-        raise ValueError(
-            f"attention_impl 'pallas' cannot run under the GSPMD engine over {partitioned_over} "
-            f"{platform.upper()} devices: XLA cannot partition a Pallas kernel; use the shard_map "
-            "engine, or attention_impl 'auto' or 'xla'"
-        )
     if impl != "auto":
         return impl
     if platform == "gpu" and refusal is None:
         return "cudnn"
-    if platform in ("gpu", "tpu") and not unsplittable and _pallas_fits(platform, dtype, head_dim):
+    if platform in ("gpu", "tpu") and _pallas_fits(platform, dtype, head_dim):
         return "pallas"
     return "xla"
 

@@ -15,6 +15,8 @@
   to their experts and back by ``all_to_all``.
 - ``pipeline``: the ``stage`` axis: each stage runs its contiguous run of layers on a 1F1B schedule
   of microbatches, activations forward and their gradients back by ``ppermute``.
+- ``gspmd_kernel``: the GSPMD baseline's attention kernel in a ``shard_map`` over the rows and
+  heads (XLA cannot partition a kernel's custom call), as a user's GSPMD code runs it.
 
 Code inside the step sees a ``Shards``: the sizes of the mesh axes and the ``PartitionSpec`` of
 every parameter. ``ONE_DEVICE`` (every axis of size 1, nothing split) makes the same code run on

@@ -171,13 +171,11 @@ class Trainer:
             options.check(mesh_shape, objective.seq_len)
         if hasattr(objective.model, "attention_for"):
             # An attention kernel that cannot run on these devices (cuDNN off a GPU, or on a
-            # ring; Pallas kernels that XLA would have to partition under GSPMD) is refused here,
-            # before anything is traced, not by the first step.
+            # ring) is refused here, before anything is traced, not by the first step.
             objective.model.attention_for(
                 self.mesh.devices.flat[0].platform,
                 mesh_shape if engine == "shard_map" else None,
                 options.sequence_scheme,
-                1 if engine == "shard_map" else self.mesh.size,
             )
         axes = objective.model.logical_axes()
         abstract_state = jax.eval_shape(self._fresh_state, self.key)
