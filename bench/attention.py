@@ -273,6 +273,7 @@ DEW_SWEEP = (
     dict(block_q=1024, block_k=2048, block_k_compute=512, backward_block_k_compute=512),
     dict(block_q=2048, block_k=2048, block_k_compute=512, backward_block_k_compute=512),
     dict(fused_backward=False),
+    dict(forward_heads=1),
 )
 
 

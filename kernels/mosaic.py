@@ -31,6 +31,11 @@ from .schedule import EMPTY, MASKED
 from .tiling import INDEX_DTYPE, Tiling, as_index
 
 LANES = 128
+# The most query rows a forward step computes over several heads (`Tuning.heads_per_step`). On a
+# v5e chip 4 heads of 512 rows a step were 6-7% faster than one on causal calls (8192, 2048 keys
+# at d128; 1024 at d64) and 2 heads of 1024 rows no different without a mask, where 4 heads of
+# 1024 rows ran at two thirds of the speed (docs/kernels.md, "TPU performance").
+FORWARD_ROWS = 2048
 
 
 def heads_major(x):
@@ -117,6 +122,7 @@ class Tuning:
 
     - ``block_k_compute``: keys computed at a time inside the forward's key block (None: the
       whole block); ``backward_block_k_compute`` the same for the backward's key block.
+    - ``forward_heads``: the most query heads a forward step computes (`forward_heads`).
     - ``fused_backward``: one backward kernel (dq accumulated in VMEM beside dk and dv) where
       its VMEM allows, rather than a dq kernel and a dk/dv kernel.
     - ``vmem_limit_bytes``: the kernels' scoped VMEM (None: the compiler's default).
@@ -124,6 +130,7 @@ class Tuning:
 
     block_k_compute: int | None = None
     backward_block_k_compute: int | None = None
+    forward_heads: int = 1
     fused_backward: bool = True
     vmem_limit_bytes: int | None = None
 
@@ -139,6 +146,20 @@ class Tuning:
     def backward_piece(self, block_k: int) -> int:
         return self._piece(block_k, self.backward_block_k_compute)
 
+    def heads_per_step(self, heads: int, group: int, block_q: int) -> int:
+        """Query heads one forward step computes: the most, up to ``forward_heads``, that divide
+        ``heads``, keep the step within ``FORWARD_ROWS`` query rows, and share their kv heads
+        whole (the count divides the ``group`` of query heads a kv head serves, or ``group``
+        divides it)."""
+        fits = [
+            n
+            for n in range(1, min(self.forward_heads, heads) + 1)
+            if heads % n == 0
+            and (n == 1 or n * block_q <= FORWARD_ROWS)
+            and (group % n == 0 or n % group == 0)
+        ]
+        return max(fits)
+
     def compiler_params(self, dims: int, vmem_limit_bytes: int | None = None):
         """Parallel grid dimensions, then the sequential walk of `kernels.schedule`."""
         return pltpu.CompilerParams(
@@ -152,9 +173,9 @@ def for_each_piece(make_attend, *, flags, tiling: Tiling, q_block, kv_block, pie
     ``EMPTY`` step; on a pair the table does not mark ``MASKED``, every piece without a mask; on
     one it does, each piece some row sees, with its mask.
 
-    ``make_attend()`` reads the step's blocks (once, inside the branch that runs) and returns
-    ``attend(keys=, masked_at=)``: ``keys`` a static slice of the key block, ``masked_at`` None or
-    ``(q_block, first_key)`` of the piece for `piece_mask`."""
+    ``make_attend()`` is called inside the branch that runs (what it reads up front, it reads
+    there only) and returns ``attend(keys=, masked_at=)``: ``keys`` a static slice of the key
+    block, ``masked_at`` None or ``(q_block, first_key)`` of the piece for `piece_mask`."""
 
     def run(masked: bool):
         attend = make_attend()

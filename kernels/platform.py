@@ -137,6 +137,15 @@ TPU_PIECES = {
     "v5p": (512, 512),
     "v6e": (512, 512),
 }
+# The most query heads a forward step computes (`kernels.mosaic.Tuning.forward_heads`, within
+# `kernels.mosaic.FORWARD_ROWS` query rows a step). v5e's was measured on the chip; v5p's and
+# v6e's follow it and are not measured; v4 (16 MiB of VMEM) keeps one.
+TPU_FORWARD_HEADS = {
+    "v4": 1,
+    "v5e": 4,
+    "v5p": 4,
+    "v6e": 4,
+}
 
 # Device kinds as JAX reports them (dew.targets.GENERATIONS), lower case, most specific first.
 _DEVICE_KINDS = (
@@ -233,6 +242,7 @@ def mosaic_tuning(generation: str):
     fields = dict(
         block_k_compute=piece,
         backward_block_k_compute=backward_piece,
+        forward_heads=TPU_FORWARD_HEADS[generation],
         vmem_limit_bytes=TPU_VMEM_LIMIT[generation],
     )
     fields.update({k: v for k, v in _overrides.items() if k not in ("block_q", "block_k")})

@@ -333,6 +333,45 @@ def test_keys_computed_a_piece_at_a_time_match_whole_blocks(seed, pieces, dtype)
     assert_agree(pieced, whole, dtype, f"{pieces} against whole blocks, seed {seed}")
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,per_step",
+    [
+        pytest.param(8, 1, 4, id="4-of-a-kv-head's-8"),
+        pytest.param(8, 4, 4, id="4-over-2-kv-heads"),
+        pytest.param(6, 3, 2, id="2-of-6-over-3-kv-heads"),
+    ],
+)
+def test_several_heads_a_forward_step_match_one(seed, heads, kv_heads, per_step):
+    # The forward computing several query heads a step (4 on v5e) reads their kv heads right:
+    # several query heads of one kv head, or several kv heads' groups whole. Against the float64
+    # reference, and to the bit against one head a step (the same arithmetic per head).
+    rng = np.random.default_rng(seed)
+    q, k, v, do = random_inputs(rng, 1, 200, 232, heads, kv_heads, 16, jnp.float32)
+    d_lse = random_d_lse(rng, q)
+    blocks = dict(causal=True, block_q=128, block_k=64)
+    assert Tuning(forward_heads=4).heads_per_step(heads, heads // kv_heads, 128) == per_step
+    with platform.tuned(forward_heads=1):
+        one, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    with platform.tuned(forward_heads=4):
+        several, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    want = reference_with_lse_vjp(q, k, v, do, d_lse, causal=True, sm_scale=0.25)
+    assert_matches_reference(several, want, jnp.float32, f"{per_step} heads a step, seed {seed}")
+    for name, a, b in zip(("out", "lse"), several[:2], one[:2]):
+        assert np.array_equal(a, b), f"{name}: {per_step} heads a step differ (seed {seed})"
+
+
+def test_heads_a_forward_step_divide_the_heads_and_share_kv_heads_whole():
+    tuning = Tuning(forward_heads=4)
+    assert tuning.heads_per_step(12, 1, 512) == 4  # GPT-2 small: 12 heads, 4 a step
+    assert tuning.heads_per_step(12, 1, 1024) == 2  # at most FORWARD_ROWS (2048) rows a step
+    assert tuning.heads_per_step(12, 1, 2048) == 1
+    assert tuning.heads_per_step(5, 1, 512) == 1  # no divisor of 5 from 2 to 4
+    assert tuning.heads_per_step(6, 3, 128) == 3  # one kv head's 3 query heads
+    assert tuning.heads_per_step(12, 3, 128) == 3  # 4 would split kv heads' groups
+    assert tuning.heads_per_step(32, 4, 512) == 4  # Llama 3: one kv head's 4
+    assert Tuning().heads_per_step(12, 1, 512) == 1  # one unless a generation asks for more
+
+
 def test_a_piece_is_a_divisor_of_its_block_in_whole_sublanes():
     # A piece that does not split the key block into whole (8-row) parts computes the block whole.
     tuning = Tuning(block_k_compute=16, backward_block_k_compute=24)
