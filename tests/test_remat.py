@@ -56,14 +56,16 @@ def saved_floats(model, capsys) -> int:
 
 # Per layer, from the shapes: the layer's input; the weight matmuls' outputs (q, k, v, attention's
 # output projection, the MLP's gate and up; the down projection's output is the layer's output, the
-# next layer's input, which its backward does not read); attention's output [B, S, H, D].
+# next layer's input, which its backward does not read); attention's output [B, S, H, D]; the
+# MLP's normalized input [B, S, E].
 LAYER_INPUT = B * S * E
 WEIGHT_DOTS = B * S * H * D + 2 * B * S * KV * D + B * S * E + 2 * B * S * F
 ATTENTION_OUT = B * S * H * D
+MLP_INPUT = B * S * E
 EXPECTED = {
     "full": L * LAYER_INPUT,
     "dots": L * (LAYER_INPUT + WEIGHT_DOTS),
-    "attention": L * (LAYER_INPUT + WEIGHT_DOTS + ATTENTION_OUT),
+    "attention": L * (LAYER_INPUT + WEIGHT_DOTS + ATTENTION_OUT + MLP_INPUT),
 }
 
 

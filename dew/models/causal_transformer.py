@@ -36,6 +36,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from dew.checks import positive_int
@@ -60,13 +61,22 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # "dots" is jax's dots_with_no_batch_dims_saveable: the outputs of the matmuls against weights
 # (q, k, v, o, the MLP's three), not attention's q.k and p.v, whose batch dimensions (rows, heads)
 # mark them as the seq x seq products a layer must not keep (checkpoint_dots would keep them).
+# The MLP's normalized input (before a tensor group gathers it), which "attention" saves too.
+MLP_INPUT = "mlp_input"
 _SAVE_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": _SAVE_DOTS,
+    # "attention" also keeps the MLP's normalized input: recomputing it in the backward, XLA fused
+    # the norm into both the gate's and the up projection's weight gradients under shard_map
+    # (not under GSPMD), each reading the residual in float32. On one v5e chip (GPT-2 small, 16 x
+    # 1024 tokens) keeping it took shard_map from 1.03x the GSPMD step to 1.00x, for 245 MiB
+    # (docs/benchmarks.md).
     "attention": jax.checkpoint_policies.save_from_both_policies(
         _SAVE_DOTS,
-        jax.checkpoint_policies.save_only_these_names(attention.OUT_NAME, attention.LSE_NAME),
+        jax.checkpoint_policies.save_only_these_names(
+            attention.OUT_NAME, attention.LSE_NAME, MLP_INPUT
+        ),
     ),
     "none": None,
 }
@@ -118,8 +128,9 @@ class CausalTransformer:
         (``dew.nn.attention.resolve``; ``attention_for`` tells ahead of compiling).
       remat: what each layer saves for the backward (``REMAT_CHOICES``): ``"full"`` nothing (the
         backward recomputes the layer; least memory), ``"dots"`` the outputs of its weight
-        matmuls, ``"attention"`` those and attention's output (and the Pallas kernels' and the
-        ring's lse, so the backward does not rerun the forward kernel), ``"none"`` everything (no
+        matmuls, ``"attention"`` those, attention's output (and the Pallas kernels' and the
+        ring's lse, so the backward does not rerun the forward kernel) and the MLP's normalized
+        input, ``"none"`` everything (no
         ``jax.checkpoint``). Memory grows and recompute shrinks in that order. ``"auto"``: the
         least recomputation whose step fits the devices (``dew.planning.choose_remat``).
       num_kv_heads: heads of K and V (grouped-query attention); default ``num_heads``.
@@ -544,7 +555,8 @@ class CausalTransformer:
                 in_matmuls=(*attention_matmuls, "mlp"),
             )
             x = attention_half(x, w)
-            h = tensor.enter(norm.rms_norm(w["mlp_norm"], x, self.rms_norm_eps), shards)
+            h = checkpoint_name(norm.rms_norm(w["mlp_norm"], x, self.rms_norm_eps), MLP_INPUT)
+            h = tensor.enter(h, shards)
             return x + tensor.leave(mlp.swiglu(w["mlp"], h), shards), None
 
         def moe_layer(x, layer_shards):
