@@ -52,10 +52,12 @@ def test_loss_sum_matches_the_formulas(seed, chunk):
     value, (dx, dtable) = jax.jit(jax.value_and_grad(loss, (0, 1)))(x, table)
     want, dx_want, dtable_want = loop_reference(x, table, targets, weights)
     np.testing.assert_allclose(value, want, rtol=1e-5, err_msg=f"loss, seed {seed}")
-    np.testing.assert_allclose(dx, dx_want, rtol=1e-5, atol=1e-6, err_msg=f"dx, seed {seed}")
-    np.testing.assert_allclose(
-        dtable, dtable_want, rtol=1e-5, atol=1e-6, err_msg=f"dE, seed {seed}"
-    )
+    # Gradients to 1e-5 of their largest entry: an entry that sums terms of either sign (a row of
+    # dx adds 11 of them) can be far smaller than its terms, and float32's rounding of the terms
+    # is then more than 1e-5 of it (1 seed in about 200 had an entry off by 4e-5 of itself).
+    for name, got, expected in (("dx", dx, dx_want), ("dE", dtable, dtable_want)):
+        error = np.max(np.abs(got - expected)) / np.max(np.abs(expected))
+        assert error < 1e-5, f"{name}: relative error {error:.2e}, seed {seed}"
     # Not differentiated, the loss is the same number.
     np.testing.assert_allclose(jax.jit(loss)(x, table), want, rtol=1e-5, err_msg=f"seed {seed}")
 
