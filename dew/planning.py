@@ -472,8 +472,9 @@ def plan_layout(
 # in a ``Trainer``.
 AUTO = "auto"
 # The recompute policies (``dew.models.causal_transformer.REMAT_CHOICES``), least recomputation
-# first: "none" keeps everything, "attention" the weight matmuls' outputs and attention's,
-# "dots" the weight matmuls' outputs, "full" nothing. Memory falls in the same order.
+# first: "none" keeps everything, "attention" the weight matmuls' outputs, attention's and the
+# MLP's normalized input, "dots" the weight matmuls' outputs, "full" nothing. Memory mostly falls
+# in the same order ("attention" can need less than "dots"): each is compiled until one fits.
 REMAT_ORDER = ("none", "attention", "dots", "full")
 
 

@@ -131,7 +131,8 @@ class CausalTransformer:
         matmuls, ``"attention"`` those, attention's output (and the Pallas kernels' and the
         ring's lse, so the backward does not rerun the forward kernel) and the MLP's normalized
         input, ``"none"`` everything (no
-        ``jax.checkpoint``). Memory grows and recompute shrinks in that order. ``"auto"``: the
+        ``jax.checkpoint``). Recompute shrinks in that order, and memory mostly grows
+        (``"attention"`` may need less than ``"dots"``). ``"auto"``: the
         least recomputation whose step fits the devices (``dew.planning.choose_remat``).
       num_kv_heads: heads of K and V (grouped-query attention); default ``num_heads``.
       mlp_features: hidden width of the SwiGLU MLP; default ``4 * emb_features``.
