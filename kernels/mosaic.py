@@ -122,7 +122,7 @@ class Tuning:
 
     - ``block_k_compute``: keys computed at a time inside the forward's key block (None: the
       whole block); ``backward_block_k_compute`` the same for the backward's key block.
-    - ``forward_heads``: the most query heads a forward step computes (`forward_heads`).
+    - ``forward_heads``: the most query heads a forward step computes (`heads_per_step`).
     - ``fused_backward``: one backward kernel (dq accumulated in VMEM beside dk and dv) where
       its VMEM allows, rather than a dq kernel and a dk/dv kernel.
     - ``vmem_limit_bytes``: the kernels' scoped VMEM (None: the compiler's default).

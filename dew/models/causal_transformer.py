@@ -57,12 +57,13 @@ from dew.parallel import (
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
+# The MLP's normalized input (before a tensor group gathers it), which "attention" saves too.
+MLP_INPUT = "mlp_input"
+
 # What each layer keeps from its forward for the backward (``remat``), named by what is saved.
 # "dots" is jax's dots_with_no_batch_dims_saveable: the outputs of the matmuls against weights
 # (q, k, v, o, the MLP's three), not attention's q.k and p.v, whose batch dimensions (rows, heads)
 # mark them as the seq x seq products a layer must not keep (checkpoint_dots would keep them).
-# The MLP's normalized input (before a tensor group gathers it), which "attention" saves too.
-MLP_INPUT = "mlp_input"
 _SAVE_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -130,9 +131,8 @@ class CausalTransformer:
         backward recomputes the layer; least memory), ``"dots"`` the outputs of its weight
         matmuls, ``"attention"`` those, attention's output (and the Pallas kernels' and the
         ring's lse, so the backward does not rerun the forward kernel) and the MLP's normalized
-        input, ``"none"`` everything (no
-        ``jax.checkpoint``). Recompute shrinks in that order, and memory mostly grows
-        (``"attention"`` may need less than ``"dots"``). ``"auto"``: the
+        input, ``"none"`` everything (no ``jax.checkpoint``). Recompute shrinks in that order,
+        and memory mostly grows (``"attention"`` may need less than ``"dots"``). ``"auto"``: the
         least recomputation whose step fits the devices (``dew.planning.choose_remat``).
       num_kv_heads: heads of K and V (grouped-query attention); default ``num_heads``.
       mlp_features: hidden width of the SwiGLU MLP; default ``4 * emb_features``.
