@@ -726,13 +726,20 @@ def test_mosaic_refuses_more_visible_block_pairs_than_the_step_tables_hold(monke
 # ---- compiled for TPU slices: the Mosaic kernels in Dew's step ------------------------------
 
 SEQ = 16
-
-
-@pytest.mark.xdist_group("tpu")
-@pytest.mark.skipif(
+needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
     reason="compiling for a TPU slice needs libtpu (pip install -e '.[tpu]')",
 )
+
+
+def mosaic_kernels(hlo_text: str) -> set[str]:
+    """The names of Dew's Mosaic kernels the compiled HLO calls (its ``tpu_custom_call`` s)."""
+    calls = [line for line in hlo_text.splitlines() if "tpu_custom_call" in line]
+    return {name for line in calls for name in re.findall(r"dew_flash_attention_\w+", line)}
+
+
+@pytest.mark.xdist_group("tpu")
+@needs_libtpu
 @pytest.mark.parametrize(
     "slice_name, mesh, tuning, kernels",
     [
@@ -778,16 +785,11 @@ def test_the_step_compiles_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh, 
     )
     with platform.tuned(**tuning):
         text = trainer.compiled_step(8).as_text()
-    custom_calls = [line for line in text.splitlines() if "tpu_custom_call" in line]
-    named = set(re.findall(r"dew_flash_attention_\w+", "\n".join(custom_calls)))
-    assert named == set(kernels), (slice_name, len(custom_calls), named)
+    assert mosaic_kernels(text) == set(kernels), slice_name
 
 
 @pytest.mark.xdist_group("tpu")
-@pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="compiling for a TPU slice needs libtpu (pip install -e '.[tpu]')",
-)
+@needs_libtpu
 @pytest.mark.parametrize(
     "slice_name, mesh",
     [
@@ -813,16 +815,11 @@ def test_the_gspmd_step_runs_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh
         engine="gspmd",
         devices=target(slice_name).devices(),
     )
-    text = trainer.compiled_step(8).as_text()
-    calls = [line for line in text.splitlines() if "tpu_custom_call" in line]
-    assert set(re.findall(r"dew_flash_attention_\w+", "\n".join(calls))) == set(KERNELS)
+    assert mosaic_kernels(trainer.compiled_step(8).as_text()) == set(KERNELS), slice_name
 
 
 @pytest.mark.xdist_group("tpu")
-@pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="compiling for a TPU slice needs libtpu (pip install -e '.[tpu]')",
-)
+@needs_libtpu
 def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
     # v5e's long blocks (1024 x 2048, pieces of 512: its defaults without a mask, pinned here on a
     # causal call) ask the Mosaic compiler for more scoped VMEM than its 16 MiB default: the
@@ -840,5 +837,4 @@ def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
 
     with platform.tuned(fused_backward=False, block_q=1024), jax.set_mesh(mesh):
         text = jax.jit(forward_and_backward).lower(q, q, q, q).compile().as_text()
-    named = set(re.findall(r"dew_flash_attention_\w+", text))
-    assert named == set(TWO_KERNELS), named
+    assert mosaic_kernels(text) == set(TWO_KERNELS)
