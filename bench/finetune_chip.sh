@@ -1,5 +1,5 @@
 W=$PWD/.whl
-pip install -q --no-deps --target /tmp/site $W/new/*.whl
+pip install -q --upgrade --no-deps --target /tmp/site $W/new/*.whl  # --upgrade: replace an earlier install
 pip install -q --index-url file:///opt/pypi/simple --no-deps --target /tmp/deps optax absl-py
 export PYTHONPATH=${PYTHONPATH:-}:/tmp/site:/tmp/deps PATH=$PATH:/tmp/site/bin
 cd /tmp   # not the repo root: the installed wheel must be what runs

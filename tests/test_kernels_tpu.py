@@ -10,6 +10,8 @@ compile. Random inputs come from the ``seed`` fixture (fresh each run; ``DEW_SEE
 import functools
 import importlib.util
 import re
+import subprocess
+import sys
 from collections import Counter
 
 import jax
@@ -838,3 +840,69 @@ def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
     with platform.tuned(fused_backward=False, block_q=1024), jax.set_mesh(mesh):
         text = jax.jit(forward_and_backward).lower(q, q, q, q).compile().as_text()
     assert mosaic_kernels(text) == set(TWO_KERNELS)
+
+
+# Compiles Dew's attention forward and backward for one v5e chip with libtpu's overlay log and its
+# final LLO bundles dumped (the last pass only: all of them are about 700 MB), in a process of its
+# own (libtpu reads its flags once, when it loads).
+_OVERLAY_PROBE = """
+import os, sys
+os.environ["LIBTPU_INIT_ARGS"] = (
+    f"--xla_jf_dump_to={sys.argv[1]} --xla_jf_dump_llo_text=true "
+    "--xla_jf_dump_llo_pass_label_regex=final_bundles "
+    "--logtostderr --stderrthreshold=0 --minloglevel=0 --vmodule=overlay_partitioner=3"
+)
+import dew.targets
+dew.targets.compile_only_environment()
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+from dew.kernels import flash_attention
+
+mesh = jax.sharding.Mesh(dew.targets.target("v5e-1").devices(), ("x",))
+causal = sys.argv[2] == "causal"
+replicated = NamedSharding(mesh, PartitionSpec())
+x = jax.ShapeDtypeStruct((1, 4, 4096, 128), jnp.bfloat16, sharding=replicated)
+
+def forward_and_backward(q, k, v, do):
+    attend = lambda q, k, v: flash_attention(q, k, v, causal=causal, layout="bhsd")
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, vjp(do)
+
+with jax.set_mesh(mesh):
+    jax.jit(forward_and_backward).lower(x, x, x, x).compile()
+"""
+
+
+@pytest.mark.xdist_group("tpu")
+@needs_libtpu
+@pytest.mark.parametrize("mask", ["causal", "full"])
+def test_each_kernel_fits_one_instruction_overlay_on_v5e(tmp_path, mask):
+    # A TPU core runs a program larger than its instruction memory in overlays, loaded from HBM
+    # when control moves between them (libtpu's overlay partitioner; its largest, "jumbo", overlay
+    # holds 65,232 bundles on v5e in this libtpu). A kernel whose grid step crosses overlays
+    # reloads code every step: a forward that computed the causal diagonal as triangles had twice
+    # the code (79,389 bundles), was split over four overlays, and ran 2.35x slower on a v5e chip
+    # (docs/kernels.md). So each of Dew's kernels, at v5e's blocks, heads a step and pieces (the
+    # unrolled work that sets its size), must fit the largest overlay: causal (512 x 2048, the
+    # masked branches) and not (1024 x 2048). The count is from libtpu's final bundles; the limit
+    # from its log.
+    result = subprocess.run(
+        [sys.executable, "-c", _OVERLAY_PROBE, str(tmp_path), mask],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    limits = re.findall(r"overlay size (\d+)/(\d+)/(\d+)", result.stderr)
+    assert limits, "libtpu printed no overlay sizes: its log format changed?"
+    jumbo = int(limits[0][1])
+    sizes = {}
+    for path in tmp_path.glob("*dew_flash_attention_*-final_bundles.txt"):
+        if "schedule-analysis" in path.name:
+            continue
+        kernel = re.search(r"dew_flash_attention_\w+", path.name).group(0)
+        lines = path.read_text().splitlines()
+        sizes[kernel] = sum(1 for line in lines if re.match(r"\s*0x[0-9a-f]+\s", line))
+    assert set(sizes) == {"dew_flash_attention_forward", "dew_flash_attention_backward"}, sizes
+    print(f"{mask}: bundles {sizes}, largest overlay {jumbo}")
+    assert all(size <= jumbo for size in sizes.values()), (sizes, jumbo)
