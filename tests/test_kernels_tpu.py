@@ -893,7 +893,7 @@ def test_each_kernel_fits_one_instruction_overlay_on_v5e(tmp_path, mask):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     limits = re.findall(r"overlay size (\d+)/(\d+)/(\d+)", result.stderr)
-    assert limits, "libtpu printed no overlay sizes: its log format changed?"
+    assert limits, "libtpu printed no overlay sizes (a new log format, or no overlays needed)"
     jumbo = int(limits[0][1])
     sizes = {}
     for path in tmp_path.glob("*dew_flash_attention_*-final_bundles.txt"):
