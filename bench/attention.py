@@ -19,8 +19,9 @@ small shapes with grouped queries, odd lengths and no mask; then, on bfloat16 in
 every contestant against the same reference, side by side. Then one table of forward and
 forward+backward TFLOP/s: bfloat16, batch x seq = 16k tokens, heads x head_dim = 2048 (a
 grouped-query row: 32 query heads over 8 kv heads, d128), the median of ``--calls`` calls each
-timed to ``block_until_ready``. A causal forward counts ``2 * batch * heads * seq^2 * head_dim``
-FLOPs (half of the square), a non-causal one twice that, forward+backward 3.5 times the forward.
+timed to ``block_until_ready``, the calls of a row's cells taken in turn (round robin). A causal
+forward counts ``2 * batch * heads * seq^2 * head_dim`` FLOPs (half of the square), a non-causal
+one twice that, forward+backward 3.5 times the forward.
 
 Every contestant gets the inputs in its own layout, made before the clock starts: JAX's TPU
 kernels and Dew's Mosaic kernels ``[batch, heads, seq, head_dim]`` (Dew's ``layout="bhsd"``), XLA
@@ -274,6 +275,7 @@ DEW_SWEEP = (
     dict(block_q=2048, block_k=2048, block_k_compute=512, backward_block_k_compute=512),
     dict(fused_backward=False),
     dict(forward_heads=1),
+    dict(block_q_compute=None),
 )
 
 
@@ -477,16 +479,36 @@ def short_error(error: Exception) -> str:
     return "error"
 
 
-def median_seconds(fn, args, calls: int) -> float:
-    """Median wall time of ``calls`` calls of a compiled fn, each to block_until_ready, after a
-    warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
+def median_seconds_round_robin(programs, calls: int) -> list:
+    """The median wall time of ``calls`` calls of each ``(fn, args)`` in ``programs`` (the
+    exception, for one whose call raised), each call to ``block_until_ready``. Every program is
+    warmed up first, then the calls go round the programs in turn, so a drift of the machine's
+    speed during the row lands on every contestant alike: on a v5e chip, cells timed one after
+    another each in a burst of 10 once put a whole row 10-40% above every other run of it."""
+    live = []
+    for fn, args in programs:
+        try:
+            jax.block_until_ready(fn(*args))
+            live.append((fn, args))
+        except Exception as error:
+            live.append(error)
+    times = [[] for _ in programs]
     for _ in range(calls):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for n, program in enumerate(live):
+            if isinstance(program, Exception):
+                continue
+            fn, args = program
+            start = time.perf_counter()
+            try:
+                jax.block_until_ready(fn(*args))
+            except Exception as error:
+                live[n] = error
+                continue
+            times[n].append(time.perf_counter() - start)
+    return [
+        program if isinstance(program, Exception) else statistics.median(ts)
+        for program, ts in zip(live, times)
+    ]
 
 
 @dataclasses.dataclass
@@ -500,8 +522,8 @@ class Cell:
 
 def time_row(row, contestants, tokens, channels, calls, key, threads) -> list[Cell]:
     """Every candidate of every contestant on one row, forward and forward+backward: traced one
-    at a time (Dew's overrides are process-wide), compiled in ``threads`` threads, then timed one
-    at a time."""
+    at a time (Dew's overrides are process-wide), compiled in ``threads`` threads, then timed
+    round robin (`median_seconds_round_robin`)."""
     batch, heads, kv_heads = row.shape(tokens, channels)
     sm_scale = 1 / math.sqrt(row.head_dim)
     inputs = random_inputs(key, batch, row.seq, heads, kv_heads, row.head_dim, jnp.bfloat16)
@@ -533,20 +555,23 @@ def time_row(row, contestants, tokens, channels, calls, key, threads) -> list[Ce
                     jobs.append((cell, None, None))
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         compiled = list(pool.map(lambda job: _compile(*job), jobs))
-    cells = []
-    for (cell, _, args), program in zip(jobs, compiled):
-        if program is not None:
-            try:
-                cell.seconds = median_seconds(program, args, calls)
-            except Exception as error:
-                print(
-                    f"  {row.label()} {cell.contestant} {cell.candidate} {cell.mode}: "
-                    f"{type(error).__name__}: {str(error)[:300]}",
-                    file=sys.stderr,
-                )
-                cell.error = short_error(error)
-        cells.append(cell)
-    return cells
+    timed = [
+        (cell, program, args)
+        for (cell, _, args), program in zip(jobs, compiled)
+        if program is not None
+    ]
+    seconds = median_seconds_round_robin([(program, args) for _, program, args in timed], calls)
+    for (cell, _, _), result in zip(timed, seconds):
+        if isinstance(result, Exception):
+            print(
+                f"  {row.label()} {cell.contestant} {cell.candidate} {cell.mode}: "
+                f"{type(result).__name__}: {str(result)[:300]}",
+                file=sys.stderr,
+            )
+            cell.error = short_error(result)
+        else:
+            cell.seconds = result
+    return [cell for cell, _, _ in jobs]
 
 
 def _compile(cell, lowered, args):
@@ -639,8 +664,9 @@ def run_table(rows, contestants, tokens, channels, args, start) -> list[str]:
     print()
     print(
         f"timing: bfloat16, batch * seq = {tokens} tokens, heads * head_dim = {channels} "
-        f"(gqa: {GQA_HEADS} heads over {GQA_KV_HEADS}); median of {args.calls} calls; TFLOP/s "
-        "(fwd+bwd counted as 3.5x the forward); each cell the contestant's best candidate"
+        f"(gqa: {GQA_HEADS} heads over {GQA_KV_HEADS}); median of {args.calls} calls, round "
+        "robin; TFLOP/s (fwd+bwd counted as 3.5x the forward); each cell the contestant's best "
+        "candidate"
     )
     for c in contestants:
         print(f"  {c.name} candidates: {', '.join(x.label for x in c.candidates)}")

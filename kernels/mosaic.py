@@ -92,12 +92,15 @@ def lanes_to(x, width: int):
     return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
-def piece_mask(tiling: Tiling, q_block, first_key, shape, keys_first: bool = False):
-    """bool ``shape``: the visible (row, key) pairs of query block ``q_block`` against the keys
-    from ``first_key`` on; ``shape`` is ``[block_q, keys]``, or ``[keys, block_q]`` when
-    ``keys_first``. 2-D iotas: Mosaic has no cheap 1-D to 2-D reshape."""
+def piece_mask(
+    tiling: Tiling, q_block, first_key, shape, keys_first: bool = False, first_row: int = 0
+):
+    """bool ``shape``: the visible (row, key) pairs of query block ``q_block``'s rows from
+    ``first_row`` on against the keys from ``first_key`` on; ``shape`` is ``[rows, keys]``, or
+    ``[keys, rows]`` when ``keys_first``. 2-D iotas: Mosaic has no cheap 1-D to 2-D reshape."""
     row_dim, col_dim = (1, 0) if keys_first else (0, 1)
-    rows = q_block * tiling.block_q + lax.broadcasted_iota(INDEX_DTYPE, shape, row_dim)
+    first = q_block * tiling.block_q + first_row
+    rows = first + lax.broadcasted_iota(INDEX_DTYPE, shape, row_dim)
     cols = first_key + lax.broadcasted_iota(INDEX_DTYPE, shape, col_dim)
     visible = cols < tiling.kv_len
     if tiling.causal:
@@ -122,6 +125,10 @@ class Tuning:
 
     - ``block_k_compute``: keys computed at a time inside the forward's key block (None: the
       whole block); ``backward_block_k_compute`` the same for the backward's key block.
+    - ``block_q_compute``: query rows the forward computes at a time against each piece of keys
+      (None: the whole query block). Fewer rows keep the ``[rows, piece]`` float32 logits
+      closer to the 64 vector registers, so fewer of them are spilled to VMEM and read back;
+      each strip loads the piece's K and V into the MXUs again.
     - ``forward_heads``: the most query heads a forward step computes (`heads_per_step`).
     - ``fused_backward``: one backward kernel (dq accumulated in VMEM beside dk and dv) where
       its VMEM allows, rather than a dq kernel and a dk/dv kernel.
@@ -130,6 +137,7 @@ class Tuning:
 
     block_k_compute: int | None = None
     backward_block_k_compute: int | None = None
+    block_q_compute: int | None = None
     forward_heads: int = 1
     fused_backward: bool = True
     vmem_limit_bytes: int | None = None
@@ -145,6 +153,14 @@ class Tuning:
 
     def backward_piece(self, block_k: int) -> int:
         return self._piece(block_k, self.backward_block_k_compute)
+
+    def rows(self, block_q: int) -> int:
+        """The forward's query rows a strip: ``block_q_compute`` where it splits the block into
+        whole 16-row parts (a bfloat16 vector register packs 16 rows), else the whole block."""
+        rows = self.block_q_compute
+        if rows is None or rows >= block_q or block_q % rows or rows % 16:
+            return block_q
+        return rows
 
     def heads_per_step(self, heads: int, group: int, block_q: int) -> int:
         """Query heads one forward step computes: the most, up to ``forward_heads``, that divide

@@ -137,6 +137,19 @@ TPU_PIECES = {
     "v5p": (512, 512),
     "v6e": (512, 512),
 }
+# Query rows the forward computes at a time against a piece of keys
+# (`kernels.mosaic.Tuning.block_q_compute`). A [512, 512] piece's float32 logits are 256 vector
+# registers of v5e's 64: compiled for v5e, half the forward's bundles stored a spilled register.
+# Strips of 256 rows spill a third less for the same MXU work (each strip loads the piece's K and
+# V again), and were 2-5% faster on a v5e chip at 8192 keys d128, 4096 keys d128 without a mask
+# and 2048 keys d64; strips of 128 loaded K and V so often that they were up to 30% slower
+# (docs/kernels.md). v5p's and v6e's follow v5e's and are not measured; v4 keeps whole blocks.
+TPU_FORWARD_ROWS = {
+    "v4": None,
+    "v5e": 256,
+    "v5p": 256,
+    "v6e": 256,
+}
 # The most query heads a forward step computes (`kernels.mosaic.Tuning.forward_heads`, within
 # `kernels.mosaic.FORWARD_ROWS` query rows a step). v5e's was measured on the chip; v5p's and
 # v6e's follow it and are not measured; v4 (16 MiB of VMEM) keeps one.
@@ -242,6 +255,7 @@ def mosaic_tuning(generation: str):
     fields = dict(
         block_k_compute=piece,
         backward_block_k_compute=backward_piece,
+        block_q_compute=TPU_FORWARD_ROWS[generation],
         forward_heads=TPU_FORWARD_HEADS[generation],
         vmem_limit_bytes=TPU_VMEM_LIMIT[generation],
     )

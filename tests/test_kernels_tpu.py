@@ -362,6 +362,47 @@ def test_several_heads_a_forward_step_match_one(seed, heads, kv_heads, per_step)
         assert np.array_equal(a, b), f"{name}: {per_step} heads a step differ (seed {seed})"
 
 
+@pytest.mark.parametrize(
+    "strips,dtype",
+    [
+        # Strips of 32 rows over query blocks of 128 and pieces of 16 keys: the causal diagonal
+        # (offset 32: the queries are the last 200 of 232 positions) crosses strips inside a
+        # piece, and a strip can see none of a masked piece.
+        pytest.param({"block_q_compute": 32, "block_k_compute": 16}, jnp.float32, id="f32"),
+        pytest.param({"block_q_compute": 64}, jnp.bfloat16, id="bf16"),
+    ],
+)
+def test_query_rows_computed_in_strips_match_whole_blocks(seed, strips, dtype):
+    # The forward computing its query block a strip of rows at a time (256 on v5e) places each
+    # strip's mask, statistics and accumulator rows right. Against the float64 reference, and to
+    # the bit against whole query blocks: a row's arithmetic does not depend on the rows beside it.
+    rng = np.random.default_rng(seed)
+    q, k, v, do = random_inputs(rng, 2, 200, 232, 4, 2, 16, dtype)
+    d_lse = random_d_lse(rng, q)
+    blocks = dict(causal=True, block_q=128, block_k=64)
+    pieces = {"block_k_compute": strips.get("block_k_compute")}
+    with platform.tuned(block_q_compute=None, **pieces):
+        whole, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    with platform.tuned(**strips):
+        stripped, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    want = reference_with_lse_vjp(q, k, v, do, d_lse, causal=True, sm_scale=0.25)
+    assert_matches_reference(stripped, want, dtype, f"{strips}, seed {seed}")
+    for name, a, b in zip(("out", "lse"), stripped[:2], whole[:2]):
+        assert np.array_equal(a, b), f"{name}: {strips} differ from whole blocks (seed {seed})"
+
+
+def test_query_strips_split_the_block_into_whole_16_row_parts():
+    # A strip that does not split the query block into whole bfloat16 vector registers (16 rows)
+    # computes the block whole.
+    assert Tuning(block_q_compute=256).rows(512) == 256
+    assert Tuning(block_q_compute=256).rows(1024) == 256
+    assert Tuning(block_q_compute=256).rows(384) == 384  # 256 does not divide 384
+    assert Tuning(block_q_compute=256).rows(200) == 200  # a block shrunk to a short length
+    assert Tuning(block_q_compute=24).rows(48) == 48  # not a multiple of 16
+    assert Tuning(block_q_compute=16).rows(48) == 16
+    assert Tuning().rows(512) == 512
+
+
 def test_heads_a_forward_step_divide_the_heads_and_share_kv_heads_whole():
     tuning = Tuning(forward_heads=4)
     assert tuning.heads_per_step(12, 1, 512) == 4  # GPT-2 small: 12 heads, 4 a step
