@@ -140,10 +140,11 @@ TPU_PIECES = {
 # Query rows the forward computes at a time against a piece of keys
 # (`kernels.mosaic.Tuning.block_q_compute`). A [512, 512] piece's float32 logits are 256 vector
 # registers of v5e's 64: compiled for v5e, half the forward's bundles stored a spilled register.
-# Strips of 256 rows spill a third less for the same MXU work (each strip loads the piece's K and
-# V again), and were 2-5% faster on a v5e chip at 8192 keys d128, 4096 keys d128 without a mask
-# and 2048 keys d64; strips of 128 loaded K and V so often that they were up to 30% slower
-# (docs/kernels.md). v5p's and v6e's follow v5e's and are not measured; v4 keeps whole blocks.
+# Strips of 256 rows spill a third to a half less for the same MXU work (each strip loads the
+# piece's K and V again), and were 1.7-5.5% faster on a v5e chip at 4096 and 8192 keys (causal,
+# grouped and unmasked, d64 and d128) and no different at 2048; strips of 128 loaded K and V so
+# often that they were up to 30% slower (docs/kernels.md). v5p's and v6e's follow v5e's and are
+# not measured; v4 keeps whole blocks.
 TPU_FORWARD_ROWS = {
     "v4": None,
     "v5e": 256,
