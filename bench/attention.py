@@ -18,10 +18,14 @@ reference written from attention's formulas (numpy: out, and the gradients of q,
 small shapes with grouped queries, odd lengths and no mask; then, on bfloat16 inputs, the error of
 every contestant against the same reference, side by side. Then one table of forward and
 forward+backward TFLOP/s: bfloat16, batch x seq = 16k tokens, heads x head_dim = 2048 (a
-grouped-query row: 32 query heads over 8 kv heads, d128), the median of ``--calls`` calls each
-timed to ``block_until_ready``, the calls of a row's cells taken in turn (round robin). A causal
-forward counts ``2 * batch * heads * seq^2 * head_dim`` FLOPs (half of the square), a non-causal
-one twice that, forward+backward 3.5 times the forward.
+grouped-query row: 32 query heads over 8 kv heads, d128), the median of ``--calls`` calls, the
+calls of a row's cells taken in turn (round robin). Each call is timed twice over: by the wall
+clock to ``block_until_ready``, and on the device, from a `jax.profiler` trace of another round of
+calls (TPU and GPU; the CPU's trace has no device plane). The TFLOP/s count the device time where
+there is one: a wall time also holds the host's dispatch and wait, about 0.7 ms a call on the lent
+v5e machine for every contestant alike, which pulls a row's ratios toward 1; the ratios by wall
+time are printed beside. A causal forward counts ``2 * batch * heads * seq^2 * head_dim`` FLOPs
+(half of the square), a non-causal one twice that, forward+backward 3.5 times the forward.
 
 Every contestant gets the inputs in its own layout, made before the clock starts: JAX's TPU
 kernels and Dew's Mosaic kernels ``[batch, heads, seq, head_dim]`` (Dew's ``layout="bhsd"``), XLA
@@ -42,11 +46,14 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import glob
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -511,19 +518,85 @@ def median_seconds_round_robin(programs, calls: int) -> list:
     ]
 
 
+def device_seconds_round_robin(programs, calls: int) -> list:
+    """The median device time of ``calls`` calls of each ``(name, fn, args)`` in ``programs``,
+    taken round robin under `jax.profiler.trace`: the durations of the device's "XLA Modules"
+    events named ``name`` (``jax.jit`` of a function named ``f`` compiles a module ``jit_f``).
+    None for a program the trace holds no such event of (a backend whose trace has no device
+    plane, as the CPU's; or a call that raised).
+
+    The wall time of one call waited on with ``block_until_ready`` also holds the host's
+    dispatch and the wait's round trip: on the lent v5e machine about 0.7 ms a call, for every
+    contestant alike (splash's non-causal 4096 d128 forward: 4.28 ms wall, 3.57 ms on the
+    device), which pulls every ratio of a row toward 1. The device time is the kernels' own."""
+    trace_dir = tempfile.mkdtemp(prefix="dew-attention-trace-")
+    try:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                for _, fn, args in programs:
+                    try:
+                        jax.block_until_ready(fn(*args))
+                    except Exception:  # its wall time already reported it; no event is left
+                        pass
+        durations = module_seconds(trace_dir)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    return [
+        statistics.median(durations[name]) if durations.get(name) else None
+        for name, _, _ in programs
+    ]
+
+
+def module_seconds(trace_dir: str) -> dict[str, list[float]]:
+    """``{module name: [seconds, ...]}``: every program a device ran in the trace under
+    ``trace_dir`` (its "XLA Modules" events; the name without its ``(fingerprint)``)."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        return {}
+    found: dict[str, list[float]] = {}
+    for plane in jax.profiler.ProfileData.from_file(paths[0]).planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if line.name != "XLA Modules":
+                continue
+            for event in line.events:
+                name = event.name.split("(", 1)[0]
+                found.setdefault(name, []).append(event.duration_ns / 1e9)
+    return found
+
+
+def named(fn, name: str):
+    """``fn`` under the name ``name``: ``jax.jit`` of it compiles a module ``jit_<name>``."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        return fn(*args)
+
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
 @dataclasses.dataclass
 class Cell:
     contestant: str
     candidate: str
     mode: str  # "fwd" or "fwd+bwd"
-    seconds: float | None = None
+    seconds: float | None = None  # median wall time of a call
     error: str | None = None
+    device_seconds: float | None = None  # median device time (None where the trace has none)
+
+    @property
+    def time(self) -> float | None:
+        """What the table counts: the device time where there is one, else the wall time."""
+        return self.device_seconds or self.seconds
 
 
 def time_row(row, contestants, tokens, channels, calls, key, threads) -> list[Cell]:
     """Every candidate of every contestant on one row, forward and forward+backward: traced one
     at a time (Dew's overrides are process-wide), compiled in ``threads`` threads, then timed
-    round robin (`median_seconds_round_robin`)."""
+    round robin, by the wall clock (`median_seconds_round_robin`) and, off the CPU, on the
+    device (`device_seconds_round_robin`)."""
     batch, heads, kv_heads = row.shape(tokens, channels)
     sm_scale = 1 / math.sqrt(row.head_dim)
     inputs = random_inputs(key, batch, row.seq, heads, kv_heads, row.head_dim, jnp.bfloat16)
@@ -542,6 +615,7 @@ def time_row(row, contestants, tokens, channels, calls, key, threads) -> list[Ce
                         if mode == "fwd"
                         else (forward_and_backward(attend), (q, k, v, do))
                     )
+                    fn = named(fn, f"bench_cell_{len(jobs)}")
                     with candidate.context():
                         lowered = jax.jit(fn).lower(*args)
                     jobs.append((cell, lowered, args))
@@ -556,12 +630,12 @@ def time_row(row, contestants, tokens, channels, calls, key, threads) -> list[Ce
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         compiled = list(pool.map(lambda job: _compile(*job), jobs))
     timed = [
-        (cell, program, args)
-        for (cell, _, args), program in zip(jobs, compiled)
+        (f"jit_bench_cell_{n}", cell, program, args)
+        for n, ((cell, _, args), program) in enumerate(zip(jobs, compiled))
         if program is not None
     ]
-    seconds = median_seconds_round_robin([(program, args) for _, program, args in timed], calls)
-    for (cell, _, _), result in zip(timed, seconds):
+    seconds = median_seconds_round_robin([(program, args) for _, _, program, args in timed], calls)
+    for (_, cell, _, _), result in zip(timed, seconds):
         if isinstance(result, Exception):
             print(
                 f"  {row.label()} {cell.contestant} {cell.candidate} {cell.mode}: "
@@ -571,6 +645,12 @@ def time_row(row, contestants, tokens, channels, calls, key, threads) -> list[Ce
             cell.error = short_error(result)
         else:
             cell.seconds = result
+    if jax.default_backend() != "cpu":  # the CPU's trace has no device plane
+        ran = [(name, program, args) for name, cell, program, args in timed if cell.seconds]
+        on_device = device_seconds_round_robin(ran, calls)
+        cells = [cell for _, cell, _, _ in timed if cell.seconds]
+        for cell, result in zip(cells, on_device):
+            cell.device_seconds = result
     return [cell for cell, _, _ in jobs]
 
 
@@ -589,10 +669,23 @@ def _compile(cell, lowered, args):
         return None
 
 
+def dew_ratio(cells, mode, seconds) -> float | None:
+    """Dew's speed over the fastest other kernel's (``seconds(cell)`` of each one's best cell by
+    that measure), or None where either is missing."""
+
+    def fastest(names):
+        times = [seconds(c) for c in cells if c.contestant in names and c.mode == mode]
+        times = [t for t in times if t]
+        return min(times) if times else None
+
+    dew, others = fastest({"dew"}), fastest({"jax-flash", "splash", "cudnn"})
+    return others / dew if dew and others else None
+
+
 def best(cells, contestant, mode):
-    timed = [c for c in cells if c.contestant == contestant and c.mode == mode and c.seconds]
+    timed = [c for c in cells if c.contestant == contestant and c.mode == mode and c.time]
     if timed:
-        return min(timed, key=lambda c: c.seconds)
+        return min(timed, key=lambda c: c.time)
     failed = [c for c in cells if c.contestant == contestant and c.mode == mode]
     return failed[0] if failed else None
 
@@ -665,15 +758,16 @@ def run_table(rows, contestants, tokens, channels, args, start) -> list[str]:
     print(
         f"timing: bfloat16, batch * seq = {tokens} tokens, heads * head_dim = {channels} "
         f"(gqa: {GQA_HEADS} heads over {GQA_KV_HEADS}); median of {args.calls} calls, round "
-        "robin; TFLOP/s (fwd+bwd counted as 3.5x the forward); each cell the contestant's best "
-        "candidate"
+        "robin; TFLOP/s (fwd+bwd counted as 3.5x the forward) of each call's device time where "
+        "the backend's profile has one (TPU, GPU), else its wall time; each cell the "
+        "contestant's best candidate; the 'wall' ratios are those of the wall times"
     )
     for c in contestants:
         print(f"  {c.name} candidates: {', '.join(x.label for x in c.candidates)}")
     header = (
         f"{'seq, head_dim':<24}"
         + "".join(f"{n + ' ' + m:>18}" for m in ("fwd", "fwd+bwd") for n in names)
-        + f"{'dew/best fwd':>14}{'dew/best f+b':>14}"
+        + f"{'dew/best fwd':>14}{'dew/best f+b':>14}{'wall fwd':>10}{'wall f+b':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -693,16 +787,17 @@ def run_table(rows, contestants, tokens, channels, args, start) -> list[str]:
             tflops = {}
             for name in names:
                 cell = best(cells, name, mode)
-                if cell is not None and cell.seconds:
-                    tflops[name] = scale * flops / cell.seconds / 1e12
+                if cell is not None and cell.time:
+                    tflops[name] = scale * flops / cell.time / 1e12
                     line += f"{tflops[name]:>18.1f}"
                 else:
                     line += f"{(cell.error if cell else None) or '-':>18}"
                     if name == "dew" and cell is not None and cell.error != "OOM":
                         failures.append(f"dew {row.label()} {mode}: {cell.error}")
-            others = [tflops[n] for n in ("jax-flash", "splash", "cudnn") if n in tflops]
-            ratios.append(tflops["dew"] / max(others) if "dew" in tflops and others else None)
+            ratios.append(dew_ratio(cells, mode, lambda c: c.time))
+        wall = [dew_ratio(cells, mode, lambda c: c.seconds) for mode in ("fwd", "fwd+bwd")]
         line += "".join(f"{r:>14.2f}" if r else f"{'-':>14}" for r in ratios)
+        line += "".join(f"{r:>10.2f}" if r else f"{'-':>10}" for r in wall)
         print(line, flush=True)
         for mode in ("fwd", "fwd+bwd"):
             print(
@@ -714,7 +809,9 @@ def run_table(rows, contestants, tokens, channels, args, start) -> list[str]:
             )
         if args.sweep:
             for cell in cells:
-                value = f"{cell.seconds * 1e3:.3f} ms" if cell.seconds else cell.error
+                value = f"{cell.seconds * 1e3:.3f} ms wall" if cell.seconds else cell.error
+                if cell.device_seconds:
+                    value += f", {cell.device_seconds * 1e3:.3f} ms device"
                 print(f"      {cell.contestant:<10} {cell.mode:<8} {cell.candidate:<70} {value}")
         if out:
             for cell in cells:
@@ -726,7 +823,7 @@ def run_table(rows, contestants, tokens, channels, args, start) -> list[str]:
                             "batch": batch,
                             "heads": heads,
                             **dataclasses.asdict(cell),
-                            "tflops": scale * flops / cell.seconds / 1e12 if cell.seconds else None,
+                            "tflops": scale * flops / cell.time / 1e12 if cell.time else None,
                         }
                     )
                     + "\n"

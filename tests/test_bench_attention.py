@@ -72,3 +72,96 @@ def test_a_program_that_raises_mid_row_keeps_its_error_and_the_others_their_time
     got = attention.median_seconds_round_robin([(flaky, (0,)), (steady, (0,))], 4)
     assert isinstance(got[0], ValueError)
     assert got[1] == 3.0
+
+
+class FakeEvent:
+    def __init__(self, name, ms):
+        self.name, self.duration_ns = name, ms * 1e6
+
+
+class FakeLine:
+    def __init__(self, name, events):
+        self.name, self.events = name, events
+
+
+class FakePlane:
+    def __init__(self, name, lines):
+        self.name, self.lines = name, lines
+
+
+def fake_profile(monkeypatch, planes):
+    """``jax.profiler.trace`` writes an empty ``.xplane.pb``; reading it gives ``planes``."""
+    import contextlib
+    import os
+
+    @contextlib.contextmanager
+    def trace(directory):
+        yield
+        os.makedirs(os.path.join(directory, "plugins", "profile", "run"))
+        open(os.path.join(directory, "plugins", "profile", "run", "host.xplane.pb"), "w").close()
+
+    class ProfileData:
+        @staticmethod
+        def from_file(path):
+            assert path.endswith(".xplane.pb")
+            return type("Data", (), {"planes": planes})
+
+    monkeypatch.setattr(attention.jax.profiler, "trace", trace)
+    monkeypatch.setattr(attention.jax.profiler, "ProfileData", ProfileData)
+
+
+def test_device_times_are_each_programs_own_module_events_and_their_median(monkeypatch):
+    device = FakePlane(
+        "/device:TPU:0",
+        [
+            FakeLine("XLA Ops", [FakeEvent("%fusion.1 = f32[8] fusion(...)", 100.0)]),
+            FakeLine(
+                "XLA Modules",
+                [
+                    FakeEvent("jit_bench_cell_0(123)", 3.0),
+                    FakeEvent("jit_bench_cell_1(456)", 5.0),
+                    FakeEvent("jit_bench_cell_0(123)", 4.0),
+                    FakeEvent("jit_bench_cell_10(789)", 50.0),  # not cell 1's, by prefix
+                    FakeEvent("jit_bench_cell_0(123)", 30.0),
+                ],
+            ),
+        ],
+    )
+    host = FakePlane("/host:CPU", [FakeLine("XLA Modules", [FakeEvent("jit_bench_cell_1", 9e3)])])
+    fake_profile(monkeypatch, [host, device])
+    calls = []
+    programs = [
+        (f"jit_bench_cell_{n}", lambda x, n=n: calls.append(n) or x, (0,)) for n in (0, 1, 2)
+    ]
+    got = attention.device_seconds_round_robin(programs, 2)
+    assert calls == [0, 1, 2, 0, 1, 2]  # round robin
+    assert got[0] == 4.0e-3  # the median of its three events
+    assert got[1] == 5.0e-3  # the device's, not the host plane's
+    assert got[2] is None  # no event of its own
+
+
+def test_a_trace_without_a_device_plane_gives_no_device_times(monkeypatch):
+    fake_profile(monkeypatch, [FakePlane("/host:CPU", [])])
+    assert attention.device_seconds_round_robin([("jit_a", lambda: None, ())], 3) == [None]
+
+
+def test_a_named_function_compiles_to_the_module_its_device_events_carry():
+    import jax
+    import jax.numpy as jnp
+
+    lowered = jax.jit(attention.named(lambda x: x + 1, "bench_cell_7")).lower(jnp.zeros(3))
+    assert lowered.compile().as_text().startswith("HloModule jit_bench_cell_7")
+
+
+def test_the_ratio_counts_device_times_where_there_are_some():
+    cell = attention.Cell
+    cells = [
+        cell("dew", "a", "fwd", seconds=4.0, device_seconds=3.0),
+        cell("dew", "b", "fwd", seconds=3.9, device_seconds=3.3),
+        cell("splash", "c", "fwd", seconds=4.2, device_seconds=3.6),
+        cell("jax-flash", "d", "fwd", seconds=5.0, device_seconds=3.5),
+    ]
+    assert attention.dew_ratio(cells, "fwd", lambda c: c.time) == 3.5 / 3.0
+    assert attention.dew_ratio(cells, "fwd", lambda c: c.seconds) == 4.2 / 3.9
+    assert attention.best(cells, "dew", "fwd").candidate == "a"
+    assert attention.dew_ratio(cells, "fwd+bwd", lambda c: c.time) is None
