@@ -883,6 +883,35 @@ def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
     assert mosaic_kernels(text) == set(TWO_KERNELS)
 
 
+@pytest.mark.xdist_group("tpu")
+@needs_libtpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two-kernel"])
+def test_the_fused_backward_reads_out_itself_and_xla_makes_no_pass_over_it(fused):
+    # The fused backward computes delta = rowsum(dO * O) from the O block each step reads, so the
+    # forward and backward compiled for v5e (layout "bhsd": no transposes) are the two kernels
+    # and nothing that reads O or dO in HBM between them; the two-kernel backward still takes
+    # delta from XLA, one fusion reading both.
+    devices = target("v5e-1").devices()
+    mesh = jax.sharding.Mesh(devices, ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, P())
+    x = jax.ShapeDtypeStruct((1, 4, 2048, 128), jnp.bfloat16, sharding=sharding)
+
+    def forward_and_backward(q, k, v, do):
+        attend = lambda q, k, v: flash_attention(q, k, v, causal=True, layout="bhsd")  # noqa: E731
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(do)
+
+    with platform.tuned(fused_backward=fused), jax.set_mesh(mesh):
+        text = jax.jit(forward_and_backward).lower(x, x, x, x).compile().as_text()
+    entry = text[text.index("\nENTRY") :]
+    fusions = [line.strip()[:160] for line in entry.splitlines() if " fusion(" in line]
+    assert mosaic_kernels(text) == set(KERNELS if fused else TWO_KERNELS)
+    if fused:
+        assert fusions == [], fusions
+    else:  # delta's: O and dO multiplied and summed over head_dim
+        assert len(fusions) == 1 and "multiply_reduce" in fusions[0], fusions
+
+
 # Compiles Dew's attention forward and backward for one v5e chip with libtpu's overlay log and its
 # final LLO bundles dumped (the last pass only: all of them are about 700 MB), in a process of its
 # own (libtpu reads its flags once, when it loads).
