@@ -184,19 +184,29 @@ class Tuning:
         )
 
 
-def for_each_piece(make_attend, *, flags, tiling: Tiling, q_block, kv_block, piece: int):
+def for_each_piece(
+    make_attend, *, flags, tiling: Tiling, q_block, kv_block, piece: int, fresh_first=None
+):
     """One step's work over its key block, ``piece`` keys at a time (unrolled): nothing on an
     ``EMPTY`` step; on a pair the table does not mark ``MASKED``, every piece without a mask; on
     one it does, each piece some row sees, with its mask.
 
     ``make_attend()`` is called inside the branch that runs (what it reads up front, it reads
     there only) and returns ``attend(keys=, masked_at=)``: ``keys`` a static slice of the key
-    block, ``masked_at`` None or ``(q_block, first_key)`` of the piece for `piece_mask`."""
+    block, ``masked_at`` None or ``(q_block, first_key)`` of the piece for `piece_mask`.
+    ``fresh_first``: None, or a traced bool; where it holds, the unmasked branch's first piece
+    is called with ``fresh=True`` too (the forward's run start: `kernels.mosaic_forward`)."""
 
     def run(masked: bool):
         attend = make_attend()
         for n in range(tiling.block_k // piece):
             keys = pl.ds(n * piece, piece)
+            if not masked and n == 0 and fresh_first is not None:
+                pl.when(fresh_first)(
+                    functools.partial(attend, keys=keys, masked_at=None, fresh=True)
+                )
+                pl.when(~fresh_first)(functools.partial(attend, keys=keys, masked_at=None))
+                continue
             if not masked:
                 attend(keys=keys, masked_at=None)
                 continue

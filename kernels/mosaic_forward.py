@@ -7,7 +7,10 @@ blocks of the ``n`` heads from ``h * n`` (``Tuning.heads_per_step``: up to 4 on 
 ``[block_k, head_dim]`` key and value blocks of their kv heads (query head ``i`` reads kv head
 ``i // group``: grouped queries read the shared K/V in place), and adds the key block to each
 query block's running maximum ``m``, running sum ``l`` and unnormalised float32 accumulator, in
-VMEM scratch; the run's last step writes ``out`` and ``lse``. Several heads a step make the grid
+VMEM scratch; the run's last step writes ``out`` and ``lse``. A run that starts on a pair without a
+mask writes the three from its first piece rather than adding that piece to zeros: on a v5e chip,
+without the zeroing step (768 vector stores a run at two heads of 1024 rows), the forward was 1.2%
+faster at 4096 keys without a mask and 0.7% at 8192 causal keys. Several heads a step make the grid
 shorter and its DMAs longer: on a v5e chip 4 heads of 512 rows were 6-7% faster than one.
 
 Inside a step the key block is computed ``block_k_compute`` keys at a time, and each piece
@@ -34,16 +37,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import mosaic
-from .schedule import FIRST, LAST, forward_steps
+from .schedule import EMPTY, FIRST, LAST, MASKED, forward_steps
 from .tiling import Tiling, index_div
 from .varying import out_struct
 
 
-def _attend(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, masked_at, tiling, scale, rows):
+def _attend(
+    q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, masked_at, tiling, scale, rows, fresh=False
+):
     """One piece of keys (``keys``: a static slice of the key block) added to the online softmax
     of one head's query block, ``rows`` query rows at a time (unrolled). ``masked_at``: None, or
     ``(q_block, first_key)`` of the piece for its mask; ``scale``: turns ``q . k`` into base-2
-    logits."""
+    logits; ``fresh``: the run's first piece, unmasked (`_update`)."""
     for first_row in range(0, q.shape[0], rows):
         strip = pl.ds(first_row, rows)
         mask = None if masked_at is None else (masked_at[0], first_row, masked_at[1])
@@ -58,15 +63,25 @@ def _attend(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, masked_at, tiling, 
             mask=mask,
             tiling=tiling,
             scale=scale,
+            fresh=fresh,
         )
 
 
-def _update(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, mask, tiling, scale):
+def _update(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, mask, tiling, scale, fresh=False):
     """The online softmax of ``q``'s rows (``[rows, head_dim]``) after one piece of keys;
     ``mask``: None, or ``(q_block, first_row, first_key)`` placing the rows and keys for
-    `piece_mask`."""
+    `piece_mask`. ``fresh``: the piece starts the run and has no mask, so the statistics and
+    the accumulator are written from it alone, not read (nothing zeroed them)."""
     k = k_ref[keys, :]
     s = mosaic.dot(q, k, (1, 1)) * scale  # [rows, piece], float32
+    if fresh:  # every row sees every key of an unmasked piece: its maximum is finite
+        m_next = jnp.broadcast_to(jnp.max(s, axis=1, keepdims=True), m_ref.shape)
+        p = jnp.exp2(s - mosaic.lanes_to(m_next, s.shape[1]))
+        l_ref[...] = jnp.broadcast_to(jnp.sum(p, axis=1, keepdims=True), l_ref.shape)
+        v = v_ref[keys, :]
+        acc_ref[...] = mosaic.dot(p.astype(v.dtype), v, (1, 0))
+        m_ref[...] = m_next
+        return
     if mask is not None:
         q_block, first_row, first_key = mask
         visible = mosaic.piece_mask(tiling, q_block, first_key, s.shape, first_row=first_row)
@@ -111,8 +126,12 @@ def _forward_kernel(
     flags = flags_table[t]
     q_block, kv_block = q_table[t], kv_table[t]
     heads = q_ref.shape[0]  # the step's query heads; query head j reads kv head j // group
+    first = (flags & FIRST) != 0
+    # A run that starts on an unmasked pair writes its statistics from its first piece
+    # (`_update`'s ``fresh``); one that starts masked, or computes nothing, starts from zeros.
+    fresh_start = first & ((flags & (MASKED | EMPTY)) == 0)
 
-    @pl.when((flags & FIRST) != 0)
+    @pl.when(first & ~fresh_start)
     def _start():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
@@ -143,6 +162,7 @@ def _forward_kernel(
         q_block=q_block,
         kv_block=kv_block,
         piece=block_k_compute,
+        fresh_first=fresh_start,
     )
 
     @pl.when((flags & LAST) != 0)
