@@ -22,10 +22,11 @@ grouped-query row: 32 query heads over 8 kv heads, d128), the median of ``--call
 calls of a row's cells taken in turn (round robin). Each call is timed twice over: by the wall
 clock to ``block_until_ready``, and on the device, from a `jax.profiler` trace of another round of
 calls (TPU and GPU; the CPU's trace has no device plane). The TFLOP/s count the device time where
-there is one: a wall time also holds the host's dispatch and wait, about 0.7 ms a call on the lent
-v5e machine for every contestant alike, which pulls a row's ratios toward 1; the ratios by wall
-time are printed beside. A causal forward counts ``2 * batch * heads * seq^2 * head_dim`` FLOPs
-(half of the square), a non-causal one twice that, forward+backward 3.5 times the forward.
+every cell of the row has one (else the row counts wall times): a wall time also holds the host's
+dispatch and wait, 0.7-1.0 ms a call on the lent v5e machine for every contestant alike, which
+pulls a row's ratios toward 1; the ratios by wall time are printed beside. A causal forward
+counts ``2 * batch * heads * seq^2 * head_dim`` FLOPs (half of the square), a non-causal one
+twice that, forward+backward 3.5 times the forward.
 
 Every contestant gets the inputs in its own layout, made before the clock starts: JAX's TPU
 kernels and Dew's Mosaic kernels ``[batch, heads, seq, head_dim]`` (Dew's ``layout="bhsd"``), XLA
@@ -526,7 +527,7 @@ def device_seconds_round_robin(programs, calls: int) -> list:
     plane, as the CPU's; or a call that raised).
 
     The wall time of one call waited on with ``block_until_ready`` also holds the host's
-    dispatch and the wait's round trip: on the lent v5e machine about 0.7 ms a call, for every
+    dispatch and the wait's round trip: on the lent v5e machine 0.7-1.0 ms a call, for every
     contestant alike (splash's non-causal 4096 d128 forward: 4.28 ms wall, 3.57 ms on the
     device), which pulls every ratio of a row toward 1. The device time is the kernels' own."""
     trace_dir = tempfile.mkdtemp(prefix="dew-attention-trace-")
@@ -647,11 +648,25 @@ def time_row(row, contestants, tokens, channels, calls, key, threads) -> list[Ce
             cell.seconds = result
     if jax.default_backend() != "cpu":  # the CPU's trace has no device plane
         ran = [(name, program, args) for name, cell, program, args in timed if cell.seconds]
-        on_device = device_seconds_round_robin(ran, calls)
         cells = [cell for _, cell, _, _ in timed if cell.seconds]
-        for cell, result in zip(cells, on_device):
-            cell.device_seconds = result
+        count_device_times(cells, device_seconds_round_robin(ran, calls), row.label())
     return [cell for cell, _, _ in jobs]
+
+
+def count_device_times(cells, device_seconds, label: str) -> None:
+    """Sets each cell's ``device_seconds``, all of the row's or none: a row whose cells had some
+    device times and some not would compare one contestant's device time with another's wall
+    time, so such a row keeps its wall times alone (and says so)."""
+    if all(t is not None for t in device_seconds):
+        for cell, seconds in zip(cells, device_seconds):
+            cell.device_seconds = seconds
+    elif any(t is not None for t in device_seconds):
+        missing = [
+            f"{c.contestant} {c.candidate} {c.mode}"
+            for c, t in zip(cells, device_seconds)
+            if t is None
+        ]
+        print(f"  {label}: no device time for {', '.join(missing)}; the row counts wall times")
 
 
 def _compile(cell, lowered, args):

@@ -165,3 +165,21 @@ def test_the_ratio_counts_device_times_where_there_are_some():
     assert attention.dew_ratio(cells, "fwd", lambda c: c.seconds) == 4.2 / 3.9
     assert attention.best(cells, "dew", "fwd").candidate == "a"
     assert attention.dew_ratio(cells, "fwd+bwd", lambda c: c.time) is None
+
+
+def test_a_row_counts_device_times_only_when_every_cell_has_one(capsys):
+    def row():
+        return [
+            attention.Cell("dew", "a", "fwd", seconds=4.0),
+            attention.Cell("splash", "b", "fwd", seconds=4.4),
+        ]
+
+    whole = row()
+    attention.count_device_times(whole, [3.2, 3.6], "4096, 128")
+    assert [c.time for c in whole] == [3.2, 3.6]
+
+    partial = row()  # splash's device time missing: dew's 3.2 must not meet splash's wall 4.4
+    attention.count_device_times(partial, [3.2, None], "4096, 128")
+    assert [c.device_seconds for c in partial] == [None, None]
+    assert [c.time for c in partial] == [4.0, 4.4]
+    assert "no device time for splash b fwd" in capsys.readouterr().out
