@@ -861,6 +861,21 @@ def test_the_gspmd_step_runs_the_mosaic_kernels_for_a_tpu_slice(slice_name, mesh
     assert mosaic_kernels(trainer.compiled_step(8).as_text()) == set(KERNELS), slice_name
 
 
+def forward_and_backward_for_v5e(shape, **attention_kwargs) -> str:
+    """The compiled HLO text of causal `flash_attention`'s forward and vjp for one v5e chip,
+    bfloat16 q, k, v and dO of ``shape`` (compile-only: libtpu, no TPU)."""
+    mesh = jax.sharding.Mesh(target("v5e-1").devices(), ("x",))
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, P()))
+
+    def forward_and_backward(q, k, v, do):
+        attend = functools.partial(flash_attention, causal=True, **attention_kwargs)
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(do)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(forward_and_backward).lower(x, x, x, x).compile().as_text()
+
+
 @pytest.mark.xdist_group("tpu")
 @needs_libtpu
 def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
@@ -869,17 +884,8 @@ def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
     # two-kernel backward, the fallback where the fused one's dq does not fit, must carry the
     # generation's limit as the fused one does. (At this shape its dk/dv kernel needs 16.3 MiB;
     # at others just under 16, so the shape is pinned.)
-    devices = target("v5e-1").devices()
-    mesh = jax.sharding.Mesh(devices, ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, P())
-    q = jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16, sharding=sharding)
-
-    def forward_and_backward(q, k, v, do):
-        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v)
-        return out, vjp(do)
-
-    with platform.tuned(fused_backward=False, block_q=1024), jax.set_mesh(mesh):
-        text = jax.jit(forward_and_backward).lower(q, q, q, q).compile().as_text()
+    with platform.tuned(fused_backward=False, block_q=1024):
+        text = forward_and_backward_for_v5e((1, 8192, 16, 128))
     assert mosaic_kernels(text) == set(TWO_KERNELS)
 
 
@@ -890,18 +896,7 @@ def test_the_fused_backward_reads_out_itself_and_xla_makes_no_pass_over_it():
     # forward and backward compiled for v5e (layout "bhsd": no transposes) are the two kernels
     # and nothing between them: no XLA fusion reading O and dO in HBM (the two-kernel backward
     # still takes delta from one).
-    devices = target("v5e-1").devices()
-    mesh = jax.sharding.Mesh(devices, ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, P())
-    x = jax.ShapeDtypeStruct((1, 4, 2048, 128), jnp.bfloat16, sharding=sharding)
-
-    def forward_and_backward(q, k, v, do):
-        attend = lambda q, k, v: flash_attention(q, k, v, causal=True, layout="bhsd")  # noqa: E731
-        out, vjp = jax.vjp(attend, q, k, v)
-        return out, vjp(do)
-
-    with jax.set_mesh(mesh):
-        text = jax.jit(forward_and_backward).lower(x, x, x, x).compile().as_text()
+    text = forward_and_backward_for_v5e((1, 4, 2048, 128), layout="bhsd")
     entry = text[text.index("\nENTRY") :]
     fusions = [line.strip()[:160] for line in entry.splitlines() if " fusion(" in line]
     assert mosaic_kernels(text) == set(KERNELS)
