@@ -551,6 +551,45 @@ def test_dew_tokenize_chat_counts_the_assistant_turns_only(tmp_path, dew_cli):
     )
 
 
+def test_a_chats_end_of_text_counts_only_after_an_assistant_turn(bpe, tmp_path, dew_cli):
+    # With a tokenizer that has an end-of-text id: a chat that ends on the assistant's turn
+    # counts the id after it (the model learns to stop), one that ends on the user's does not.
+    # The expected ids and mask are written from docs/data.md's template, piece by piece.
+    ends_with_assistant = [
+        {"role": "user", "content": "the cat?"},
+        {"role": "assistant", "content": "sees the moon."},
+    ]
+    ends_with_user = ends_with_assistant + [{"role": "user", "content": "and the dog?"}]
+    lines = [json.dumps({"messages": m}) for m in (ends_with_assistant, ends_with_user)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
+    run = dew_cli(
+        "tokenize",
+        tmp_path / "chat.jsonl",
+        tokenizer=bpe,
+        out=tmp_path / "chat",
+        val_fraction=0,
+        jsonl_fields="messages",
+    )
+    assert run.returncode == 0, run.stderr
+    tokenizer = HFTokenizer(bpe)
+    eos = tokenizer.eos_id
+    expected_ids, expected_mask = [], []
+    for chat in (ends_with_assistant, ends_with_user):
+        for message in chat:
+            header = tokenizer.encode(f"<|{message['role']}|>\n")
+            content = tokenizer.encode(message["content"] + "\n")
+            counts = int(message["role"] == "assistant")
+            expected_ids += header + content
+            expected_mask += [0] * len(header) + [counts] * len(content)
+        expected_ids.append(eos)
+        expected_mask.append(int(chat[-1]["role"] == "assistant"))
+    ids, mask = folder_masks(tmp_path / "chat")["train"]
+    assert ids.tolist() == expected_ids
+    assert mask.tolist() == expected_mask
+    ends = np.flatnonzero(ids == eos)
+    assert len(ends) == 2 and mask[ends].tolist() == [1, 0]
+
+
 def test_dew_tokenize_rows_pad_keeps_each_document_to_its_own_rows(bpe, tmp_path, dew_cli, seed):
     from dew.data import Loading, TokenWindows
 
