@@ -5,7 +5,9 @@ reference that drops the masked targets by hand from the model's one-device logi
 The masks are drawn from the test's seed as a prompt/completion split per row (a row's first
 ``p`` positions masked, ``p`` drawn), with one row wholly masked and one wholly kept, so rows
 of every device count different numbers of targets: a divisor of ``rows x seq_len``, or of each
-device's own count, gives another loss and other gradients.
+device's own count, gives another loss and other gradients. The last batch of the shared runs is
+wholly masked (a window of prompts alone): its loss is 0 and its gradients are 0, on every layout,
+not 0 / 0.
 """
 
 import jax
@@ -17,7 +19,7 @@ from dew.data import Loading, TokenWindows, write_token_folder
 from tests.equivalence import ROWS, assert_matches, reference_run, sharded_run
 from tests.helpers import SEQ, VOCAB, fresh_batch, seeded_key, smooth_optimizer, tiny_objective
 
-STEPS = 2
+STEPS = 2  # masked batches, then one wholly masked
 TOL = 1e-5
 
 
@@ -30,6 +32,13 @@ def masked_batch(rows, seed) -> np.ndarray:
     prompt[0], prompt[1] = SEQ + 1, 0
     mask = (np.arange(SEQ + 1)[None, :] >= prompt[:, None]).astype(np.int32)
     return np.stack([tokens, mask], axis=1)
+
+
+def wholly_masked_batch(rows, seed) -> np.ndarray:
+    """``masked_batch`` with every target masked: nothing in it counts."""
+    batch = masked_batch(rows, seed)
+    batch[:, 1] = 0
+    return batch
 
 
 def hand_masked_loss(model, params, batch) -> float:
@@ -55,6 +64,7 @@ def dense(module_seed):
     objective = tiny_objective()
     key = seeded_key(module_seed)
     batches = [masked_batch(ROWS, (module_seed, i)) for i in range(STEPS)]
+    batches.append(wholly_masked_batch(ROWS, (module_seed, STEPS)))
     reference = reference_run(objective, smooth_optimizer(), key, batches)
     return objective, key, batches, reference
 
@@ -63,6 +73,11 @@ def test_the_one_device_reference_is_the_hand_masked_mean(dense, seed):
     objective, _, batches, reference = dense
     expected = hand_masked_loss(objective.model, reference["initial"], batches[0])
     np.testing.assert_allclose(reference["losses"][0], expected, rtol=TOL, err_msg=f"seed {seed}")
+    # A wholly masked batch: no target counts, so the mean over none is taken as 0, and so are
+    # the gradients (a divisor of 0 targets would make both NaN).
+    assert reference["losses"][STEPS] == 0.0, f"seed {seed}"
+    for leaf in jax.tree_util.tree_leaves(reference["grads"][STEPS]):
+        assert np.all(np.asarray(leaf) == 0.0), f"seed {seed}"
     # Not vacuous: row 0 is all masked, so other tokens there leave the loss as it was, where a
     # loss that ignored the mask would move with them.
     other = np.array(batches[0])
@@ -98,6 +113,9 @@ def test_a_masked_batch_trains_like_one_device_and_the_hand_reference(dense, see
     assert_matches(run, reference, seed, name)
     expected = hand_masked_loss(objective.model, reference["initial"], batches[0])
     np.testing.assert_allclose(run["losses"][0], expected, rtol=TOL, err_msg=f"{name}, seed {seed}")
+    assert run["losses"][STEPS] == 0.0, f"the wholly masked batch, {name}, seed {seed}"
+    for leaf in jax.tree_util.tree_leaves(run["grads"][STEPS]):
+        assert np.all(np.asarray(leaf) == 0.0), f"the wholly masked batch, {name}, seed {seed}"
 
 
 def test_an_moe_model_averages_cross_entropy_over_kept_targets_and_router_losses_over_all(seed):
