@@ -231,8 +231,9 @@ def test_plan_gives_a_row_per_recompute_policy(tmp_path, capsys):
 
 
 def test_search_compiles_on_until_enough_layouts_fit(monkeypatch):
-    # The compiles stood in by rows (no TPU compile): the first two layouts are refused for
-    # memory, the third fits. Asked for one that fits, the search compiles three, in its order.
+    # The compiles stood in by rows (no TPU compile): the first layout is refused by the
+    # compiler, the second compiles past the memory with the fewest wire bytes of the three, the
+    # third fits. Asked for one that fits, the search compiles three, in its order.
     v5e = target("v5e-4")
     objective = tiny_objective(num_heads=2)
     compiled = []
@@ -241,9 +242,11 @@ def test_search_compiles_on_until_enough_layouts_fit(monkeypatch):
         (mesh,) = meshes
         compiled.append(mesh)
         base = dict(target="v5e-4", mesh=str(mesh), axis_sizes={}, engine=engines[0], options="")
-        if len(compiled) < 3:
+        if len(compiled) == 1:
             return [planning.PlanRow(**base, hbm_bytes=GIB, total_bytes=2 * GIB, refused="OOM")]
-        return [planning.PlanRow(**base, hbm_bytes=GIB, total_bytes=GIB // 2, wire_bytes=1)]
+        if len(compiled) == 2:
+            return [planning.PlanRow(**base, hbm_bytes=GIB, total_bytes=2 * GIB, wire_bytes=1)]
+        return [planning.PlanRow(**base, hbm_bytes=GIB, total_bytes=GIB // 2, wire_bytes=1000)]
 
     seen = []
     monkeypatch.setattr(planning, "plan", fake_plan)
@@ -252,7 +255,9 @@ def test_search_compiles_on_until_enough_layouts_fit(monkeypatch):
     )
     (candidates,) = seen
     assert compiled == [c.mesh for c in candidates[:3]]
-    assert [r.fits for r in rows] == [True, False, False]  # those that fit first
+    # Those that fit first, though one that does not has fewer wire bytes; then by wire bytes,
+    # unknown (refused) last.
+    assert [(r.fits, r.wire_bytes) for r in rows] == [(True, 1000), (False, 1), (False, None)]
     # None ever fits: at most 4 compiles a layout asked for.
     compiled.clear()
     monkeypatch.setattr(

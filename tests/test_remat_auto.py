@@ -114,6 +114,21 @@ def test_a_second_choice_compiles_nothing(needs, monkeypatch):
     assert choice.policy == "attention"
 
 
+def test_a_choice_at_another_batch_compiles_that_batch(needs):
+    # The compiles are kept per batch too: at twice the rows, the step's own figures (more
+    # activations, a batch argument twice as large), not those kept for ROWS.
+    roomy = 1 << 40
+    at = {
+        rows: planning.choose_remat(
+            trainer("auto"), rows, memory_limit_bytes=roomy, policies=("none",)
+        ).tried
+        for rows in (ROWS, 2 * ROWS)
+    }
+    ((_, small),), ((_, large),) = at[ROWS], at[2 * ROWS]
+    assert 0 <= small.total_bytes - needs["none"] < 4096, (small, needs)
+    assert large.total_bytes > small.total_bytes, (small, large)
+
+
 def test_the_trainer_resolves_auto_before_building_its_step(needs, capsys):
     limit = needs["full"] + CLEAR  # only "full" fits
     auto = trainer("auto", memory_limit_bytes=limit)
