@@ -352,10 +352,11 @@ def test_only_the_contestant_whose_turn_it_is_holds_device_memory(monkeypatch):
 
     before = jax.live_arrays()  # kept alive, so no new array takes one of their ids
     known = {id(a) for a in before}
-    running_bytes, other_bytes = [], []
+    running_bytes, other_bytes, turns = [], [], []
     steps = measure.Contestant._steps
 
     def watched(self, state, batch, count):
+        turns.append(self.engine)
         mine = jax.tree_util.tree_leaves((state, batch))
         ids = {id(a) for a in mine} | {id(getattr(a, "_base_array", a)) for a in mine}
         others = [a for a in jax.live_arrays() if id(a) not in known | ids]
@@ -376,6 +377,25 @@ def test_only_the_contestant_whose_turn_it_is_holds_device_memory(monkeypatch):
     # What else lives is the trainers' keys (8 bytes each), not a state (over 300 KB).
     assert max(other_bytes) < 64 < min(running_bytes), (other_bytes, running_bytes)
     del before
+    # The turns (_turn_order): the meshes' order rotates every round (fsdp=8's pair, then the
+    # one-device row), and a mesh's contestants run back to back, reversed every other round.
+    pair, one = ["shard_map", "gspmd"], ["one_device"]
+    assert turns == pair + one + one + pair[::-1] + pair + one, turns
+    # The warm-up round runs and is not counted: two timed rounds of one step each.
+    assert [(r.steps_timed, len(r.round_ms)) for r in results] == [(2, 2)] * 3
+
+
+def test_the_turn_order_rotates_the_meshes_and_reverses_each_mesh_every_other_round():
+    from dew.benchmark.rounds import _turn_order
+
+    groups = [["a1", "a2"], ["b1", "b2", "b3"], ["c1"]]
+    rounds = [_turn_order(groups, r) for r in range(4)]
+    assert rounds == [
+        ["a1", "a2", "b1", "b2", "b3", "c1"],
+        ["b3", "b2", "b1", "c1", "a2", "a1"],
+        ["c1", "a1", "a2", "b1", "b2", "b3"],
+        ["a2", "a1", "b3", "b2", "b1", "c1"],
+    ]
 
 
 def test_a_parked_state_comes_back_as_it_left():
