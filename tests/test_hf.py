@@ -208,6 +208,11 @@ def test_export_carries_the_special_tokens_ids_given_and_no_other_field(tmp_path
     model, params = hf.load(folder)
     carried = hf.carried_fields(hf.read_config(folder))
     assert carried == {"bos_token_id": 1, "eos_token_id": 2}  # pad_token_id null: left out
+    # A pad_token_id that is set (0: a falsy id) is carried like the others.
+    with_pad = hf.carried_fields({**hf.read_config(folder), "pad_token_id": 0})
+    assert with_pad == {**carried, "pad_token_id": 0}
+    hf.save(model, params, tmp_path / "padded", carried=with_pad)
+    assert hf.read_config(tmp_path / "padded")["pad_token_id"] == 0
     hf.save(model, params, tmp_path / "out", carried={**carried, "eos_token_id": [2, 5]})
     assert special_ids(tmp_path / "out") == {"bos_token_id": 1, "eos_token_id": [2, 5]}
     hf.save(model, params, tmp_path / "plain")
