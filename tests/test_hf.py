@@ -396,8 +396,8 @@ def test_dew_convert_both_ways_and_train_init_from(dew_here, tmp_path):
         == {"bos_token_id": 1, "eos_token_id": 2}
     )
 
-    # Tokenize with the folder's tokenizer.json, fine-tune from the folder (learning rate 1e-30:
-    # the weights stay as loaded), and convert the run's checkpoint back: the same tensors.
+    # Tokenize with the folder's tokenizer.json, fine-tune from the folder one step (lr 1e-3),
+    # and convert the run's checkpoint back: the trained weights, the folder's names and dtypes.
     tied, _, _ = reference("llama3_tied")
     (tmp_path / "text.txt").write_text("A few words for a tiny Llama to read. " * 100)
     run = dew_here(
@@ -408,12 +408,18 @@ def test_dew_convert_both_ways_and_train_init_from(dew_here, tmp_path):
     assert run.returncode == 0, run.stderr
     run = dew_here(
         *("train", "--init-from", str(tied), "--data", "tokens", "--run-dir", "run"),
-        *("--steps", "1", "--lr", "1e-30", "--mesh", "fsdp=8", "--seq-len", "16", "--batch", "8"),
+        *("--steps", "1", "--lr", "1e-3", "--mesh", "fsdp=8", "--seq-len", "16", "--batch", "8"),
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr
     assert f"Initialized from {tied}" in run.stdout
     run = dew_here("convert", "run/checkpoints", "tuned", "--to", "hf", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    assert tensors_of(tmp_path / "tuned") == tensors_of(tied)
+    tuned, original = tensors_of(tmp_path / "tuned"), tensors_of(tied)
+    assert {n: t[:2] for n, t in tuned.items()} == {n: t[:2] for n, t in original.items()}
+    _, trained = dew.load_checkpoint(tmp_path / "run", step=1)
+    _, exported = hf.load(tmp_path / "tuned")
+    jax.tree_util.tree_map(np.testing.assert_array_equal, exported, trained)
+    changed = [n for n in tuned if tuned[n][2] != original[n][2]]
+    assert len(changed) == len(tuned), "every tensor trained: the export is step 1, not step 0"
     assert special_ids(tmp_path / "tuned") == special_ids(tied)
