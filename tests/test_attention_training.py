@@ -41,6 +41,7 @@ def test_pallas_attention_trains_like_xla(seed):
     pallas_losses, pallas_grads = run(
         tiny_objective(num_layers=1, attention_impl="pallas"), mesh, key, batches
     )
-    np.testing.assert_allclose(pallas_losses, xla_losses, rtol=1e-4, err_msg=f"seed {seed}")
+    # Measured (seeds 1 and 2): the losses equal, the gradients 4.3e-7 and 4.6e-7 apart.
+    np.testing.assert_allclose(pallas_losses, xla_losses, rtol=1e-5, err_msg=f"seed {seed}")
     error = relative_error(pallas_grads, xla_grads)
-    assert error < 1e-4, f"gradients differ by {error:.3g}, seed {seed}"
+    assert error < 2e-6, f"gradients differ by {error:.3g}, seed {seed}"

@@ -319,8 +319,10 @@ def test_clip_by_global_norm_matches_one_device(case, seed):
             reference["params"],
             reference["initial"],
         )
+        # Float32 rounding of the norm's sum and of the weights: 2.6e-6 to 5.0e-6 (measured on
+        # both meshes, seeds 1 and 2, 2026-12-06).
         error = relative_error(moved, ref_moved)
-        assert error < 1e-4, f"clipped moves differ by {error:.3g} on {mesh}, seed {seed}"
+        assert error < 2e-5, f"clipped moves differ by {error:.3g} on {mesh}, seed {seed}"
 
 
 def host(tree):
@@ -349,11 +351,11 @@ def test_ema_follows_params(seed):
         )
         # Compared as moves from the initial weights, which a wrong EMA gets wrong by their own
         # size (swapped decays: 8x, the params before the step: 1x). Float32 rounding of the
-        # weights themselves is about 3e-5 of the moves.
+        # weights themselves is 2.3e-5 to 3.8e-5 of the moves (seeds 1 and 2, each step).
         moved = jax.tree_util.tree_map(np.subtract, host(state.ema), initial)
         expected_moved = jax.tree_util.tree_map(np.subtract, expected, initial)
         error = relative_error(moved, expected_moved)
-        assert error < 1e-3, f"EMA after step {i + 1} is off by {error:.3g}, seed {seed}"
+        assert error < 1.5e-4, f"EMA after step {i + 1} is off by {error:.3g}, seed {seed}"
     assert (
         state.ema["params"]["embed_tokens"]["embedding"].sharding.spec
         == state.params["params"]["embed_tokens"]["embedding"].sharding.spec

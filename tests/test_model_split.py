@@ -43,8 +43,10 @@ def test_blocks_rotate_by_the_positions_given(seed):
     positions = jnp.arange(x.shape[1])
     here, _ = model.blocks(params, x, positions)
     shifted, _ = model.blocks(params, x, positions + 5)
-    # Rotary attention sees only differences of positions: a common shift changes rounding only.
-    np.testing.assert_allclose(shifted, here, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
+    # Rotary attention sees only differences of positions: a common shift changes rounding only
+    # (2.3e-7 to 3.1e-7 of the activations' norm, seeds 1-3).
+    error = relative_error(np.asarray(shifted), np.asarray(here))
+    assert error < 1e-6, f"a common shift moved the blocks' output by {error:.3g}, seed {seed}"
     reversed_, _ = model.blocks(params, x, positions[::-1])
     assert not np.allclose(reversed_, here, rtol=1e-3, atol=1e-3), f"seed {seed}"
 
