@@ -2,7 +2,8 @@
 
 The expected report is computed here from the parameters' shapes and the layout's specs (never from
 numbers read off a run), then compared with ``trainer.collectives(...)``: the same (op, axes) rows,
-the gathers and scatters counted exactly, bytes within 5%. Variant steps (a psum added, dropped,
+the gathers and scatters counted exactly, bytes exactly (measured: no layout here is off by a
+byte). Variant steps (a psum added, dropped,
 moved to another axis; the backward's re-gather dropped) show that the comparison catches each.
 The GSPMD baseline must give the shard_map engine's losses, its collectives read from the HLO.
 """
@@ -35,7 +36,6 @@ DATA = types.SimpleNamespace(batch_size=BATCH, seq_len=SEQ)
 # gradient sums of dew.parallel.data run: the split weights' over data, the whole ones' over all.
 MIN_SHARD = 256
 LOSS_BYTES = 4  # the float32 loss, psummed over the batch axes
-RTOL = 0.05
 
 LAYOUTS = {
     "data=8": dew.MeshSpec(),
@@ -186,7 +186,7 @@ def cost_problems(
     and ``-`` lines). Gathers and scatters are counted exactly. A psum may bind its arrays as one
     call or one call each (JAX 0.10 binds one per array; XLA combines them when it compiles), so its
     count may be anything from ``fewest`` (``fewest_calls``: the scan's psums run once a layer; 1
-    by default) to the number of arrays. Bytes must be within 5%.
+    by default) to the number of arrays. Bytes must be exact.
     """
     fewest = fewest or {}
     problems = [line for line in expected.diff(report) if line[0] in "+-"]
@@ -204,8 +204,8 @@ def cost_problems(
             problems.append(f"{where}: {got.count} calls, expected {want.count}")
         for field in ("operand_bytes", "wire_bytes"):
             g, w = getattr(got, field), getattr(want, field)
-            if abs(g - w) > RTOL * w:
-                problems.append(f"{where}: {field} {g}, expected {w} (+-{RTOL:.0%})")
+            if g != w:
+                problems.append(f"{where}: {field} {g}, expected {w}")
     return problems
 
 
@@ -221,7 +221,7 @@ def test_step_collectives_match_the_formula(objective, name):
     assert expected.rows, "the formula predicts no collective at all"
     problems = cost_problems(report, expected, fewest_calls(trainer))
     assert problems == [], f"{name}:\n{report}\nexpected:\n{expected}"
-    assert report.wire_bytes() == pytest.approx(expected.wire_bytes(), rel=RTOL)
+    assert report.wire_bytes() == expected.wire_bytes()
 
 
 def test_data_parallel_step_only_sums_gradients_over_data(objective):
@@ -356,7 +356,7 @@ def test_check_fails_when_weights_are_gathered_one_by_one(objective, monkeypatch
     expected = expected_collectives(trainer)
     monkeypatch.setattr(fsdp, "gather", gather_one_by_one)
     report = make_trainer(objective, dew.MeshSpec(fsdp=8)).collectives(DATA)
-    assert report.wire_bytes() == pytest.approx(expected.wire_bytes(), rel=RTOL)
+    assert report.wire_bytes() == expected.wire_bytes()
     problems = cost_problems(report, expected)
     assert any(p.startswith("all_gather over fsdp:") and "calls" in p for p in problems), problems
     assert any(p.startswith("psum_scatter over fsdp:") and "calls" in p for p in problems), problems
