@@ -10,7 +10,7 @@ in ``libtpu``; nothing runs. A ``PlanRow`` holds what the compiled executable sa
 - memory per device (``PlanRow`` says what each field means, the same in every row): ``state``
   (the training state this layout gives a device: weights, optimizer state, EMA), ``temp``
   (everything the step allocates while it runs: the heap of the TPU compiler's buffer
-  assignment, ``compile_measured``), ``total`` (all the program needs: arguments + outputs -
+  assignment, ``dew.training.step_memory``), ``total`` (all the program needs: arguments + outputs -
   donated (aliased) + temp + the program's code) and ``hbm``, the chip's memory; ``fits`` when
   the TPU compiler accepted it and the total is within what the compiler lets a program use.
   The compiler checks the program against the chip's memory and refuses one that does not fit,
@@ -29,10 +29,11 @@ in ``libtpu``; nothing runs. A ``PlanRow`` holds what the compiled executable sa
 ``search`` enumerates the layouts a model and a slice allow and compiles the most promising first
 (see its docstring for the rule). Beside the layout it makes the model's own choices that a
 compile decides (``SEARCH_DIMENSIONS``: the recompute policy ``remat``), the preferred value of
-each first, until one fits; ``choose_remat`` makes the same choice for a ``Trainer`` whose model
-says ``remat="auto"``.
+each first, until one fits; ``dew.training.remat_choice.choose_remat`` makes the same choice for
+a ``Trainer`` whose model says ``remat="auto"``. A compiled step's memory is read by
+``dew.training.step_memory``.
 
-One module of about 1000 lines: a row, the compile that fills it, the choices and the search that
+One module of about 770 lines: a row, the compile that fills it, the choices and the search that
 decide which rows to compile and the table that prints them are one path a reader follows from
 `dew plan`'s flags to its output; each part is a few functions that make no sense without the
 row.
@@ -40,14 +41,10 @@ row.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import math
-import re
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -59,11 +56,11 @@ from dew.mesh import AXES, MeshSpec
 from dew.parallel import fsdp
 from dew.parallel.options import StepOptions
 from dew.targets import GIB, Target
+from dew.training.remat_choice import REMAT_ORDER
+from dew.training.step_memory import measure_step
 
 __all__ = [
     "PlanRow",
-    "StepMemory",
-    "RematChoice",
     "Dimension",
     "SEARCH_DIMENSIONS",
     "STATE_ORDER",
@@ -73,10 +70,6 @@ __all__ = [
     "plan_choices",
     "candidate_meshes",
     "choices",
-    "choose_remat",
-    "compile_measured",
-    "heap_bytes",
-    "measure_step",
     "search",
     "search_summary",
     "choice_text",
@@ -104,8 +97,8 @@ class PlanRow:
     - ``argument_bytes``: everything the step takes, the state and this device's rows of the
       batch (``memory_analysis()``); compiled rows only.
     - ``temp_bytes``: what the step allocates while it runs: the heap of the TPU compiler's buffer
-      assignment (``heap_bytes``); compiled rows only (``None`` also where the compiler wrote no
-      buffer assignment: ``compile_measured``).
+      assignment (``step_memory.heap_bytes``); compiled rows only (``None`` also where the
+      compiler wrote no buffer assignment: ``step_memory.compile_measured``).
     - ``analysis_temp_bytes``: ``memory_analysis().temp_size_in_bytes``, the same program's
       temporaries as that analysis counts them: above the heap on libtpu 0.0.42.1 (it counts
       the heap's fragmentation twice); shown, never used for the verdict. Compiled rows only.
@@ -194,142 +187,6 @@ def mesh_text(spec: MeshSpec) -> str:
     if spec.microbatches is not None:
         parts.append(f"microbatches={spec.microbatches}")
     return ",".join(parts) or "data"
-
-
-_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-# The TPU compiler's refusals of a program that does not fit, in the spellings libtpu uses.
-_REFUSALS = (
-    re.compile(
-        r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM "
-        r"\(([\d.]+)([KMGT]?)\)"
-    ),
-    re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
-)
-
-
-def refused_for_memory(message: str) -> tuple[int, int] | None:
-    """``(bytes needed, bytes available)`` when ``message`` is the TPU compiler refusing a
-    program that does not fit its chip's memory (it checks while compiling), else None. Also
-    ``dew bench``'s reading of a contestant the compiler refuses."""
-    for pattern in _REFUSALS:
-        m = pattern.search(message)
-        if m:
-            needed = float(m.group(1)) * _UNITS[m.group(2)]
-            available = float(m.group(3)) * _UNITS[m.group(4)]
-            return int(needed), int(available)
-    return None
-
-
-def program_bytes(memory, temp_bytes: int | None = None) -> int:
-    """All a compiled program needs on one device, from its ``memory_analysis()``: arguments +
-    outputs - donated (aliased, counted in both) + temporaries + the program's code.
-    ``temp_bytes``: the temporaries to count (the compiler's heap, ``heap_bytes``); default the
-    analysis's own ``temp_size_in_bytes``."""
-    temp = memory.temp_size_in_bytes if temp_bytes is None else temp_bytes
-    return int(
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + temp
-        + memory.generated_code_size_in_bytes
-    )
-
-
-# One allocation of a buffer assignment as XLA writes it: "allocation 103: size 117440512, color
-# 1, preallocated-temp:" (the memory space is absent for the device's main memory, space 0).
-_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (.*)$", re.MULTILINE)
-_OTHER_SPACE = re.compile(r"\bcolor [1-9]")
-
-
-def heap_bytes(buffer_assignment: str) -> int:
-    """The heap of a compiled program: the bytes its buffer assignment (the text XLA writes as
-    ``*-buffer-assignment.txt``) gives the program's temporaries in the device's main memory,
-    every ``preallocated-temp`` and ``thread-local`` allocation of memory space 0.
-
-    Parameters, outputs and constants are the program's arguments and results, counted apart;
-    the other memory spaces (``color 1``: a TPU core's VMEM; 2 and 6: small on-core ones) are not
-    HBM. On TPU this is the ``HLO temp`` of the compiler's log ("Program hbm requirement",
-    ``TPU_STDERR_LOG_LEVEL=0``), the figure it checks against the chip, to within the 512-byte
-    thread-local scalars (tens of KiB, which the log counts in part): 268.16 MiB read and logged
-    for a small step, 65.89 against 65.86 MiB for a tiny one. ``memory_analysis()``'s
-    ``temp_size_in_bytes`` adds the heap's fragmentation once more (349.29 MiB and 67.57 MiB)."""
-    total = 0
-    for size, kinds in _ALLOCATION.findall(buffer_assignment):
-        if _OTHER_SPACE.search(kinds):
-            continue
-        if "preallocated-temp" in kinds or "thread-local" in kinds:
-            total += int(size)
-    return total
-
-
-def compile_measured(lowered) -> tuple[Any, int | None]:
-    """``(compiled, heap)``: ``lowered`` (a ``jax.stages.Lowered``) compiled, and the heap its
-    buffer assignment gives (``heap_bytes``), or ``None`` where the compiler wrote none (an
-    executable read back from a persistent compilation cache was not compiled here).
-
-    XLA writes a program's buffer assignment with its dumps: this compile alone gets
-    ``xla_dump_to`` (a temporary folder, removed after) with the HLO as text. It adds about a
-    second to GPT-2 small's step (a few MiB of text) and changes nothing in the program. A
-    compile the TPU compiler refuses raises as without the dump."""
-    options = {"xla_dump_to": None, "xla_dump_hlo_as_text": True}
-    with tempfile.TemporaryDirectory(prefix="dew-buffer-assignment-") as folder:
-        options["xla_dump_to"] = folder
-        compiled = lowered.compile(compiler_options=options)
-        found = sorted(Path(folder).glob("*-buffer-assignment.txt"))
-        # One module compiled, one buffer assignment; anything else is not this program's.
-        heap = heap_bytes(found[0].read_text()) if len(found) == 1 else None
-    return compiled, heap
-
-
-@dataclasses.dataclass(frozen=True)
-class StepMemory:
-    """What one device needs for a compiled step, by the compiler's own figures (``PlanRow``'s
-    fields of the same names mean the same). ``refused``: the compiler's message when it refused
-    the step for not fitting its chip; then only ``total_bytes`` (the need it stated) and
-    ``usable_bytes`` (what it lets a program use) are known."""
-
-    total_bytes: int
-    argument_bytes: int | None = None
-    temp_bytes: int | None = None
-    analysis_temp_bytes: int | None = None
-    usable_bytes: int | None = None
-    refused: str | None = None
-    compile_s: float = 0.0
-
-    def fits(self, limit_bytes: int) -> bool:
-        """Accepted by the compiler, and all the program needs within ``limit_bytes``."""
-        return self.refused is None and self.total_bytes <= limit_bytes
-
-
-def measure_step(trainer, batch: int) -> tuple[StepMemory, Any]:
-    """``(memory, compiled)``: ``trainer``'s training step on global batches of ``batch`` rows,
-    lowered on ``step_arguments`` (nothing is allocated) and compiled (``compile_measured``), and
-    what one device needs for it; ``compiled`` is ``None`` when the compiler refused the step
-    for memory. Any other failure raises."""
-    start = time.perf_counter()
-    lowered = trainer.train_step(batch).lower(*trainer.step_arguments(batch))
-    try:
-        compiled, heap = compile_measured(lowered)
-    except Exception as error:  # noqa: BLE001  (a refusal for memory is an answer, not a failure)
-        over = refused_for_memory(str(error))
-        if over is None:
-            raise
-        needed, usable = over
-        refused = str(error).strip().splitlines()[0]
-        seconds = time.perf_counter() - start
-        return StepMemory(needed, usable_bytes=usable, refused=refused, compile_s=seconds), None
-    seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    return (
-        StepMemory(
-            total_bytes=program_bytes(memory, heap),
-            argument_bytes=memory.argument_size_in_bytes,
-            temp_bytes=heap,
-            analysis_temp_bytes=memory.temp_size_in_bytes,
-            compile_s=seconds,
-        ),
-        compiled,
-    )
 
 
 def options_text(options: StepOptions, axis_sizes: dict) -> str:
@@ -471,11 +328,6 @@ def plan_layout(
 # A model field set to this is chosen by a compile: ``plan_choices`` in a plan, ``choose_remat``
 # in a ``Trainer``.
 AUTO = "auto"
-# The recompute policies (``dew.models.causal_transformer.REMAT_CHOICES``), least recomputation
-# first: "none" keeps everything, "attention" the weight matmuls' outputs, attention's and the
-# MLP's normalized input, "dots" the weight matmuls' outputs, "full" nothing. Memory mostly falls
-# in the same order ("attention" can need less than "dots"): each is compiled until one fits.
-REMAT_ORDER = ("none", "attention", "dots", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -601,122 +453,6 @@ def choice_text(rows: Sequence[PlanRow]) -> str:
         f"{where}: {_values_text(last)}, the first that fits ({order}{before}); "
         f"{format_bytes(last.spare_bytes)} to spare of the {format_bytes(last.limit_bytes)} "
         "the compiler lets a program use"
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class RematChoice:
-    """``choose_remat``'s answer: ``policy``, the least recomputation whose step fits
-    ``limit_bytes``; ``objective``, the trainer's with that policy; ``tried``, ``(policy,
-    StepMemory)`` of each policy compiled, in order, the chosen last."""
-
-    policy: str
-    limit_bytes: int
-    objective: Any
-    tried: tuple
-
-    def reason(self) -> str:
-        """``"remat auto: attention, the least recomputation whose step fits 15.8 GiB a device
-        (none needs 17.1 GiB; attention needs 14.2 GiB)"``."""
-        needs = "; ".join(
-            f"{policy} {'refused by the compiler: ' if memory.refused else ''}needs "
-            f"{format_bytes(memory.total_bytes)}"
-            for policy, memory in self.tried
-        )
-        return (
-            f"remat auto: {self.policy}, the least recomputation whose step fits "
-            f"{format_bytes(self.limit_bytes)} a device ({needs})"
-        )
-
-
-def device_memory_limit(device) -> int | None:
-    """The bytes ``device`` lets a program use, as it reports them (``memory_stats()``'s
-    ``bytes_limit``: TPUs and GPUs), or ``None`` where it reports none (CPU devices, and the
-    compile-only devices of a slice this machine does not have: ``Target.usable_bytes``)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001  (compile-only devices refuse the question)
-        return None
-    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
-
-
-# choose_remat's compiles: (the step, batch and policy) -> StepMemory.
-_MEASURED: dict = {}
-
-
-def _measured(trainer, objective, batch: int) -> StepMemory:
-    """``measure_step`` of ``trainer``'s step with ``objective`` in place of its own, once per
-    step: a copy of the trainer (its mesh, layout and shardings; remat changes none of them)."""
-    key = (
-        objective,
-        trainer.optimizer,
-        trainer.mesh,
-        trainer.layout,
-        trainer.options,
-        trainer.accumulation,
-        trainer.engine,
-        batch,
-    )
-    try:
-        if key in _MEASURED:
-            return _MEASURED[key]
-    except TypeError:  # something unhashable (an optimizer's closure state): no caching
-        key = None
-    candidate = copy.copy(trainer)
-    candidate.objective = objective
-    candidate._steps, candidate._losses, candidate._gradients = {}, {}, {}
-    memory, _ = measure_step(candidate, batch)
-    if key is not None:
-        _MEASURED[key] = memory
-    return memory
-
-
-def choose_remat(
-    trainer,
-    batch: int,
-    *,
-    memory_limit_bytes: int | None = None,
-    policies: Sequence[str] = REMAT_ORDER,
-) -> RematChoice:
-    """``remat="auto"`` resolved: the least recomputation whose step fits the devices.
-
-    ``trainer``'s training step on global batches of ``batch`` rows is compiled with each of
-    ``policies`` in turn (least recomputation first) until one fits ``memory_limit_bytes`` by
-    the compiler's own figures (``measure_step``: the compiler accepted it, and arguments + heap
-    + code are within the limit). Each compile is kept (per step, batch and policy): a second
-    call compiles nothing. The ``Trainer`` calls this before it builds the real step of a model
-    with ``remat="auto"``; ``dew plan`` makes the same choice per layout (``plan_choices``).
-
-    ``memory_limit_bytes``: a device's memory for the program; default what the device reports
-    (``device_memory_limit``). CPU devices report none: give it there (tests, a rehearsal).
-    Raises ``ValueError`` naming every policy's need when none fits, before the real step
-    compiles.
-    """
-    limit = memory_limit_bytes
-    if limit is None:
-        device = trainer.mesh.devices.flat[0]
-        limit = device_memory_limit(device)
-        if limit is None:
-            raise ValueError(
-                f"remat='auto' chooses by the device's memory, and {device.platform} device "
-                f"{device.id} does not report it: give memory_limit_bytes (Trainer(..., "
-                "memory_limit_bytes=N)) or a remat policy"
-            )
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-        raise ValueError(f"memory_limit_bytes must be a positive int, got {limit!r}")
-    tried = []
-    for policy in policies:
-        objective = dataclasses.replace(
-            trainer.objective, model=dataclasses.replace(trainer.objective.model, remat=policy)
-        )
-        memory = _measured(trainer, objective, batch)
-        tried.append((policy, memory))
-        if memory.fits(limit):
-            return RematChoice(policy, limit, objective, tuple(tried))
-    needs = ", ".join(f"{p} {format_bytes(m.total_bytes)}" for p, m in tried)
-    raise ValueError(
-        f"remat='auto': no recompute policy's step fits {format_bytes(limit)} a device at batch "
-        f"{batch} ({needs} needed); use a smaller batch, accumulation or more devices"
     )
 
 

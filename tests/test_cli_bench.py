@@ -465,7 +465,7 @@ def test_dew_bench_gives_a_contestant_that_does_not_fit_one_line_and_runs_the_ot
     import jax
 
     from dew.benchmark import measure
-    from dew.planning import program_bytes
+    from dew.training.step_memory import program_bytes
     from dew.training.trainer import Trainer
 
     needed, inputs = [], []

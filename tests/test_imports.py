@@ -4,6 +4,7 @@ the line of the user's own code, ``from dew.training import prepare_process, Lay
 Checkpoints``, which every clone runs."""
 
 import ast
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,95 @@ def test_the_notebooks_import_lines_run():
     namespace = {}
     for statement in statements:
         exec(statement, namespace)
+
+
+# The folders whose modules the import graph covers, and the package each installs as
+# (pyproject maps kernels/ to dew.kernels).
+PACKAGES = (("dew", "dew"), ("kernels", "dew.kernels"))
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of Dew, by its installed name (a package by its own name, not ``__init__``)."""
+    files = {}
+    for folder, package in PACKAGES:
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            files[name] = path
+    return files
+
+
+def imported_modules(name: str, path: Path, files: dict[str, Path]) -> set[str]:
+    """The modules of ``files`` that module ``name`` imports, anywhere in it (inside functions
+    too: they tie the two modules all the same). A name is taken as the longest module it starts
+    with; a package's ``__init__`` is not counted (importing a package from one of its own
+    modules is the package re-exporting, not a dependency), nor the module itself or a package
+    above it."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for imported in names:
+            while imported and imported not in files:
+                imported = imported.rpartition(".")[0]
+            if (
+                imported
+                and imported != name
+                and not name.startswith(imported + ".")
+                and files[imported].name != "__init__.py"
+            ):
+                found.add(imported)
+    return found
+
+
+def import_circles(files: dict[str, Path]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or round a circle (the strongly
+    connected components of more than one module of the import graph)."""
+    graph = {name: imported_modules(name, path, files) for name, path in files.items()}
+    # Each module's reach (everything it imports, at any depth); two modules that reach each
+    # other are in one circle.
+    reach = {}
+    for start in graph:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        reach[start] = seen
+    circles = {
+        tuple(sorted({start} | {other for other in reach[start] if start in reach[other]}))
+        for start in graph
+        if start in reach[start]
+    }
+    return sorted(list(c) for c in circles)
+
+
+def test_no_module_of_dew_imports_one_that_imports_it_back():
+    # The before-stop hook's check (its ast walk over dew/ and kernels/): the planner imports the
+    # step engine, never the reverse, and so on for every pair.
+    assert import_circles(module_files()) == []
+
+
+def test_the_circle_check_sees_an_import_inside_a_function(tmp_path):
+    # The check itself, on a planted pair: a module-level import one way, a function-level import
+    # back (the shape of the planning <-> trainer circle this test was written for).
+    (tmp_path / "dew" / "training").mkdir(parents=True)
+    (tmp_path / "kernels").mkdir()
+    for init in ("dew", "dew/training", "kernels"):
+        (tmp_path / init / "__init__.py").write_text("from dew.training import trainer\n")
+    (tmp_path / "dew" / "planning.py").write_text("from dew.training.trainer import Trainer\n")
+    (tmp_path / "dew" / "training" / "trainer.py").write_text(
+        "def choose():\n    from dew.planning import choose_remat\n"
+    )
+    (tmp_path / "dew" / "training" / "step.py").write_text("from . import trainer\n")
+    assert import_circles(module_files(tmp_path)) == [["dew.planning", "dew.training.trainer"]]

@@ -1,6 +1,8 @@
-"""``remat="auto"`` and the compiler's heap (``dew.planning``), on CPU devices: the least
-recomputation whose compiled step fits a memory limit, the Trainer's hook, the heap read from a
-buffer assignment, and how ``plan_choices`` walks the candidates (stood in by rows: no compile).
+"""``remat="auto"`` and the compiler's heap (``dew.training.remat_choice``,
+``dew.training.step_memory``; the search's candidates in ``dew.planning``), on CPU devices: the
+least recomputation whose compiled step fits a memory limit, the Trainer's hook, the heap read
+from a buffer assignment, and how ``plan_choices`` walks the candidates (stood in by rows: no
+compile).
 
 The TPU side (the heap against libtpu's own log, ``dew plan --search`` naming its choices) is in
 tests/test_plan.py.
@@ -17,6 +19,7 @@ import dew
 from dew import planning
 from dew.objectives.lm import LMObjective
 from dew.targets import GIB
+from dew.training import remat_choice, step_memory
 
 SEQ = 64
 ROWS = 8
@@ -52,16 +55,16 @@ def needs():
     persistent compilation cache may then serve ``choose_remat`` the same programs, which it
     reads without a buffer assignment: their totals are then these, to the byte."""
     out = {}
-    for policy in planning.REMAT_ORDER:
+    for policy in remat_choice.REMAT_ORDER:
         memory = trainer(policy).compiled_step(ROWS).memory_analysis()
-        out[policy] = planning.program_bytes(memory)
+        out[policy] = step_memory.program_bytes(memory)
     print("needs:", out)
     return out
 
 
 def first_fit(needs, limit):
     """The least recomputation (first of ``REMAT_ORDER``) whose need is within ``limit``."""
-    return next((p for p in planning.REMAT_ORDER if needs[p] <= limit), None)
+    return next((p for p in remat_choice.REMAT_ORDER if needs[p] <= limit), None)
 
 
 # Limits are set 64 KiB clear of every policy's need: choose_remat's own figures are within 4 KiB.
@@ -73,14 +76,14 @@ def test_auto_takes_the_least_recomputation_that_fits_and_follows_the_limit(need
     # "none" keeps the most for the backward and "full" the least. The two between need less
     # than "none" and more than "full", in an order that depends on what XLA fuses ("attention"
     # keeps more than "dots", and here spares the backward more of its temporaries).
-    order = planning.REMAT_ORDER
+    order = remat_choice.REMAT_ORDER
     assert needs["none"] == max(needs.values()) and needs["full"] == min(needs.values()), needs
     assert len(set(needs.values())) == len(order), needs
     limits = sorted({needs[p] + CLEAR for p in order}, reverse=True)
     chosen = []
     for limit in limits:
         expected = first_fit(needs, limit)
-        choice = planning.choose_remat(auto, ROWS, memory_limit_bytes=limit)
+        choice = remat_choice.choose_remat(auto, ROWS, memory_limit_bytes=limit)
         assert choice.policy == expected, (limit, choice.reason())
         assert choice.objective.model.remat == expected
         tried = [policy for policy, _ in choice.tried]
@@ -95,22 +98,21 @@ def test_auto_takes_the_least_recomputation_that_fits_and_follows_the_limit(need
     assert [order.index(p) for p in chosen] == sorted(order.index(p) for p in chosen), chosen
     # Below "full" nothing fits: a ValueError naming each policy's need, before any real step.
     with pytest.raises(ValueError, match=r"no recompute policy's step fits .* full "):
-        planning.choose_remat(auto, ROWS, memory_limit_bytes=needs["full"] // 2)
+        remat_choice.choose_remat(auto, ROWS, memory_limit_bytes=needs["full"] // 2)
 
 
 def test_a_second_choice_compiles_nothing(needs, monkeypatch):
     # The compiles are kept per step, batch and policy: a first choice (here, or an earlier
     # test's in this process) fills the cache, and the second compiles nothing.
     limit = (needs["none"] + needs["attention"]) // 2
-    assert (
-        planning.choose_remat(trainer("auto"), ROWS, memory_limit_bytes=limit).policy == "attention"
-    )
+    first = remat_choice.choose_remat(trainer("auto"), ROWS, memory_limit_bytes=limit)
+    assert first.policy == "attention"
 
     def no_compile(*args, **kwargs):
         raise AssertionError("choose_remat compiled a step it had compiled before")
 
-    monkeypatch.setattr(planning, "measure_step", no_compile)
-    choice = planning.choose_remat(trainer("auto"), ROWS, memory_limit_bytes=limit)
+    monkeypatch.setattr(step_memory, "measure_step", no_compile)
+    choice = remat_choice.choose_remat(trainer("auto"), ROWS, memory_limit_bytes=limit)
     assert choice.policy == "attention"
 
 
@@ -172,8 +174,8 @@ allocation 104: size 24064, thread-local:
 def test_the_heap_is_the_main_memory_temporaries_of_a_buffer_assignment():
     # The excerpt's shapes are a v5e step's: its temporaries in HBM (memory space 0) and the
     # per-thread scratch count; parameters, outputs, constants and VMEM (color 1) do not.
-    assert planning.heap_bytes(BUFFER_ASSIGNMENT) == 281166336 + 512 + 24064
-    assert planning.heap_bytes("BufferAssignment:\n") == 0
+    assert step_memory.heap_bytes(BUFFER_ASSIGNMENT) == 281166336 + 512 + 24064
+    assert step_memory.heap_bytes("BufferAssignment:\n") == 0
 
 
 def test_compile_measured_reads_the_heap_of_the_program_it_compiled():
@@ -187,7 +189,7 @@ def test_compile_measured_reads_the_heap_of_the_program_it_compiled():
         return jax.numpy.sum(jax.lax.scan(body, a, None, length=4)[0])
 
     lowered = jax.jit(jax.grad(loss)).lower(jax.ShapeDtypeStruct((256, 256), jax.numpy.float32))
-    compiled, heap = planning.compile_measured(lowered)
+    compiled, heap = step_memory.compile_measured(lowered)
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp >= 4 * 256 * 256 * 4, temp
     assert 0 <= heap - temp < 4096, (heap, temp)
@@ -287,7 +289,7 @@ def test_the_state_s_precision_is_searched_float32_first(monkeypatch):
     rows = planning.plan(
         None, objective("auto"), ["data"], 16, on_choice=seen.append, states=planning.STATE_ORDER
     )
-    order = planning.REMAT_ORDER
+    order = remat_choice.REMAT_ORDER
     assert compiled == [("float32", p, {"float32"}) for p in order] + [
         ("bfloat16", p, {"bfloat16"}) for p in order
     ]
@@ -301,10 +303,10 @@ def test_the_state_s_precision_is_searched_float32_first(monkeypatch):
 def test_the_search_order_is_the_model_s_policies_least_recomputation_first():
     from dew.models.causal_transformer import REMAT_CHOICES
 
-    assert sorted(planning.REMAT_ORDER) == sorted(REMAT_CHOICES)
+    assert sorted(remat_choice.REMAT_ORDER) == sorted(REMAT_CHOICES)
     (remat,) = planning.SEARCH_DIMENSIONS
-    assert remat.values(objective("auto")) == planning.REMAT_ORDER
+    assert remat.values(objective("auto")) == remat_choice.REMAT_ORDER
     assert remat.values(objective("dots")) == ("dots",)
     assert [v for v, _ in planning.choices(objective("auto"))] == [
-        {"remat": p} for p in planning.REMAT_ORDER
+        {"remat": p} for p in remat_choice.REMAT_ORDER
     ]

@@ -50,8 +50,8 @@ from dew.layout import Layout
 from dew.mesh import MeshSpec
 from dew.parallel import pipeline
 from dew.parallel.options import StepOptions
-from dew.planning import program_bytes, refused_for_memory
 from dew.training import flops
+from dew.training.step_memory import program_bytes, refused_for_memory
 from dew.training.trainer import Trainer
 
 # The engine name of the one-device row: the model and global batch on one device, a plain
@@ -192,10 +192,10 @@ class DidNotFit:
     object with ``"fits": false`` in the ``--json`` file.
 
     ``needed_bytes``: what its step needs on one device, by the compiled step's
-    ``memory_analysis()`` (``dew.planning.program_bytes``: arguments + outputs - donated +
-    temporaries + code) where it compiled, else the figure the error states (the TPU compiler's
-    ``HLO temporaries (X)`` or ``Used X of Y hbm``, the runtime's ``allocate X``); ``None`` when
-    neither says.
+    ``memory_analysis()`` (``dew.training.step_memory.program_bytes``: arguments + outputs -
+    donated + temporaries + code) where it compiled, else the figure the error states (the TPU
+    compiler's ``HLO temporaries (X)`` or ``Used X of Y hbm``, the runtime's ``allocate X``);
+    ``None`` when neither says.
     ``device_bytes``: the device's memory, ``memory_stats()["bytes_limit"]`` where the backend
     reports it, else the figure the error states, else ``None``. ``failed_at``: ``COMPILE``,
     ``PREPARE`` or ``RUN``; ``error``: the first line of the error.
@@ -254,8 +254,9 @@ _ALLOCATION = re.compile(r"allocate (\d+(?:\.\d+)?)\s?([KMGT]?)")
 
 def figures_in(message: str) -> tuple[int | None, int | None]:
     """``(bytes needed, bytes available)`` as an out-of-memory ``message`` states them: the
-    compiler's refusal gives both (``dew.planning.refused_for_memory``), the runtime's failed
-    allocation the one allocation it could not make; ``None`` for what it does not state."""
+    compiler's refusal gives both (``dew.training.step_memory.refused_for_memory``), the
+    runtime's failed allocation the one allocation it could not make; ``None`` for what it does
+    not state."""
     refused = refused_for_memory(message)
     if refused is not None:
         return refused

@@ -83,7 +83,7 @@ REMAT_POLICIES = {
 }
 REMAT_CHOICES = tuple(REMAT_POLICIES)
 # remat="auto": the least recomputation whose step fits the devices, chosen by compiling it
-# (``dew.planning.choose_remat``, which the Trainer calls before it builds a step).
+# (``dew.training.remat_choice.choose_remat``, which the Trainer calls before it builds a step).
 REMAT_AUTO = "auto"
 
 
@@ -92,8 +92,9 @@ def remat_layer(layer, policy: str):
     ``"none"``: ``layer`` itself, every intermediate kept for the backward."""
     if policy == REMAT_AUTO:
         raise ValueError(
-            "remat='auto' is chosen by compiling the step (dew.planning.choose_remat; the Trainer "
-            "does it before its first step): choose it before tracing the model"
+            "remat='auto' is chosen by compiling the step (dew.training.remat_choice."
+            "choose_remat; the Trainer does it before its first step): choose it before tracing "
+            "the model"
         )
     if policy not in REMAT_POLICIES:
         raise ValueError(
@@ -133,7 +134,8 @@ class CausalTransformer:
         ring's lse, so the backward does not rerun the forward kernel) and the MLP's normalized
         input, ``"none"`` everything (no ``jax.checkpoint``). Recompute shrinks in that order,
         and memory mostly grows (``"attention"`` may need less than ``"dots"``). ``"auto"``: the
-        least recomputation whose step fits the devices (``dew.planning.choose_remat``).
+        least recomputation whose step fits the devices
+        (``dew.training.remat_choice.choose_remat``).
       num_kv_heads: heads of K and V (grouped-query attention); default ``num_heads``.
       mlp_features: hidden width of the SwiGLU MLP; default ``4 * emb_features``.
       tie_embeddings: the output head is the embedding table transposed (default) or a weight of

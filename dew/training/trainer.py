@@ -36,6 +36,7 @@ from dew.parallel.options import StepOptions
 from dew.training.flops import model_flops_per_token, peak_flops
 from dew.training.optimizer import host_state_shardings
 from dew.training.preemption import RUN, stop_signals
+from dew.training.remat_choice import choose_remat
 from dew.training.state import TrainState
 from dew.training.step import (
     BATCH_SPEC,
@@ -106,8 +107,8 @@ class Trainer:
         engines take the default.
       memory_limit_bytes: a device's memory, for a model with ``remat="auto"``: the first step
         built (``train_step``, at its batch size) takes the least recomputation whose step fits
-        it (``dew.planning.choose_remat``, a compile per policy tried). Default: what the device
-        reports (TPUs and GPUs do; CPU devices do not, so give it there).
+        it (``dew.training.remat_choice.choose_remat``, a compile per policy tried). Default:
+        what the device reports (TPUs and GPUs do; CPU devices do not, so give it there).
     """
 
     def __init__(
@@ -368,11 +369,10 @@ class Trainer:
 
     def _choose_remat(self, batch_size: int) -> None:
         """A model with ``remat="auto"`` gets its policy here, once, from the first batch size a
-        computation is built for: ``dew.planning.choose_remat`` (which says what it chose)."""
+        computation is built for: ``dew.training.remat_choice.choose_remat`` (which says what it
+        chose)."""
         if getattr(self.objective.model, "remat", None) != "auto":
             return
-        from dew.planning import choose_remat
-
         choice = choose_remat(self, batch_size, memory_limit_bytes=self.memory_limit_bytes)
         print(choice.reason(), flush=True)
         self.objective = choice.objective
