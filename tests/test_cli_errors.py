@@ -130,3 +130,91 @@ def test_importing_dew_quiets_libtpu_without_a_tpu(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "cpu" and run.stderr == "", run.stderr
+
+
+# What JAX raised from dew train's first step on a v5e chip (2026-12-06, `dew train --cpu-devices
+# 0 --model gpt2-small --batch 44 --seq-len 1024`): the TPU compiler's refusal, word for word.
+CHIP_REFUSAL = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    "temporaries (16.00G) exceeds available HBM (15.75G)."
+)
+# The runtime's failed allocation, as dew bench's tests have it (a step that compiled).
+RUNTIME_ALLOCATION = (
+    "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 9.20G. That was "
+    "not possible. There are 3.10G free."
+)
+
+
+def _first_step_raises(monkeypatch, message: str) -> None:
+    """The step's first call raises XLA's ``message`` (nothing else of ``fit`` is changed)."""
+    import jax
+
+    from dew.training.trainer import Trainer
+
+    def step(state, batch):
+        raise jax.errors.JaxRuntimeError(message)
+
+    monkeypatch.setattr(Trainer, "train_step", lambda self, batch_size: step)
+
+
+def test_a_step_that_does_not_fit_the_chip_is_one_line(dew_here, tmp_path, monkeypatch):
+    from dew.cli import out_of_memory
+    from dew.cli.main import build_parser
+
+    _first_step_raises(monkeypatch, CHIP_REFUSAL)
+    monkeypatch.setattr(out_of_memory, "tpu_target_name", lambda: "v5e-1")  # as on the chip
+    line = "train --steps 1 --layers 2 --batch 48 --seq-len 32 --remat dots --run-dir {tmp}/run"
+    run = dew_here(*line.format(tmp=tmp_path).split(), cwd=tmp_path)
+    assert run.returncode == 2 and "Traceback" not in run.stdout + run.stderr
+    (message,) = run.stderr.splitlines()
+    assert message.startswith(
+        "dew train: the step needs 16.00 GiB per device and the compiler lets a program use "
+        "15.75 GiB of the device's memory (it refused the step); `dew plan --target v5e-1 "
+        "--search --layers 2 --batch 48 --seq-len 32` compiles the layouts and recompute policies"
+    ), message
+    assert message.endswith(
+        "or use --remat full, a smaller --batch (--accumulation K keeps the batch) or more devices"
+    ), message
+    # The command it suggests is one dew takes, with this run's sizes and none of train's own.
+    plan = message.split("`")[1].split()[1:]
+    args = build_parser().parse_args(plan)
+    assert (args.command, args.target, args.search) == ("plan", "v5e-1", True)
+    assert (args.layers, args.batch, args.seq_len, args.remat) == (2, 48, 32, None)
+
+
+def test_a_failed_allocation_and_any_other_xla_error(dew_here, tmp_path, monkeypatch):
+    import jax
+
+    _first_step_raises(monkeypatch, RUNTIME_ALLOCATION)
+    run = dew_here("train", "--steps", "1", "--layers", "1", "--run-dir", "run", cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    # On CPU devices: no figure of the device's memory and no TPU target to plan for.
+    assert run.stderr.splitlines() == [
+        "dew train: the step ran out of device memory: it could not allocate 9.20 GiB; use "
+        "--remat full, a smaller --batch (--accumulation K keeps the batch) or more devices"
+    ]
+    # An XLA error that is not about memory stays a traceback: Dew's bug, not the user's batch.
+    _first_step_raises(monkeypatch, "INTERNAL: something broke")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        dew_here("train", "--steps", "1", "--layers", "1", "--run-dir", "run2", cwd=tmp_path)
+
+
+def test_the_tpu_target_a_run_plans_for(monkeypatch):
+    import jax
+
+    from dew.cli.out_of_memory import tpu_target_name
+
+    class Device:
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    for kind, count, expected in [
+        ("TPU v5 lite", 1, "v5e-1"),
+        ("TPU v5 lite", 8, "v5e-8"),
+        ("TPU v5", 4, "v5p-8"),  # v5p-N counts TensorCores, two per chip
+        ("TPU v5 lite", 3, None),  # no such slice
+        ("cpu", 8, None),
+    ]:
+        monkeypatch.setattr(jax, "devices", lambda kind=kind: [Device(kind)])
+        monkeypatch.setattr(jax, "device_count", lambda count=count: count)
+        assert tpu_target_name() == expected, (kind, count)

@@ -333,9 +333,11 @@ def one_line(error: BaseException) -> str:
 
 
 def main(argv=None) -> int:
-    """Runs one ``dew`` command. A user's mistake in any command (``user_errors``) is one line on
-    stderr, ``dew COMMAND: message``, and exit code 2, never a traceback; argparse's own errors
-    (an unknown flag, a missing value) also exit 2, after the usage line."""
+    """Runs one ``dew`` command. A user's mistake in any command (``user_errors``), and a step
+    that does not fit the device's memory (``dew.cli.out_of_memory``), is one line on stderr,
+    ``dew COMMAND: message``, and exit code 2, never a traceback; argparse's own errors (an
+    unknown flag, a missing value) also exit 2, after the usage line."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
         if hasattr(args, "setup"):
@@ -344,8 +346,15 @@ def main(argv=None) -> int:
             _setup_devices(args.cpu_devices)
         return args.run(args)
     except user_errors() as error:
-        print(f"dew {args.command}: {one_line(error)}", file=sys.stderr, flush=True)
-        return 2
+        line = one_line(error)
+    except Exception as error:  # XLA's out of memory is a user's batch too big, said in one line
+        from dew.cli.out_of_memory import out_of_memory_line
+
+        line = out_of_memory_line(error, argv)
+        if line is None:
+            raise
+    print(f"dew {args.command}: {line}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":
