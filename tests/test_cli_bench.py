@@ -581,3 +581,26 @@ def test_dew_bench_says_why_a_depth_check_that_does_not_fit_was_not_measured(mon
         "15.75G hbm. Exceeded hbm capacity by 4.72G.\n"
     ) in out, out
     assert "fsdp=8: wire bytes shard_map / gspmd" in out
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        # The preset's own choices where no flag gives one.
+        ("--model gpt2-small", "remat attention, attention auto;"),
+        # The case: the example decoder's default attention is xla, the contestant's auto.
+        ("--attention auto", "remat full, attention auto;"),
+        ("--model gpt2-small --remat dots --attention xla", "remat dots, attention xla;"),
+        ("--remat full dots --attention xla pallas", "remat full|dots, attention xla|pallas;"),
+    ],
+)
+def test_dew_benchs_header_names_the_contestants_choices(flags, says):
+    from dew.cli import bench
+    from dew.cli.main import build_parser
+    from dew.cli.model_flags import model_variants
+    from dew.mesh import MeshSpec
+
+    args = build_parser().parse_args(["bench", *flags.split()])
+    config, models = model_variants(args)
+    header = bench._header(args, config, [MeshSpec(fsdp=8)], models)
+    assert says in header, header

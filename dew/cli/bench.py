@@ -148,8 +148,11 @@ def _header(args, config, specs, models) -> str:
         variants += f"sequence schemes {' '.join(args.sequence_scheme)}, "
     if any(spec.stage > 1 for spec in specs):
         variants += f"pipeline schedules {' '.join(args.pipeline_schedule)}, "
+    # The contestants' own choices where flags gave them (model_variants leaves those fields out
+    # of ``config``, which would show the model's defaults): each field's values, "|" between.
+    chosen = {field: "|".join(dict.fromkeys(str(m[field]) for m in models)) for field in models[0]}
     return (
-        f"dew bench: {sizes_text(config, args)}, "
+        f"dew bench: {sizes_text({**config, **chosen}, args)}, "
         + "".join(f"{name} {value}, " for name, value in sorted(moe_config(args).items()))
         + f"min_shard {args.min_shard}, "
         f"sequence_parallel {args.sequence_parallel}, {variants}"
