@@ -30,7 +30,7 @@ def dew(*args, cwd):
     )
 
 
-def test_dew_train_runs_and_resumes(tmp_path):
+def test_dew_train_runs_and_resumes(tmp_path, dew_here):
     first = dew(
         "train",
         *("--mesh", "fsdp=8", "--steps", "4", "--log-every", "2", "--metrics", "m/metrics.jsonl"),
@@ -77,6 +77,14 @@ def test_dew_train_runs_and_resumes(tmp_path):
         == f"Resumed from step 4 in {(run_dir / 'checkpoints').resolve()}"
     )
     assert "Training from step 4 to 6 on {'data': 2, 'expert': 1, 'fsdp': 4," in second.stdout
+    # Another batch cannot resume the run: the data's order of batches is the batch's. The error
+    # says which flag, the run's value, and the two ways on.
+    other = dew_here("train", "--steps", "8", "--batch", "32", cwd=tmp_path)
+    assert other.returncode == 2, other.stdout
+    assert other.stderr.splitlines() == [
+        "dew train: the run in runs/dew-train was trained with --batch 16, and this command "
+        "gives --batch 32: give --batch 16 to resume it, or another --run-dir to start a new run"
+    ]
 
 
 def test_dew_train_bad_input_is_a_clear_error(tmp_path, dew_here):
@@ -381,9 +389,12 @@ def test_dew_train_evaluates_and_writes_tensorboard(tmp_path, dew_here):
     assert [e.step for e in events.Scalars("val_loss")] == [2, 3]
 
     for args, message in [
-        (("--eval-every", "0"), "dew train: eval_every must be an integer >= 1, got 0"),
-        (("--eval-batches", "2"), "dew train: eval_batches=2 without eval_every"),
-        (("--eval-every", "2", "--eval-batches", "9"), "val.bin"),
+        (("--eval-every", "0"), "dew train: --eval-every must be an integer >= 1, got 0"),
+        (("--eval-batches", "2"), "dew train: --eval-batches 2 without --eval-every"),
+        (
+            ("--eval-every", "2", "--eval-batches", "9"),
+            "--eval-batches 9 of --batch 16 rows, 144 windows of --seq-len 16, and val.bin in ",
+        ),
     ]:
         bad = dew_here("train", *small, "--steps", "1", *args, cwd=tmp_path)
         assert bad.returncode == 2, (args, bad.stdout)

@@ -67,7 +67,21 @@ BAD_INPUTS = [
     ("convert {empty} {tmp}/out --to hf", "holds no Dew checkpoint"),
     # One of every other command.
     ("train --cpu-devices -1", "--cpu-devices must be >= 0, got -1"),
-    ("train --steps 0", "steps must be an integer >= 1, got 0"),
+    ("train --steps 0", "--steps must be an integer >= 1, got 0"),
+    # Named by the flag the user typed, not the argument it becomes (issue 52).
+    ("train --warmup-steps 30 --steps 10", "--warmup-steps 30 is above --steps 10"),
+    ("train --lr-schedule cosine --lr-min 0.1", "--lr-min 0.1 is above --lr 0.001"),
+    ("train --lr -1e-3", "--lr must be a number above 0, got -0.001"),
+    ("train --seq-len 0", "--seq-len must be an integer >= 1, got 0"),
+    ("collectives --seq-len -8", "--seq-len must be an integer >= 1, got -8"),
+    ("bench --layers 0", "--layers must be an integer >= 1, got 0"),
+    ("train --log-every 0", "--log-every must be an integer >= 1, got 0"),
+    ("train --accumulation 0", "--accumulation must be an integer >= 1, got 0"),
+    (
+        "train --eval-every 5 --eval-batches 100 --run-dir {tmp}/run",
+        "--eval-every evaluates on --eval-batches 100 of --batch 16 rows, 1600 windows of "
+        "--seq-len 32, and val.bin in {tmp}/run/corpus holds 60: give --eval-batches 3 or fewer",
+    ),
     ("collectives --mesh bogus=2", "mesh entry 'bogus=2' is not AXIS=SIZE"),
     ("bench --mesh fsdp=3", "fsdp 3 = 3 devices does not divide the 8 devices"),
     ("plan --target v9z-8", "unknown TPU generation 'v9z'"),

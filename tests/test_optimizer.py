@@ -84,14 +84,19 @@ def test_settings_that_make_no_sense_are_refused_naming_the_values(settings, mes
 
 def test_the_cli_refuses_bad_optimizer_flags_and_its_choices_are_the_modules():
     parse = build_parser().parse_args
-    with pytest.raises(ValueError, match="lr_min 0.5 is above the learning rate 0.001"):
-        optimizer_flags.optimizer_from(
-            parse(["train", "--lr-schedule", "cosine", "--lr-min", "0.5"])
-        )
-    with pytest.raises(ValueError, match="--clip-norm must be >= 0"):
-        optimizer_flags.optimizer_from(parse(["train", "--clip-norm", "-1"]))
-    with pytest.raises(ValueError, match="warmup_steps 30 is above steps 20"):
-        optimizer_flags.optimizer_from(parse(["train", "--warmup-steps", "30"]))
+    # Refused by the flags' names (dew.training.schedule.check_schedule's names=), the values as
+    # given; a negative number is a value, not a flag (--lr -1e-3).
+    for flags, message in [
+        ("--lr-schedule cosine --lr-min 0.5", "--lr-min 0.5 is above --lr 0.001"),
+        ("--lr-min 0.0001", "--lr-min 0.0001 is the end of a decay; --lr-schedule 'constant' has"),
+        ("--warmup-steps 30", "--warmup-steps 30 is above --steps 20"),
+        ("--lr -1e-3", "--lr must be a number above 0, got -0.001"),
+        ("--lr-schedule cosine --lr-min -1e-5", "--lr-min must be a number >= 0, got -1e-05"),
+        ("--clip-norm -1", "--clip-norm must be >= 0"),
+        ("--weight-decay -0.1", "--weight-decay must be >= 0, got -0.1"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            optimizer_flags.optimizer_from(parse(["train", *flags.split()]))
     assert optimizer_flags.SCHEDULES == lr_schedules.SCHEDULES
     assert optimizer_flags.MOMENTS_DTYPES == opt.MOMENTS_DTYPES
     assert optimizer_flags.MASTER_WEIGHTS == opt.MASTER_WEIGHTS

@@ -7,6 +7,7 @@ Nothing here imports JAX: the device flags must be read before any device is cre
 from __future__ import annotations
 
 import argparse
+import re
 
 from dew.cli import choices
 
@@ -39,14 +40,34 @@ REPEAT_HINTS = {
 }
 
 
+# A negative number as a flag's value, in every spelling float() takes that a flag could be
+# mistaken for: argparse's own pattern (-1, -.5) leaves out exponents, so "--lr -1e-3" was read as
+# a flag "-1e-3" ("expected one argument") instead of a value to refuse by name.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+
 class Parser(argparse.ArgumentParser):
     """The ``dew`` command's parser (and its subcommands'): a flag given twice is an error, or
-    adds up where the flag takes several values (``_GivenOnce``)."""
+    adds up where the flag takes several values (``_GivenOnce``); a negative number is a value
+    (``--lr -1e-3``), which the command then refuses by its flag's name where it must be
+    positive."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register("action", None, _GivenOnce)
         self.register("action", "store", _GivenOnce)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
+
+
+def check_counts(args: argparse.Namespace, *dests: str) -> None:
+    """``ValueError`` naming the flag (``--eval-every``, not ``eval_every``) for each of ``dests``
+    given a value below 1 (``dew.checks.positive_int``); a flag left at ``None`` is not given."""
+    from dew.checks import positive_int
+
+    for dest in dests:
+        value = getattr(args, dest, None)
+        if value is not None:
+            positive_int("--" + dest.replace("_", "-"), value)
 
 
 def engine_names() -> tuple[str, ...]:

@@ -31,6 +31,7 @@ from dew.cli.flags import (
     add_seed_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
+    check_counts,
     engine_names,
     step_options,
 )
@@ -177,12 +178,11 @@ EVAL_BATCHES = 2
 
 def _val_batches(args) -> int:
     """The validation batches to load: ``--eval-batches`` (or ``EVAL_BATCHES``) with
-    ``--eval-every``; none without. ``fit`` refuses the values that make no sense (one below 1,
-    ``--eval-batches`` without ``--eval-every``)."""
+    ``--eval-every``; none without (``_check_train_flags`` has refused the values that make no
+    sense: one below 1, ``--eval-batches`` without ``--eval-every``)."""
     if getattr(args, "eval_every", None) is None:
         return 0
-    given = args.eval_batches
-    return given if given is not None and given >= 1 else EVAL_BATCHES
+    return EVAL_BATCHES if args.eval_batches is None else args.eval_batches
 
 
 def _example(args, data_dir, model=None):
@@ -240,11 +240,79 @@ def _example_corpus(path):
     return path
 
 
+def _check_train_flags(args) -> None:
+    """``dew train``'s counts and their pairings, refused by the flags' names before anything is
+    written or compiled (the library would name its own arguments: ``eval_every``)."""
+    check_counts(
+        args,
+        "steps",
+        "batch",
+        "seq_len",
+        "log_every",
+        "checkpoint_every",
+        "eval_every",
+        "eval_batches",
+        "accumulation",
+    )
+    if args.eval_batches is not None and args.eval_every is None:
+        raise ValueError(
+            f"--eval-batches {args.eval_batches} without --eval-every: give --eval-every N to "
+            "evaluate every N steps"
+        )
+
+
+def _check_validation_windows(args, data_dir) -> None:
+    """``ValueError`` naming the flags when ``--eval-every``'s batches need more validation
+    windows than the token folder's ``val.bin`` holds, with the most it can give."""
+    from dew.data import read_meta
+    from dew.data.windows import window_count
+
+    batches = _val_batches(args)
+    windows = window_count(read_meta(data_dir).val_tokens, args.seq_len)
+    if batches * args.batch <= windows:
+        return
+    given = f"--eval-batches {batches}" if args.eval_batches else f"the default {batches} batches"
+    most = windows // args.batch
+    fix = (
+        f"give --eval-batches {most} or fewer"
+        if most
+        else f"a smaller --batch or --seq-len, or more validation text in {data_dir}"
+    )
+    raise ValueError(
+        f"--eval-every evaluates on {given} of --batch {args.batch} rows, {batches * args.batch} "
+        f"windows of --seq-len {args.seq_len}, and val.bin in {data_dir} holds {windows}: {fix}"
+    )
+
+
+# The fields of a saved data position (dew.data.windows) that a dew train flag sets.
+_POSITION_FLAGS = {"batch_size": "--batch", "seq_len": "--seq-len"}
+
+
+def _resume_mismatch(differ: dict, run_dir) -> str:
+    """Why a run cannot resume with this command's data flags (``DataPositionMismatch.differ``),
+    and what to do: give the run's values again, or start a new run in another ``--run-dir``."""
+    flags = {f: saved_now for f, saved_now in differ.items() if f in _POSITION_FLAGS}
+    if flags:
+        was = ", ".join(f"{_POSITION_FLAGS[f]} {saved}" for f, (saved, _) in flags.items())
+        now = ", ".join(f"{_POSITION_FLAGS[f]} {now}" for f, (_, now) in flags.items())
+        return (
+            f"the run in {run_dir} was trained with {was}, and this command gives {now}: "
+            f"give {was} to resume it, or another --run-dir to start a new run"
+        )
+    # The flags agree, the data does not: another token folder (or the same one rewritten).
+    what = "; ".join(f"{f} {was} (the run's) != {now} (now)" for f, (was, now) in differ.items())
+    return (
+        f"the run in {run_dir} was trained on other data ({what}): give the --data it was "
+        "trained on to resume it, or another --run-dir to start a new run"
+    )
+
+
 def train_command(args) -> int:
     from pathlib import Path
 
     from dew.checkpoints import Checkpoints
 
+    _check_train_flags(args)
     run_dir = Path(args.run_dir)
     model = None
     if args.init_from:  # its model is the model: read (and checked) before any data is written
@@ -254,6 +322,7 @@ def train_command(args) -> int:
     elif args.extend_context:
         raise ValueError("--extend-context lengthens the context of an --init-from model")
     data_dir = args.data or _example_corpus(run_dir / "corpus")
+    _check_validation_windows(args, data_dir)
     if model is not None:
         from dew.data import read_meta
 
@@ -270,6 +339,7 @@ def train_command(args) -> int:
     # The tokenizer the token folder was written with, for dew convert --to hf to copy.
     convert.keep_tokenizer(trainer.checkpoints.directory, data_dir)
     from dew.checkpoints.errors import CheckpointMismatchError
+    from dew.data.windows import DataPositionMismatch
     from dew.training.tracking import TensorBoard
 
     try:
@@ -289,6 +359,8 @@ def train_command(args) -> int:
             "its sizes or dtypes differ): give another --run-dir to start this one, or the "
             "flags that run was started with to resume it"
         ) from None
+    except DataPositionMismatch as error:
+        raise ValueError(_resume_mismatch(error.differ, run_dir)) from None
     from dew.training.preemption import INTERRUPTED_EXIT_CODE
 
     # SIGTERM exits from fit with 143 (dew.training.preemption); a first Ctrl-C returns early.

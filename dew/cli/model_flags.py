@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 
 from dew.cli import choices
+from dew.cli.flags import check_counts
 
 
 def preset_names() -> tuple[str, ...]:
@@ -154,10 +155,13 @@ def model_config(args) -> dict:
     ``--attention`` applied where given, and the MoE flags (``moe_config``).
 
     A preset keeps its own context (``max_seq_len``); ``--seq-len`` above it is a ``ValueError``.
-    The example decoder's ``max_seq_len`` is ``--seq-len``.
+    The example decoder's ``max_seq_len`` is ``--seq-len``. A size below 1 is a ``ValueError``
+    naming its flag.
     """
     from dew.models.presets import preset
 
+    # Named as typed: the model would refuse --seq-len 0 as "max_seq_len".
+    check_counts(args, "batch", "seq_len", "layers", "width", "heads")
     config = preset(args.model) if args.model else dict(args.example_model)
     given = dict(num_layers=args.layers, emb_features=args.width, num_heads=args.heads)
     given.update({field: getattr(args, flag, None) for flag, field in _MODEL_CHOICE_FLAGS.items()})

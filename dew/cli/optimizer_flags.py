@@ -75,13 +75,29 @@ def add_optimizer_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def optimizer_from(args):
-    """The ``dew.training.optimizer.adamw`` of ``args`` (``ValueError`` naming the values that
-    make no sense, before anything compiles)."""
-    from dew.training.optimizer import adamw
+# dew.training.schedule.check_schedule's arguments, as dew train's flags spell them.
+SCHEDULE_FLAGS = {
+    "learning_rate": "--lr",
+    "steps": "--steps",
+    "warmup_steps": "--warmup-steps",
+    "lr_schedule": "--lr-schedule",
+    "lr_min": "--lr-min",
+}
 
+
+def optimizer_from(args):
+    """The ``dew.training.optimizer.adamw`` of ``args`` (``ValueError`` naming the flags and the
+    values that make no sense, before anything compiles)."""
+    from dew.training.optimizer import adamw
+    from dew.training.schedule import check_schedule
+
+    check_schedule(
+        args.lr, args.steps, args.warmup_steps, args.lr_schedule, args.lr_min, SCHEDULE_FLAGS
+    )
     if args.clip_norm < 0:
         raise ValueError(f"--clip-norm must be >= 0 (0: no clipping), got {args.clip_norm}")
+    if args.weight_decay < 0:
+        raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
     return adamw(
         args.lr,
         steps=args.steps,

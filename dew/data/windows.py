@@ -38,6 +38,16 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return positive_int(name, value) if minimum == 1 else nonnegative_int(name, value)
 
 
+class DataPositionMismatch(ValueError):
+    """A saved data position (``WindowDataset.position``) that describes another order of batches
+    than this dataset's: ``differ`` maps each field that differs (``batch_size``, ``seq_len``,
+    ``seed``, ``records``) to ``(saved, now)``."""
+
+    def __init__(self, message: str, differ: dict):
+        super().__init__(message)
+        self.differ = differ
+
+
 def window_count(tokens: int, seq_len: int) -> int:
     """How many ``seq_len + 1``-token windows, starting every ``seq_len`` tokens, fit in
     ``tokens``."""
@@ -285,15 +295,19 @@ class WindowDataset:
         if missing:
             raise ValueError(f"data position {position!r} lacks field(s) {', '.join(missing)}")
         mine = self.position(0)
-        differ = [
-            f"{name} {position[name]!r} (saved) != {mine[name]!r} (this dataset)"
+        differ = {
+            name: (position[name], mine[name])
             for name in fields[1:]
             if position[name] != mine[name]
-        ]
+        }
         if differ:
-            raise ValueError(
+            raise DataPositionMismatch(
                 f"the data position does not belong to this dataset ({str(self.path)!r}): "
-                + "; ".join(differ)
+                + "; ".join(
+                    f"{name} {saved!r} (saved) != {now!r} (this dataset)"
+                    for name, (saved, now) in differ.items()
+                ),
+                differ,
             )
         return _check_int("next_batch", position["next_batch"], 0)
 

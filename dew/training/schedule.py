@@ -56,31 +56,51 @@ def schedule(
     return lr
 
 
-def check_schedule(learning_rate, steps, warmup_steps, lr_schedule, lr_min) -> None:
+def check_schedule(
+    learning_rate, steps, warmup_steps, lr_schedule, lr_min, names: dict | None = None
+) -> None:
     """``ValueError`` naming the values for a schedule that makes no sense: a learning rate not
     above 0, an unknown schedule, a decay without ``steps``, ``lr_min`` negative or above the
-    learning rate, ``warmup_steps`` negative or above ``steps``."""
+    learning rate, ``warmup_steps`` negative or above ``steps``.
+
+    ``names``: how the caller spells each argument in its messages, by argument name (``dew
+    train`` passes its flags: ``{"lr_min": "--lr-min", ...}``); an argument it leaves out is
+    named as here."""
+    name = {
+        "learning_rate": "the learning rate",
+        "steps": "steps",
+        "warmup_steps": "warmup_steps",
+        "lr_schedule": "lr_schedule",
+        "lr_min": "lr_min",
+        **(names or {}),
+    }
+    lr_name, schedule_name, min_name = name["learning_rate"], name["lr_schedule"], name["lr_min"]
     if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)):
-        raise ValueError(f"learning rate must be a number above 0, got {learning_rate!r}")
+        raise ValueError(f"{lr_name} must be a number above 0, got {learning_rate!r}")
     if not (math.isfinite(learning_rate) and learning_rate > 0):
-        raise ValueError(f"learning rate must be a number above 0, got {learning_rate!r}")
+        raise ValueError(f"{lr_name} must be a number above 0, got {learning_rate!r}")
     if lr_schedule not in SCHEDULES:
         raise ValueError(
-            f"unknown lr_schedule {lr_schedule!r}; expected one of {', '.join(SCHEDULES)}"
+            f"unknown {schedule_name} {lr_schedule!r}; expected one of {', '.join(SCHEDULES)}"
         )
-    nonnegative_int("warmup_steps", warmup_steps)
+    nonnegative_int(name["warmup_steps"], warmup_steps)
     if steps is not None:
-        positive_int("steps", steps)
+        positive_int(name["steps"], steps)
         if warmup_steps > steps:
-            raise ValueError(f"warmup_steps {warmup_steps} is above steps {steps}")
+            raise ValueError(
+                f"{name['warmup_steps']} {warmup_steps} is above {name['steps']} {steps}"
+            )
     if lr_schedule != "constant" and steps is None:
-        raise ValueError(f"lr_schedule {lr_schedule!r} decays to lr_min at steps: give steps")
+        raise ValueError(
+            f"{schedule_name} {lr_schedule!r} decays to {min_name} at {name['steps']}: give "
+            f"{name['steps']}"
+        )
     if isinstance(lr_min, bool) or not isinstance(lr_min, (int, float)) or not lr_min >= 0:
-        raise ValueError(f"lr_min must be a number >= 0, got {lr_min!r}")
+        raise ValueError(f"{min_name} must be a number >= 0, got {lr_min!r}")
     if lr_min > learning_rate:
-        raise ValueError(f"lr_min {lr_min} is above the learning rate {learning_rate}")
+        raise ValueError(f"{min_name} {lr_min} is above {lr_name} {learning_rate}")
     if lr_schedule == "constant" and lr_min:
         raise ValueError(
-            f"lr_min {lr_min} is the end of a decay; lr_schedule 'constant' has none (give "
-            "lr_schedule 'cosine' or 'linear')"
+            f"{min_name} {lr_min} is the end of a decay; {schedule_name} 'constant' has none "
+            f"(give {schedule_name} 'cosine' or 'linear')"
         )
