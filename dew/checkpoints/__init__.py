@@ -10,6 +10,7 @@ from dew.checkpoints.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CorruptCheckpointError,
+    DamagedLatestStepError,
     NotACheckpointError,
 )
 from dew.checkpoints.index import FORMAT, VERSION
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
+    "DamagedLatestStepError",
     "NotACheckpointError",
     "FORMAT",
     "VERSION",

@@ -48,6 +48,14 @@ class LocalDirectory:
     def restore(self, step: int, index: Index, target: Any, workers: int) -> Any:
         return reader.restore(self.step_path(step), index, target, workers)
 
+    def check_files(self, step: int, index: Index) -> None:
+        """CorruptCheckpointError unless each of the step's files is there with its size."""
+        files = reader._Files(self.step_path(step), index)
+        try:
+            files.check_all()
+        finally:
+            files.close()
+
     def why_empty(self) -> str:
         if not self.directory.exists():
             return f"no checkpoint in {self.directory}: the directory does not exist"

@@ -21,7 +21,12 @@ from typing import Any
 import numpy as np
 
 from dew.checkpoints import writer
-from dew.checkpoints.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dew.checkpoints.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DamagedLatestStepError,
+    NotACheckpointError,
+)
 from dew.checkpoints.index import DEFAULT_CHUNK_BYTES
 from dew.checkpoints.local import LocalDirectory
 from dew.checkpoints.processes import Processes
@@ -239,7 +244,9 @@ class Checkpoints:
         step = self._complete(step)
         return self._location.read_index(step).metadata
 
-    def restore(self, target: Any, step: int | None = None, *, under: str = "") -> tuple[Any, dict]:
+    def restore(
+        self, target: Any, step: int | None = None, *, under: str = "", fall_back: bool = True
+    ) -> tuple[Any, dict]:
         """Read step `step` laid out as `target` asks; returns (tree, metadata).
 
         `under`: read only the saved arrays whose path starts with this prefix (as
@@ -250,7 +257,10 @@ class Checkpoints:
         `sharding` (any mesh, layout and process count) or jax.Arrays (their sharding is used), or
         numpy arrays / Python numbers for leaves wanted on the host. The arrays equal the saved ones
         bit for bit. With `step=None`, the latest complete step is read; if it is damaged, a warning
-        names what is wrong and the previous complete step is tried, and so on.
+        names what is wrong and the previous complete step is tried, and so on: right for resuming
+        a run, which repeats the steps lost. With `fall_back=False` (an export or a load, where an
+        older step would be the wrong model) a damaged latest step raises
+        DamagedLatestStepError instead, naming it, what is wrong, and the intact steps.
 
         Raises CorruptCheckpointError (damage, naming the step and file), CheckpointMismatchError
         (tree, shape or dtype differs from `target`, naming the path and both values),
@@ -269,6 +279,8 @@ class Checkpoints:
         steps = self._location.step_folders()
         if not steps:
             raise NotACheckpointError(self._why_empty())
+        if not fall_back:
+            return self._restore_latest(steps[-1], target, under)
         problems = []
         for position in range(len(steps) - 1, -1, -1):
             candidate = steps[position]
@@ -289,6 +301,42 @@ class Checkpoints:
         raise CorruptCheckpointError(
             f"every checkpoint in {self._directory} is damaged: " + "; ".join(problems)
         )
+
+    def _restore_latest(self, step: int, target: Any, under: str) -> tuple[Any, dict]:
+        """Step ``step``, the latest, or ``DamagedLatestStepError`` naming it and the intact
+        steps."""
+        try:
+            tree, metadata = self._restore_agreed(step, target, under)
+        except CorruptCheckpointError as error:
+            intact = self._intact_steps(step)
+            listed = ", ".join(str(s) for s in intact)
+            others = (
+                f"the intact steps (every file whole) are {listed}: name one to read it"
+                if intact
+                else "no other step is intact"
+            )
+            raise DamagedLatestStepError(
+                f"checkpoint step {step} in {self._directory}, the latest, is damaged, and an "
+                f"older step is not read in its place: {error}; {others}",
+                step,
+                intact,
+            ) from None
+        self.restored_step = step
+        return tree, metadata
+
+    def _intact_steps(self, damaged: int) -> list[int]:
+        """The steps other than ``damaged`` whose index reads and whose every file has the size
+        the index records (no data is read: a checksum is checked when its chunk is)."""
+        intact = []
+        for step in self._location.step_folders():
+            if step == damaged:
+                continue
+            try:
+                self._location.check_files(step, self._location.read_index(step))
+            except CorruptCheckpointError:
+                continue
+            intact.append(step)
+        return intact
 
     def _restore_agreed(self, step: int, target: Any, under: str = "") -> tuple[Any, dict]:
         """Restore one step; with several processes, all agree on whether it was damaged (each

@@ -360,6 +360,10 @@ class RemoteDirectory:
             self.step_path(step), index, target, workers, files=RemoteFiles(self, index)
         )
 
+    def check_files(self, step: int, index: Index) -> None:
+        """CorruptCheckpointError unless each of the step's files is there with its size."""
+        RemoteFiles(self, index).check_all()
+
     def why_empty(self) -> str:
         names = sorted({relative.partition("/")[0] for relative in self._objects(self.root)})
         if not names:

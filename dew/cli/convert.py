@@ -233,6 +233,7 @@ def to_hf(directory, folder, step: int | None = None, max_shard_bytes: int | Non
     it) as a Hugging Face folder, with the tokenizer files and the special tokens' ids
     (``read_carried``) the checkpoint keeps. Returns ``(weights and config written, tokenizer
     files copied, config.json fields carried)``."""
+    from dew.checkpoints import DamagedLatestStepError
     from dew.models import hf
     from dew.models.checkpoint import checkpoint_directory, load_checkpoint
 
@@ -242,7 +243,10 @@ def to_hf(directory, folder, step: int | None = None, max_shard_bytes: int | Non
     if taken:  # refused before the weights are written, not after
         raise FileExistsError(f"{folder} already holds {', '.join(taken)}; not overwriting")
     carried = read_carried(directory)
-    model, params = load_checkpoint(directory, step)
+    try:
+        model, params = load_checkpoint(directory, step)
+    except DamagedLatestStepError as error:
+        raise error.naming("export one with --step N") from None
     extra = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     written = hf.save(model, params, folder, carried=carried, **extra)
     return written, _copy_files([(f, Path(folder) / f.name) for f in tokenizer]), carried
@@ -381,6 +385,7 @@ def init_from(trainer, path) -> None:
     import jax
     import jax.numpy as jnp
 
+    from dew.checkpoints import DamagedLatestStepError
     from dew.models import hf
     from dew.models.checkpoint import checkpoint_model, restore_params
     from dew.training.state import TrainState
@@ -397,7 +402,13 @@ def init_from(trainer, path) -> None:
         mismatch = hf.architecture(model) != hf.architecture(trainer.objective.model)
         if mismatch:
             raise ValueError(f"the checkpoint in {path} is not the model being trained")
-        params = restore_params(checkpoints, model, prefix, shardings.params)
+        try:
+            params = restore_params(checkpoints, model, prefix, shardings.params)
+        except DamagedLatestStepError as error:
+            raise error.naming(
+                f"--init-from reads the latest step: dew convert {path} FOLDER --to hf --step N "
+                "exports one, for --init-from FOLDER"
+            ) from None
     opt_state = jax.jit(trainer.optimizer.init, out_shardings=shardings.opt_state)(params)
     state = TrainState(
         step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),

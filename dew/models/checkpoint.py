@@ -66,7 +66,10 @@ def _few_steps(steps: list[int]) -> str:
 
 def restore_params(checkpoints, model, prefix: str, shardings, step: int | None = None):
     """The weights of a Dew checkpoint laid out by ``shardings`` (a tree shaped like them), in
-    the model's ``param_dtype``."""
+    the model's ``param_dtype``: step ``step``, or the latest. A damaged latest step raises
+    ``dew.checkpoints.DamagedLatestStepError`` (naming it and the intact steps): an older step is
+    another model, which a load or an export must not give in its place (resuming a run falls
+    back; ``Checkpoints.restore``)."""
     import jax
 
     from dew.models.causal_transformer import resolve_dtype
@@ -76,7 +79,7 @@ def restore_params(checkpoints, model, prefix: str, shardings, step: int | None 
     target = jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), abstract, shardings
     )
-    params, _ = checkpoints.restore(target, step, under=prefix)
+    params, _ = checkpoints.restore(target, step, under=prefix, fall_back=False)
     return params
 
 
@@ -96,12 +99,19 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None):
     Raises ``FileNotFoundError`` / ``NotADirectoryError`` for a path that is missing or a file,
     ``ValueError`` for a directory with no checkpoint, a ``step`` it does not have (naming the
     steps it has), or a checkpoint written before Dew recorded its model, and
-    ``dew.checkpoints.CorruptCheckpointError`` for a damaged step.
+    ``dew.checkpoints.CorruptCheckpointError`` for a damaged step: with ``step=None`` and the
+    latest step damaged, its kind ``DamagedLatestStepError``, naming the intact steps (never an
+    older step loaded in its place: give ``step=N`` to load one).
     """
     import jax
+
+    from dew.checkpoints import DamagedLatestStepError
 
     directory = checkpoint_directory(run_dir)
     checkpoints, model, prefix = checkpoint_model(directory, step)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree_util.tree_map(lambda _: one, jax.eval_shape(model.init, jax.random.key(0)))
-    return model, restore_params(checkpoints, model, prefix, shardings, step)
+    try:
+        return model, restore_params(checkpoints, model, prefix, shardings, step)
+    except DamagedLatestStepError as error:
+        raise error.naming("load_checkpoint(..., step=N)") from None

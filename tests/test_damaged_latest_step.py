@@ -1,0 +1,131 @@
+"""A checkpoint directory whose latest step is damaged, a file of it truncated on disk (issue 52):
+an export or a load that names no step refuses, naming the damaged step and the intact ones,
+and writes nothing; one that names an intact step reads it; resuming a run still falls back.
+
+Steps 1 and 2 hold other weights than step 0 (step 0's plus 1 and 2), so reading the wrong step
+shows; step 1 is damaged too, so the steps named intact are checked, not merely listed.
+"""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from dew.checkpoints import Checkpoints, DamagedLatestStepError
+from dew.cli import convert
+from dew.models import hf
+from dew.models.checkpoint import load_checkpoint
+from tests.test_cli_errors import TIED
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    """``(directory, step 0's params, step 2's file, its size before)``: the tied reference model
+    as step 0 (``dew convert``), its weights plus one as steps 1 and 2; step 1's data file then
+    gone, and step 2's (the latest) cut to half its length, as a full disk or a killed copy
+    leaves it. Step 0 is the one intact step."""
+    directory = tmp_path_factory.mktemp("damaged") / "ckpt"
+    convert.to_checkpoint(TIED, directory)
+    _, params = load_checkpoint(directory)
+    checkpoints = Checkpoints(directory, keep=None)
+    for step in (1, 2):
+        checkpoints.save(
+            step, jax.tree.map(lambda a: a + step, params), metadata=checkpoints.metadata(0)
+        )
+    checkpoints.wait()
+    (gone,) = (directory / "step_00000001").glob("*.npz")
+    gone.unlink()
+    (data,) = (directory / "step_00000002").glob("*.npz")
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    return directory, params, data, size
+
+
+def test_load_checkpoint_refuses_a_damaged_latest_step_and_reads_a_named_one(damaged):
+    directory, params, data, size = damaged
+    with pytest.raises(DamagedLatestStepError) as refused:
+        load_checkpoint(directory)
+    assert (refused.value.step, refused.value.intact) == (2, [0])
+    assert str(refused.value) == (
+        f"checkpoint step 2 in {directory}, the latest, is damaged, and an older step is not "
+        f"read in its place: step 2: {data} is truncated: {size // 2} bytes, the index records "
+        f"{size}; the intact steps (every file whole) are 0: name one to read it "
+        "(load_checkpoint(..., step=N))"
+    )
+    _, step0 = load_checkpoint(directory, step=0)
+    jax.tree.map(np.testing.assert_array_equal, step0, params)
+
+
+def test_dew_convert_refuses_it_in_one_line_and_writes_nothing(damaged, dew_here, tmp_path):
+    directory, params, _, _ = damaged
+    out = tmp_path / "hf"
+    run = dew_here("convert", str(directory), str(out), "--to", "hf", cwd=tmp_path)
+    assert run.returncode == 2, run.stdout
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(f"dew convert: checkpoint step 2 in {directory}, the latest, is dam")
+    assert line.endswith(
+        "the intact steps (every file whole) are 0: name one to read it (export one with --step N)"
+    ), line
+    assert not out.exists()
+    # Named, the intact step exports: step 0's weights, not step 1's.
+    run = dew_here("convert", str(directory), str(out), "--to", "hf", "--step", "0", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    _, exported = hf.load(out)
+    jax.tree.map(np.testing.assert_array_equal, exported, params)
+
+
+def test_init_from_refuses_it_and_says_how_to_start_from_an_intact_step(
+    damaged, dew_here, tmp_path
+):
+    directory = damaged[0]
+    run = dew_here("train", "--init-from", str(directory), "--run-dir", "run", cwd=tmp_path)
+    assert run.returncode == 2, run.stdout
+    assert run.stderr.splitlines()[-1].endswith(
+        f"are 0: name one to read it (--init-from reads the latest step: dew convert {directory} "
+        "FOLDER --to hf --step N exports one, for --init-from FOLDER)"
+    ), run.stderr
+
+
+def test_resuming_still_falls_back_to_the_intact_step(damaged):
+    # A run resumes from the newest intact step (and repeats the steps after it), with a warning.
+    directory, params, _, _ = damaged
+    checkpoints = Checkpoints(directory)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), params)
+    with pytest.warns(UserWarning) as warned:
+        restored, _ = checkpoints.restore(target)
+    assert [str(w.message).split(": ")[0] for w in warned] == [
+        f"checkpoint step 2 in {directory} is damaged, trying step 1",
+        f"checkpoint step 1 in {directory} is damaged, trying step 0",
+    ]
+    assert checkpoints.restored_step == 0
+    jax.tree.map(np.testing.assert_array_equal, restored, params)
+
+
+def test_on_object_storage_too(seed):
+    # The same rule on a memory:// URL (the object-storage reader; its files are checked by a
+    # listing of their sizes): step 2 truncated, step 1's data gone, step 0 intact.
+    import uuid
+
+    import fsspec
+
+    print(f"seed: {seed}")
+    weights = np.random.default_rng(seed).standard_normal((64, 32)).astype(np.float32)
+    url = f"memory://dew-{uuid.uuid4().hex[:8]}/run"
+    checkpoints = Checkpoints(url, keep=None)
+    for step in (0, 1, 2):
+        checkpoints.save(step, {"w": weights + step})
+        checkpoints.wait()
+    fs, root = fsspec.core.url_to_fs(url)
+    try:
+        fs.rm(f"{root}/step_00000001/process_00000.npz")
+        data = f"{root}/step_00000002/process_00000.npz"
+        fs.pipe_file(data, fs.cat_file(data)[:1000])
+        with pytest.raises(DamagedLatestStepError, match="is truncated: 1000 bytes") as refused:
+            Checkpoints(url).restore({"w": np.zeros_like(weights)}, fall_back=False)
+        assert (refused.value.step, refused.value.intact) == (2, [0])
+        restored, _ = Checkpoints(url).restore({"w": np.zeros_like(weights)}, 0, fall_back=False)
+        np.testing.assert_array_equal(restored["w"], weights)
+    finally:
+        fs.rm(root, recursive=True)
