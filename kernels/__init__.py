@@ -11,8 +11,32 @@ Two kernel families behind one contract, chosen per call from the devices it is 
 (`platform.py`): Mosaic on TPU (`mosaic_forward.py`, `mosaic_backward.py`, `mosaic.py`), Triton on
 GPU (`forward.py`, `backward.py`); on CPU, Pallas' interpreter (``interpret=None`` or ``True``) or
 TPU interpret mode for the Mosaic kernels (``interpret="tpu"``).
+
+Imported as a top-level ``kernels`` (from the repository's root), this file hands the import to
+an installed package of that name instead (below).
 """
 
-from .attention import flash_attention, flash_attention_backward, flash_attention_forward
+if __name__ == "dew.kernels":
+    from .attention import flash_attention, flash_attention_backward, flash_attention_forward
 
-__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_forward"]
+    __all__ = ["flash_attention", "flash_attention_backward", "flash_attention_forward"]
+else:
+    # This folder is Dew's ``dew.kernels`` (pyproject maps it), never a top-level ``kernels``:
+    # from the repository's root Python finds it first under that name (the current directory
+    # leads sys.path), hiding a package of that name installed there (transformers imports
+    # Hugging Face's ``kernels``). The import goes to the package the path holds past the
+    # repository, or fails as if this folder were not here. The standard library alone: the
+    # importer may have no JAX.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
+    _spec = _machinery.PathFinder.find_spec(__name__, _path)
+    if _spec is None:
+        raise ModuleNotFoundError(f"No module named {__name__!r}", name=__name__)
+    _installed = _util.module_from_spec(_spec)
+    _sys.modules[__name__] = _installed  # what the import statement returns
+    _spec.loader.exec_module(_installed)

@@ -1,13 +1,19 @@
 """The imports code written for Dew's predecessor uses: the user's notebook's import lines (read
 from the notebook beside the repository, ``../shared/spec/``, where it is; skipped elsewhere), and
 the line of the user's own code, ``from dew.training import prepare_process, Layout, MeshSpec,
-Checkpoints``, which every clone runs."""
+Checkpoints``, which every clone runs. Also: no two modules of Dew import each other, and the
+repository's ``kernels/`` folder is ``dew.kernels`` only, never a top-level ``kernels``."""
 
 import ast
+import os
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_env
 from tests.test_notebook import NOTEBOOK, notebook_script
 
 USER_IMPORT = (
@@ -139,3 +145,46 @@ def test_the_circle_check_sees_an_import_inside_a_function(tmp_path):
     )
     (tmp_path / "dew" / "training" / "step.py").write_text("from . import trainer\n")
     assert import_circles(module_files(tmp_path)) == [["dew.planning", "dew.training.trainer"]]
+
+
+def _python_at_the_root(code: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -c code`` run from the repository's root (where ``kernels/`` would win a
+    top-level import: the current directory leads sys.path), with ``pythonpath`` after it."""
+    env = child_env()
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_from_the_root_import_kernels_is_the_installed_package_and_dew_kernels_is_dews(tmp_path):
+    # Hugging Face's `kernels` as transformers imports it, stood in by a package of that name on
+    # the path: from the root it must be what `import kernels` gives, submodules too, while
+    # dew.kernels stays Dew's flash attention.
+    installed = tmp_path / "site" / "kernels"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text('WHO = "installed"\n')
+    (installed / "hub.py").write_text("X = 7\n")
+    run = _python_at_the_root(
+        "import kernels, kernels.hub, dew.kernels; print(kernels.WHO, kernels.hub.X, "
+        "dew.kernels.flash_attention.__module__)",
+        tmp_path / "site",
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["installed", "7", "dew.kernels.attention"]
+    # With none installed, the folder does not answer to the name either.
+    run = _python_at_the_root("import kernels")
+    assert run.returncode == 1
+    assert run.stderr.splitlines()[-1] == "ModuleNotFoundError: No module named 'kernels'"
+
+
+def test_the_kernels_folder_installs_as_dew_kernels():
+    # What an install (editable or a wheel) takes from pyproject.toml: the folder is the package
+    # dew.kernels, and there is no top-level package but dew. (A wheel built by `pip wheel .` on
+    # 2026-12-06 held dew/kernels/__init__.py and the twelve kernel modules, no kernels/.)
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"dew.kernels": "kernels"}
+    assert "dew.kernels" in setuptools["packages"]
+    assert {name.split(".")[0] for name in setuptools["packages"]} == {"dew"}
+    assert (ROOT / "kernels" / "__init__.py").is_file()
