@@ -16,22 +16,24 @@ VOCAB = 64
 
 
 # One of fit's log lines (Trainer.fit's log_every): "step N: loss L, T ms/step, K tokens/s", then
-# ", MFU M%" where the device's peak is known; an MoE model's router statistics in parentheses
-# after the loss; " (first step: includes compiling)" when the first step is the line's only one;
-# then the gradients' global norm and, where the optimizer says it, the learning rate.
+# ", MFU M% PaLM, C% causal-halved" where the device's peak is known; an MoE model's router
+# statistics in parentheses after the loss; " (first step: includes compiling)" when the first
+# step is the line's only one; then the gradients' global norm and, where the optimizer says it,
+# the learning rate.
 LOG_LINE = re.compile(
     r"step (?P<step>\d+): loss (?P<loss>\d+\.\d{4})(?: \([^)]*\))?, "
     r"(?P<ms>[\d,]+\.\d) ms/step, (?P<tokens_per_s>[\d,]+) tokens/s"
-    r"(?:, MFU (?P<mfu>\d+\.\d)%)?(?P<first> \(first step: includes compiling\))?"
+    r"(?:, MFU (?P<mfu>\d+\.\d)% PaLM, (?P<mfu_causal>\d+\.\d)% causal-halved)?"
+    r"(?P<first> \(first step: includes compiling\))?"
     r"(?:, grad norm (?P<grad_norm>[\d.e+-]+|nan|inf))?(?:, lr (?P<lr>[\d.e+-]+))?"
 )
 
 
 def parse_log_line(line: str) -> dict:
     """The numbers of one of fit's log lines: ``step``, ``loss``, ``ms`` (per step),
-    ``tokens_per_s``, ``mfu`` (in percent; ``None`` when the line has none) and ``first`` (the
-    line's speed is the first step's alone); an ``AssertionError`` showing the line when it is not
-    one."""
+    ``tokens_per_s``, ``mfu`` and ``mfu_causal`` (in percent; ``None`` when the line has none)
+    and ``first`` (the line's speed is the first step's alone); an ``AssertionError`` showing the
+    line when it is not one."""
     found = LOG_LINE.fullmatch(line)
     assert found, f"not a log line of fit: {line!r}"
 
@@ -44,24 +46,27 @@ def parse_log_line(line: str) -> dict:
         ms=number("ms"),
         tokens_per_s=number("tokens_per_s"),
         mfu=None if found["mfu"] is None else number("mfu"),
+        mfu_causal=None if found["mfu_causal"] is None else number("mfu_causal"),
         first=found["first"] is not None,
     )
 
 
-def assert_line_speed(line: dict, step_times, tokens: int, mfu_at=None) -> None:
+def assert_line_speed(line: dict, step_times, tokens: int, mfu_at=None, causal_at=None) -> None:
     """That ``line`` (``parse_log_line``'s) prints the speed of the steps that took
     ``step_times`` seconds each (their ``step_time_s``): their mean in ms, ``tokens`` (per step)
-    over it, and ``mfu_at(seconds)`` (a fraction) at it, or no MFU when ``mfu_at`` is ``None``;
-    each to the printed digit."""
+    over it, and ``mfu_at(seconds)`` and ``causal_at(seconds)`` (fractions: PaLM's MFU and the
+    one with causal attention halved) at it, or no MFU when ``mfu_at`` is ``None``; each to the
+    printed digit."""
     mean = sum(step_times) / len(step_times)
     what = f"{line} against step times {list(step_times)}"
     assert abs(line["ms"] - 1e3 * mean) <= 0.05 + 1e-9 * line["ms"], what
     assert abs(line["tokens_per_s"] - tokens / mean) <= 0.5 + 1e-9 * line["tokens_per_s"], what
     if mfu_at is None:
-        assert line["mfu"] is None, what
+        assert line["mfu"] is None and line["mfu_causal"] is None, what
         return
     assert line["mfu"] is not None, what
     assert abs(line["mfu"] - 100 * mfu_at(mean)) <= 0.05 + 1e-9, what
+    assert abs(line["mfu_causal"] - 100 * causal_at(mean)) <= 0.05 + 1e-9, what
 
 
 def child_env() -> dict:

@@ -3,11 +3,17 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 
-def test_dew_bench_runs_and_records_sequence_parallel(tmp_path, dew_here):
-    # A one-step run of a tiny model: what is checked is what ran, not how fast.
+def test_dew_bench_runs_and_records_sequence_parallel(tmp_path, dew_here, monkeypatch):
+    # A one-step run of a tiny model: what is checked is what ran, not how fast. The CPU is given
+    # a peak (a CPU's is unknown), so that each row has its MFU by both counts.
+    from dew import models
+    from dew.training import flops
+
+    monkeypatch.setattr(flops, "peak_flops", lambda kind: 1e12)
     out = dew_here(
         "bench",
         *("--mesh", "data=8", "tensor=2", "--engines", "shard_map", "--no-one-device"),
@@ -28,6 +34,23 @@ def test_dew_bench_runs_and_records_sequence_parallel(tmp_path, dew_here):
         ("data=8", False),
         ("data=4,tensor=2", True),
     }, rows
+    # MFU by PaLM's count and with causal attention halved (dew.training.flops; the two counts
+    # are checked against their formulas in tests/test_flops.py), each in its named column.
+    model = models.build(
+        "causal_transformer",
+        vocab_size=256,
+        emb_features=32,
+        num_layers=1,
+        num_heads=2,
+        max_seq_len=8,
+    )
+    palm = flops.model_flops_per_token(model, 8)
+    ratio = flops.model_flops_per_token(model, 8, causal_halved=True) / palm
+    assert ratio < 1
+    for r in rows:  # 8 devices in each layout, of 1e12 FLOP/s
+        np.testing.assert_allclose(r["mfu"] * 1e12, r["tokens_per_s"] * palm / 8)
+        np.testing.assert_allclose(r["mfu_causal"], r["mfu"] * ratio, rtol=1e-12)
+    assert "MFU PaLM  MFU causal-halved" in out.stdout, out.stdout
 
 
 def test_dew_bench_runs_each_model_choice_as_contestants_of_its_own(tmp_path, dew_here):

@@ -88,7 +88,7 @@ def run(folder, tmp_path_factory, module_seed):
 
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
-        patch.setattr(dew.training.trainer, "peak_flops", fake_peak)
+        patch.setattr(dew.training.flops, "peak_flops", fake_peak)
         patch.setattr(dew.training.trainer, "build_loss", counting_build_loss)
         state = trainer.fit(
             data,
@@ -150,21 +150,29 @@ def test_the_evaluation_compiles_once(run):
 
 def test_throughput_fields_and_mfu_against_the_peak(run):
     model = run["trainer"].objective.model
-    per_token = flops.model_flops_per_token(model, SEQ)
+    counts = {
+        "": flops.model_flops_per_token(model, SEQ),
+        "_causal": flops.model_flops_per_token(model, SEQ, causal_halved=True),
+    }
     devices = jax.device_count()
     assert run["kinds"] == [jax.devices()[0].device_kind]
     for line in run["lines"]:
         tokens_per_s = ROWS * SEQ / line["step_time_s"]
         np.testing.assert_allclose(line["tokens_per_s"], tokens_per_s, rtol=1e-9)
-        model_flops = per_token * tokens_per_s / devices
-        np.testing.assert_allclose(line["model_tflops_per_device"], model_flops / 1e12, rtol=1e-9)
-        np.testing.assert_allclose(line["mfu"], model_flops / FAKE_PEAK, rtol=1e-9)
+        for suffix, per_token in counts.items():
+            model_flops = per_token * tokens_per_s / devices
+            np.testing.assert_allclose(
+                line[f"model_tflops_per_device{suffix}"], model_flops / 1e12, rtol=1e-9
+            )
+            np.testing.assert_allclose(line[f"mfu{suffix}"], model_flops / FAKE_PEAK, rtol=1e-9)
 
 
 def test_the_log_line_gives_the_mean_speed_and_mfu_since_the_first_step(run):
     # log_every=100: one line, at the last step, whose speed is that of steps 2 to 5 (step 1
     # compiles), MFU included: the run was told the device's peak.
-    per_token = flops.model_flops_per_token(run["trainer"].objective.model, SEQ)
+    model = run["trainer"].objective.model
+    per_token = flops.model_flops_per_token(model, SEQ)
+    causal = flops.model_flops_per_token(model, SEQ, causal_halved=True)
     devices = jax.device_count()
     (line,) = [parse_log_line(text) for text in run["printed"] if ": loss " in text]
     assert line["step"] == STEPS and line["loss"] == f"{run['lines'][-1]['loss']:.4f}"
@@ -173,6 +181,7 @@ def test_the_log_line_gives_the_mean_speed_and_mfu_since_the_first_step(run):
         [m["step_time_s"] for m in run["lines"][1:]],
         tokens=ROWS * SEQ,
         mfu_at=lambda seconds: per_token * ROWS * SEQ / seconds / devices / FAKE_PEAK,
+        causal_at=lambda seconds: causal * ROWS * SEQ / seconds / devices / FAKE_PEAK,
     )
 
 
@@ -262,22 +271,26 @@ def test_only_process_0_logs(monkeypatch):
 
 def test_the_log_window_leaves_out_the_first_step_unless_it_is_alone():
     # Step times as a clock would give them: 3 s for the first step (compiling), then 0.2, 0.3,
-    # then 0.5. 1000 tokens a step, 1e6 FLOPs a token, 2 devices of 1e12 FLOP/s.
-    window = LogWindow(tokens=1000, flops_per_token=1e6, devices=2, peak=1e12)
+    # then 0.5. 1000 tokens a step, 1e8 FLOPs a token (6e7 with causal attention halved), 2
+    # devices of 1e12 FLOP/s.
+    speed = dict(tokens=1000, flops_per_token=1e8, causal_flops_per_token=6e7, devices=2)
+    window = LogWindow(**speed, peak=1e12)
     window.add(3.0)
-    assert (
-        window.line() == "3,000.0 ms/step, 333 tokens/s, MFU 0.0% (first step: includes compiling)"
+    assert window.line() == (
+        "3,000.0 ms/step, 333 tokens/s, MFU 1.7% PaLM, 1.0% causal-halved (first step: includes "
+        "compiling)"
     )
     window.add(0.2)
     window.add(0.3)
-    # Mean 0.25 s: 4,000 tokens/s, 1e6 x 4,000 / 2 = 2e9 FLOP/s per device, 0.2% of 1e12.
-    assert window.line() == "250.0 ms/step, 4,000 tokens/s, MFU 0.2%"
+    # Mean 0.25 s: 4,000 tokens/s, 1e8 x 4,000 / 2 = 2e11 FLOP/s per device, 20% of 1e12; 6e7:
+    # 12%.
+    assert window.line() == "250.0 ms/step, 4,000 tokens/s, MFU 20.0% PaLM, 12.0% causal-halved"
     window.add(0.5)
-    assert window.line() == "500.0 ms/step, 2,000 tokens/s, MFU 0.1%"
+    assert window.line() == "500.0 ms/step, 2,000 tokens/s, MFU 10.0% PaLM, 6.0% causal-halved"
     with pytest.raises(ValueError, match="no step was added since the last line"):
         window.line()
     # The first step with others after it: left out. No peak (a CPU): no MFU.
-    window = LogWindow(tokens=1000, flops_per_token=1e6, devices=2, peak=None)
+    window = LogWindow(**speed, peak=None)
     for seconds in (3.0, 0.5, 1.5):
         window.add(seconds)
     assert window.line() == "1,000.0 ms/step, 1,000 tokens/s"
@@ -288,6 +301,11 @@ def test_no_flop_count_no_peak_no_invented_fields():
     assert flops.throughput(64, 2.0, 1e9, 8, None) == {
         "tokens_per_s": 32.0,
         "model_tflops_per_device": 1e9 * 32.0 / 8 / 1e12,
+    }
+    assert flops.throughput(64, 2.0, 1e9, 8, None, 6e8) == {
+        "tokens_per_s": 32.0,
+        "model_tflops_per_device": 1e9 * 32.0 / 8 / 1e12,
+        "model_tflops_per_device_causal": 6e8 * 32.0 / 8 / 1e12,
     }
 
 

@@ -108,6 +108,13 @@ def test_the_formula_by_hand():
     per_layer = 4 * d * d + 3 * d * 4 * d + 2 * d  # q k v o, gate up down, two norm scales
     n = layers * per_layer + d + vocab * d
     assert model_flops_per_token(model, seq) == 6 * n + 12 * layers * d * seq
+    # MaxText's count since 2025 (maxtext_utils.calculate_tflops_training_per_device): attention
+    # forward 4 B T^2 H Q per layer, "/ 2" for the causal mask, x 3 for forward and backward, over
+    # the B T tokens: 6 L H Q T a token; the weights' 6 N unchanged.
+    batch, heads, head_dim = 3, 4, d // 4
+    causal_attention = 4 * batch * seq**2 * heads * head_dim / 2 * layers * 3 / (batch * seq)
+    assert causal_attention == 6 * layers * d * seq
+    assert model_flops_per_token(model, seq, causal_halved=True) == 6 * n + causal_attention
 
 
 def test_moe_counts_the_k_active_experts_of_e():

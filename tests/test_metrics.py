@@ -51,6 +51,7 @@ def test_one_line_per_step_with_the_steps_loss(tmp_path, data, seed):
     # a peak is given).
     # No "lr" either: the test's optimizer is a plain optax one, which does not say it.
     fields = {"step", "loss", "step_time_s", "tokens_per_s", "model_tflops_per_device", "grad_norm"}
+    fields.add("model_tflops_per_device_causal")  # with causal attention halved (MaxText's)
     assert all(set(line) == fields for line in lines), lines[0]
     # The same steps, taken one by one: the file holds each step's loss, not a stale or averaged
     # one.

@@ -162,6 +162,8 @@ class Result:
     # FLOPs per second over the devices' peak where Dew knows the device (None on a CPU).
     tokens_per_s: float | None = None
     mfu: float | None = None
+    # The same with causal attention's FLOPs halved (MaxText's count: dew.training.flops).
+    mfu_causal: float | None = None
     # The model's choices this row ran with where several were compared (``dew bench --attention
     # xla cudnn``): ``"attention_impl=cudnn"``; empty when one model ran.
     variant: str = ""
@@ -545,13 +547,14 @@ class Contestant:
             )
             bubble["double_step_ms"] = 1e3 * statistics.median(self.twin.times)
         step_s = statistics.median(self.times)
-        devices = self.trainer.mesh.devices.size
         speed = flops.throughput(
-            self.size.batch * self.size.seq_len,
-            step_s,
-            flops.model_flops_per_token(self.trainer.objective.model, self.size.seq_len),
-            devices,
-            flops.peak_flops(self.trainer.mesh.devices.flat[0].device_kind),
+            seconds=step_s,
+            **flops.speed(
+                self.trainer.objective.model,
+                self.size.seq_len,
+                self.size.batch * self.size.seq_len,
+                list(self.trainer.mesh.devices.flat),
+            ),
         )
         return Result(
             layout=self.layout,
@@ -570,6 +573,7 @@ class Contestant:
             pipeline_schedule=self.pipeline_schedule,
             tokens_per_s=speed["tokens_per_s"],
             mfu=speed.get("mfu"),
+            mfu_causal=speed.get("mfu_causal"),
             variant=self.variant,
             **bubble,
         )

@@ -16,6 +16,11 @@ appendix B, https://arxiv.org/abs/2204.02311): a training step costs, per token,
   against all ``T`` keys: the causal mask's half is *not* taken off. Dew's XLA attention computes
   the whole ``T x T`` square and masks it, as the count says; a kernel that skips masked blocks
   does about half of this term's work.
+- Causal attention halved (``causal_halved=True``): ``6 N + 6 L H Q T``, the count MaxText has used
+  since 2025 (``calculate_tflops_training_per_device`` in ``maxtext_utils.py``: the attention's
+  ``4 B T^2 H Q`` forward FLOPs per layer "/ 2" for the causal mask, times 3 for forward and
+  backward). Every MFU Dew prints comes with both: PaLM's (``mfu``) and this one
+  (``mfu_causal``), which compares with MaxText's figures.
 - Mixture of experts: each token runs ``k`` of an MoE layer's ``E`` experts, so ``N`` counts the
   experts' weights times ``k / E`` (the active weights; the router counts whole). Copies a capacity
   drops are not taken off: the count is the model's, not the run's luck.
@@ -85,10 +90,11 @@ def _size(tree) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree))
 
 
-def model_flops_per_token(model, seq_len: int) -> float | None:
+def model_flops_per_token(model, seq_len: int, *, causal_halved: bool = False) -> float | None:
     """PaLM's ``6 N + 12 L H Q T`` for a ``CausalTransformer`` training on rows of ``seq_len``
     positions (see the module's docstring for what ``N`` counts, the experts' ``k / E`` and the
-    causal mask); ``None`` for a model whose shapes this does not know.
+    causal mask); with ``causal_halved``, MaxText's ``6 N + 6 L H Q T`` (attention's term halved
+    for the causal mask). ``None`` for a model whose shapes this does not know.
     """
     try:
         layers, heads, head_dim = model.num_layers, model.num_heads, model.head_dim
@@ -104,19 +110,40 @@ def model_flops_per_token(model, seq_len: int) -> float | None:
     if experts:
         expert_weights = _size(params["moe_layers"]["moe"]["experts"])
         weights -= expert_weights * (experts - k) / experts
-    return 6.0 * weights + 12.0 * layers * heads * head_dim * seq_len
+    attention = 12.0 * layers * heads * head_dim * seq_len
+    return 6.0 * weights + (attention / 2 if causal_halved else attention)
 
 
 def throughput(
-    tokens: int, seconds: float, flops_per_token: float | None, devices: int, peak: float | None
+    tokens: int,
+    seconds: float,
+    flops_per_token: float | None,
+    devices: int,
+    peak: float | None,
+    causal_flops_per_token: float | None = None,
 ) -> dict:
     """A step's speed: ``tokens_per_s``; with a FLOP count, ``model_tflops_per_device`` (model
     FLOPs per second per device, in units of 10^12); with a peak too, ``mfu`` (that over the
-    device's peak FLOP/s, a fraction)."""
+    device's peak FLOP/s, a fraction). ``causal_flops_per_token`` (the count with causal
+    attention halved) adds ``model_tflops_per_device_causal`` and ``mfu_causal`` of it alike."""
     metrics = {"tokens_per_s": tokens / seconds}
-    if flops_per_token is not None:
-        per_device = flops_per_token * tokens / seconds / devices
-        metrics["model_tflops_per_device"] = per_device / 1e12
-        if peak is not None:
-            metrics["mfu"] = per_device / peak
+    for count, suffix in ((flops_per_token, ""), (causal_flops_per_token, "_causal")):
+        if count is not None:
+            per_device = count * tokens / seconds / devices
+            metrics[f"model_tflops_per_device{suffix}"] = per_device / 1e12
+            if peak is not None:
+                metrics[f"mfu{suffix}"] = per_device / peak
     return metrics
+
+
+def speed(model, seq_len: int, tokens: int, devices) -> dict:
+    """``throughput``'s arguments but ``seconds`` for ``model`` training on rows of ``seq_len``
+    positions, ``tokens`` a step, on ``devices`` (a sequence of ``jax.Device``; the first one's
+    peak): both counts, PaLM's and causal attention halved."""
+    return dict(
+        tokens=tokens,
+        flops_per_token=model_flops_per_token(model, seq_len),
+        causal_flops_per_token=model_flops_per_token(model, seq_len, causal_halved=True),
+        devices=len(devices),
+        peak=peak_flops(devices[0].device_kind),
+    )

@@ -33,7 +33,7 @@ from dew.layout import Layout
 from dew.mesh import BATCH_AXES, MeshSpec, build_mesh
 from dew.parallel import Shards, expert, fsdp, pipeline, sequence, tensor
 from dew.parallel.options import StepOptions
-from dew.training.flops import model_flops_per_token, peak_flops
+from dew.training import flops
 from dew.training.optimizer import host_state_shardings
 from dew.training.preemption import RUN, stop_signals
 from dew.training.remat_choice import choose_remat
@@ -576,11 +576,11 @@ class Trainer:
 
         next_batch = data.resume(position) if position is not None else start
         width = data.seq_len + 1
-        speed = dict(
-            tokens=data.batch_size * data.seq_len,
-            flops_per_token=model_flops_per_token(self.objective.model, self.objective.seq_len),
-            devices=self.mesh.devices.size,
-            peak=peak_flops(self.mesh.devices.flat[0].device_kind),
+        speed = flops.speed(
+            self.objective.model,
+            self.objective.seq_len,
+            data.batch_size * data.seq_len,
+            list(self.mesh.devices.flat),
         )
         fit_log = FitLog(trackers, **speed)
         window = LogWindow(**speed)  # the steps since the last printed line
