@@ -23,6 +23,7 @@ def records(seed, steps, val_every=None, mfu=False):
         r["tokens_per_s"] = float(rng.uniform(100, 200))
         if mfu:
             r["mfu"] = float(rng.uniform(0.1, 0.5))
+            r["mfu_causal"] = float(rng.uniform(0.1, 0.5))
         out.append(r)
         if val_every and step % val_every == 0:
             out.append(dict(step=step, val_loss=float(rng.uniform(1, 5))))
@@ -53,10 +54,12 @@ def test_the_figure_has_a_line_per_run_and_series(tmp_path, seed):
     # tokens/s without each segment's first (compiling) step: a's 1 and 4, b's 1.
     assert list(lines(speed_ax)["a"][0]) == [2, 3, 5, 6]
     assert list(lines(speed_ax)["b"][0]) == [2, 3, 4, 5]
-    steps, values = lines(mfu_ax)["a"]
-    mfu_a = {r["step"]: r["mfu"] for r in a + resumed if "mfu" in r}
-    assert list(steps) == list(mfu_a) and np.allclose(values, [100 * v for v in mfu_a.values()])
-    assert set(lines(mfu_ax)) == {"a"}
+    for key, label in (("mfu", "a PaLM"), ("mfu_causal", "a causal-halved")):
+        steps, values = lines(mfu_ax)[label]
+        mfu_a = {r["step"]: r[key] for r in a + resumed if key in r}
+        assert list(steps) == list(mfu_a), label
+        assert np.allclose(values, [100 * v for v in mfu_a.values()]), label
+    assert set(lines(mfu_ax)) == {"a PaLM", "a causal-halved"}
     assert not [t for t in mfu_ax.texts if t.get_text() == NO_MFU]
 
     # No run with mfu (a CPU run): the panel stays, empty, saying why.

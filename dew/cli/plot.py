@@ -4,7 +4,8 @@
     dew plot runs/a/metrics.jsonl runs/b/metrics.jsonl -o curves.png [--name a --name b]
 
 Three panels against the step: the loss (and the validation loss, ``val_loss``, dashed with
-markers, where the file has it), tokens per second, and model FLOPs utilisation (``mfu``). The MFU
+markers, where the file has it), tokens per second, and model FLOPs utilisation (``mfu``, PaLM's
+count, solid; ``mfu_causal``, causal attention halved as MaxText counts it, dotted). The MFU
 panel stays, saying so, when no file has ``mfu`` (a CPU run, or a device whose peak is unknown): the
 figure has the same panels whatever the files hold. Each run is named by its file's stem (its
 folder and stem when two stems collide) or by ``--name``, once per file.
@@ -155,13 +156,23 @@ def build_figure(runs: list[tuple[str, list[dict]]]):
         steps, values = _series(records, "tokens_per_s", skip_first_of_segment=True)
         if steps:
             speed_ax.plot(steps, values, color=color, label=name)
-        steps, values = _series(records, "mfu")
-        if steps:
-            mfu_ax.plot(steps, [100.0 * v for v in values], color=color, label=name)
+        # Both counts (dew.training.flops), each named: PaLM's solid, causal attention halved
+        # (MaxText's) dotted.
+        for key, style, label in (
+            ("mfu", "-", f"{name} PaLM"),
+            ("mfu_causal", ":", f"{name} causal-halved"),
+        ):
+            steps, values = _series(records, key)
+            if steps:
+                mfu_ax.plot(
+                    steps, [100.0 * v for v in values], color=color, linestyle=style, label=label
+                )
     loss_ax.set(xlabel="step", ylabel="loss (nats per token)", title="loss")
     loss_ax.legend(fontsize="small")
     speed_ax.set(xlabel="step", ylabel="tokens / s", title="tokens / s (compile steps left out)")
-    mfu_ax.set(xlabel="step", ylabel="MFU (%)", title="model FLOPs utilisation")
+    mfu_ax.set(
+        xlabel="step", ylabel="MFU (%)", title="model FLOPs utilisation (PaLM; causal-halved)"
+    )
     if mfu_ax.get_lines():
         mfu_ax.legend(fontsize="small")
     else:
