@@ -31,9 +31,10 @@ LOG_LINE = re.compile(
 
 def parse_log_line(line: str) -> dict:
     """The numbers of one of fit's log lines: ``step``, ``loss``, ``ms`` (per step),
-    ``tokens_per_s``, ``mfu`` and ``mfu_causal`` (in percent; ``None`` when the line has none)
-    and ``first`` (the line's speed is the first step's alone); an ``AssertionError`` showing the
-    line when it is not one."""
+    ``tokens_per_s``, ``mfu`` and ``mfu_causal`` (in percent; ``None`` when the line has none),
+    ``first`` (the line's speed is the first step's alone), and ``grad_norm`` and ``lr`` as printed
+    (text; ``None`` when the line has none); an ``AssertionError`` showing the line when it is not
+    one."""
     found = LOG_LINE.fullmatch(line)
     assert found, f"not a log line of fit: {line!r}"
 
@@ -48,6 +49,8 @@ def parse_log_line(line: str) -> dict:
         mfu=None if found["mfu"] is None else number("mfu"),
         mfu_causal=None if found["mfu_causal"] is None else number("mfu_causal"),
         first=found["first"] is not None,
+        grad_norm=found["grad_norm"],
+        lr=found["lr"],
     )
 
 

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-every",
         type=int,
         default=10,
-        help="print the loss, step time, tokens/s and (where the device's peak is known) MFU "
+        help="print the loss, step time, tokens/s, MFU (where the device's peak is known; "
+        "PaLM's count and causal attention halved), the gradients' norm and the learning rate "
         "every N steps, the speed that of the steps since the line before (default 10)",
     )
     train.add_argument(
@@ -97,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics",
         default=None,
         metavar="FILE",
-        help="append one JSON line per step (step, loss, step_time_s, tokens_per_s, "
-        "model_tflops_per_device, mfu, val_loss) to FILE",
+        help="append one JSON line per step to FILE: step, loss, step_time_s, tokens_per_s, "
+        "model_tflops_per_device and mfu (PaLM's count), model_tflops_per_device_causal and "
+        "mfu_causal (causal attention halved, MaxText's), grad_norm, lr, an MoE model's router "
+        "statistics, and with --eval-every val_loss and val_weights (docs/metrics.md)",
     )
     train.add_argument(
         "--tensorboard",
