@@ -121,7 +121,7 @@ def test_a_choice_at_another_batch_compiles_that_batch(needs):
     # activations, a batch argument twice as large), not those kept for ROWS.
     roomy = 1 << 40
     at = {
-        rows: planning.choose_remat(
+        rows: remat_choice.choose_remat(
             trainer("auto"), rows, memory_limit_bytes=roomy, policies=("none",)
         ).tried
         for rows in (ROWS, 2 * ROWS)
