@@ -15,9 +15,10 @@ The choices (``dew.training.optimizer.adamw``, ``dew train``'s flags):
 Each row: the weights' and the optimizer state's bytes (device and host), the compiled step's
 ``memory_analysis`` (arguments and temporaries on the device, and the host's, as XLA reports
 them), and the median of ``--calls`` steps after a warm-up (each to ``block_until_ready``), with
-tokens/s and MFU (PaLM's count, ``dew.training.flops``). Every choice trains from the same
-weights on the same random tokens. On a CPU (``--set num_layers=2 emb_features=64 ...``) it only
-checks that the script runs: the CPU's "host memory" is its device memory.
+tokens/s and MFU (PaLM's count and causal attention halved, ``dew.training.flops``). Every
+choice trains from the same weights on the same random tokens. On a CPU (``--set num_layers=2
+emb_features=64 ...``) it only checks that the script runs: the CPU's "host memory" is its device
+memory.
 """
 
 from __future__ import annotations
@@ -136,7 +137,9 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
     peak = peak_flops(kind)
-    flops = model_flops_per_token(models.build("causal_transformer", **config), args.seq_len)
+    model = models.build("causal_transformer", **config)
+    flops = model_flops_per_token(model, args.seq_len)
+    halved = model_flops_per_token(model, args.seq_len, causal_halved=True)
     tokens = args.batch * args.seq_len
     print(
         f"device: {kind}, jax {jax.__version__}; {args.model} {extra or ''}, batch {args.batch} x "
@@ -144,13 +147,16 @@ def main(argv=None) -> int:
     )
     print(
         "| choice | weights | state (device) | state (host) | arguments | temporaries | "
-        "step ms | tokens/s | MFU | loss |"
+        "step ms | tokens/s | MFU PaLM | MFU causal-halved | loss |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for choice in args.choices:
         row = measure(config, choice, args.batch, args.seq_len, args.calls, args.seed)
         seconds = row["step_ms"] / 1e3
-        mfu = "-" if peak is None else f"{100 * flops * tokens / seconds / peak:.1f}%"
+        mfu = " | ".join(
+            "-" if peak is None else f"{100 * count * tokens / seconds / peak:.1f}%"
+            for count in (flops, halved)
+        )
         print(
             f"| {choice} | {gib(row['weights_bytes'])} | {gib(row['state_device_bytes'])} | "
             f"{gib(row['state_host_bytes'])} | {gib(row['argument_bytes'])} | "

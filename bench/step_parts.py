@@ -23,7 +23,8 @@ to ``block_until_ready``), every part compiled on its own with the step's shapes
 - ``unexplained``: ``step`` minus the parts (what XLA overlaps or fuses across them shows here, as
   a negative figure when the parts alone cost more).
 
-Shares are of ``step``. MFU is the PaLM count ``dew`` logs (``dew.training.flops``).
+Shares are of ``step``. MFU by both counts ``dew`` logs (``dew.training.flops``): PaLM's, and
+causal attention halved (MaxText's).
 """
 
 from __future__ import annotations
@@ -202,7 +203,14 @@ def main(argv=None) -> int:
         ms = parts(model, args.batch, args.seq_len, args.calls, args.seed, args.step_only)
         tokens = args.batch * args.seq_len
         flops = model_flops_per_token(model, args.seq_len) * tokens
-        mfu = f", MFU {100 * flops / (ms['step'] / 1e3) / peak:.1f}%" if peak else ""
+        halved = model_flops_per_token(model, args.seq_len, causal_halved=True) * tokens
+        seconds = ms["step"] / 1e3
+        mfu = (
+            f", MFU {100 * flops / seconds / peak:.1f}% PaLM, "
+            f"{100 * halved / seconds / peak:.1f}% causal-halved"
+            if peak
+            else ""
+        )
         print(
             f"\nremat {remat}: step {ms['step']:.1f} ms, "
             f"{tokens / (ms['step'] / 1e3):,.0f} tokens/s{mfu}"

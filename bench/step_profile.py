@@ -249,9 +249,15 @@ def main(argv=None) -> None:
     busy = sum(sum(t) for t in times.values()) / args.steps
     tokens = args.batch * args.seq_len
     flops = model_flops_per_token(model, args.seq_len) * tokens
+    halved = model_flops_per_token(model, args.seq_len, causal_halved=True) * tokens
     device = jax.devices()[0]
     peak = peak_flops(getattr(device, "device_kind", device.platform))
-    mfu = f", MFU {100 * flops / (wall / 1e3) / peak:.1f}%" if peak else ""
+    mfu = (
+        f", MFU {100 * flops / (wall / 1e3) / peak:.1f}% PaLM, "
+        f"{100 * halved / (wall / 1e3) / peak:.1f}% causal-halved"
+        if peak
+        else ""
+    )
     print(
         f"step {wall:.1f} ms (median wall of {args.steps}, traced){mfu}; ops summed {busy:.1f} "
         f"ms a step on {source}"
