@@ -4,10 +4,11 @@ Every parameter declares logical axis names for its dimensions (``("vocab", "emb
 table, ``("layers", "embed", "mlp")`` for a stacked MLP weight). A ``Layout`` holds ordered rules
 ``(logical name, mesh axis)`` and turns those names into a ``PartitionSpec`` for a given mesh:
 
-- a weight with fewer than ``min_shard`` elements is not split over fsdp (splitting it costs more
-  in communication than it saves in memory); ``stage``, ``tensor`` and ``expert`` rules apply
-  whatever the size, because the model computes on those splits (``dew.parallel.pipeline``,
-  ``dew.parallel.tensor``, ``dew.parallel.expert``);
+- a weight with fewer than ``min_shard`` elements, or with a ``lora_rank`` dimension (a LoRA
+  adapter, ``WHOLE_OVER_FSDP``), is not split over fsdp (splitting it costs more in communication
+  than it saves in memory); ``stage``, ``tensor`` and ``expert`` rules apply whatever the size,
+  because the model computes on those splits (``dew.parallel.pipeline``, ``dew.parallel.tensor``,
+  ``dew.parallel.expert``);
 - rules are tried in order; a rule places its mesh axis on the first dimension with that logical
   name that is still free and that the axis size divides; a mesh axis of size 1, an axis already
   used by this weight, or a size it does not divide: the rule is skipped and the next one is tried;
@@ -100,6 +101,12 @@ def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
 
 
+# A weight with a dimension of this logical name (a LoRA adapter's rank: ``dew.models.lora``) is
+# split only where the model computes on the split (``COMPUTED_SPLITS``), whatever its size: the
+# adapters are small, and whole over fsdp their gradients are one psum over the token axes.
+WHOLE_OVER_FSDP = "lora_rank"
+
+
 # One default for Python and every ``dew`` command. Measured on Llama-3.2-1B, fsdp=8, v5e-8 (``dew
 # plan``): 4096 splits the stacked norm scales ([16, 2048]) too, and the step's temporaries are
 # 1.37 GiB against 1.49 GiB with 65536 (8.6% more), for the same wire bytes. On the example decoder
@@ -152,7 +159,7 @@ class Layout:
         shape = tuple(shape)
         if not shape:
             return P()
-        small = math.prod(shape) < max(self.min_shard, 1)
+        small = math.prod(shape) < max(self.min_shard, 1) or WHOLE_OVER_FSDP in (axes or ())
         if axes is None:
             if small:
                 return P()

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from dew.checks import positive_int
 from dew.layout import path_names
+from dew.models import lora
 from dew.nn import attention, embed, mlp, moe, norm, rotary
 from dew.nn.param import Param, init_params, logical_axes, normal
 from dew.parallel import (
@@ -165,6 +166,10 @@ class CausalTransformer:
       loss_chunk_tokens: tokens whose logits the loss makes at a time (``dew.nn.cross_entropy``):
         ``None``: ``cross_entropy.auto_chunk``, chunks whose float32 logits fit 512 MiB (all tokens
         at once when they fit); a number overrides it (one at least the tokens: no chunking).
+      lora: ``None``, or a ``dew.models.lora.Lora`` (or a dict of its fields): the model is
+        fine-tuned by LoRA adapters on a frozen base (``dew.models.lora`` says how the training
+        state splits; ``apply`` takes the base and adapters joined, ``lora.combine``, or merged,
+        ``lora.merge``).
     """
 
     vocab_size: int
@@ -191,10 +196,13 @@ class CausalTransformer:
     rope_scaling: rotary.Llama3Scaling | None = None
     rms_norm_eps: float = 1e-6
     loss_chunk_tokens: int | None = None
+    lora: lora.Lora | None = None
 
     def __post_init__(self):
         # A dict (a preset's, a config.json's) becomes the frozen, hashable Llama3Scaling.
         object.__setattr__(self, "rope_scaling", rotary.Llama3Scaling.of(self.rope_scaling))
+        # A dict (a checkpoint's record of the model) becomes the Lora it describes.
+        object.__setattr__(self, "lora", lora.Lora.of(self.lora))
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -509,8 +517,10 @@ class CausalTransformer:
 
         shared_kv = self.kv_heads < shards.size(tensor.AXIS)
         # The weights only an einsum takes (under fsdp rings they reach it split: Shards.gather);
-        # shared kv heads are cut from the whole k and v first.
-        attention_matmuls = () if shared_kv else ("attn",)
+        # shared kv heads are cut from the whole k and v first. A LoRA model's base is frozen:
+        # gathered whole, since a split weight's einsum would sum its gradient round the ring.
+        attention_matmuls = () if shared_kv or self.lora else ("attn",)
+        mlp_matmuls = () if self.lora else ("mlp",)
         # "auto" (and the checks of "cudnn") by the devices this step is compiled for.
         platform = ragged.compiled_platform()
         impl = self.attention_for(
@@ -555,7 +565,7 @@ class CausalTransformer:
                 "params",
                 "layers",
                 stacked=True,
-                in_matmuls=(*attention_matmuls, "mlp"),
+                in_matmuls=(*attention_matmuls, *mlp_matmuls),
             )
             x = attention_half(x, w)
             h = checkpoint_name(norm.rms_norm(w["mlp_norm"], x, self.rms_norm_eps), MLP_INPUT)

@@ -75,13 +75,21 @@ def logical_axes(declared: Any) -> Any:
     return jax.tree_util.tree_map(lambda p: p.axes, declared, is_leaf=is_param)
 
 
+def spec_labels(spec: str) -> tuple[str, str, str]:
+    """A two-operand einsum's labels: ``"bse,ehd->bshd"`` -> ``("bse", "ehd", "bshd")``."""
+    inputs, out = spec.replace(" ", "").split("->")
+    x, w = inputs.split(",")
+    return x, w, out
+
+
 def project(spec: str, x: jax.Array, w: Any) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` in ``x``'s dtype: every layer's matmul with a weight.
 
-    ``w`` is the whole weight (an array, cast to ``x``'s dtype), or a weight still split over
-    devices that runs the einsum itself, gathering it and summing its gradient round a ring
-    beside the matmuls (``dew.parallel.fsdp_matmul.RingSplit``, under
-    ``StepOptions(fsdp_scheme="ring")``)."""
+    ``w`` is the whole weight (an array, cast to ``x``'s dtype), or a weight object that runs the
+    einsum itself: one still split over devices, gathering it and summing its gradient round a
+    ring beside the matmuls (``dew.parallel.fsdp_matmul.RingSplit``, under
+    ``StepOptions(fsdp_scheme="ring")``), a frozen weight with a LoRA adapter
+    (``dew.nn.lora.Adapted``), a frozen int8 weight (``dew.nn.int8.Quantized``)."""
     if hasattr(w, "einsum"):
         return w.einsum(spec, x)
     return jnp.einsum(spec, x, w.astype(x.dtype))

@@ -76,6 +76,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dew.mesh import BATCH_AXES
+from dew.models import lora
 from dew.objectives.lm import loss_weights, split_mask
 from dew.parallel import Shards, data, fsdp, pipeline, sequence
 from dew.training.optimizer import global_norm, learning_rate
@@ -151,6 +152,38 @@ def split_tokens(mesh: Mesh, seq_len: int) -> Callable:
     return split
 
 
+@dataclasses.dataclass(frozen=True)
+class OnBase:
+    """``objective`` for a LoRA model (``dew.models.lora``): the parameters it is given are the
+    adapters, and the model runs on them joined to the frozen base ``frozen``
+    (``lora.combine``), inside the function the step differentiates, so that the base is a
+    constant of it: no gradient of the base is ever formed, nor summed. Every other attribute is
+    ``objective``'s."""
+
+    objective: object
+    frozen: object
+
+    def model_params(self, adapters):
+        return lora.combine(self.objective.model, self.frozen, adapters)
+
+    def loss_sum(self, adapters, *args, **kwargs):
+        return self.objective.loss_sum(self.model_params(adapters), *args, **kwargs)
+
+    def token_loss_sum(self, adapters, *args, **kwargs):
+        return self.objective.token_loss_sum(self.model_params(adapters), *args, **kwargs)
+
+    def stage_loss_sum(self, adapters, *args, **kwargs):
+        return self.objective.stage_loss_sum(self.model_params(adapters), *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.objective, name)
+
+
+def on_base(objective, frozen):
+    """``objective`` itself, or with a frozen base (``TrainState.frozen``) an ``OnBase``."""
+    return objective if frozen is None else OnBase(objective, frozen)
+
+
 # --- What one device computes: its part of the loss, its statistics and its gradients ------------
 #
 # Two ways to run the model on a device's shards, with one signature: ``(params, inputs, targets,
@@ -215,6 +248,8 @@ def _activation(objective, shards: Shards, params, inputs_m: jax.Array) -> jax.S
     """What one stage sends the next for one microbatch: the embedding's output, ``[rows / M,
     positions, embed]`` (positions split over the tensor group under sequence-parallel
     activations) in the activations' dtype."""
+    if isinstance(objective, OnBase):
+        params = objective.model_params(params)
     return jax.eval_shape(lambda p, t: objective.model.embed(p, t, shards), params, inputs_m)
 
 
@@ -277,7 +312,9 @@ def _pipelined(shards: Shards) -> bool:
     return shards.size(pipeline.AXIS) > 1
 
 
-def local_gradients(objective, shards: Shards, accumulation: int, global_tokens: int) -> Callable:
+def local_gradients(
+    objective, shards: Shards, accumulation: int, global_tokens: int, param_specs=None
+) -> Callable:
     """``(params, inputs, targets, positions) -> (grads, loss, aux)`` on one device's shards,
     summed over the devices (``_summed``): the gradients of the global mean loss, laid out like
     the parameters, the global mean loss, and the objective's statistics summed over every
@@ -286,15 +323,21 @@ def local_gradients(objective, shards: Shards, accumulation: int, global_tokens:
     ``inputs``, ``targets``: this device's ``[rows, positions]`` tokens (``TOKEN_SPEC``);
     ``positions``: their global positions. Over a ``stage`` axis above 1 the device runs its
     stage as a pipeline (``_pipelined_gradients``), else the whole model (``_plain_gradients``).
+
+    ``frozen`` (a keyword of the function): a LoRA model's base, this device's shards of it; the
+    gradients are then the adapters' (``params``, laid out by ``param_specs``), the base a
+    constant of the differentiated function (``OnBase``).
     """
     parts = _pipelined_gradients if _pipelined(shards) else _plain_gradients
     # Where each layer runs once a step, its gathers' transposes also sum over data, in the loop.
     shards = dataclasses.replace(shards, loop_sums=fsdp.loop_sum_axes(shards, accumulation))
-    part = parts(objective, shards, accumulation, global_tokens)
 
-    def fn(params, inputs, targets, positions, mask=None):
+    def fn(params, inputs, targets, positions, mask=None, frozen=None):
+        on = on_base(objective, frozen)
+        part = parts(on, shards, accumulation, global_tokens)
         weights = () if mask is None else (_mask_weights(mask, shards, global_tokens),)
-        return _summed(objective, shards, *part(params, inputs, targets, positions, *weights))
+        grads, loss, aux = part(params, inputs, targets, positions, *weights)
+        return _summed(on, shards, grads, loss, aux, param_specs)
 
     return fn
 
@@ -311,13 +354,21 @@ def _mask_weights(mask: jax.Array, shards: Shards, global_tokens: int) -> jax.Ar
     return loss_weights(mask, count, global_tokens)
 
 
-def _summed(objective, shards: Shards, grads, loss, aux):
+def _summed(objective, shards: Shards, grads, loss, aux, param_specs=None):
     """The one tail of every shard_map step: each gradient summed over the axes
     ``dew.parallel.gradients`` names for it, the loss and the statistics over every axis that
-    holds a part of them (``data.sum_loss``)."""
-    partial = objective.model.partial_over_tensor(shards)
-    in_loop = objective.model.in_layer_loop() if shards.loop_sums else None
-    grads = data.sum_gradients(grads, shards.param_specs, shards, partial, in_loop)
+    holds a part of them (``data.sum_loss``). A LoRA model's gradients are its adapters', laid out
+    by ``param_specs`` (``dew.models.lora`` says which are partial over ``tensor``)."""
+    if isinstance(objective, OnBase):
+        model = objective.model
+        partial = lora.partial_over_tensor(model, grads, shards)
+        in_loop = lora.in_layer_loop(grads) if shards.loop_sums else None
+        specs = param_specs
+    else:
+        partial = objective.model.partial_over_tensor(shards)
+        in_loop = objective.model.in_layer_loop() if shards.loop_sums else None
+        specs = shards.param_specs
+    grads = data.sum_gradients(grads, specs, shards, partial, in_loop)
     loss, aux = data.sum_loss((loss, aux), shards)
     return grads, loss, aux
 
@@ -332,17 +383,19 @@ def global_gradients(
     the shard_map engine's microbatch i holds, so both engines add the same numbers.
     """
 
-    def share(params, micro):
-        tokens, *weights = micro
-        loss, aux = objective.loss_sum(params, tokens, shards, *weights)
-        return loss / global_tokens, aux
-
     def cut(x):
         rows, *rest = x.shape
         x = x.reshape(batch_splits, accumulation, rows // (batch_splits * accumulation), *rest)
         return x.swapaxes(0, 1).reshape(accumulation, rows // accumulation, *rest)
 
-    def fn(params, batch):
+    def fn(params, batch, frozen=None):
+        on = on_base(objective, frozen)
+
+        def share(params, micro):
+            tokens, *weights = micro
+            loss, aux = on.loss_sum(params, tokens, shards, *weights)
+            return loss / global_tokens, aux
+
         tokens, mask = split_mask(batch)
         micro = (cut(tokens),)
         if mask is not None:  # counted over the global array: XLA all-reduces the count
@@ -379,10 +432,18 @@ def apply_updates(
 
 
 def _shard_map_step(
-    local: Callable, mesh: Mesh, shards: Shards, seq_len: int, out_specs
+    local: Callable,
+    mesh: Mesh,
+    shards: Shards,
+    seq_len: int,
+    out_specs,
+    param_specs=None,
+    frozen_specs=None,
 ) -> Callable:
-    """``(params, batch) -> local(params, inputs, targets, positions)`` over ``mesh``, the batch
-    split into tokens by ``split_tokens`` first.
+    """``(params, batch, frozen=None) -> local(params, inputs, targets, positions)`` over
+    ``mesh``, the batch split into tokens by ``split_tokens`` first. ``params`` are laid out by
+    ``param_specs`` (default ``shards.param_specs``); a LoRA model's base ``frozen`` by
+    ``frozen_specs``, passed to ``local`` as its keyword ``frozen``.
 
     ``check_vma=False``: gradients are summed where dew.parallel says, not by the transposes of
     implicit casts, so the collectives of a step are exactly those written in dew.parallel.
@@ -392,23 +453,41 @@ def _shard_map_step(
     """
     split = split_tokens(mesh, seq_len)
 
-    def run(params, batch):
+    def run(params, batch, frozen=None):
         arrays = split(batch)
         specs = (TOKEN_SPEC, TOKEN_SPEC, POSITION_SPEC) + (TOKEN_SPEC,) * (len(arrays) - 3)
+        if frozen is None:
+            mapped = jax.shard_map(
+                local,
+                mesh=mesh,
+                in_specs=(shards.param_specs, *specs),
+                out_specs=out_specs,
+                check_vma=False,
+            )
+            return mapped(params, *arrays)
         mapped = jax.shard_map(
-            local,
+            lambda p, f, *a: local(p, *a, frozen=f),
             mesh=mesh,
-            in_specs=(shards.param_specs, *specs),
+            in_specs=(param_specs, frozen_specs, *specs),
             out_specs=out_specs,
             check_vma=False,
         )
-        return mapped(params, *arrays)
+        return mapped(params, frozen, *arrays)
 
     return run
 
 
-def build_loss(objective, mesh: Mesh, shards: Shards, *, global_rows: int) -> Callable:
-    """The jitted ``(params, batch) -> (loss, aux)``: the mean loss of a global batch and the
+def build_loss(
+    objective,
+    mesh: Mesh,
+    shards: Shards,
+    *,
+    global_rows: int,
+    param_specs=None,
+    frozen_specs=None,
+) -> Callable:
+    """The jitted ``(params, batch, frozen=None) -> (loss, aux)``: the mean loss of a global batch
+    and the
     objective's statistics summed over its tokens, forward only, with the step's collectives
     (weights gathered per layer, the parts summed by the step's tail, ``data.sum_loss``).
 
@@ -416,14 +495,17 @@ def build_loss(objective, mesh: Mesh, shards: Shards, *, global_rows: int) -> Ca
     microbatches (``_pipelined_forward``).
     """
     global_tokens = global_rows * objective.seq_len
-    forward = (_pipelined_forward if _pipelined(shards) else _plain_forward)(objective, shards)
+    forward_of = _pipelined_forward if _pipelined(shards) else _plain_forward
 
-    def local_loss(params, inputs, targets, positions, mask=None):
+    def local_loss(params, inputs, targets, positions, mask=None, frozen=None):
+        forward = forward_of(on_base(objective, frozen), shards)
         weights = () if mask is None else (_mask_weights(mask, shards, global_tokens),)
         loss, aux = data.sum_loss(forward(params, inputs, targets, positions, *weights), shards)
         return loss / global_tokens, aux
 
-    loss = _shard_map_step(local_loss, mesh, shards, objective.seq_len, (P(), P()))
+    loss = _shard_map_step(
+        local_loss, mesh, shards, objective.seq_len, (P(), P()), param_specs, frozen_specs
+    )
     return jax.jit(loss, out_shardings=NamedSharding(mesh, P()))
 
 
@@ -450,10 +532,14 @@ def build_gradients(
     accumulation: int,
     global_rows: int,
     engine: str = "shard_map",
+    param_specs=None,
+    frozen_specs=None,
 ) -> Callable:
-    """``(params, batch) -> (grads, loss, aux)`` on global arrays laid out on ``mesh``: the
-    gradient of the mean loss of the whole batch, laid out like the parameters, the loss, and the
-    objective's statistics summed over the batch (``{}`` for a dense language model).
+    """``(params, batch, frozen=None) -> (grads, loss, aux)`` on global arrays laid out on
+    ``mesh``: the gradient of the mean loss of the whole batch, laid out like the parameters, the
+    loss, and the objective's statistics summed over the batch (``{}`` for a dense language
+    model). For a LoRA model ``params`` are its adapters (laid out by ``param_specs``) and
+    ``frozen`` its base (by ``frozen_specs``); the gradients are the adapters'.
 
     Args:
       shards: what the shard_map engine's code sees: the mesh's sizes, the parameters'
@@ -465,9 +551,12 @@ def build_gradients(
     """
     global_tokens = global_rows * objective.seq_len
     if engine == "shard_map":
-        local = local_gradients(objective, shards, accumulation, global_tokens)
-        out_specs = (shards.param_specs, P(), P())
-        return _shard_map_step(local, mesh, shards, objective.seq_len, out_specs)
+        local = local_gradients(objective, shards, accumulation, global_tokens, param_specs)
+        grad_specs = shards.param_specs if frozen_specs is None else param_specs
+        out_specs = (grad_specs, P(), P())
+        return _shard_map_step(
+            local, mesh, shards, objective.seq_len, out_specs, param_specs, frozen_specs
+        )
     if engine in ("gspmd", "gspmd_unpinned"):
         # Activations [rows, seq, embed] pinned to the rows' split (and the positions' one over a
         # sequence axis), as the shard_map step holds them.
@@ -490,8 +579,11 @@ def build_train_step(
     accumulation: int,
     global_rows: int,
     engine: str = "shard_map",
+    param_specs=None,
+    frozen_specs=None,
 ) -> Callable:
-    """The jitted step ``(state, batch) -> (state, metrics)``; ``state`` is donated.
+    """The jitted step ``(state, batch) -> (state, metrics)``; ``state`` is donated (a LoRA
+    model's frozen base included: the step returns it unchanged, in the same buffers).
 
     ``metrics``: the objective's ``metrics(loss, aux, global_tokens)``, a dict of scalars with
     ``"loss"`` (for an MoE language model also ``"load_balance_loss"``, ``"router_z_loss"`` and
@@ -508,12 +600,14 @@ def build_train_step(
         accumulation=accumulation,
         global_rows=global_rows,
         engine=engine,
+        param_specs=param_specs,
+        frozen_specs=frozen_specs,
     )
 
     global_tokens = global_rows * objective.seq_len
 
     def step(state: TrainState, batch: jax.Array):
-        grads, loss, aux = gradients(state.params, batch)
+        grads, loss, aux = gradients(state.params, batch, state.frozen)
         metrics = objective.metrics(loss, aux, global_tokens)
         metrics.update(optimizer_metrics(grads, optimizer, state.opt_state))
         return apply_updates(state, grads, optimizer, objective.ema_decay), metrics

@@ -31,6 +31,8 @@ from jax.sharding import PartitionSpec as P
 from dew.checks import nonnegative_int, positive_int
 from dew.layout import Layout
 from dew.mesh import BATCH_AXES, MeshSpec, build_mesh
+from dew.models import lora
+from dew.nn.param import logical_axes
 from dew.parallel import Shards, expert, fsdp, pipeline, sequence, tensor
 from dew.parallel.options import StepOptions
 from dew.training import flops
@@ -109,6 +111,11 @@ class Trainer:
         built (``train_step``, at its batch size) takes the least recomputation whose step fits
         it (``dew.training.remat_choice.choose_remat``, a compile per policy tried). Default:
         what the device reports (TPUs and GPUs do; CPU devices do not, so give it there).
+      base: for a model with ``lora`` set (``dew.models.lora``), where its frozen base comes
+        from: a Hugging Face Llama folder or a Dew checkpoint directory of the same model, read
+        when the state is placed (fresh or resumed); ``None``: the model's initial weights from
+        ``key``. A checkpoint of the run names it, with a checksum that resuming checks
+        (``dew.training.lora_base``).
     """
 
     def __init__(
@@ -124,6 +131,7 @@ class Trainer:
         devices=None,
         options: StepOptions = StepOptions(),
         memory_limit_bytes: int | None = None,
+        base=None,
     ):
         if not isinstance(mesh, MeshSpec):
             raise TypeError(f"mesh must be a dew.MeshSpec, got {type(mesh).__name__}")
@@ -161,6 +169,14 @@ class Trainer:
         self.engine = engine
         self.options = options
         self.memory_limit_bytes = memory_limit_bytes
+        # A LoRA model trains its adapters on a frozen base (``TrainState.frozen``).
+        self.lora = getattr(objective.model, "lora", None)
+        if base is not None and self.lora is None:
+            raise ValueError(
+                f"base={base!r} is the frozen base of a LoRA model; this model has no lora "
+                "(build it with lora=dew.models.lora.Lora(rank=R))"
+            )
+        self.base = base
         # Pipeline microbatches per accumulation microbatch (1 without a stage axis).
         self.microbatches = mesh.microbatches or 1
 
@@ -178,12 +194,22 @@ class Trainer:
                 mesh_shape if engine == "shard_map" else None,
                 options.sequence_scheme,
             )
-        axes = objective.model.logical_axes()
+        if self.lora is not None:
+            lora.check(objective.model, mesh_shape)
+            axes = lora.state_axes(objective.model)
+        else:
+            axes = objective.model.logical_axes()
         abstract_state = jax.eval_shape(self._fresh_state, self.key)
+        # The weights the step differentiates (a LoRA model's adapters), and its frozen base.
         self.param_specs = layout.specs(self.mesh, abstract_state.params, axes)
+        self.frozen_specs = None
+        model_specs = self.param_specs
+        if self.lora is not None:
+            self.frozen_specs = layout.specs(self.mesh, abstract_state.frozen, axes)
+            model_specs = lora.combine(objective.model, self.frozen_specs, self.param_specs)
         self.shards = Shards(
             axis_sizes=mesh_shape,
-            param_specs=self.param_specs,
+            param_specs=model_specs,
             options=options,
             microbatches=self.microbatches,
             fsdp_scatter_stages=fsdp.scatter_stages(self.mesh),
@@ -191,9 +217,10 @@ class Trainer:
             fsdp_ring=engine == "shard_map" and options.fsdp_scheme == "ring",
         )
         if engine == "shard_map":
-            tensor.check_layout(self.param_specs, axes, abstract_state.params, mesh_shape["tensor"])
-            expert.check_layout(self.param_specs, axes, mesh_shape["expert"])
-            pipeline.check_layout(self.param_specs, axes, mesh_shape["stage"])
+            for specs, tree_axes, shapes in self._weight_trees(abstract_state, axes):
+                tensor.check_layout(specs, tree_axes, shapes, mesh_shape["tensor"])
+                expert.check_layout(specs, tree_axes, mesh_shape["expert"])
+                pipeline.check_layout(specs, tree_axes, mesh_shape["stage"])
         self.state_shardings = layout.shardings(self.mesh, abstract_state, axes)
         # An optimizer that offloads its state keeps it in host memory between steps.
         self.state_shardings = self.state_shardings.replace(
@@ -204,10 +231,27 @@ class Trainer:
         self._losses: dict[int, Any] = {}
         self._gradients: dict[int, Any] = {}
 
+    def _weight_trees(self, abstract_state, axes):
+        """``(specs, logical axes, shapes)`` of each tree of weights the step takes: the
+        parameters, and a LoRA model's frozen base."""
+        if self.lora is None:
+            return [(self.param_specs, axes, abstract_state.params)]
+        model = self.objective.model
+        return [
+            (self.param_specs, logical_axes(lora.declare_adapters(model)), abstract_state.params),
+            (self.frozen_specs, logical_axes(lora.declare_frozen(model)), abstract_state.frozen),
+        ]
+
     # ----------------------------------------------------------------------------- state
 
-    def _fresh_state(self, key: jax.Array) -> TrainState:
-        params = self.objective.model.init(key)
+    def _fresh_state(self, key: jax.Array, with_base: bool = True) -> TrainState:
+        model = self.objective.model
+        frozen = None
+        if self.lora is None:
+            params = model.init(key)
+        else:  # the adapters train; the base (the model's initial weights) is frozen
+            params = lora.init_adapters(model, key)
+            frozen = lora.frozen_of(model, model.init(key)) if with_base else None
         ema = params if self.objective.ema_decay is not None else None
         return TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -215,11 +259,21 @@ class Trainer:
             opt_state=self.optimizer.init(params),
             ema=ema,
             key=key,
+            frozen=frozen,
         )
 
     def init_state(self) -> TrainState:
-        """A fresh state, created directly in its final layout (no device ever holds all of it)."""
-        return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(self.key)
+        """A fresh state, created directly in its final layout (no device ever holds all of it).
+        A LoRA model's base is read from ``base`` when given (``dew.training.lora_base``)."""
+        if self.lora is None or self.base is None:
+            return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(self.key)
+        from dew.training import lora_base
+
+        shardings = self.state_shardings.replace(frozen=None)
+        fresh = jax.jit(
+            lambda key: self._fresh_state(key, with_base=False), out_shardings=shardings
+        )
+        return fresh(self.key).replace(frozen=lora_base.load(self))
 
     def place(self):
         """``(state, shardings, data_position)``: the latest checkpoint laid out for this trainer's
@@ -231,8 +285,9 @@ class Trainer:
         return self.init_state(), self.state_shardings, None
 
     def _saveable(self, state: TrainState) -> TrainState:
-        # Checkpoints hold plain numbers: the typed key goes as its uint32 key data.
-        return state.replace(key=jax.random.key_data(state.key))
+        # Checkpoints hold plain numbers: the typed key goes as its uint32 key data. A LoRA
+        # model's frozen base is named in the metadata, not saved.
+        return state.replace(key=jax.random.key_data(state.key), frozen=None)
 
     def _restore(self):
         abstract = jax.eval_shape(self._saveable, self._abstract_state)
@@ -251,10 +306,17 @@ class Trainer:
         tree, metadata = self.checkpoints.restore(on_device)
         tree = jax.device_put(tree, shardings)
         key = jax.random.wrap_key_data(tree.key, impl=jax.random.key_impl(self.key))
-        return tree.replace(key=key), metadata
+        tree = tree.replace(key=key)
+        if self.lora is not None:  # the base the adapters were trained on, checked
+            from dew.training import lora_base
+
+            frozen = lora_base.load(self)
+            lora_base.check_resumed(self, frozen, metadata)
+            tree = tree.replace(frozen=frozen)
+        return tree, metadata
 
     def _saveable_shardings(self):
-        return self.state_shardings.replace(key=NamedSharding(self.mesh, P()))
+        return self.state_shardings.replace(key=NamedSharding(self.mesh, P()), frozen=None)
 
     def save(self, state: TrainState, data=None, next_batch: int | None = None) -> None:
         """Writes ``state`` (and where ``data`` stands) to this trainer's checkpoints, in the
@@ -288,6 +350,10 @@ class Trainer:
                 metadata["model"] = described
             except (TypeError, ValueError):  # a model field JSON cannot hold: left out
                 pass
+        if self.lora is not None:
+            from dew.training import lora_base
+
+            metadata["lora_base"] = lora_base.describe(self, state.frozen)
         if self.options != StepOptions():
             metadata["options"] = self.options.describe()
         if self.mesh.shape["stage"] > 1:
@@ -364,6 +430,8 @@ class Trainer:
                 accumulation=self.accumulation,
                 global_rows=batch_size,
                 engine=self.engine,
+                param_specs=self.param_specs,
+                frozen_specs=self.frozen_specs,
             )
         return self._steps[batch_size]
 
@@ -377,9 +445,10 @@ class Trainer:
         print(choice.reason(), flush=True)
         self.objective = choice.objective
 
-    def gradients(self, params, batch: jax.Array):
+    def gradients(self, params, batch: jax.Array, frozen=None):
         """``(grads, loss)`` of the mean loss of the global ``batch``, computed as the step computes
-        them (for tests and inspection; ``fit`` does not call it)."""
+        them (for tests and inspection; ``fit`` does not call it). A LoRA model's: ``params`` its
+        adapters, ``frozen`` its base (``state.frozen``), the gradients the adapters'."""
         rows = batch.shape[0]
         self.check_batch(rows)
         self._choose_remat(rows)
@@ -391,12 +460,14 @@ class Trainer:
                 accumulation=self.accumulation,
                 global_rows=rows,
                 engine=self.engine,
+                param_specs=self.param_specs,
+                frozen_specs=self.frozen_specs,
             )
             self._gradients[rows] = jax.jit(
-                lambda params, batch: fn(params, batch)[:2],
+                lambda params, batch, frozen: fn(params, batch, frozen)[:2],
                 out_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P())),
             )
-        return self._gradients[rows](params, batch)
+        return self._gradients[rows](params, batch, frozen)
 
     def evaluate(self, state: TrainState, data, params: str = "params") -> float:
         """The mean loss over ``data``'s validation batches (``TokenWindows(val_batches=...)``):
@@ -437,12 +508,14 @@ class Trainer:
                 self.mesh,
                 self.shards,
                 global_rows=data.batch_size,
+                param_specs=self.param_specs,
+                frozen_specs=self.frozen_specs,
             )
         loss_fn = self._losses[data.batch_size]
         tokens = data.batch_size * self.objective.seq_len
         per_batch = []
         for rows in batches:
-            loss, aux = loss_fn(weights, self.device_batch(rows, data.batch_size))
+            loss, aux = loss_fn(weights, self.device_batch(rows, data.batch_size), state.frozen)
             metrics = self.objective.evaluation_metrics(loss, aux, tokens)
             per_batch.append({name: float(value) for name, value in metrics.items()})
         return {name: float(np.mean([m[name] for m in per_batch])) for name in per_batch[0]}

@@ -1,0 +1,106 @@
+"""A LoRA run's frozen base: read where ``Trainer(base=...)`` says, named in each checkpoint, and
+checked when the run resumes.
+
+A checkpoint of a LoRA run holds the adapters and their optimizer state (``TrainState.frozen`` is
+left out: it is the base, which may be 16 GB and is on disk already). Its metadata names the base
+(``"lora_base"``: ``{"path": ..., "checksum": ...}``, ``path`` ``None`` for a base drawn from the
+run's key), and ``dew.models.lora.base_checksum`` makes the checksum: a CRC-32 of the base's
+configuration and a hash of every bit of its weights as the state holds them (int8 where the base
+is int8), the same in every layout. Resuming reads the base again and refuses to go on when its
+checksum is not the recorded one: adapters trained on one base mean nothing on another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from dew.checkpoints.errors import CheckpointMismatchError
+from dew.models import lora
+from dew.nn.int8 import Quantized
+
+
+def _is_quantized(x) -> bool:
+    return isinstance(x, Quantized)
+
+
+def float_shardings(shardings):
+    """The frozen base's shardings with each ``Quantized`` replaced by its ``values``' sharding:
+    those of the weights before they are quantized (the same shapes)."""
+    return jax.tree_util.tree_map(
+        lambda x: x.values if _is_quantized(x) else x, shardings, is_leaf=_is_quantized
+    )
+
+
+def load(trainer) -> dict:
+    """The frozen base of ``trainer``'s LoRA model, laid out by its ``state_shardings.frozen``:
+    read from ``trainer.base`` (a Hugging Face Llama folder, quantized as it is read when the base
+    is int8: ``dew.models.hf.load``; or a Dew checkpoint directory of the same model, quantized
+    on the devices), or, without one, the model's initial weights from ``trainer.key``.
+    ``ValueError`` naming the difference when the source is another model."""
+    from dew.models import hf
+
+    model = trainer.objective.model
+    shardings = trainer.state_shardings.frozen
+    path = trainer.base
+    if path is None:
+        init = jax.jit(lambda k: lora.frozen_of(model, model.init(k)), out_shardings=shardings)
+        return init(trainer.key)
+    plain = dataclasses.replace(model, lora=None)
+    int8 = model.lora.base_dtype == "int8"
+    if hf.is_hf_folder(path):
+        _, params = hf.load(path, model=plain, shardings=float_shardings(shardings))
+        if not int8:
+            return params
+        return jax.jit(lambda p: lora.frozen_of(model, p), out_shardings=shardings)(params)
+    from dew.models.checkpoint import checkpoint_directory, checkpoint_model, restore_params
+
+    checkpoints, saved, prefix = checkpoint_model(checkpoint_directory(path))
+    if saved.lora is not None:
+        raise ValueError(
+            f"base {path} is a LoRA run (its checkpoint holds adapters, not a model's weights): "
+            "export it merged (dew convert RUN OUT --to hf) and give that folder as the base"
+        )
+    if hf.architecture(saved) != hf.architecture(plain):
+        raise ValueError(f"base {path}: the checkpoint is not the model being trained")
+    params = restore_params(checkpoints, plain, prefix, float_shardings(shardings))
+    if not int8:
+        return params
+    return jax.jit(lambda p: lora.frozen_of(model, p), out_shardings=shardings)(params)
+
+
+def _checksum(trainer, frozen) -> str:
+    cached = getattr(trainer, "_lora_base_checksum", None)
+    if cached is None:
+        cached = lora.base_checksum(trainer.objective.model, frozen)
+        trainer._lora_base_checksum = cached
+    return cached
+
+
+def describe(trainer, frozen) -> dict:
+    """The checkpoint metadata's ``"lora_base"``: ``{"path", "checksum"}``."""
+    path = None if trainer.base is None else str(Path(trainer.base))
+    return {"path": path, "checksum": _checksum(trainer, frozen)}
+
+
+def check_resumed(trainer, frozen, metadata: dict) -> None:
+    """``CheckpointMismatchError`` (a ``ValueError``) naming both bases when the checkpoint a run
+    resumes from was trained on another base than ``frozen`` (or records none)."""
+    recorded = metadata.get("lora_base")
+    where = trainer.checkpoints.directory
+    if not isinstance(recorded, dict) or "checksum" not in recorded:
+        raise CheckpointMismatchError(
+            f"the checkpoint in {where} names no LoRA base (it is not a LoRA run's); resume it "
+            "without lora, or start this run in another directory"
+        )
+    checksum = _checksum(trainer, frozen)
+    if recorded["checksum"] != checksum:
+        ours = "the model's initial weights" if trainer.base is None else str(trainer.base)
+        theirs = recorded.get("path") or "the model's initial weights"
+        raise CheckpointMismatchError(
+            f"the checkpoint in {where} was trained on the base {theirs} (checksum "
+            f"{recorded['checksum']}), and this run's base, {ours}, has checksum {checksum}: "
+            "resume with the base it was trained on, or start this run in another directory"
+        )

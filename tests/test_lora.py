@@ -1,0 +1,276 @@
+"""LoRA: the adapted layer against its formula, a fresh adapter changes nothing, the merged weights
+compute the adapted model, a LoRA step on three layouts equals one device, the base stays
+bit-equal, and the step sums no gradient of it."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dew
+from dew.models import lora
+from dew.nn.lora import Adapted
+from dew.objectives.lm import LMObjective
+from tests.equivalence import TOL, recording
+from tests.helpers import SEQ, VOCAB, fresh_batch, relative_error, seeded_key, smooth_optimizer
+
+ROWS = 16
+RANK = 4
+
+
+def lora_objective(**lora_fields):
+    model = dew.models.build(
+        "causal_transformer",
+        vocab_size=VOCAB,
+        emb_features=32,
+        num_layers=2,
+        num_heads=4,
+        max_seq_len=SEQ,
+        lora=lora.Lora(rank=RANK, **lora_fields),
+    )
+    return LMObjective(model, SEQ)
+
+
+def random_adapters(model, key):
+    """Adapters as after some training: A as drawn at init, B drawn too (a fresh B is zero, and
+    so then is A's gradient), at 0.05 standard deviation."""
+    fresh = lora.init_adapters(model, key)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(fresh)
+    keys = jax.random.split(jax.random.fold_in(key, 1), len(leaves))
+    drawn = [
+        0.05 * jax.random.normal(k, x.shape, x.dtype) if path[-1].key == "b" else x
+        for k, (path, x) in zip(keys, leaves)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, drawn)
+
+
+# --- The layer ----------------------------------------------------------------------------------
+
+
+SPECS = [
+    # (einsum, x shape, W shape, input dims of W)
+    ("bse,ehd->bshd", (2, 3, 8), (8, 4, 2), 1),
+    ("bshd,hde->bse", (2, 3, 4, 2), (4, 2, 8), 2),
+    ("te,ef->tf", (5, 8), (8, 6), 1),
+    ("tf,fe->te", (5, 6), (6, 8), 1),
+]
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape,inputs", SPECS, ids=[s[0] for s in SPECS])
+def test_adapted_layer_is_x_w_plus_scaled_x_a_b(spec, x_shape, w_shape, inputs, seed):
+    """``Adapted.einsum`` against ``x W + (alpha / R) x A B`` written as matrices in numpy
+    (float64), and no gradient reaches ``W``."""
+    rng = np.random.default_rng(seed)
+    print(f"seed {seed}")
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    n_in = math.prod(w_shape[:inputs])
+    a = rng.standard_normal((*w_shape[:inputs], RANK)).astype(np.float32)
+    b = rng.standard_normal((RANK, *w_shape[inputs:])).astype(np.float32)
+    scale = 1.75
+    got = Adapted(jnp.asarray(w), jnp.asarray(a), jnp.asarray(b), scale).einsum(spec, x)
+    # As matrices: x [tokens, in], W [in, out], A [in, R], B [R, out].
+    x_cols = x.shape[len(x_shape) - inputs :]
+    assert x_cols == w_shape[:inputs]
+    tokens = x.reshape(-1, n_in).astype(np.float64)
+    w2, a2, b2 = (m.reshape(n_in if m is not b else RANK, -1).astype(np.float64) for m in (w, a, b))
+    want = tokens @ w2 + scale * (tokens @ a2) @ b2
+    want = want.reshape(*x_shape[: len(x_shape) - inputs], *w_shape[inputs:])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+    def loss(w, a):
+        return jnp.sum(Adapted(w, a, jnp.asarray(b), scale).einsum(spec, x) ** 2)
+
+    grad_w, grad_a = jax.grad(loss, argnums=(0, 1))(jnp.asarray(w), jnp.asarray(a))
+    assert not np.any(np.asarray(grad_w)), "a gradient reached the frozen weight"
+    assert np.any(np.asarray(grad_a))
+
+
+def test_fresh_adapters_give_the_base_logits_exactly(seed):
+    """B = 0 at init: the adapted model's logits are the base model's, bit for bit."""
+    model = lora_objective().model
+    key = seeded_key(seed)
+    base = model.init(key)
+    adapters = lora.init_adapters(model, key)
+    assert all(not np.any(np.asarray(ab["b"])) for ab in _pairs(adapters))
+    assert all(np.any(np.asarray(ab["a"])) for ab in _pairs(adapters))
+    tokens = jnp.asarray(fresh_batch(2, seed)[:, :-1])
+    plain = model.apply(base, tokens)
+    adapted = model.apply(lora.combine(model, base, adapters), tokens)
+    np.testing.assert_array_equal(np.asarray(adapted), np.asarray(plain))
+
+
+def _pairs(adapters):
+    return [
+        ab
+        for groups in adapters["lora"].values()
+        for weights in groups.values()
+        for ab in weights.values()
+    ]
+
+
+def test_merged_weights_compute_the_adapted_model(seed):
+    """``lora.merge`` (W + alpha / R A B) gives the adapted model's logits (float32)."""
+    model = lora_objective().model
+    key = seeded_key(seed)
+    base = model.init(key)
+    adapters = random_adapters(model, seeded_key(seed, 1))
+    tokens = jnp.asarray(fresh_batch(2, seed)[:, :-1])
+    adapted = model.apply(lora.combine(model, base, adapters), tokens)
+    merged = model.apply(lora.merge(model, base, adapters), tokens)
+    assert relative_error(merged, adapted) < TOL
+    changed = model.apply(base, tokens)
+    assert relative_error(changed, adapted) > 1e-2, "the adapters changed nothing"
+
+
+# --- The step on every layout -------------------------------------------------------------------
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def case(module_seed):
+    """The one-device reference: ``jax.grad`` of the plain loss of the joined model with respect
+    to the adapters, and the optax update, for ``STEPS`` batches."""
+    objective = lora_objective()
+    model = objective.model
+    key = seeded_key(module_seed)
+    base = model.init(key)
+    adapters = random_adapters(model, seeded_key(module_seed, 1))
+    batches = [fresh_batch(ROWS, (module_seed, i)) for i in range(STEPS)]
+    optimizer = smooth_optimizer()
+
+    def loss(adapters, batch):
+        return objective.loss(lora.combine(model, base, adapters), batch)
+
+    loss_and_grads = jax.jit(jax.value_and_grad(loss))
+    params, opt_state = adapters, optimizer.init(adapters)
+    reference = {"losses": [], "grads": []}
+    for batch in batches:
+        value, grads = loss_and_grads(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        reference["losses"].append(float(value))
+        reference["grads"].append(grads)
+    reference.update(params=params, opt_state=opt_state)
+    return dict(
+        objective=objective, key=key, base=base, adapters=adapters, batches=batches, **reference
+    )
+
+
+def _lora_run(case, mesh, **trainer_args):
+    trainer = dew.Trainer(
+        case["objective"],
+        recording(smooth_optimizer()),
+        case["key"],
+        mesh=mesh,
+        layout=dew.Layout(min_shard=1),
+        **trainer_args,
+    )
+    params = jax.tree_util.tree_map(np.asarray, case["adapters"])
+    state = dew.TrainState(
+        step=np.zeros((), np.int32),
+        params=params,
+        opt_state=trainer.optimizer.init(params),
+        ema=None,
+        key=jax.random.wrap_key_data(
+            np.asarray(jax.random.key_data(trainer.key)), impl=jax.random.key_impl(trainer.key)
+        ),
+        frozen=jax.tree_util.tree_map(np.asarray, case["base"]),
+    )
+    state = jax.device_put(state, trainer.state_shardings)
+    step = trainer.train_step(ROWS)
+    run = {"losses": [], "grads": []}
+    for batch in case["batches"]:
+        state, metrics = step(state, trainer.device_batch(batch, ROWS))
+        run["losses"].append(float(metrics["loss"]))
+        run["grads"].append(jax.tree_util.tree_map(np.asarray, state.opt_state[0]))
+    return trainer, state, run
+
+
+LAYOUTS = {
+    "fsdp=8": dict(mesh=dew.MeshSpec(fsdp=8)),
+    "data=2,tensor=4": dict(mesh=dew.MeshSpec(data=2, tensor=4)),
+    "sequence=2,fsdp=4 accumulation=2": dict(mesh=dew.MeshSpec(sequence=2, fsdp=4), accumulation=2),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_lora_step_matches_one_device_and_leaves_the_base_bit_equal(case, seed, name):
+    """Loss, the adapters' gradients of each step, and the adapters and optimizer state after
+    them within 1e-5 of one device; the frozen base after the steps is the base before, bit for
+    bit; and the optimizer state holds the adapters alone."""
+    trainer, state, run = _lora_run(case, **LAYOUTS[name])
+    where = f"{name}, seed {seed}"
+    np.testing.assert_allclose(run["losses"], case["losses"], rtol=TOL, err_msg=where)
+    for i, (got, want) in enumerate(zip(run["grads"], case["grads"], strict=True)):
+        assert relative_error(got, want) < TOL, f"gradients of step {i}, {where}"
+    assert relative_error(state.params, case["params"]) < TOL, where
+    assert relative_error(state.opt_state[1], case["opt_state"]) < TOL, where
+    for got, want in zip(
+        jax.tree_util.tree_leaves(state.frozen),
+        jax.tree_util.tree_leaves(case["base"]),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=where)
+    moments = jax.tree_util.tree_leaves(state.opt_state[1])
+    adapter_elements = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    assert sum(np.size(m) for m in moments) <= adapter_elements + 1, "state beyond the adapters"
+
+
+def test_fsdp_step_gathers_the_base_and_sums_only_adapter_gradients(case):
+    """The collectives of a LoRA step on fsdp=8: the base's all_gathers remain (forward and the
+    recomputed backward), no psum_scatter (the transpose of a gather: a base gradient) runs, and
+    the psums carry the adapters' gradients and the loss, nothing more."""
+    from dew.collectives import collectives
+
+    trainer = dew.Trainer(
+        case["objective"],
+        smooth_optimizer(),
+        case["key"],
+        mesh=dew.MeshSpec(fsdp=8),
+        layout=dew.Layout(min_shard=1),
+    )
+    report = collectives(trainer.train_step(ROWS), *trainer.step_arguments(ROWS))
+    ops = {row.op for row in report.rows}
+    assert "all_gather" in ops
+    assert "psum_scatter" not in ops, report
+    (psum,) = [row for row in report.rows if row.op == "psum"]
+    adapter_bytes = sum(x.size * 4 for x in jax.tree_util.tree_leaves(case["adapters"]))
+    # The adapters' float32 gradients and the loss's float32 scalar.
+    assert psum.operand_bytes == adapter_bytes + 4, report
+    gathered = sum(row.operand_bytes for row in report.rows if row.op == "all_gather")
+    base_bytes = sum(x.size * 4 for x in jax.tree_util.tree_leaves(case["base"]))
+    assert gathered >= base_bytes / 8, report
+
+
+# --- Refusals -----------------------------------------------------------------------------------
+
+
+def test_bad_settings_are_refused_naming_the_values():
+    with pytest.raises(ValueError, match="rank must be a positive integer, got 0"):
+        lora.Lora(rank=0)
+    with pytest.raises(ValueError, match="alpha must be above 0"):
+        lora.Lora(rank=4, alpha=-1)
+    with pytest.raises(ValueError, match="qkv_proj"):
+        lora.Lora(rank=4, targets=("q_proj", "qkv_proj"))
+    with pytest.raises(ValueError, match="base_dtype 'int4'"):
+        lora.Lora(rank=4, base_dtype="int4")
+    assert lora.Lora(rank=8).alpha == 16.0
+    objective = lora_objective()
+    plain = LMObjective(dataclasses_replace(objective.model, lora=None), SEQ)
+    with pytest.raises(ValueError, match="has no lora"):
+        dew.Trainer(plain, smooth_optimizer(), jax.random.key(0), base="somewhere")
+    shared = lora_objective()
+    shared = LMObjective(dataclasses_replace(shared.model, num_kv_heads=2), SEQ)
+    with pytest.raises(ValueError, match="kv heads shared over tensor"):
+        dew.Trainer(shared, smooth_optimizer(), jax.random.key(0), mesh=dew.MeshSpec(tensor=4))
+
+
+def dataclasses_replace(model, **changes):
+    import dataclasses
+
+    return dataclasses.replace(model, **changes)
