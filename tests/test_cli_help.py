@@ -61,6 +61,7 @@ def test_every_commands_help_imports_no_jax():
 def real_choices() -> dict:
     """``{argparse dest: the choices its one definition allows}`` (importing JAX is fine here)."""
     from dew.models.causal_transformer import DTYPES, REMAT_AUTO, REMAT_CHOICES
+    from dew.models.lora import BASE_DTYPES
     from dew.models.presets import PRESETS
     from dew.nn.attention import CHOICES
     from dew.parallel.options import FSDP_SCHEMES, GRADIENT_SUM_DTYPES
@@ -79,6 +80,7 @@ def real_choices() -> dict:
         "pipeline_schedule": tuple(SCHEDULES),
         "fsdp_scheme": tuple(FSDP_SCHEMES),
         "gradient_sum_dtype": tuple(GRADIENT_SUM_DTYPES),
+        "base_dtype": tuple(BASE_DTYPES),
     }
 
 
@@ -97,6 +99,10 @@ def test_the_parsers_defaults_are_the_real_ones():
     from dew.benchmark import ModelSize
     from dew.layout import DEFAULT_MIN_SHARD
 
+    from dew.cli.choices import LORA_TARGETS
+    from dew.models.lora import DEFAULT_TARGETS
+
+    assert LORA_TARGETS == DEFAULT_TARGETS
     parsers = subcommands()
     for name in ("train", "collectives", "bench", "plan"):
         assert parsers[name].get_default("min_shard") == DEFAULT_MIN_SHARD, name

@@ -32,6 +32,7 @@ from dew.cli.flags import (
     default_layouts,
     engine_names,
 )
+from dew.cli.lora_flags import add_lora_flags
 from dew.cli.model_flags import (
     add_model_flags,
     add_moe_flags,
@@ -80,6 +81,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         several=("dtype", "remat", "attention", "loss_chunk"),
     )
     add_moe_flags(parser)
+    add_lora_flags(parser)
     parser.add_argument(
         "--steps", type=int, default=1, help="steps each contestant runs per turn (default 1)"
     )

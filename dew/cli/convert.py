@@ -346,6 +346,11 @@ def init_model(args, model, path, data_vocab: int):
     for flag, field in _MODEL_CHOICE_FLAGS.items():  # --dtype, --remat, ... where given
         if getattr(args, flag, None) is not None:
             runs[field] = getattr(args, flag)
+    from dew.cli.lora_flags import lora_config
+
+    lora = lora_config(args)  # --lora-rank: adapters on the folder's weights, frozen
+    if lora is not None:
+        runs["lora"] = lora
     context = model.max_seq_len
     if args.seq_len > context:
         if not args.extend_context:

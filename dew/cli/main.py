@@ -35,6 +35,7 @@ from dew.cli.flags import (
     engine_names,
     step_options,
 )
+from dew.cli.lora_flags import add_lora_flags
 from dew.cli.model_flags import (
     EXAMPLE_SIZES,
     add_model_flags,
@@ -52,6 +53,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_device_flag(parser)
     add_model_flags(parser, **EXAMPLE_SIZES)
     add_moe_flags(parser)
+    add_lora_flags(parser)
     add_min_shard_flag(parser)
     add_sequence_parallel_flag(parser)
     add_sequence_scheme_flag(parser)
@@ -208,7 +210,9 @@ def _example(args, data_dir, model=None):
     return LMObjective(model, args.seq_len), data
 
 
-def _trainer(args, objective, checkpoints=None, engine="shard_map", optimizer=None, seed=0):
+def _trainer(
+    args, objective, checkpoints=None, engine="shard_map", optimizer=None, seed=0, base=None
+):
     import jax
 
     from dew import Layout, MeshSpec, Trainer
@@ -224,6 +228,7 @@ def _trainer(args, objective, checkpoints=None, engine="shard_map", optimizer=No
         accumulation=args.accumulation,
         engine=engine,
         options=step_options(args),
+        base=base,
     )
 
 
@@ -334,10 +339,22 @@ def train_command(args) -> int:
     objective, data = _example(args, data_dir, model)
     _print_header(args, objective.model, name=args.init_from)
     optimizer = optimizer_from(args)
+    # With --lora-rank, --init-from names the frozen base: read where the state is placed, named
+    # (not copied) in every checkpoint (dew.training.lora_base).
+    lora_base = args.init_from if objective.model.lora is not None else None
     trainer = _trainer(
-        args, objective, Checkpoints(run_dir / "checkpoints"), optimizer=optimizer, seed=args.seed
+        args,
+        objective,
+        Checkpoints(run_dir / "checkpoints"),
+        optimizer=optimizer,
+        seed=args.seed,
+        base=lora_base,
     )
-    if args.init_from:
+    if lora_base:
+        convert.keep_carried(
+            trainer.checkpoints.directory, convert.source_carried(lora_base), replace=False
+        )
+    elif args.init_from:
         convert.init_from(trainer, args.init_from)
     # The tokenizer the token folder was written with, for dew convert --to hf to copy.
     convert.keep_tokenizer(trainer.checkpoints.directory, data_dir)

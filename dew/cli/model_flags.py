@@ -174,6 +174,11 @@ def model_config(args) -> dict:
             f"{config['max_seq_len']} tokens"
         )
     config.update(moe_config(args))
+    from dew.cli.lora_flags import lora_config
+
+    lora = lora_config(args)
+    if lora is not None:
+        config["lora"] = lora
     return config
 
 
@@ -210,9 +215,19 @@ def sizes_text(config: dict, args, name: str | None = None) -> str:
     example decoder (``--init-from``)."""
     from dew.models.causal_transformer import CausalTransformer
 
+    from dew.models.lora import Lora
+
     defaults = {f.name: f.default for f in dataclasses.fields(CausalTransformer)}
     value = {**defaults, **config}
     kv = value["num_kv_heads"]
+    lora = Lora.of(value.get("lora"))
+    adapters = ""
+    if lora is not None:
+        base = "int8" if lora.base_dtype == "int8" else value["param_dtype"]
+        adapters = (
+            f"; LoRA rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.targets)}, "
+            f"{base} base frozen"
+        )
     return (
         f"{name or args.model or 'example decoder'}: {value['num_layers']} layers, width "
         f"{value['emb_features']}, {value['num_heads']} heads"
@@ -220,7 +235,7 @@ def sizes_text(config: dict, args, name: str | None = None) -> str:
         + f", vocab {value['vocab_size']}, context {value['max_seq_len']}"
         + (f", {value['num_experts']} experts" if value.get("num_experts") else "")
         + f"; {value['dtype']} activations, {value['param_dtype']} weights, remat "
-        f"{value['remat']}, attention {value['attention_impl']}; batch {args.batch} x "
+        f"{value['remat']}, attention {value['attention_impl']}{adapters}; batch {args.batch} x "
         f"{args.seq_len} tokens"
     )
 

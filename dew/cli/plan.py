@@ -29,6 +29,7 @@ from dew.cli.flags import (
     engine_names,
     step_option_variants,
 )
+from dew.cli.lora_flags import add_lora_flags
 from dew.cli.model_flags import (
     EXAMPLE_SIZES,
     add_model_flags,
@@ -73,6 +74,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         several=("remat",),
     )
     add_moe_flags(parser)
+    add_lora_flags(parser)
     add_min_shard_flag(parser)
     add_sequence_parallel_flag(parser)
     add_sequence_scheme_flag(parser)

@@ -1,0 +1,79 @@
+"""The LoRA flags of every command that builds a model: ``--lora-rank``, ``--lora-alpha``,
+``--lora-targets``, ``--base-dtype`` (``dew.models.lora``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from dew.cli.choices import LORA_BASE_DTYPES as BASE_DTYPES
+from dew.cli.choices import LORA_TARGETS as DEFAULT_TARGETS
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """``--lora-rank R`` (none: every weight trains), and with it ``--lora-alpha``,
+    ``--lora-targets`` and ``--base-dtype``."""
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="train LoRA adapters of rank R on a frozen base (default: no LoRA, every weight "
+        "trains); with --init-from, that folder or checkpoint is the base",
+    )
+    parser.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=None,
+        metavar="A",
+        help="the update is A / R x A B (default 2 R, torchtune's Llama recipes' scale 2; PEFT's "
+        "own default is 8); with --lora-rank",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated PEFT target_modules names (default "
+        + ",".join(DEFAULT_TARGETS)
+        + "); an MoE layer's experts get none; with --lora-rank",
+    )
+    parser.add_argument(
+        "--base-dtype",
+        default=None,
+        choices=BASE_DTYPES,
+        help="int8: the frozen base's layer matrices int8 with a float32 scale per output "
+        "channel, dequantized inside the matmuls (default: the base in --param-dtype); with "
+        "--lora-rank",
+    )
+
+
+def lora_config(args) -> dict | None:
+    """``Lora``'s fields from the flags, or ``None`` without ``--lora-rank``; ``ValueError`` naming
+    a LoRA flag given without it."""
+    rank = getattr(args, "lora_rank", None)
+    others = {
+        "--lora-alpha": getattr(args, "lora_alpha", None),
+        "--lora-targets": getattr(args, "lora_targets", None),
+        "--base-dtype": getattr(args, "base_dtype", None),
+    }
+    if rank is None:
+        given = [f"{flag} {value}" for flag, value in others.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} configures LoRA adapters; add --lora-rank R to train them"
+            )
+        return None
+    config = {"rank": rank}
+    if args.lora_alpha is not None:
+        config["alpha"] = args.lora_alpha
+    if args.lora_targets is not None:
+        config["targets"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    if args.base_dtype is not None:
+        config["base_dtype"] = args.base_dtype
+    from dew.models.lora import Lora
+
+    try:
+        Lora(**config)
+    except ValueError as error:  # said with the flags the user typed
+        message = str(error).replace("LoRA rank", "--lora-rank").replace("LoRA alpha", "--lora-alpha")
+        raise ValueError(message.replace("LoRA targets", "--lora-targets")) from None
+    return config
