@@ -97,9 +97,8 @@ def test_the_parsers_choices_are_the_real_ones():
 
 def test_the_parsers_defaults_are_the_real_ones():
     from dew.benchmark import ModelSize
-    from dew.layout import DEFAULT_MIN_SHARD
-
     from dew.cli.choices import LORA_TARGETS
+    from dew.layout import DEFAULT_MIN_SHARD
     from dew.models.lora import DEFAULT_TARGETS
 
     assert LORA_TARGETS == DEFAULT_TARGETS

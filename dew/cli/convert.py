@@ -45,9 +45,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("dest", help="the Dew checkpoint directory or Hugging Face folder to write")
     parser.add_argument(
         "--to",
-        choices=("dew", "hf"),
+        choices=("dew", "hf", "peft"),
         default="dew",
-        help="dew (default): SOURCE is a Hugging Face folder; hf: SOURCE is a Dew checkpoint",
+        help="dew (default): SOURCE is a Hugging Face folder; hf: SOURCE is a Dew checkpoint (a "
+        "LoRA run's: the merged model, base + alpha/R B A); peft: SOURCE is a LoRA run's "
+        "checkpoint, written as a PEFT adapter folder",
     )
     parser.add_argument(
         "--dtype",
@@ -72,6 +74,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def convert_command(args) -> int:
+    if args.to == "peft":
+        written, base = to_peft(args.source, args.dest, step=args.step)
+        print(f"Wrote {', '.join(written)} to {args.dest}: a PEFT adapter of base {base}")
+        return 0
     if args.to == "dew":
         copied = to_checkpoint(args.source, args.dest, dtype=args.dtype)
         kept = f", with its {', '.join(copied)}" if copied else ", no tokenizer files beside it"
@@ -250,6 +256,33 @@ def to_hf(directory, folder, step: int | None = None, max_shard_bytes: int | Non
     extra = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     written = hf.save(model, params, folder, carried=carried, **extra)
     return written, _copy_files([(f, Path(folder) / f.name) for f in tokenizer]), carried
+
+
+def to_peft(directory, folder, step: int | None = None) -> tuple[list[str], str]:
+    """Step ``step`` (default: the latest) of a LoRA run's checkpoint as a PEFT adapter folder
+    (``dew.models.peft``), whose ``base_model_name_or_path`` is the base the run names (its
+    path; ``None`` for a base drawn from the run's key). Returns ``(files written, the base)``.
+    The adapters alone are read: the base is not needed."""
+    import jax
+
+    from dew.models import lora, peft
+    from dew.models.checkpoint import checkpoint_directory, checkpoint_model
+
+    directory = checkpoint_directory(directory)
+    checkpoints, model, prefix = checkpoint_model(directory, step)
+    if model.lora is None:
+        raise ValueError(
+            f"--to peft: the checkpoint in {directory} is not a LoRA run's (it trained every "
+            "weight); --to hf exports it"
+        )
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.eval_shape(lambda k: lora.init_adapters(model, k), jax.random.key(0))
+    target = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), abstract
+    )
+    adapters, metadata = checkpoints.restore(target, step, under=prefix)
+    base = (metadata.get("lora_base") or {}).get("path")
+    return peft.save(model, adapters, folder, base), str(base)
 
 
 # --- dew train --init-from ---------------------------------------------------------------------

@@ -74,6 +74,8 @@ def lora_config(args) -> dict | None:
     try:
         Lora(**config)
     except ValueError as error:  # said with the flags the user typed
-        message = str(error).replace("LoRA rank", "--lora-rank").replace("LoRA alpha", "--lora-alpha")
+        message = (
+            str(error).replace("LoRA rank", "--lora-rank").replace("LoRA alpha", "--lora-alpha")
+        )
         raise ValueError(message.replace("LoRA targets", "--lora-targets")) from None
     return config

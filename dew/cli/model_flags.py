@@ -214,7 +214,6 @@ def sizes_text(config: dict, args, name: str | None = None) -> str:
     fields); ``name`` says where the model comes from when it is neither a preset nor the
     example decoder (``--init-from``)."""
     from dew.models.causal_transformer import CausalTransformer
-
     from dew.models.lora import Lora
 
     defaults = {f.name: f.default for f in dataclasses.fields(CausalTransformer)}

@@ -94,7 +94,10 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None):
 
     Returns the ``CausalTransformer`` the checkpoint records and its weights ``{"params": ...}``
     on one device (``jax.devices()[0]``), in the model's ``param_dtype``: ``model.apply(params,
-    tokens)`` gives float32 logits ``[batch, seq, vocab]``.
+    tokens)`` gives float32 logits ``[batch, seq, vocab]``. A LoRA run's checkpoint gives the
+    merged model: its model without ``lora`` and the base with the adapters folded in
+    (``W + alpha / R * A @ B``, an int8 base dequantized first: ``lora.merge``); ``load_lora``
+    gives base and adapters apart.
 
     Raises ``FileNotFoundError`` / ``NotADirectoryError`` for a path that is missing or a file,
     ``ValueError`` for a directory with no checkpoint, a ``step`` it does not have (naming the
@@ -103,15 +106,70 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None):
     latest step damaged, its kind ``DamagedLatestStepError``, naming the intact steps (never an
     older step loaded in its place: give ``step=N`` to load one).
     """
+    import dataclasses
+
     import jax
 
     from dew.checkpoints import DamagedLatestStepError
 
     directory = checkpoint_directory(run_dir)
     checkpoints, model, prefix = checkpoint_model(directory, step)
+    if model.lora is not None:
+        from dew.models import lora
+
+        model, base, adapters = load_lora(directory, step)
+        merged = jax.jit(lambda b, a: lora.merge(model, b, a))(base, adapters)
+        return dataclasses.replace(model, lora=None), merged
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree_util.tree_map(lambda _: one, jax.eval_shape(model.init, jax.random.key(0)))
     try:
         return model, restore_params(checkpoints, model, prefix, shardings, step)
     except DamagedLatestStepError as error:
         raise error.naming("load_checkpoint(..., step=N)") from None
+
+
+def load_lora(run_dir: str | os.PathLike, step: int | None = None):
+    """``(model, base, adapters)`` of a LoRA run's checkpoint, on one device: its model (with
+    ``lora`` set), the frozen base it names (``metadata["lora_base"]``: read again from its path,
+    or drawn from the run's key when it had none, and checked against the recorded checksum) and
+    the adapters (``{"lora": ...}``, float32). ``lora.combine(model, base, adapters)`` runs them
+    joined; ``lora.merge`` folds the adapters into the base. ``ValueError`` for a checkpoint of no
+    LoRA run, and ``CheckpointMismatchError`` when the base found is not the one recorded."""
+    import jax
+
+    from dew.checkpoints.errors import CheckpointMismatchError
+    from dew.models import lora
+    from dew.training import lora_base
+
+    directory = checkpoint_directory(run_dir)
+    checkpoints, model, prefix = checkpoint_model(directory, step)
+    if model.lora is None:
+        raise ValueError(
+            f"the checkpoint in {directory} is not a LoRA run's (its model has no lora)"
+        )
+    metadata = checkpoints.metadata(step)
+    recorded = metadata.get("lora_base") or {}
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.eval_shape(lambda k: lora.init_adapters(model, k), jax.random.key(0))
+    target = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), abstract
+    )
+    adapters, _ = checkpoints.restore(target, step, under=prefix, fall_back=False)
+    key = None
+    if recorded.get("path") is None:  # the base was the model's initial weights from the run's key
+        data = jax.ShapeDtypeStruct((2,), jax.numpy.uint32, sharding=one)
+        key_data, _ = checkpoints.restore(data, step, under=".key", fall_back=False)
+        key = jax.random.wrap_key_data(key_data)
+    shardings = jax.tree_util.tree_map(
+        lambda _: one,
+        jax.eval_shape(lambda k: lora.frozen_of(model, model.init(k)), jax.random.key(0)),
+    )
+    base = lora_base.read(model, recorded.get("path"), shardings, key)
+    checksum = lora.base_checksum(model, base)
+    if recorded.get("checksum") != checksum:
+        raise CheckpointMismatchError(
+            f"the checkpoint in {directory} was trained on the base {recorded.get('path')} "
+            f"(checksum {recorded.get('checksum')}), and what is there now has checksum "
+            f"{checksum}: it is another base"
+        )
+    return model, base, adapters

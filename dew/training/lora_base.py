@@ -36,18 +36,21 @@ def float_shardings(shardings):
 
 def load(trainer) -> dict:
     """The frozen base of ``trainer``'s LoRA model, laid out by its ``state_shardings.frozen``:
-    read from ``trainer.base`` (a Hugging Face Llama folder, quantized as it is read when the base
-    is int8: ``dew.models.hf.load``; or a Dew checkpoint directory of the same model, quantized
-    on the devices), or, without one, the model's initial weights from ``trainer.key``.
+    ``read`` of ``trainer.base``."""
+    return read(trainer.objective.model, trainer.base, trainer.state_shardings.frozen, trainer.key)
+
+
+def read(model, path, shardings, key) -> dict:
+    """The frozen base of the LoRA ``model`` laid out by ``shardings``: read from ``path`` (a
+    Hugging Face Llama folder, quantized as it is read when the base is int8:
+    ``dew.models.hf.load``; or a Dew checkpoint directory of the same model, quantized on the
+    devices), or, with ``path`` ``None``, the model's initial weights from ``key``.
     ``ValueError`` naming the difference when the source is another model."""
     from dew.models import hf
 
-    model = trainer.objective.model
-    shardings = trainer.state_shardings.frozen
-    path = trainer.base
     if path is None:
         init = jax.jit(lambda k: lora.frozen_of(model, model.init(k)), out_shardings=shardings)
-        return init(trainer.key)
+        return init(key)
     plain = dataclasses.replace(model, lora=None)
     int8 = model.lora.base_dtype == "int8"
     if hf.is_hf_folder(path):
