@@ -61,6 +61,7 @@ from dew.models.hf_config import (
     model_from_config,
     read_config,
 )
+from dew.nn.int8 import Quantized, host_quantize
 
 # The config's side (``dew.models.hf_config``) is part of this module's API.
 __all__ = [
@@ -317,6 +318,48 @@ def _place(shape, dtype, sharding, fill: Callable) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
+def _place_quantized(read: _Reader, m: Mapping, shape, sharding: Quantized) -> Quantized:
+    """The stacked layer matrix ``m`` of ``shape`` ``[layers, *in_dims, *out_dims]`` as a
+    ``Quantized`` laid out by ``sharding`` (a ``Quantized`` of two shardings), int8 with a float32
+    scale per output channel (``dew.nn.int8``), quantized box by box as it is read.
+
+    A box's scales need its output channels' every input row, so each box is read with its input
+    dimensions whole, one layer at a time (float32: at most one layer's matrix for the box's
+    output channels), quantized on the host and cut to the box: a device whose box splits the
+    input dimensions reads more of the file than it keeps, and the values and the scales are
+    read in two passes. No host holds more than one layer's matrix in float32."""
+    inputs = 2 if m.path[-1] == "o" else 1
+    out_dims = tuple(range(inputs, len(shape) - 1))
+
+    def layer_box(layer, start, stop):
+        """``(q, scale)`` of one layer's output channels ``[start, stop)`` (output dims only),
+        every input row."""
+        first = (layer, *([0] * inputs), *start)
+        last = (layer + 1, *shape[1 : 1 + inputs], *stop)
+        whole = read.box(m, first, last, np.float32)[0]
+        return host_quantize(whole, out_dims)
+
+    def values(start, stop):
+        out = aligned_empty(tuple(b - a for a, b in zip(start, stop)), np.int8)
+        for j, layer in enumerate(range(start[0], stop[0])):
+            q, _ = layer_box(layer, start[1 + inputs :], stop[1 + inputs :])
+            cut = tuple(slice(a, b) for a, b in zip(start[1 : 1 + inputs], stop[1 : 1 + inputs]))
+            out[j] = q[cut]
+        return out
+
+    def scales(start, stop):
+        out = aligned_empty(tuple(b - a for a, b in zip(start, stop)), np.float32)
+        for j, layer in enumerate(range(start[0], stop[0])):
+            out[j] = layer_box(layer, start[1:], stop[1:])[1]
+        return out
+
+    scale_shape = (shape[0], *shape[1 + inputs :])
+    return Quantized(
+        values=_place(shape, np.int8, sharding.values, values),
+        scale=_place(scale_shape, np.float32, sharding.scale, scales),
+    )
+
+
 def load(
     folder: str | os.PathLike,
     trainer=None,
@@ -335,7 +378,9 @@ def load(
         the model of ``config.json`` and its params on one device (``jax.devices()[0]``).
       dtype: the params' dtype without a trainer (default ``"float32"``, whatever the files hold).
       shardings: instead of ``trainer``, a tree of shardings shaped like the params (with
-        ``model``, the model they are for).
+        ``model``, the model they are for). A layer matrix whose sharding is a
+        ``dew.nn.int8.Quantized`` of two (a LoRA model's int8 base, ``dew.models.lora``) is
+        quantized as it is read, box by box (``_place_quantized``).
       overrides: fields of the model built from ``config.json`` (``max_seq_len``,
         ``attention_impl``, ``dtype`` of the activations); without a trainer only.
 
@@ -378,12 +423,15 @@ def load(
     for m in mappings(model):
         leaf = _get(abstract["params"], m.path)
         sharding = _get(shardings["params"], m.path)
-        array = _place(
-            leaf.shape,
-            target,
-            sharding,
-            lambda start, stop, m=m: read.box(m, start, stop, target),
-        )
+        if isinstance(sharding, Quantized):  # a LoRA model's int8 base: quantized as it is read
+            array = _place_quantized(read, m, leaf.shape, sharding)
+        else:
+            array = _place(
+                leaf.shape,
+                target,
+                sharding,
+                lambda start, stop, m=m: read.box(m, start, stop, target),
+            )
         node = params["params"]
         for key in m.path[:-1]:
             node = node.setdefault(key, {})

@@ -6,7 +6,7 @@
 
 Symmetric, per output channel (an output channel is one index of the dimensions the matmul's
 output names; the rest, the input dimensions, are reduced over): ``scale = max |w| / 127`` over the
-channel's entries and ``q = round(w / scale)`` in ``[-127, 127]``, so ``|q * scale - w| <= scale /
+channel's entries (times the float32 ``1 / 127``) and ``q = round(w / scale)`` in ``[-127, 127]``, so ``|q * scale - w| <= scale /
 2`` for every entry (a channel of zeros gets ``scale = 1`` and ``q = 0``). ``Quantized.einsum``
 multiplies ``x`` by the int8 matrix cast to ``x``'s dtype and scales the output channels after the
 matmul (in float32): the same as the matmul with the dequantized matrix, up to rounding, without a
@@ -40,7 +40,9 @@ def quantize(w, out_dims: Sequence[int], xp=jnp):
     w32 = xp.asarray(w).astype(xp.float32)
     reduced = _input_axes(w32.ndim, out_dims)
     peak = xp.max(xp.abs(w32), axis=reduced, keepdims=True)
-    scale = xp.where(peak > 0, peak / QMAX, xp.ones_like(peak))
+    # Times the float32 reciprocal, not over 127: XLA turns a division by a constant into that
+    # product, so the host (numpy) and the device agree bit for bit.
+    scale = xp.where(peak > 0, peak * xp.float32(1.0 / QMAX), xp.ones_like(peak))
     q = xp.clip(xp.round(w32 / scale), -QMAX, QMAX).astype(xp.int8)
     return q, xp.squeeze(scale, axis=reduced).astype(xp.float32)
 

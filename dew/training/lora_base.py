@@ -53,11 +53,9 @@ def read(model, path, shardings, key) -> dict:
         return init(key)
     plain = dataclasses.replace(model, lora=None)
     int8 = model.lora.base_dtype == "int8"
-    if hf.is_hf_folder(path):
-        _, params = hf.load(path, model=plain, shardings=float_shardings(shardings))
-        if not int8:
-            return params
-        return jax.jit(lambda p: lora.frozen_of(model, p), out_shardings=shardings)(params)
+    if hf.is_hf_folder(path):  # an int8 base quantized box by box as it is read
+        _, params = hf.load(path, model=plain, shardings=shardings)
+        return params
     from dew.models.checkpoint import checkpoint_directory, checkpoint_model, restore_params
 
     checkpoints, saved, prefix = checkpoint_model(checkpoint_directory(path))
