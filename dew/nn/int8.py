@@ -4,15 +4,15 @@
     w_back   = dequantize(q, scale, out_dims=(1, 2))
     out      = project(spec, x, Quantized(q, scale))
 
-Symmetric, per output channel (an output channel is one index of the dimensions the matmul's
-output names; the rest, the input dimensions, are reduced over): ``scale = max |w| / 127`` over
-the channel's entries (times the float32 ``1 / 127``) and ``q = round(w / scale)`` in ``[-127,
-127]``, so ``|q * scale - w| <= scale / 2`` for every entry (a channel of zeros gets ``scale =
-1`` and ``q = 0``). ``Quantized.einsum`` multiplies ``x`` by the int8 matrix cast to ``x``'s
-dtype and scales the output channels after the matmul (in float32): the same as the matmul with
-the dequantized matrix, up to rounding, without a dequantized copy of the matrix. Weight-only: activations, gradients and the matmul stay in
-``x``'s dtype; a ``Quantized`` weight is frozen (no gradient reaches its values or its scales).
-"""
+Symmetric, per output channel (an output channel is one index of the dimensions the matmul's output
+names; the rest, the input dimensions, are reduced over): ``scale = max |w| / 127`` over the
+channel's entries (times the float32 ``1 / 127``) and ``q = round(w / scale)`` in ``[-127, 127]``,
+so ``|q * scale - w| <= scale / 2`` for every entry (a channel of zeros gets ``scale = 1`` and ``q =
+0``). ``Quantized.einsum`` multiplies ``x`` by the int8 matrix cast to ``x``'s dtype and scales the
+output channels after the matmul (in float32): the same as the matmul with the dequantized matrix,
+up to rounding, without a dequantized copy of the matrix. Weight-only: activations, gradients and
+the matmul stay in ``x``'s dtype; a ``Quantized`` weight is frozen (no gradient reaches its values
+or its scales)."""
 
 from __future__ import annotations
 
