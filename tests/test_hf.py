@@ -93,6 +93,16 @@ PUBLISHED = {
         ),
         rms_norm_eps=1e-05,
     ),
+    "llama-3.2-3b": dict(  # meta-llama/Llama-3.2-3B
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        rms_norm_eps=1e-05,
+    ),
     "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B
         rope_theta=500000.0,
         rope_scaling=dict(

@@ -274,3 +274,17 @@ def dataclasses_replace(model, **changes):
     import dataclasses
 
     return dataclasses.replace(model, **changes)
+
+
+def test_a_lora_steps_model_flops_are_4n_plus_attention_plus_6_adapters():
+    """The MFU count of a LoRA step (``dew.training.flops``), by hand for the test model: width
+    32, 2 layers, 4 heads of 8, MLP 128, tied vocabulary 64, rows of 16, rank 4 on all seven
+    projections."""
+    from dew.training.flops import model_flops_per_token
+
+    model = lora_objective().model
+    layer = 4 * 32 * 32 + 3 * 32 * 128 + 2 * 32  # q, k, v, o; gate, up, down; two norms
+    n = 2 * layer + 32 + 64 * 32  # the layers, the final norm, the tied head
+    adapters = 2 * (4 * 4 * (32 + 32) + 2 * 4 * (32 + 128) + 4 * (128 + 32))  # R (in + out)
+    attention = 12 * 2 * 4 * 8 * SEQ
+    assert model_flops_per_token(model, SEQ) == 4 * n + attention + 6 * adapters

@@ -144,7 +144,7 @@ def test_each_preset_has_its_published_weight_count_within_one_percent(name):
 
 def test_llama_presets_are_the_published_shapes_exactly():
     # Dew's block is Llama's: the count is the model card's, to the weight.
-    for name in ("llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"):
+    for name in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-3.1-70b"):
         model = dew.models.build("causal_transformer", **PRESETS[name])
         assert weight_count(model) == PUBLISHED_PARAMETERS[name], name
 

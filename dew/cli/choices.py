@@ -27,7 +27,14 @@ REMAT_AUTO = "auto"
 # dew.nn.attention.CHOICES
 ATTENTION_CHOICES = ("xla", "pallas", "pallas_tpu_interpret", "cudnn", "auto")
 # dew.models.presets.PRESETS' names
-PRESET_NAMES = ("gpt2-small", "gpt2-medium", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b")
+PRESET_NAMES = (
+    "gpt2-small",
+    "gpt2-medium",
+    "llama-3.2-1b",
+    "llama-3.2-3b",
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+)
 # dew.models.lora.BASE_DTYPES and DEFAULT_TARGETS
 LORA_BASE_DTYPES = ("int8",)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

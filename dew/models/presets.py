@@ -6,8 +6,10 @@ every command that takes model sizes. Each preset is the published model's shape
 train. ``PUBLISHED_PARAMETERS`` holds the count each model's authors give; the tests hold every
 preset's weight count to it within 1%.
 
-- Llama 3.x: the model cards and ``config.json`` of meta-llama/Llama-3.2-1B, Llama-3.1-8B and
-  Llama-3.1-70B (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+- Llama 3.x: the model cards and ``config.json`` of meta-llama/Llama-3.2-1B, Llama-3.2-3B
+  (hidden_size 3072, intermediate_size 8192, 28 layers, 24 heads, 8 kv heads of head_dim 128,
+  tied; rope_theta 500000, llama3 rope_scaling factor 32, low 1, high 4, original 8192, the
+  1B's), Llama-3.1-8B and Llama-3.1-70B (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
   num_key_value_heads, vocab_size 128256, tie_word_embeddings). Dew's decoder is Llama's block,
   so these are the models' own weights, shape for shape, and the presets carry their position and
   norm settings (``LLAMA_3_2_ROPE``, ``LLAMA_3_1_ROPE``: ``rope_theta``, the ``llama3``
@@ -75,6 +77,17 @@ PRESETS: dict[str, dict] = {
         max_seq_len=8192,
         **LLAMA_3_2_ROPE,
     ),
+    "llama-3.2-3b": dict(
+        vocab_size=LLAMA_VOCAB,
+        emb_features=3072,
+        num_layers=28,
+        num_heads=24,
+        num_kv_heads=8,
+        mlp_features=8192,
+        tie_embeddings=True,
+        max_seq_len=8192,
+        **LLAMA_3_2_ROPE,
+    ),
     "llama-3.1-8b": dict(
         vocab_size=LLAMA_VOCAB,
         emb_features=4096,
@@ -105,6 +118,8 @@ PRESETS: dict[str, dict] = {
 #   float32: ``param_dtype``); softmax, norms and the loss run in float32 regardless.
 # - attention "auto": the Mosaic kernels on TPU, cuDNN on GPU (Triton where cuDNN does not take the
 #   shapes), XLA on CPU.
+# - remat "full" for Llama-3.2-3B, as for 8B: not measured for full training (its state alone,
+#   19 GB in bfloat16 with moments, passes one v5e chip); its LoRA runs choose with --remat.
 # - remat "dots" (keep the weight matmuls' outputs) for Llama-3.2-1B: on one H200
 #   (issue 32) Llama-3.2-1B at 8 x 2048 tokens stepped in 295 ms against full recompute's 329 ms
 #   with the Pallas kernels, well within memory. "full" for 8B and 70B: "dots" keeps about 11 times
@@ -123,6 +138,7 @@ REMAT_DEFAULTS = {
     "gpt2-small": "attention",
     "gpt2-medium": "full",
     "llama-3.2-1b": "dots",
+    "llama-3.2-3b": "full",
     "llama-3.1-8b": "full",
     "llama-3.1-70b": "full",
 }
@@ -134,6 +150,7 @@ PUBLISHED_PARAMETERS: dict[str, int] = {
     "gpt2-small": 124_439_808,  # the released checkpoint's count ("124M")
     "gpt2-medium": 354_823_168,  # "355M"
     "llama-3.2-1b": 1_235_814_400,  # "1.23B"
+    "llama-3.2-3b": 3_212_749_824,  # "3.21B"
     "llama-3.1-8b": 8_030_261_248,  # "8.03B"
     "llama-3.1-70b": 70_553_706_496,  # "70.6B"
 }

@@ -25,6 +25,17 @@ appendix B, https://arxiv.org/abs/2204.02311): a training step costs, per token,
   experts' weights times ``k / E`` (the active weights; the router counts whole). Copies a capacity
   drops are not taken off: the count is the model's, not the run's luck.
 
+LoRA (a model with ``lora``: ``dew.models.lora``): the base is frozen, so the backward computes
+the activations' gradients through it and not its weights': per token
+
+    4 N + 12 L H Q T + 6 N_lora
+
+``4 N``: the base's forward and input gradients (``N`` as above, the head included: its input
+gradient is needed, its weight gradient is not); attention as above (its backward computes
+gradients of q, k and v, inputs all); ``6 N_lora``: the adapters' own forward, input and weight
+gradients (``N_lora`` their weights, ``R (in + out)`` a matrix). An int8 base counts as any base:
+the matmuls run in the activations' dtype.
+
 Model FLOPs leave out what a layout or a memory saving adds: Dew's layers run under
 ``jax.checkpoint``, so the backward recomputes each layer's forward (all but its last matmul,
 the MLP's ``down``, whose output the backward does not need); XLA's count of the one-device step is
@@ -94,7 +105,8 @@ def model_flops_per_token(model, seq_len: int, *, causal_halved: bool = False) -
     """PaLM's ``6 N + 12 L H Q T`` for a ``CausalTransformer`` training on rows of ``seq_len``
     positions (see the module's docstring for what ``N`` counts, the experts' ``k / E`` and the
     causal mask); with ``causal_halved``, MaxText's ``6 N + 6 L H Q T`` (attention's term halved
-    for the causal mask). ``None`` for a model whose shapes this does not know.
+    for the causal mask); for a LoRA model ``4 N + 12 L H Q T + 6 N_lora`` (the module's
+    docstring; attention halved alike). ``None`` for a model whose shapes this does not know.
     """
     try:
         layers, heads, head_dim = model.num_layers, model.num_heads, model.head_dim
@@ -111,7 +123,15 @@ def model_flops_per_token(model, seq_len: int, *, causal_halved: bool = False) -
         expert_weights = _size(params["moe_layers"]["moe"]["experts"])
         weights -= expert_weights * (experts - k) / experts
     attention = 12.0 * layers * heads * head_dim * seq_len
-    return 6.0 * weights + (attention / 2 if causal_halved else attention)
+    attention = attention / 2 if causal_halved else attention
+    if getattr(model, "lora", None) is not None:
+        from dew.models import lora
+
+        adapters = _size(
+            jax.eval_shape(lambda key: lora.init_adapters(model, key), jax.random.key(0))
+        )
+        return 4.0 * weights + attention + 6.0 * adapters
+    return 6.0 * weights + attention
 
 
 def throughput(
