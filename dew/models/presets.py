@@ -9,8 +9,8 @@ preset's weight count to it within 1%.
 - Llama 3.x: the model cards and ``config.json`` of meta-llama/Llama-3.2-1B, Llama-3.2-3B
   (hidden_size 3072, intermediate_size 8192, 28 layers, 24 heads, 8 kv heads of head_dim 128,
   tied; rope_theta 500000, llama3 rope_scaling factor 32, low 1, high 4, original 8192, the
-  1B's), Llama-3.1-8B and Llama-3.1-70B (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-  num_key_value_heads, vocab_size 128256, tie_word_embeddings). Dew's decoder is Llama's block,
+  1B's), Llama-3.1-8B and Llama-3.1-70B (hidden_size, intermediate_size, num_hidden_layers,
+  num_attention_heads, num_key_value_heads, vocab_size 128256, tie_word_embeddings). Dew's decoder is Llama's block,
   so these are the models' own weights, shape for shape, and the presets carry their position and
   norm settings (``LLAMA_3_2_ROPE``, ``LLAMA_3_1_ROPE``: ``rope_theta``, the ``llama3``
   ``rope_scaling`` and ``rms_norm_eps`` of the same ``config.json``), so that their published
