@@ -7,15 +7,15 @@ train. ``PUBLISHED_PARAMETERS`` holds the count each model's authors give; the t
 preset's weight count to it within 1%.
 
 - Llama 3.x: the model cards and ``config.json`` of meta-llama/Llama-3.2-1B, Llama-3.2-3B
-  (hidden_size 3072, intermediate_size 8192, 28 layers, 24 heads, 8 kv heads of head_dim 128,
-  tied; rope_theta 500000, llama3 rope_scaling factor 32, low 1, high 4, original 8192, the
-  1B's), Llama-3.1-8B and Llama-3.1-70B (hidden_size, intermediate_size, num_hidden_layers,
-  num_attention_heads, num_key_value_heads, vocab_size 128256, tie_word_embeddings). Dew's decoder is Llama's block,
-  so these are the models' own weights, shape for shape, and the presets carry their position and
-  norm settings (``LLAMA_3_2_ROPE``, ``LLAMA_3_1_ROPE``: ``rope_theta``, the ``llama3``
-  ``rope_scaling`` and ``rms_norm_eps`` of the same ``config.json``), so that their published
-  weights (``dew.models.hf``) compute the published model. ``max_seq_len`` is 8192, the length
-  they were pretrained at before their context was extended.
+  (hidden_size 3072, intermediate_size 8192, 28 layers, 24 heads, 8 kv heads of head_dim 128, tied;
+  rope_theta 500000, llama3 rope_scaling factor 32, low 1, high 4, original 8192, the 1B's),
+  Llama-3.1-8B and Llama-3.1-70B (hidden_size, intermediate_size, num_hidden_layers,
+  num_attention_heads, num_key_value_heads, vocab_size 128256, tie_word_embeddings). Dew's decoder
+  is Llama's block, so these are the models' own weights, shape for shape, and the presets carry
+  their position and norm settings (``LLAMA_3_2_ROPE``, ``LLAMA_3_1_ROPE``: ``rope_theta``, the
+  ``llama3`` ``rope_scaling`` and ``rms_norm_eps`` of the same ``config.json``), so that their
+  published weights (``dew.models.hf``) compute the published model. ``max_seq_len`` is 8192, the
+  length they were pretrained at before their context was extended.
 - GPT-2 small and medium (Radford et al. 2019; the released 124M and 355M checkpoints): widths,
   depths, heads and the 1024-token context are GPT-2's. Dew's block differs: its SwiGLU MLP has
   three matrices where GPT-2's GELU MLP has two, so its width is 2/3 of GPT-2's 4 x width (rounded
