@@ -74,8 +74,9 @@ class Quantized:
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
         """``einsum(spec, x, dequantize(values, scale))`` in ``x``'s dtype: the int8 matrix cast
-        to ``x``'s dtype, the matmul accumulated in float32, each output channel times its scale,
-        rounded once to ``x``'s dtype. Nothing flows back to ``values`` or ``scale``."""
+        to ``x``'s dtype (exact: int8 fits bfloat16's 8 bits), the matmul in ``x``'s dtype, each
+        output channel times its scale in float32, rounded to ``x``'s dtype. Nothing flows back
+        to ``values`` or ``scale``."""
         x_labels, w_labels, out_labels = spec_labels(spec)
         out_w = "".join(label for label in w_labels if label in out_labels)
         values = jax.lax.stop_gradient(self.values)
@@ -85,7 +86,9 @@ class Quantized:
                 f"einsum {spec!r}: a scale of shape {scale.shape} for the output dimensions "
                 f"{out_w!r} of a weight of shape {values.shape}"
             )
-        out = jnp.einsum(spec, x, values.astype(x.dtype), preferred_element_type=jnp.float32)
+        # The matmul in x's dtype, as every other weight's (XLA:CPU has no bfloat16 matmul with
+        # a float32 output); the scales in float32 on its output.
+        out = jnp.einsum(spec, x, values.astype(x.dtype)).astype(jnp.float32)
         out = jnp.einsum(f"{out_labels},{out_w}->{out_labels}", out, scale.astype(jnp.float32))
         return out.astype(x.dtype)
 
