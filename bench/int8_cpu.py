@@ -5,12 +5,13 @@ the loss curve of a short LoRA fine-tune on each (docs/finetune.md, "An int8 bas
 
 1. A base worth adapting: the Hugging Face reference model ``tests/data/hf/llama3_untied`` (2
    layers, width 64, its own head, byte vocabulary), trained whole for ``BASE_STEPS`` steps on
-   this repository's docs/ as bytes, exported with ``dew convert --to hf`` in bfloat16.
+   this repository's docs/ as bytes, exported with ``dew convert --to hf``.
 2. Its logits on a held-out batch (the docs' validation split) with the base in bfloat16 and in
    int8 (per-output-channel scales): the relative error of the int8 logits against the bfloat16
    ones, and the loss of each.
 3. ``dew train --init-from`` that folder with ``--lora-rank 8`` on each base (bfloat16
-   activations), ``STEPS`` steps from the same adapters and batches: both loss curves.
+   activations) on text the base has not seen (Dew's own Python source, as bytes), ``STEPS``
+   steps from the same adapters and batches: both loss curves.
 """
 
 from __future__ import annotations
@@ -34,13 +35,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         dew("tokenize", str(REPO / "docs"), "--tokenizer", "bytes", "--out", str(tmp / "tokens"))
-        common = ["--cpu-devices", "1", "--data", str(tmp / "tokens"), "--batch", str(BATCH)]
+        code = tmp / "code"  # dew tokenize reads .txt: the source under that name
+        code.mkdir()
+        for i, source in enumerate(sorted((REPO / "dew").rglob("*.py"))):
+            (code / f"{i:03d}.txt").write_text(source.read_text())
+        dew("tokenize", str(code), "--tokenizer", "bytes", "--out", str(tmp / "code-tokens"))
+        common = ["--cpu-devices", "1", "--batch", str(BATCH)]
         common += ["--seq-len", str(SEQ), "--log-every", "10"]
         dew(
             "train",
             "--init-from",
             str(BASE),
             *common,
+            "--data",
+            str(tmp / "tokens"),
             "--steps",
             str(BASE_STEPS),
             "--run-dir",
@@ -58,6 +66,8 @@ def main() -> int:
                 "--init-from",
                 str(tmp / "base"),
                 *common,
+                "--data",
+                str(tmp / "code-tokens"),
                 "--steps",
                 str(STEPS),
                 "--lora-rank",

@@ -98,8 +98,9 @@ def test_fresh_adapters_give_the_base_logits_exactly(seed):
     assert all(not np.any(np.asarray(ab["b"])) for ab in _pairs(adapters))
     assert all(np.any(np.asarray(ab["a"])) for ab in _pairs(adapters))
     tokens = jnp.asarray(fresh_batch(2, seed)[:, :-1])
-    plain = model.apply(base, tokens)
-    adapted = model.apply(lora.combine(model, base, adapters), tokens)
+    apply = jax.jit(model.apply)
+    plain = apply(base, tokens)
+    adapted = apply(lora.combine(model, base, adapters), tokens)
     np.testing.assert_array_equal(np.asarray(adapted), np.asarray(plain))
 
 
@@ -119,10 +120,11 @@ def test_merged_weights_compute_the_adapted_model(seed):
     base = model.init(key)
     adapters = random_adapters(model, seeded_key(seed, 1))
     tokens = jnp.asarray(fresh_batch(2, seed)[:, :-1])
-    adapted = model.apply(lora.combine(model, base, adapters), tokens)
-    merged = model.apply(lora.merge(model, base, adapters), tokens)
+    apply = jax.jit(model.apply)
+    adapted = apply(lora.combine(model, base, adapters), tokens)
+    merged = apply(lora.merge(model, base, adapters), tokens)
     assert relative_error(merged, adapted) < TOL
-    changed = model.apply(base, tokens)
+    changed = apply(base, tokens)
     assert relative_error(changed, adapted) > 1e-2, "the adapters changed nothing"
 
 
@@ -195,6 +197,7 @@ LAYOUTS = {
     "fsdp=8": dict(mesh=dew.MeshSpec(fsdp=8)),
     "data=2,tensor=4": dict(mesh=dew.MeshSpec(data=2, tensor=4)),
     "sequence=2,fsdp=4 accumulation=2": dict(mesh=dew.MeshSpec(sequence=2, fsdp=4), accumulation=2),
+    "stage=2,fsdp=2": dict(mesh=dew.MeshSpec(stage=2, fsdp=2, microbatches=2)),
 }
 
 
@@ -245,6 +248,33 @@ def test_fsdp_step_gathers_the_base_and_sums_only_adapter_gradients(case):
     gathered = sum(row.operand_bytes for row in report.rows if row.op == "all_gather")
     base_bytes = sum(x.size * 4 for x in jax.tree_util.tree_leaves(case["base"]))
     assert gathered >= base_bytes / 8, report
+
+
+def test_an_moe_model_adapts_attention_and_dense_mlps_on_expert_2_fsdp_2(seed):
+    """What LoRA means for experts: an MoE layer's attention gets adapters, its experts and
+    router none (they stay frozen, split over ``expert``); a dense layer's MLP does. One step on
+    expert=2, fsdp=2 equals one device (the batch cut into the step's 8 shards, as the router's
+    load-balancing statistics are per shard: tests/equivalence.Microbatched)."""
+    from tests.equivalence import Microbatched
+
+    model = dataclasses_replace(lora_objective().model, num_experts=4, moe_every=2)
+    objective = LMObjective(model, SEQ)
+    key = seeded_key(seed)
+    base = model.init(key)
+    adapters = random_adapters(model, seeded_key(seed, 1))
+    assert set(adapters["lora"]["moe_layers"]) == {"attn"}
+    assert set(adapters["lora"]["layers"]) == {"attn", "mlp"}
+    batch = fresh_batch(ROWS, seed)
+    reference = Microbatched(objective, 8, 1)
+
+    def loss(adapters):
+        return reference.loss(lora.combine(model, base, adapters), batch)
+
+    want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(adapters)
+    case = dict(objective=objective, key=key, adapters=adapters, base=base, batches=[batch])
+    _, _, run = _lora_run(case, mesh=dew.MeshSpec(expert=2, fsdp=2))
+    np.testing.assert_allclose(run["losses"][0], float(want_loss), rtol=TOL)
+    assert relative_error(run["grads"][0], want_grads) < TOL, f"seed {seed}"
 
 
 # --- Refusals -----------------------------------------------------------------------------------
