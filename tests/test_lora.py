@@ -89,6 +89,60 @@ def test_adapted_layer_is_x_w_plus_scaled_x_a_b(spec, x_shape, w_shape, inputs, 
     assert np.any(np.asarray(grad_a))
 
 
+def test_dropout_drops_the_updates_input_at_its_rate(seed):
+    """With a key and rate ``p`` the update is ``(alpha / R) ((x * m / (1 - p)) A) B``, ``m`` the
+    key's Bernoulli(1 - p) mask, the base ``x W`` untouched; about ``p`` of the entries drop;
+    rate 0 (an evaluation) is the layer without dropout, exactly."""
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    w, a = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((32, 24), (32, RANK)))
+    b = jnp.asarray(rng.standard_normal((RANK, 24)), jnp.float32)
+    key, p = seeded_key(seed), 0.3
+    plain = Adapted(w, a, b, 2.0).einsum("te,ef->tf", x)
+    off = Adapted(w, a, b, 2.0, key, jnp.float32(0.0)).einsum("te,ef->tf", x)
+    np.testing.assert_array_equal(np.asarray(off), np.asarray(plain))
+    got = Adapted(w, a, b, 2.0, key, jnp.float32(p)).einsum("te,ef->tf", x)
+    keep = np.asarray(jax.random.bernoulli(key, 1.0 - p, x.shape))
+    x64, a64, b64 = (np.asarray(m, np.float64) for m in (x, a, b))
+    want = x64 @ np.asarray(w, np.float64) + 2.0 * ((x64 * keep / (1 - p)) @ a64) @ b64
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    dropped = 1.0 - keep.mean()
+    assert abs(dropped - p) < 4 * math.sqrt(p * (1 - p) / keep.size), dropped
+
+
+def test_a_dropout_step_draws_its_masks_from_the_step(case):
+    """``Lora(dropout=0.2)`` on fsdp=8: the same state and batch give the same loss again (the
+    masks are the step's key's), another step number another loss, and no dropout a third."""
+    model = dataclasses_replace(case["objective"].model, lora=lora.Lora(rank=RANK, dropout=0.2))
+    trainer = dew.Trainer(
+        LMObjective(model, SEQ),
+        smooth_optimizer(),
+        case["key"],
+        mesh=dew.MeshSpec(fsdp=8),
+        layout=dew.Layout(min_shard=1),
+    )
+    state = jax.device_put(
+        dew.TrainState(
+            step=np.zeros((), np.int32),
+            params=jax.tree_util.tree_map(np.asarray, case["adapters"]),
+            opt_state=trainer.optimizer.init(case["adapters"]),
+            ema=None,
+            key=jax.random.wrap_key_data(np.asarray(jax.random.key_data(case["key"]))),
+            frozen=jax.tree_util.tree_map(np.asarray, case["base"]),
+        ),
+        trainer.state_shardings,
+    )
+    step = trainer.train_step(ROWS)
+    batch = trainer.device_batch(case["batches"][0], ROWS)
+    copy = lambda s: jax.tree_util.tree_map(lambda x: x.copy(), s)  # noqa: E731  (donated)
+    losses = [float(step(copy(state), batch)[1]["loss"]) for _ in range(2)]
+    later = float(step(copy(state.replace(step=state.step + 1)), batch)[1]["loss"])
+    assert losses[0] == losses[1]
+    assert later != losses[0]
+    assert abs(losses[0] - case["losses"][0]) > 1e-4 * case["losses"][0], "nothing dropped"
+
+
 def test_fresh_adapters_give_the_base_logits_exactly(seed):
     """B = 0 at init: the adapted model's logits are the base model's, bit for bit."""
     model = lora_objective().model

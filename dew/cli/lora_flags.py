@@ -1,5 +1,5 @@
 """The LoRA flags of every command that builds a model: ``--lora-rank``, ``--lora-alpha``,
-``--lora-targets``, ``--base-dtype`` (``dew.models.lora``)."""
+``--lora-targets``, ``--lora-dropout``, ``--base-dtype`` (``dew.models.lora``)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,14 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
         + "); an MoE layer's experts get none; with --lora-rank",
     )
     parser.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=None,
+        metavar="P",
+        help="dropout on each adapter's input in training steps, PEFT's lora_dropout (default "
+        "0: none); with --lora-rank",
+    )
+    parser.add_argument(
         "--base-dtype",
         default=None,
         choices=BASE_DTYPES,
@@ -53,6 +61,7 @@ def lora_config(args) -> dict | None:
     others = {
         "--lora-alpha": getattr(args, "lora_alpha", None),
         "--lora-targets": getattr(args, "lora_targets", None),
+        "--lora-dropout": getattr(args, "lora_dropout", None),
         "--base-dtype": getattr(args, "base_dtype", None),
     }
     if rank is None:
@@ -69,6 +78,8 @@ def lora_config(args) -> dict | None:
         config["targets"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     if args.base_dtype is not None:
         config["base_dtype"] = args.base_dtype
+    if args.lora_dropout is not None:
+        config["dropout"] = args.lora_dropout
     from dew.models.lora import Lora
 
     try:
@@ -77,5 +88,6 @@ def lora_config(args) -> dict | None:
         message = (
             str(error).replace("LoRA rank", "--lora-rank").replace("LoRA alpha", "--lora-alpha")
         )
-        raise ValueError(message.replace("LoRA targets", "--lora-targets")) from None
+        message = message.replace("LoRA targets", "--lora-targets")
+        raise ValueError(message.replace("LoRA dropout", "--lora-dropout")) from None
     return config

@@ -77,12 +77,15 @@ class Lora:
       targets: PEFT's ``target_modules`` names (``TARGETS``); default all seven projections.
       base_dtype: ``None``: the base in the model's ``param_dtype``; ``"int8"``: its layer
         matrices int8 with a float32 scale per output channel (``dew.nn.int8``).
+      dropout: PEFT's ``lora_dropout``, the rate of dropout on each adapter's input in a training
+        step (``dropout_keys`` says how the masks are drawn); 0 (the default, PEFT's): none.
     """
 
     rank: int
     alpha: float | None = None
     targets: tuple[str, ...] = DEFAULT_TARGETS
     base_dtype: str | None = None
+    dropout: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -101,6 +104,11 @@ class Lora:
                 f"LoRA targets {list(targets)}: each must be one of {', '.join(TARGETS)}, once"
             )
         object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in targets))
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
+            raise ValueError(f"LoRA dropout must be a number, got {self.dropout!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        object.__setattr__(self, "dropout", float(self.dropout))
         if self.base_dtype is not None and self.base_dtype not in BASE_DTYPES:
             raise ValueError(
                 f"LoRA base_dtype {self.base_dtype!r}: None (the model's param_dtype) or "
@@ -236,19 +244,67 @@ def frozen_of(model, params: dict) -> dict:
     return {"params": out}
 
 
-def combine(model, frozen: dict, adapters: dict) -> dict:
+def combine(model, frozen: dict, adapters: dict, keys=None, rate=None) -> dict:
     """The tree the model runs on: ``frozen`` with each adapted weight an ``Adapted`` of its base
-    and its adapter. Works alike on trees of ``PartitionSpec`` s."""
+    and its adapter. Works alike on trees of ``PartitionSpec`` s.
+
+    With ``model.lora.dropout`` above 0 each ``Adapted`` also takes a dropout key and rate:
+    ``keys`` a tree ``{stack: {group: {weight: keys [layers]}}}`` (``dropout_keys``) or one value
+    for all (a spec), ``rate`` the rate (a float32 scalar: the model's in a training step, 0 in an
+    evaluation) or a spec. Without them, a model with dropout gets the keys of ``jax.random.key(0)``
+    and rate 0: the same tree structure as a training step's, dropping nothing."""
     params = dict(frozen["params"])
+    dropout = model.lora.dropout > 0
+    if dropout and keys is None:
+        keys = dropout_keys(model, jax.random.key(0), adapters)
+        rate = jnp.zeros((), jnp.float32)
     for stack, groups in adapters["lora"].items():
         layer = dict(params[stack])
         for group, weights in groups.items():
             layer[group] = dict(layer[group])
             for weight, ab in weights.items():
                 base = layer[group][weight]
-                layer[group][weight] = Adapted(base, ab["a"], ab["b"], model.lora.scale)
+                extra = ()
+                if dropout:
+                    key = keys[stack][group][weight] if isinstance(keys, dict) else keys
+                    # One rate a layer, as one key: the layer loop slices both.
+                    shape = getattr(key, "shape", None)
+                    extra = (key, rate if shape is None else jnp.broadcast_to(rate, shape))
+                layer[group][weight] = Adapted(base, ab["a"], ab["b"], model.lora.scale, *extra)
         params[stack] = layer
     return {"params": params}
+
+
+def dropout_keys(model, key: jax.Array, adapters: dict, shards=None, tokens=None) -> dict:
+    """The dropout keys of one step: ``{stack: {group: {weight: keys}}}``, ``keys`` ``[layers]``
+    (this device's layers: a pipeline stage's share), each ``key`` folded with the weight's name
+    and the layer's index in the model, and with a hash of ``tokens`` (this device's inputs, a
+    microbatch's), so that each microbatch and each device holding other tokens draws its own
+    masks. Inside a step (``shards``): a row-parallel weight (o, down), whose input each device of
+    a tensor group holds a part of, also folds in the device's tensor index; a column-parallel one
+    does not, its input being the same on every device of the group. Masks depend on the layout
+    (as they do in any data-parallel run): a layout changes which entries drop, not how many."""
+    if tokens is not None:
+        flat = tokens.reshape(-1).astype(jnp.uint32)
+        weights = jnp.arange(flat.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + 1
+        key = jax.random.fold_in(key, jnp.sum(flat * weights))
+    t = 1 if shards is None else shards.size("tensor")
+    stages = 1 if shards is None else shards.size("stage")
+    row = {TARGETS[n][1] for n in ROW_PARALLEL}
+    out: dict = {}
+    for stack, groups in adapters["lora"].items():
+        local = jax.tree_util.tree_leaves(groups)[0].shape[0]
+        first = jax.lax.axis_index("stage") * local if stages > 1 else 0
+        layers = first + jnp.arange(local)
+        for group, weights in groups.items():
+            for weight in weights:
+                name = f"{stack}/{group}/{weight}"
+                weight_key = jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+                if weight in row and t > 1:
+                    weight_key = jax.random.fold_in(weight_key, jax.lax.axis_index("tensor"))
+                keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(weight_key, layers)
+                out.setdefault(stack, {}).setdefault(group, {})[weight] = keys
+    return out
 
 
 def merge(model, frozen: dict, adapters: dict, dtype=None) -> dict:

@@ -41,7 +41,7 @@ def adapter_config(model, base_path: str | None) -> dict:
         "base_model_name_or_path": base_path,
         "r": lora.rank,
         "lora_alpha": alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": lora.dropout,
         "target_modules": list(lora.targets),
         "bias": "none",
         "fan_in_fan_out": False,

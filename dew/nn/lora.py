@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from dew.nn.param import project, spec_labels
 
@@ -65,22 +66,36 @@ class Adapted:
       base: the frozen weight: an array, or a weight object of its own (``dew.nn.int8.Quantized``).
       a: ``[*in_dims, R]``; b: ``[R, *out_dims]`` (the module's docstring).
       scale: ``alpha / R``.
+      key, rate: ``None``, or a PRNG key and a float32 scalar: the update's input then goes
+        through dropout of that rate (PEFT's ``lora_dropout``: each entry of ``x`` zeroed with
+        probability ``rate``, the rest divided by ``1 - rate``, for the update alone; the base
+        sees ``x`` whole). The key decides the mask, so a recomputed layer draws the same one;
+        a rate of 0 (evaluation) drops nothing. Both are leaves, not settings, so a training
+        step and an evaluation share one tree structure.
     """
 
     base: Any
     a: jax.Array
     b: jax.Array
     scale: float
+    key: Any = None
+    rate: Any = None
 
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
-        """``einsum(spec, x, W) + scale * einsum(einsum(x, A), B)``, in ``x``'s dtype; no
-        gradient reaches ``W``."""
+        """``einsum(spec, x, W) + scale * einsum(einsum(dropout(x), A), B)``, in ``x``'s dtype;
+        no gradient reaches ``W``."""
         base = self.base
         if not hasattr(base, "einsum"):
             base = jax.lax.stop_gradient(base)
         into, out_of = lora_einsums(spec)
-        update = project(into, x, self.a) * jax.numpy.asarray(self.scale, x.dtype)
+        dropped = x
+        if self.key is not None:
+            keep = jax.random.bernoulli(self.key, 1.0 - self.rate, x.shape)
+            dropped = jnp.where(keep, x / (1.0 - self.rate), 0).astype(x.dtype)
+        update = project(into, dropped, self.a) * jnp.asarray(self.scale, x.dtype)
         return project(spec, x, base) + project(out_of, update, self.b)
 
 
-jax.tree_util.register_dataclass(Adapted, data_fields=["base", "a", "b"], meta_fields=["scale"])
+jax.tree_util.register_dataclass(
+    Adapted, data_fields=["base", "a", "b", "key", "rate"], meta_fields=["scale"]
+)

@@ -78,7 +78,7 @@ from jax.sharding import PartitionSpec as P
 from dew.mesh import BATCH_AXES
 from dew.models import lora
 from dew.objectives.lm import loss_weights, split_mask
-from dew.parallel import Shards, data, fsdp, pipeline, sequence
+from dew.parallel import ONE_DEVICE, Shards, data, fsdp, pipeline, sequence
 from dew.training.optimizer import global_norm, learning_rate
 from dew.training.state import TrainState
 
@@ -162,26 +162,40 @@ class OnBase:
 
     objective: object
     frozen: object
+    key: object = None
 
-    def model_params(self, adapters):
-        return lora.combine(self.objective.model, self.frozen, adapters)
+    def model_params(self, adapters, tokens=None, shards=None):
+        """The model's tree; in a training step of a model with LoRA dropout (``key`` given),
+        with the dropout keys of ``tokens``, a microbatch's inputs (``lora.dropout_keys``)."""
+        model = self.objective.model
+        if self.key is None or model.lora.dropout == 0:
+            return lora.combine(model, self.frozen, adapters)
+        keys = lora.dropout_keys(model, self.key, adapters, shards, tokens)
+        rate = jnp.asarray(model.lora.dropout, jnp.float32)
+        return lora.combine(model, self.frozen, adapters, keys, rate)
 
-    def loss_sum(self, adapters, *args, **kwargs):
-        return self.objective.loss_sum(self.model_params(adapters), *args, **kwargs)
+    def loss_sum(self, adapters, batch, shards=ONE_DEVICE, *args, **kwargs):
+        params = self.model_params(adapters, batch, None)
+        return self.objective.loss_sum(params, batch, shards, *args, **kwargs)
 
-    def token_loss_sum(self, adapters, *args, **kwargs):
-        return self.objective.token_loss_sum(self.model_params(adapters), *args, **kwargs)
+    def token_loss_sum(self, adapters, inputs, targets, positions, shards=ONE_DEVICE, *args):
+        params = self.model_params(adapters, inputs, shards)
+        return self.objective.token_loss_sum(params, inputs, targets, positions, shards, *args)
 
-    def stage_loss_sum(self, adapters, *args, **kwargs):
-        return self.objective.stage_loss_sum(self.model_params(adapters), *args, **kwargs)
+    def stage_loss_sum(self, adapters, x_in, inputs, targets, positions, shards, **kwargs):
+        params = self.model_params(adapters, inputs, shards)
+        return self.objective.stage_loss_sum(
+            params, x_in, inputs, targets, positions, shards, **kwargs
+        )
 
     def __getattr__(self, name):
         return getattr(self.objective, name)
 
 
-def on_base(objective, frozen):
-    """``objective`` itself, or with a frozen base (``TrainState.frozen``) an ``OnBase``."""
-    return objective if frozen is None else OnBase(objective, frozen)
+def on_base(objective, frozen, key=None):
+    """``objective`` itself, or with a frozen base (``TrainState.frozen``) an ``OnBase``
+    (``key``: the step's dropout key, ``None`` outside a training step)."""
+    return objective if frozen is None else OnBase(objective, frozen, key)
 
 
 # --- What one device computes: its part of the loss, its statistics and its gradients ------------
@@ -332,8 +346,10 @@ def local_gradients(
     # Where each layer runs once a step, its gathers' transposes also sum over data, in the loop.
     shards = dataclasses.replace(shards, loop_sums=fsdp.loop_sum_axes(shards, accumulation))
 
-    def fn(params, inputs, targets, positions, mask=None, frozen=None):
-        on = on_base(objective, frozen)
+    def fn(params, inputs, targets, positions, mask=None, frozen=None, key=None):
+        if key is not None:  # key data, the same on every device: a typed key again
+            key = jax.random.wrap_key_data(key)
+        on = on_base(objective, frozen, key)
         part = parts(on, shards, accumulation, global_tokens)
         weights = () if mask is None else (_mask_weights(mask, shards, global_tokens),)
         grads, loss, aux = part(params, inputs, targets, positions, *weights)
@@ -388,8 +404,8 @@ def global_gradients(
         x = x.reshape(batch_splits, accumulation, rows // (batch_splits * accumulation), *rest)
         return x.swapaxes(0, 1).reshape(accumulation, rows // accumulation, *rest)
 
-    def fn(params, batch, frozen=None):
-        on = on_base(objective, frozen)
+    def fn(params, batch, frozen=None, key=None):
+        on = on_base(objective, frozen, None if key is None else jax.random.wrap_key_data(key))
 
         def share(params, micro):
             tokens, *weights = micro
@@ -453,7 +469,7 @@ def _shard_map_step(
     """
     split = split_tokens(mesh, seq_len)
 
-    def run(params, batch, frozen=None):
+    def run(params, batch, frozen=None, key=None):
         arrays = split(batch)
         specs = (TOKEN_SPEC, TOKEN_SPEC, POSITION_SPEC) + (TOKEN_SPEC,) * (len(arrays) - 3)
         if frozen is None:
@@ -465,14 +481,23 @@ def _shard_map_step(
                 check_vma=False,
             )
             return mapped(params, *arrays)
-        mapped = jax.shard_map(
-            lambda p, f, *a: local(p, *a, frozen=f),
+        if key is None:
+            mapped = jax.shard_map(
+                lambda p, f, *a: local(p, *a, frozen=f),
+                mesh=mesh,
+                in_specs=(param_specs, frozen_specs, *specs),
+                out_specs=out_specs,
+                check_vma=False,
+            )
+            return mapped(params, frozen, *arrays)
+        mapped = jax.shard_map(  # the dropout key's data [2], whole on every device
+            lambda p, f, k, *a: local(p, *a, frozen=f, key=k),
             mesh=mesh,
-            in_specs=(param_specs, frozen_specs, *specs),
+            in_specs=(param_specs, frozen_specs, P(), *specs),
             out_specs=out_specs,
             check_vma=False,
         )
-        return mapped(params, frozen, *arrays)
+        return mapped(params, frozen, key, *arrays)
 
     return run
 
@@ -606,8 +631,13 @@ def build_train_step(
 
     global_tokens = global_rows * objective.seq_len
 
+    model = objective.model
+    dropout = getattr(model, "lora", None) is not None and model.lora.dropout > 0
+
     def step(state: TrainState, batch: jax.Array):
-        grads, loss, aux = gradients(state.params, batch, state.frozen)
+        # LoRA dropout: a key of this step's own (the run's key folded with the step), as data.
+        key = jax.random.key_data(jax.random.fold_in(state.key, state.step)) if dropout else None
+        grads, loss, aux = gradients(state.params, batch, state.frozen, key)
         metrics = objective.metrics(loss, aux, global_tokens)
         metrics.update(optimizer_metrics(grads, optimizer, state.opt_state))
         return apply_updates(state, grads, optimizer, objective.ema_decay), metrics

@@ -206,7 +206,10 @@ class Trainer:
         model_specs = self.param_specs
         if self.lora is not None:
             self.frozen_specs = layout.specs(self.mesh, abstract_state.frozen, axes)
-            model_specs = lora.combine(objective.model, self.frozen_specs, self.param_specs)
+            # (a dropout key and rate, where the model has them, are whole on every device)
+            model_specs = lora.combine(
+                objective.model, self.frozen_specs, self.param_specs, keys=P(), rate=P()
+            )
         self.shards = Shards(
             axis_sizes=mesh_shape,
             param_specs=model_specs,
