@@ -326,10 +326,13 @@ def _place_quantized(read: _Reader, m: Mapping, shape, sharding: Quantized) -> Q
     A box's scales need its output channels' every input row, so each box is read with its input
     dimensions whole, one layer at a time (float32: at most one layer's matrix for the box's
     output channels), quantized on the host and cut to the box: a device whose box splits the
-    input dimensions reads more of the file than it keeps, and the values and the scales are
-    read in two passes. No host holds more than one layer's matrix in float32."""
+    input dimensions reads more of the file than it keeps. The scales the values' pass found are
+    kept (they are small) for the scales' pass, which reads the file again only for a box of
+    output channels the values' boxes did not have. No host holds more than one layer's matrix
+    in float32."""
     inputs = 2 if m.path[-1] == "o" else 1
     out_dims = tuple(range(inputs, len(shape) - 1))
+    found: dict = {}  # (layer, start, stop) of output channels -> their scales
 
     def layer_box(layer, start, stop):
         """``(q, scale)`` of one layer's output channels ``[start, stop)`` (output dims only),
@@ -337,7 +340,9 @@ def _place_quantized(read: _Reader, m: Mapping, shape, sharding: Quantized) -> Q
         first = (layer, *([0] * inputs), *start)
         last = (layer + 1, *shape[1 : 1 + inputs], *stop)
         whole = read.box(m, first, last, np.float32)[0]
-        return host_quantize(whole, out_dims)
+        q, scale = host_quantize(whole, out_dims)
+        found[(layer, tuple(start), tuple(stop))] = scale
+        return q, scale
 
     def values(start, stop):
         out = aligned_empty(tuple(b - a for a, b in zip(start, stop)), np.int8)
@@ -350,7 +355,8 @@ def _place_quantized(read: _Reader, m: Mapping, shape, sharding: Quantized) -> Q
     def scales(start, stop):
         out = aligned_empty(tuple(b - a for a, b in zip(start, stop)), np.float32)
         for j, layer in enumerate(range(start[0], stop[0])):
-            out[j] = layer_box(layer, start[1:], stop[1:])[1]
+            scale = found.get((layer, tuple(start[1:]), tuple(stop[1:])))
+            out[j] = layer_box(layer, start[1:], stop[1:])[1] if scale is None else scale
         return out
 
     scale_shape = (shape[0], *shape[1 + inputs :])
