@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import dew
 from dew.models import lora
@@ -372,3 +373,31 @@ def test_a_lora_steps_model_flops_are_4n_plus_attention_plus_6_adapters():
     adapters = 2 * (4 * 4 * (32 + 32) + 2 * 4 * (32 + 128) + 4 * (128 + 32))  # R (in + out)
     attention = 12 * 2 * 4 * 8 * SEQ
     assert model_flops_per_token(model, SEQ) == 4 * n + attention + 6 * adapters
+
+
+def test_the_plans_state_counts_the_base_and_the_adapters_moments(case):
+    """``dew plan``'s state per device (``planning._state_bytes``) of a LoRA run: the frozen base
+    (float32 here, split over fsdp) and the adapters with two float32 moments each, whole on
+    every device; nothing else of the base's."""
+    from dew.planning import _state_bytes
+
+    trainer = dew.Trainer(
+        case["objective"],
+        optax.adam(1e-3),
+        case["key"],
+        mesh=dew.MeshSpec(fsdp=8),
+        layout=dew.Layout(min_shard=1),
+    )
+    base = sum(x.size * 4 for x in jax.tree_util.tree_leaves(case["base"]))
+    adapters = sum(x.size * 4 for x in jax.tree_util.tree_leaves(case["adapters"]))
+    split = sum(
+        x.size * 4
+        for x, spec in zip(
+            jax.tree_util.tree_leaves(case["base"]),
+            jax.tree_util.tree_leaves(trainer.frozen_specs, is_leaf=lambda s: isinstance(s, P)),
+        )
+        if "fsdp" in str(spec)
+    )
+    # The adam count, the step and the key: a few bytes.
+    extra = _state_bytes(trainer) - (base - split + split // 8 + 3 * adapters)
+    assert 0 <= extra <= 64, extra

@@ -398,6 +398,11 @@ def load(
     config = read_config(folder)
     where = str(folder / CONFIG)
     if trainer is not None:
+        if getattr(trainer, "lora", None) is not None:
+            raise ValueError(
+                "hf.load(trainer=...) of a LoRA trainer: its parameters are adapters; the "
+                "trainer reads its base itself (Trainer(base=FOLDER))"
+            )
         model, shardings = trainer.objective.model, trainer.state_shardings.params
     if model is not None:
         if overrides or dtype is not None:
