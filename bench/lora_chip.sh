@@ -59,7 +59,7 @@ fi
     echo "== dew train: $model, LoRA rank 16, $base base, $batch x $seq, $STEPS steps"
     rm -rf "$WORK/run-$model-$base"
     timeout 900 dew train "${DEV[@]}" --init-from "$folder" "${lora[@]}" "${flags[@]}" \
-      --data "$WORK/tokens" --steps "$STEPS" --log-every 5 --warmup-steps 3 --lr 2e-4 \
+      --data "$WORK/tokens" --steps "$STEPS" --log-every 5 --warmup-steps 3 --lr 1e-3 \
       --run-dir "$WORK/run-$model-$base" --metrics "$OUT/$model-$base.jsonl"
     timeout 120 dew convert "$WORK/run-$model-$base" "$WORK/peft-$model-$base" --to peft
     ls -l "$WORK/peft-$model-$base"

@@ -18,6 +18,9 @@ from dew.objectives.lm import LMObjective
 from tests.equivalence import TOL, recording
 from tests.helpers import SEQ, VOCAB, fresh_batch, relative_error, seeded_key, smooth_optimizer
 
+# One worker runs the module: its one-device reference (``case``) is computed once.
+pytestmark = pytest.mark.xdist_group("lora")
+
 ROWS = 16
 RANK = 4
 

@@ -20,6 +20,8 @@ from tests.helpers import relative_error
 from tests.lora_reference import HF_BASE, OUT, write_run
 
 TOL = 1e-5
+# One worker runs the module: the LoRA run's checkpoint (``run``) is written once.
+pytestmark = pytest.mark.xdist_group("lora_export")
 
 
 @pytest.fixture(scope="module")
