@@ -32,6 +32,7 @@ from . import forward as _forward
 from . import mosaic_backward as _mosaic_backward
 from . import mosaic_forward as _mosaic_forward
 from . import mosaic_fused_backward as _mosaic_fused_backward
+from . import segments as _segments
 from .platform import (
     LANES,
     SUBLANES,
@@ -158,6 +159,7 @@ class _Config:
     num_warps: int | None
     num_stages: int | None
     tuning: object = None  # kernels.mosaic.Tuning on the Mosaic targets
+    segmented: bool = False  # the call takes segment ids (their values are data, not config)
 
     @property
     def scale(self) -> float:
@@ -173,13 +175,36 @@ class _Config:
         return pallas_triton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-def _config(q, k, v, *, causal, sm_scale, block_q, block_k, interpret) -> _Config:
+def _check_window(window, causal: bool, kv_len: int) -> int | None:
+    """The window as the tiling keeps it: None, or an int ``1 <= window < kv_len`` (a window of
+    ``kv_len`` keys or more hides none: the causal call, unchanged). ValueError otherwise."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(
+            f"flash_attention: window must be None or an int >= 1 (the most recent keys a query "
+            f"sees, itself included); got {window!r}"
+        )
+    if not causal:
+        raise ValueError(
+            f"flash_attention: window={window} needs causal=True: a window is the {window} most "
+            "recent keys up to each query's own position"
+        )
+    return int(window) if window < kv_len else None
+
+
+def _config(
+    q, k, v, *, causal, sm_scale, block_q, block_k, interpret, segment_ids=None, window=None
+):
     """Checks the inputs and arguments (ValueError before any kernel is traced) and fixes the
-    target, tiling and launch parameters of one call."""
+    target, tiling and launch parameters of one call; ``(config, ids)``, ``ids`` the segment
+    ids as ``(q_ids, kv_ids)`` or None."""
     target = choose_target(interpret)
     check_inputs(q, k, v, target)
     if not isinstance(causal, (bool, np.bool_)):
         raise ValueError(f"flash_attention: causal must be a bool, got {causal!r}")
+    ids = _segments.check(segment_ids, q.shape[0], int(q.shape[1]), int(k.shape[1]))
+    window = _check_window(window, bool(causal), int(k.shape[1]))
     head_dim = q.shape[3]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
@@ -199,6 +224,7 @@ def _config(q, k, v, *, causal, sm_scale, block_q, block_k, interpret) -> _Confi
         block_q=_choose_block("block_q", block_q, defaults.block_q, q_len, target),
         block_k=_choose_block("block_k", block_k, defaults.block_k, kv_len, target),
         causal=bool(causal),
+        window=window,
     )
     tuning = None
     if target in MOSAIC_TARGETS:
@@ -211,14 +237,42 @@ def _config(q, k, v, *, causal, sm_scale, block_q, block_k, interpret) -> _Confi
                 f"pairs, more than the {MAX_STEPS} the kernels' step tables hold in SMEM; pass "
                 "larger block_q and block_k"
             )
-    return _Config(
+        if ids is not None:
+            _check_mosaic_segments(tiling, tuning, int(q.shape[0]), steps)
+    config = _Config(
         tiling=tiling,
         sm_scale=float(sm_scale),
         target=target,
         num_warps=defaults.num_warps,
         num_stages=defaults.num_stages,
         tuning=tuning,
+        segmented=ids is not None,
     )
+    return config, ids
+
+
+def _check_mosaic_segments(tiling: Tiling, tuning, batch: int, steps: int) -> None:
+    """With segment ids, the Mosaic forward reads the key ids as ``[8, block_k]`` rows: block_k
+    is their lanes, a multiple of 128 unless one block covers the keys; and its per-row tables
+    (`kernels.segments`) must fit SMEM beside the step tables."""
+    whole = cdiv(tiling.kv_len, SUBLANES) * SUBLANES
+    if tiling.block_k < whole and tiling.block_k % LANES:
+        raise ValueError(
+            f"flash_attention on TPU (Mosaic) with segment_ids: block_k must be a multiple of "
+            f"{LANES} (the lanes of the [8, block_k] key-id blocks) or cover kv_len in one block "
+            f"(>= {whole}); got block_k={tiling.block_k} for kv_len {tiling.kv_len}"
+        )
+    strips = tiling.q_padded // tuning.rows(tiling.block_q)
+    pieces = tiling.kv_padded // tuning.piece(tiling.block_k)
+    entries = batch * (steps + 2 * strips + 2 * pieces)
+    if entries > _segments.MAX_TABLE_ENTRIES:
+        raise ValueError(
+            f"flash_attention on TPU (Mosaic) with segment_ids: batch {batch} at q_len "
+            f"{tiling.q_len}, kv_len {tiling.kv_len} (block_q {tiling.block_q}, block_k "
+            f"{tiling.block_k}) needs {entries} entries of per-row skip tables, more than the "
+            f"{_segments.MAX_TABLE_ENTRIES} they may take in SMEM; call with fewer rows at a "
+            "time or larger blocks"
+        )
 
 
 def flash_attention(
@@ -227,6 +281,8 @@ def flash_attention(
     v,
     *,
     causal: bool = True,
+    segment_ids=None,
+    window: int | None = None,
     sm_scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -240,8 +296,18 @@ def flash_attention(
       k, v: [batch, kv_len, kv_heads, head_dim], same dtype; ``heads`` a multiple of
         ``kv_heads`` (query head ``h`` reads kv head ``h // (heads // kv_heads)``).
       causal: mask with bottom-right alignment: query ``i`` sees keys ``j <= i + kv_len - q_len``
-        (the lower triangle when the lengths are equal). Rows that see no key (``q_len > kv_len``)
-        give zeros and zero gradients.
+        (the lower triangle when the lengths are equal).
+      segment_ids: None; int32 ``[batch, seq]`` (self-attention, ``q_len == kv_len``); or a pair
+        ``(q_ids, kv_ids)``, int32 ``[batch, q_len]`` and ``[batch, kv_len]``: a query attends
+        only to keys with its own id (packed documents), on top of ``causal`` and ``window``.
+        Tiles whose ids cannot meet are skipped while the kernels run (`kernels.segments`);
+        ids in any order give the same results, increasing ids skip the most.
+      window: None, or an int ``W >= 1`` (causal only): a query attends to at most the ``W``
+        most recent keys, itself included: ``i + kv_len - q_len - j < W`` (Mistral's, Gemma's
+        local attention; splash's ``LocalMask``). Blocks outside every row's window are not
+        visited. ``W >= kv_len`` is the causal call.
+        A row that sees no key (``q_len > kv_len``, or a query id no key has) gives zeros and
+        zero gradients (its lse, in `flash_attention_forward`, is ``-inf``).
       sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
       block_q, block_k: rows of queries and of keys per block, default by target, TPU
         generation, head_dim and dtype (`kernels.platform.default_blocks`). GPU kernels and the
@@ -263,7 +329,7 @@ def flash_attention(
       kernels of `flash_attention_forward` and `flash_attention_backward`.
     """
     q, k, v = _as_bshd(layout, q, k, v)
-    config = _config(
+    config, ids = _config(
         q,
         k,
         v,
@@ -272,8 +338,10 @@ def flash_attention(
         block_q=block_q,
         block_k=block_k,
         interpret=interpret,
+        segment_ids=segment_ids,
+        window=window,
     )
-    return _as_bshd(layout, _padded_attention(q, k, v, config=config))[0]
+    return _as_bshd(layout, _padded_attention(q, k, v, ids, config=config))[0]
 
 
 def flash_attention_forward(
@@ -282,6 +350,8 @@ def flash_attention_forward(
     v,
     *,
     causal: bool = True,
+    segment_ids=None,
+    window: int | None = None,
     sm_scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -301,7 +371,7 @@ def flash_attention_forward(
     `flash_attention_backward` per block instead.
     """
     q, k, v = _as_bshd(layout, q, k, v)
-    config = _config(
+    config, ids = _config(
         q,
         k,
         v,
@@ -310,8 +380,10 @@ def flash_attention_forward(
         block_q=block_q,
         block_k=block_k,
         interpret=interpret,
+        segment_ids=segment_ids,
+        window=window,
     )
-    out, lse = _padded_forward(q, k, v, config=config)
+    out, lse = _padded_forward(q, k, v, ids, config=config)
     return _as_bshd(layout, out)[0], lse
 
 
@@ -325,6 +397,8 @@ def flash_attention_backward(
     d_lse=None,
     *,
     causal: bool = True,
+    segment_ids=None,
+    window: int | None = None,
     sm_scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -335,7 +409,8 @@ def flash_attention_backward(
     ``d_out`` of ``out`` and ``d_lse`` of ``lse``.
 
     Args:
-      q, k, v: the forward's inputs; causal, sm_scale, block_q, block_k, interpret: its arguments.
+      q, k, v: the forward's inputs; causal, segment_ids, window, sm_scale, block_q, block_k,
+        interpret: its arguments (a ring attention passes each block's ``(q_ids, kv_ids)``).
       out: ``[batch, q_len, heads, head_dim]``, q's dtype: the attention output.
       lse: float32 ``[batch, heads, q_len]``, natural log, ``-inf`` for rows that see no key.
       d_out: like ``out``: the cotangent of ``out``.
@@ -355,7 +430,7 @@ def flash_attention_backward(
       ``(dq, dk, dv)``, each with its input's shape and dtype.
     """
     q, k, v, out, d_out = _as_bshd(layout, q, k, v, out, d_out)
-    config = _config(
+    config, ids = _config(
         q,
         k,
         v,
@@ -364,9 +439,12 @@ def flash_attention_backward(
         block_q=block_q,
         block_k=block_k,
         interpret=interpret,
+        segment_ids=segment_ids,
+        window=window,
     )
     _check_residuals(q, out, lse, d_out, d_lse)
-    return _as_bshd(layout, *_padded_backward(q, k, v, out, lse, d_out, d_lse, config=config))
+    grads = _padded_backward(q, k, v, out, lse, d_out, d_lse, ids, config=config)
+    return _as_bshd(layout, *grads)
 
 
 LAYOUTS = ("bshd", "bhsd")
@@ -420,14 +498,29 @@ def _pad_rows(x, rows: int):
     return lax.pad(x, jnp.zeros((), x.dtype), (no_pad, (0, rows - x.shape[1], 0), no_pad, no_pad))
 
 
+def _pad_ids(ids, tiling: Tiling):
+    """Segment ids ``(q_ids, kv_ids)`` padded to whole blocks (`kernels.segments.pad`), or None."""
+    if ids is None:
+        return None
+    q_ids, kv_ids = ids
+    return _segments.pad(q_ids, tiling.q_padded), _segments.pad(kv_ids, tiling.kv_padded)
+
+
+def _varying(ids, *xs):
+    """`match_varying` of ``xs`` and the segment ids (None or a pair): ``(xs, ids)``."""
+    matched = match_varying(*xs, *(() if ids is None else ids))
+    return matched[: len(xs)], (None if ids is None else tuple(matched[len(xs) :]))
+
+
 @functools.partial(jax.jit, static_argnames=("config",))
-def _padded_attention(q, k, v, *, config: _Config):
+def _padded_attention(q, k, v, ids, *, config: _Config):
     tiling = config.tiling
-    q, k, v = match_varying(q, k, v)
+    (q, k, v), ids = _varying(ids, q, k, v)
     o = _attention(
         _pad_rows(q, tiling.q_padded),
         _pad_rows(k, tiling.kv_padded),
         _pad_rows(v, tiling.kv_padded),
+        _pad_ids(ids, tiling),
         config,
     )
     return o[:, : tiling.q_len]
@@ -447,7 +540,9 @@ def _base2_lse(lse):
     return jnp.where(lse == -jnp.inf, jnp.inf, lse * _forward.LOG2_E)
 
 
-def _run_forward(q, k, v, config: _Config):
+def _run_forward(q, k, v, ids, config: _Config):
+    # Only a call with segment ids passes them: the kernels' code without is as it was.
+    extra = {} if ids is None else {"segment_ids": ids}
     if config.target in MOSAIC_TARGETS:
         return _mosaic_forward.forward(
             q,
@@ -457,6 +552,7 @@ def _run_forward(q, k, v, config: _Config):
             scale=config.scale,
             interpret=config.target == "mosaic_interpret",
             tuning=config.tuning,
+            **extra,
         )
     return _forward.forward(
         q,
@@ -466,11 +562,14 @@ def _run_forward(q, k, v, config: _Config):
         scale=config.scale,
         interpret=config.target == "interpret",
         compiler_params=config.compiler_params(),
+        **extra,
     )
 
 
-def _run_backward(q, k, v, o, lse2, do, config: _Config, d_lse=None):
+def _run_backward(q, k, v, o, lse2, do, ids, config: _Config, d_lse=None):
     kwargs = dict(tiling=config.tiling, scale=config.scale, sm_scale=config.sm_scale, d_lse=d_lse)
+    if ids is not None:
+        kwargs["segment_ids"] = ids
     if config.target in MOSAIC_TARGETS:
         interpret = config.target == "mosaic_interpret"
         if _fused_backward_fits(q, k, config):
@@ -497,8 +596,15 @@ def _fused_backward_fits(q, k, config: _Config) -> bool:
     """The one-kernel Mosaic backward where its dq (all of a kv head's query rows, float32)
     fits in VMEM beside its working set and its step table fits in SMEM; else the two kernels."""
     group = q.shape[2] // k.shape[2]
-    if len(_mosaic_fused_backward.backward_steps(config.tiling, group)) > MAX_STEPS:
+    steps = len(_mosaic_fused_backward.backward_steps(config.tiling, group))
+    if steps > MAX_STEPS:
         return False
+    if config.segmented:  # its per-row tables in SMEM (`kernels.segments`)
+        tiling = config.tiling
+        pieces = tiling.kv_padded // config.tuning.backward_piece(tiling.block_k)
+        entries = q.shape[0] * (steps + 2 * tiling.q_blocks + 2 * pieces)
+        if entries > _segments.MAX_TABLE_ENTRIES:
+            return False
     return _mosaic_fused_backward.fits(
         config.tiling, group, q.shape[3], q.dtype.itemsize, config.tuning
     )
@@ -516,64 +622,67 @@ def _named_residuals(o, lse):
     return checkpoint_name(o, OUT_NAME), checkpoint_name(lse, LSE_NAME)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, config: _Config):
-    return _run_forward(q, k, v, config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, ids, config: _Config):
+    return _run_forward(q, k, v, ids, config)[0]
 
 
-def _attention_fwd(q, k, v, config: _Config):
-    o, lse = _run_forward(q, k, v, config)
+def _attention_fwd(q, k, v, ids, config: _Config):
+    o, lse = _run_forward(q, k, v, ids, config)
     o, lse = _named_residuals(o, lse)
-    return o, (q, k, v, o, lse)
+    return o, (q, k, v, o, lse, ids)
 
 
 def _attention_bwd(config: _Config, residuals, do):
-    return _run_backward(*residuals, do, config)
+    q, k, v, o, lse, ids = residuals
+    return (*_run_backward(q, k, v, o, lse, do, ids, config), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention_with_lse(q, k, v, config: _Config):
-    o, lse2 = _run_forward(q, k, v, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention_with_lse(q, k, v, ids, config: _Config):
+    o, lse2 = _run_forward(q, k, v, ids, config)
     return o, _natural_lse(lse2)
 
 
-def _attention_with_lse_fwd(q, k, v, config: _Config):
-    o, lse2 = _run_forward(q, k, v, config)
+def _attention_with_lse_fwd(q, k, v, ids, config: _Config):
+    o, lse2 = _run_forward(q, k, v, ids, config)
     o, lse2 = _named_residuals(o, lse2)
-    return (o, _natural_lse(lse2)), (q, k, v, o, lse2)
+    return (o, _natural_lse(lse2)), (q, k, v, o, lse2, ids)
 
 
 def _attention_with_lse_bwd(config: _Config, residuals, cotangents):
     do, d_lse = cotangents
-    return _run_backward(*residuals, do, config, d_lse=d_lse)
+    q, k, v, o, lse2, ids = residuals
+    return (*_run_backward(q, k, v, o, lse2, do, ids, config, d_lse=d_lse), None)
 
 
 _attention_with_lse.defvjp(_attention_with_lse_fwd, _attention_with_lse_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _padded_forward(q, k, v, *, config: _Config):
+def _padded_forward(q, k, v, ids, *, config: _Config):
     tiling = config.tiling
-    q, k, v = match_varying(q, k, v)
+    (q, k, v), ids = _varying(ids, q, k, v)
     o, lse = _attention_with_lse(
         _pad_rows(q, tiling.q_padded),
         _pad_rows(k, tiling.kv_padded),
         _pad_rows(v, tiling.kv_padded),
+        _pad_ids(ids, tiling),
         config,
     )
     return o[:, : tiling.q_len], lse[:, :, : tiling.q_len]
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _padded_backward(q, k, v, o, lse, do, d_lse, *, config: _Config):
+def _padded_backward(q, k, v, o, lse, do, d_lse, ids, *, config: _Config):
     tiling = config.tiling
     if d_lse is None:
-        q, k, v, o, lse, do = match_varying(q, k, v, o, lse, do)
+        (q, k, v, o, lse, do), ids = _varying(ids, q, k, v, o, lse, do)
     else:
-        q, k, v, o, lse, do, d_lse = match_varying(q, k, v, o, lse, do, d_lse)
+        (q, k, v, o, lse, do, d_lse), ids = _varying(ids, q, k, v, o, lse, do, d_lse)
         # Padded query rows: p = 0 there whatever d_lse is; zeros keep delta finite.
         d_lse = _pad_row_stats(d_lse, tiling, 0.0)
     # Padded query rows get lse = +inf: p = exp2(s - inf) = 0, they add nothing to dk, dv.
@@ -585,6 +694,7 @@ def _padded_backward(q, k, v, o, lse, do, d_lse, *, config: _Config):
         _pad_rows(o, tiling.q_padded),
         lse2,
         _pad_rows(do, tiling.q_padded),
+        _pad_ids(ids, tiling),
         config,
         d_lse=d_lse,
     )

@@ -1,5 +1,6 @@
-"""What the Mosaic TPU kernels share: their layout, the causal mask of a piece of keys, lane-dense
-row statistics, the tuning beside the blocks, the grid's semantics and the interpret-mode switch.
+"""What the Mosaic TPU kernels share: their layout, the position mask of a piece of keys (causal,
+window, padded keys), lane-dense row statistics, the tuning beside the blocks, the grid's semantics
+and the interpret-mode switch.
 
 Layout. The public arrays are ``[batch, seq, heads, head_dim]``; a Mosaic block's last two
 dimensions must be a multiple of (8, 128) or whole, and a block of one head of that layout is
@@ -70,10 +71,7 @@ def mask(tiling: Tiling, q_block, kv_block, keys_first: bool = False):
     row_dim, col_dim = (1, 0) if keys_first else (0, 1)
     rows = q_block * tiling.block_q + lax.broadcasted_iota(INDEX_DTYPE, shape, row_dim)
     cols = kv_block * tiling.block_k + lax.broadcasted_iota(INDEX_DTYPE, shape, col_dim)
-    visible = cols < tiling.kv_len
-    if tiling.causal:
-        visible = jnp.logical_and(visible, cols <= rows + tiling.offset)
-    return visible
+    return tiling.visible(rows, cols)
 
 
 def index(*indices):
@@ -102,19 +100,27 @@ def piece_mask(
     first = q_block * tiling.block_q + first_row
     rows = first + lax.broadcasted_iota(INDEX_DTYPE, shape, row_dim)
     cols = first_key + lax.broadcasted_iota(INDEX_DTYPE, shape, col_dim)
-    visible = cols < tiling.kv_len
-    if tiling.causal:
-        visible = jnp.logical_and(visible, cols <= rows + tiling.offset)
-    return visible
+    return tiling.visible(rows, cols)
 
 
-def piece_is_seen(tiling: Tiling, q_block, first_key):
-    """Whether a real row of ``q_block`` sees the key ``first_key`` (and so the piece of keys
-    that starts there holds a visible pair: a row that sees a key sees every key before it)."""
+def piece_is_seen(
+    tiling: Tiling, q_block, first_key, piece: int, first_row: int = 0, rows: int | None = None
+):
+    """Whether a real row of ``q_block`` (of its rows ``[first_row, first_row + rows)``; None:
+    the whole block) sees a key of the piece ``[first_key, first_key + piece)``, by position.
+    Without a window, whether it sees ``first_key``: a row that sees a key sees every key before
+    it. A window also needs the piece's last key within the first row's window (later rows'
+    windows start later)."""
     seen = first_key < tiling.kv_len
     if tiling.causal:
-        last_row = jnp.minimum((q_block + 1) * tiling.block_q, tiling.q_len) - 1
+        if rows is None:
+            last_row = jnp.minimum((q_block + 1) * tiling.block_q, tiling.q_len) - 1
+        else:
+            last_row = jnp.minimum(q_block * tiling.block_q + first_row + rows, tiling.q_len) - 1
         seen = jnp.logical_and(seen, first_key <= last_row + tiling.offset)
+    if tiling.window is not None:
+        row = q_block * tiling.block_q + first_row
+        seen = jnp.logical_and(seen, first_key + piece - 1 > row + tiling.offset - tiling.window)
     return seen
 
 
@@ -185,7 +191,16 @@ class Tuning:
 
 
 def for_each_piece(
-    make_attend, *, flags, tiling: Tiling, q_block, kv_block, piece: int, fresh_first=None
+    make_attend,
+    *,
+    flags,
+    tiling: Tiling,
+    q_block,
+    kv_block,
+    piece: int,
+    fresh_first=None,
+    piece_seen=None,
+    step_seen=None,
 ):
     """One step's work over its key block, ``piece`` keys at a time (unrolled): nothing on an
     ``EMPTY`` step; on a pair the table does not mark ``MASKED``, every piece without a mask; on
@@ -195,7 +210,10 @@ def for_each_piece(
     there only) and returns ``attend(keys=, masked_at=)``: ``keys`` a static slice of the key
     block, ``masked_at`` None or ``(q_block, first_key)`` of the piece for `piece_mask`.
     ``fresh_first``: None, or a traced bool; where it holds, the unmasked branch's first piece
-    is called with ``fresh=True`` too (the forward's run start: `kernels.mosaic_forward`)."""
+    is called with ``fresh=True`` too (the forward's run start: `kernels.mosaic_forward`).
+    Segment ids (`kernels.segments`) skip more, while the kernel runs: ``step_seen``, a traced
+    bool, computes the step at all; ``piece_seen(n)``, a traced bool, computes its piece ``n``
+    (``attend`` applies the ids' mask itself)."""
 
     def run(masked: bool):
         attend = make_attend()
@@ -207,14 +225,22 @@ def for_each_piece(
                 )
                 pl.when(~fresh_first)(functools.partial(attend, keys=keys, masked_at=None))
                 continue
+            ids_seen = None if piece_seen is None else piece_seen(n)
             if not masked:
-                attend(keys=keys, masked_at=None)
+                if ids_seen is None:
+                    attend(keys=keys, masked_at=None)
+                else:
+                    pl.when(ids_seen)(functools.partial(attend, keys=keys, masked_at=None))
                 continue
             first_key = kv_block * tiling.block_k + n * piece
-            seen = piece_is_seen(tiling, q_block, first_key)
+            seen = piece_is_seen(tiling, q_block, first_key, piece)
+            if ids_seen is not None:
+                seen = jnp.logical_and(seen, ids_seen)
             pl.when(seen)(functools.partial(attend, keys=keys, masked_at=(q_block, first_key)))
 
     computes = (flags & EMPTY) == 0
+    if step_seen is not None:
+        computes = jnp.logical_and(computes, step_seen)
     masked = (flags & MASKED) != 0
     pl.when(computes & ~masked)(functools.partial(run, False))
     pl.when(computes & masked)(functools.partial(run, True))

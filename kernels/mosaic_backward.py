@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from . import mosaic, segments
 from .mosaic import Tuning, as_rows, dot, heads_major, interpret_mode, mask
 from .tiling import Tiling, as_index, block_index, index_div
 from .varying import out_struct
@@ -41,9 +42,12 @@ def _probabilities(s, lse, visible):
     return jnp.exp2(s - lse)
 
 
-def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref, *, tiling, scale, sm_scale
-):
+def _dq_kernel(*refs, tiling, scale, sm_scale, segmented: bool = False):
+    if segmented or tiling.window is not None:
+        return _dq_kernel_masked(
+            *refs, tiling=tiling, scale=scale, sm_scale=sm_scale, segmented=segmented
+        )
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref = refs
     q_block, kv_block = pl.program_id(2), pl.program_id(3)
 
     @pl.when(kv_block == 0)
@@ -69,10 +73,52 @@ def _dq_kernel(
         dq_ref[...] = (acc_ref[...] * sm_scale).astype(dq_ref.dtype)
 
 
+def _dq_kernel_masked(*refs, tiling, scale, sm_scale, segmented: bool):
+    """The dq kernel with a window or segment ids: the key blocks a query block sees by position
+    (`Tiling.kv_bounds`) and, with segment ids, whose id range meets its own (SMEM tables,
+    ``[batch * blocks]``) are computed, every one with its mask."""
+    b, q_block, kv_block = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    lo, hi = tiling.kv_bounds(q_block)
+    visits = jnp.logical_and(kv_block >= lo, kv_block < hi)
+    if segmented:  # the range tables come first, the ids' blocks after the inputs
+        q_lo, q_hi, kv_lo, kv_hi, *refs = refs
+        q_tile, kv_tile = b * tiling.q_blocks + q_block, b * tiling.kv_blocks + kv_block
+        meets = segments.overlaps(q_lo[q_tile], q_hi[q_tile], kv_lo[kv_tile], kv_hi[kv_tile])
+        visits = jnp.logical_and(visits, meets)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ids_refs, dq_ref, acc_ref = refs
+
+    @pl.when(kv_block == 0)
+    def _start():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(visits)
+    def _attend():
+        k = k_ref[...]
+        s = dot(q_ref[...], k, (1, 1)) * scale  # [block_q, block_k]
+        visible = mask(tiling, q_block, kv_block)
+        if ids_refs:
+            q_ids_ref, kv_ids_ref = ids_refs  # [block_q, LANES], [8, block_k]
+            kv_ids = kv_ids_ref[0:1, :]
+            same = mosaic.lanes_to(q_ids_ref[...], kv_ids.shape[1]) == kv_ids
+            visible = jnp.logical_and(visible, same)
+        p = _probabilities(s, lse_ref[...].T, visible)
+        ds = p * (dot(do_ref[...], v_ref[...], (1, 1)) - delta_ref[...].T)
+        acc_ref[...] += dot(ds.astype(k.dtype), k, (1, 0))
+
+    @pl.when(kv_block == tiling.kv_blocks - 1)
+    def _finish():
+        dq_ref[...] = (acc_ref[...] * sm_scale).astype(dq_ref.dtype)
+
+
 def visited_kv_block(tiling: Tiling, q_block, kv_block):
     """The key block a dq step fetches: ``kv_block`` when the query block sees any of it, else
     block 0, which the next query block reads first (a skipped step fetches nothing the kernel
-    does not use; a run of them fetches it once)."""
+    does not use; a run of them fetches it once). With a window: the nearest block in the
+    query block's range (`Tiling.kv_bounds`): its first before it, its last (in VMEM already)
+    after it. Blocks skipped by segment ids are still fetched."""
+    if tiling.window is not None:
+        lo, hi = tiling.kv_bounds(q_block)
+        return jnp.clip(kv_block, lo, jnp.maximum(hi - 1, lo))
     if not tiling.causal:
         return kv_block
     _, n_visit = tiling.kv_range(q_block)
@@ -89,7 +135,12 @@ def visited_q_block(tiling: Tiling, kv_block, q_block):
     """The query block a dk/dv step fetches: ``q_block`` when it sees any of the key block, else
     the first that does, which the head's next computed step reads (skipped steps come before
     it). The clamp keeps the index in range for a key block no row sees (none: the last row sees
-    every key, bottom-right alignment)."""
+    every key, bottom-right alignment). With a window, steps past the last query block that sees
+    the key block fetch that block again (in VMEM already)."""
+    if tiling.window is not None:
+        lo, hi = tiling.q_bounds(kv_block)
+        lo = jnp.minimum(lo, tiling.q_blocks - 1)
+        return jnp.clip(q_block, lo, jnp.maximum(hi - 1, lo))
     if not tiling.causal:
         return q_block
     first, _ = tiling.q_range(kv_block)
@@ -97,23 +148,12 @@ def visited_q_block(tiling: Tiling, kv_block, q_block):
     return jnp.where(q_block < first, first, q_block)
 
 
-def _dkdv_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dk_ref,
-    dv_ref,
-    dk_acc,
-    dv_acc,
-    *,
-    tiling,
-    scale,
-    sm_scale,
-    steps: int,
-):
+def _dkdv_kernel(*refs, tiling, scale, sm_scale, steps: int, segmented: bool = False):
+    if segmented or tiling.window is not None:
+        return _dkdv_kernel_masked(
+            *refs, tiling=tiling, scale=scale, sm_scale=sm_scale, steps=steps, segmented=segmented
+        )
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs
     kv_block, step = pl.program_id(2), pl.program_id(3)
     _, q_block = _split_step(tiling, step)
 
@@ -143,6 +183,46 @@ def _dkdv_kernel(
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
+def _dkdv_kernel_masked(*refs, tiling, scale, sm_scale, steps: int, segmented: bool):
+    """The dk/dv kernel with a window or segment ids: as `_dq_kernel_masked`, transposed."""
+    b, kv_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    _, q_block = _split_step(tiling, step)
+    lo, hi = tiling.q_bounds(kv_block)
+    visits = jnp.logical_and(q_block >= lo, q_block < hi)
+    if segmented:  # the range tables come first, the ids' blocks after the inputs
+        q_lo, q_hi, kv_lo, kv_hi, *refs = refs
+        q_tile, kv_tile = b * tiling.q_blocks + q_block, b * tiling.kv_blocks + kv_block
+        meets = segments.overlaps(q_lo[q_tile], q_hi[q_tile], kv_lo[kv_tile], kv_hi[kv_tile])
+        visits = jnp.logical_and(visits, meets)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *ids_refs, dk_ref, dv_ref = refs[:-2]
+    dk_acc, dv_acc = refs[-2:]
+
+    @pl.when(step == 0)
+    def _start():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    @pl.when(visits)
+    def _attend():
+        q, do = q_ref[...], do_ref[...]
+        s_t = dot(k_ref[...], q, (1, 1)) * scale  # [block_k, block_q]
+        visible = mask(tiling, q_block, kv_block, keys_first=True)
+        if ids_refs:
+            kv_ids_ref, q_ids_ref = ids_refs  # [block_k, LANES], [8, block_q]
+            q_ids = q_ids_ref[0:1, :]
+            same = mosaic.lanes_to(kv_ids_ref[...], q_ids.shape[1]) == q_ids
+            visible = jnp.logical_and(visible, same)
+        p_t = _probabilities(s_t, lse_ref[...], visible)
+        dv_acc[...] += dot(p_t.astype(do.dtype), do, (1, 0))
+        ds_t = p_t * (dot(v_ref[...], do, (1, 1)) - delta_ref[...])
+        dk_acc[...] += dot(ds_t.astype(q.dtype), q, (1, 0))
+
+    @pl.when(step == steps - 1)
+    def _finish():
+        dk_ref[...] = (dk_acc[...] * sm_scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
 def backward(
     q,
     k,
@@ -157,12 +237,14 @@ def backward(
     interpret: bool,
     tuning: Tuning,
     d_lse=None,
+    segment_ids=None,
 ):
     """Padded residuals and cotangent -> (dq, dk, dv), as `kernels.backward.backward`.
 
     q, o, do: [batch, q_padded, heads, head_dim]; k, v: [batch, kv_padded, kv_heads, head_dim];
     lse: float32 [batch, heads, q_padded] (base 2, as the forward saves it); d_lse: None or
-    float32 [batch, heads, q_padded], the cotangent of the natural-log lse (0 on padded rows).
+    float32 [batch, heads, q_padded], the cotangent of the natural-log lse (0 on padded rows);
+    segment_ids: None or padded ``(q_ids, kv_ids)``.
     ``interpret``: TPU interpret mode rather than Mosaic's compiler; ``tuning``: its VMEM limit
     (the long blocks' dk/dv kernel needs more than the compiler's default 16 MiB).
     """
@@ -180,29 +262,80 @@ def backward(
         delta = delta - d_lse
     qt, kt, vt, dot_ = (heads_major(x) for x in (q, k, v, do))
     lse, delta = as_rows(lse), as_rows(delta)  # [batch, heads, 1, q_padded]
-    params = dict(
-        interpret=interpret_mode(interpret),
-        compiler_params=tuning.compiler_params(4),
-    )
+    segmented = segment_ids is not None
+    tables, dq_ids, dkdv_ids = [], [], []
+    if segmented:
+        q_ids, kv_ids = segment_ids
+        tables = [
+            segments.flat(x)
+            for x in (
+                *segments.tile_ranges(q_ids, block_q),
+                *segments.tile_ranges(kv_ids, block_k),
+            )
+        ]
+        dq_ids = [segments.lanes(q_ids), segments.rows(kv_ids)]
+        dkdv_ids = [segments.lanes(kv_ids), segments.rows(q_ids)]
+
+    def call(kernel, grid, in_specs, out_specs, scratch_shapes, **kwargs):
+        """A pallas_call over ``grid``: with segment ids, its four range tables as scalar
+        prefetch (the index maps then take them too, and ignore them)."""
+        common = dict(
+            interpret=interpret_mode(interpret),
+            compiler_params=tuning.compiler_params(4),
+            **kwargs,
+        )
+        if not segmented:
+            return pl.pallas_call(
+                kernel,
+                grid=grid,
+                in_specs=in_specs,
+                out_specs=out_specs,
+                scratch_shapes=scratch_shapes,
+                **common,
+            )
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(tables),
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch_shapes,
+        )
+        return lambda *args: pl.pallas_call(kernel, grid_spec=grid_spec, **common)(*tables, *args)
 
     q_spec = pl.BlockSpec(
-        (None, None, block_q, head_dim), lambda b, h, i, j: block_index(b, h, i, 0)
+        (None, None, block_q, head_dim), lambda b, h, i, j, *_: block_index(b, h, i, 0)
     )
-    rows_spec = pl.BlockSpec((None, None, 1, block_q), lambda b, h, i, j: block_index(b, h, 0, i))
+    rows_spec = pl.BlockSpec(
+        (None, None, 1, block_q), lambda b, h, i, j, *_: block_index(b, h, 0, i)
+    )
     kv_spec = pl.BlockSpec(
         (None, None, block_k, head_dim),
-        lambda b, h, i, j: block_index(b, index_div(h, group), visited_kv_block(tiling, i, j), 0),
+        lambda b, h, i, j, *_: block_index(
+            b, index_div(h, group), visited_kv_block(tiling, i, j), 0
+        ),
     )
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, tiling=tiling, scale=scale, sm_scale=sm_scale),
-        grid=(batch, heads, tiling.q_blocks, tiling.kv_blocks),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, rows_spec, rows_spec],
-        out_specs=q_spec,
+    id_specs = []
+    if segmented:
+        id_specs = [
+            pl.BlockSpec(
+                (None, block_q, segments.LANES), lambda b, h, i, j, *_: block_index(b, i, 0)
+            ),
+            pl.BlockSpec(
+                (None, segments.SUBLANES, block_k),
+                lambda b, h, i, j, *_: block_index(b, 0, visited_kv_block(tiling, i, j)),
+            ),
+        ]
+    dq = call(
+        functools.partial(
+            _dq_kernel, tiling=tiling, scale=scale, sm_scale=sm_scale, segmented=segmented
+        ),
+        (batch, heads, tiling.q_blocks, tiling.kv_blocks),
+        [q_spec, kv_spec, kv_spec, q_spec, rows_spec, rows_spec, *id_specs],
+        q_spec,
+        [pltpu.VMEM((block_q, head_dim), jnp.float32)],
         out_shape=out_struct(qt.shape, q.dtype, like=qt),
-        scratch_shapes=[pltpu.VMEM((block_q, head_dim), jnp.float32)],
         name="dew_flash_attention_dq",
-        **params,
-    )(qt, kt, vt, dot_, lse, delta)
+    )(qt, kt, vt, dot_, lse, delta, *dq_ids)
 
     steps = group * tiling.q_blocks
 
@@ -212,32 +345,50 @@ def backward(
 
     q_group_spec = pl.BlockSpec(
         (None, None, block_q, head_dim),
-        lambda b, g, j, t: block_index(*q_head_and_block(b, g, j, t), 0),
+        lambda b, g, j, t, *_: block_index(*q_head_and_block(b, g, j, t), 0),
     )
 
-    def rows_index(b, g, j, t):
+    def rows_index(b, g, j, t, *_):
         b, h, i = q_head_and_block(b, g, j, t)
         return block_index(b, h, 0, i)
 
     rows_group_spec = pl.BlockSpec((None, None, 1, block_q), rows_index)
     kv_block_spec = pl.BlockSpec(
-        (None, None, block_k, head_dim), lambda b, g, j, t: block_index(b, g, j, 0)
+        (None, None, block_k, head_dim), lambda b, g, j, t, *_: block_index(b, g, j, 0)
     )
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, tiling=tiling, scale=scale, sm_scale=sm_scale, steps=steps),
-        grid=(batch, kv_heads, tiling.kv_blocks, steps),
-        in_specs=[
+    id_specs = []
+    if segmented:
+        id_specs = [
+            pl.BlockSpec(
+                (None, block_k, segments.LANES), lambda b, g, j, t, *_: block_index(b, j, 0)
+            ),
+            pl.BlockSpec(
+                (None, segments.SUBLANES, block_q),
+                lambda b, g, j, t, *_: block_index(b, 0, q_head_and_block(b, g, j, t)[2]),
+            ),
+        ]
+    dk, dv = call(
+        functools.partial(
+            _dkdv_kernel,
+            tiling=tiling,
+            scale=scale,
+            sm_scale=sm_scale,
+            steps=steps,
+            segmented=segmented,
+        ),
+        (batch, kv_heads, tiling.kv_blocks, steps),
+        [
             q_group_spec,
             kv_block_spec,
             kv_block_spec,
             q_group_spec,
             rows_group_spec,
             rows_group_spec,
+            *id_specs,
         ],
-        out_specs=[kv_block_spec, kv_block_spec],
+        [kv_block_spec, kv_block_spec],
+        [pltpu.VMEM((block_k, head_dim), jnp.float32)] * 2,
         out_shape=[out_struct(kt.shape, k.dtype, like=kt), out_struct(vt.shape, v.dtype, like=vt)],
-        scratch_shapes=[pltpu.VMEM((block_k, head_dim), jnp.float32)] * 2,
         name="dew_flash_attention_dkdv",
-        **params,
-    )(qt, kt, vt, dot_, lse, delta)
+    )(qt, kt, vt, dot_, lse, delta, *dkdv_ids)
     return heads_major(dq), heads_major(dk), heads_major(dv)

@@ -36,23 +36,40 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import mosaic
+from . import mosaic, segments
 from .schedule import EMPTY, FIRST, LAST, MASKED, forward_steps
 from .tiling import Tiling, index_div
 from .varying import out_struct
 
 
 def _attend(
-    q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, masked_at, tiling, scale, rows, fresh=False
+    q,
+    k_ref,
+    v_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    keys,
+    masked_at,
+    tiling,
+    scale,
+    rows,
+    fresh=False,
+    segments=None,
 ):
     """One piece of keys (``keys``: a static slice of the key block) added to the online softmax
     of one head's query block, ``rows`` query rows at a time (unrolled). ``masked_at``: None, or
     ``(q_block, first_key)`` of the piece for its mask; ``scale``: turns ``q . k`` into base-2
-    logits; ``fresh``: the run's first piece, unmasked (`_update`)."""
+    logits; ``fresh``: the run's first piece, unmasked (`_update`). ``segments``: None, or
+    ``segments(first_row, rows, keys) -> (seen, same_id)`` of a strip (`_forward_kernel`): a
+    strip whose ids cannot meet the piece's is skipped, and ``same_id()`` masks the others. A
+    window skips the strips of a masked piece that no row of theirs sees by position."""
     for first_row in range(0, q.shape[0], rows):
         strip = pl.ds(first_row, rows)
         mask = None if masked_at is None else (masked_at[0], first_row, masked_at[1])
-        _update(
+        update = functools.partial(
+            _update,
             q[first_row : first_row + rows],
             k_ref,
             v_ref,
@@ -65,13 +82,28 @@ def _attend(
             scale=scale,
             fresh=fresh,
         )
+        seen = None
+        if tiling.window is not None and masked_at is not None:
+            q_block, first_key = masked_at
+            seen = mosaic.piece_is_seen(tiling, q_block, first_key, keys.size, first_row, rows)
+        if segments is not None:
+            ids_seen, same_id = segments(first_row, rows, keys)
+            seen = ids_seen if seen is None else jnp.logical_and(seen, ids_seen)
+            update = functools.partial(update, same_id=same_id)
+        if seen is None:
+            update()
+        else:
+            pl.when(seen)(update)
 
 
-def _update(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, mask, tiling, scale, fresh=False):
+def _update(
+    q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, mask, tiling, scale, fresh=False, same_id=None
+):
     """The online softmax of ``q``'s rows (``[rows, head_dim]``) after one piece of keys;
     ``mask``: None, or ``(q_block, first_row, first_key)`` placing the rows and keys for
     `piece_mask`. ``fresh``: the piece starts the run and has no mask, so the statistics and
-    the accumulator are written from it alone, not read (nothing zeroed them)."""
+    the accumulator are written from it alone, not read (nothing zeroed them). ``same_id``: None,
+    or a function giving bool ``[rows, piece]``, the pairs of equal segment ids."""
     k = k_ref[keys, :]
     s = mosaic.dot(q, k, (1, 1)) * scale  # [rows, piece], float32
     if fresh:  # every row sees every key of an unmasked piece: its maximum is finite
@@ -82,9 +114,13 @@ def _update(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, mask, tiling, scale
         acc_ref[...] = mosaic.dot(p.astype(v.dtype), v, (1, 0))
         m_ref[...] = m_next
         return
-    if mask is not None:
-        q_block, first_row, first_key = mask
-        visible = mosaic.piece_mask(tiling, q_block, first_key, s.shape, first_row=first_row)
+    if mask is not None or same_id is not None:
+        visible = None
+        if mask is not None:
+            q_block, first_row, first_key = mask
+            visible = mosaic.piece_mask(tiling, q_block, first_key, s.shape, first_row=first_row)
+        if same_id is not None:
+            visible = same_id() if visible is None else jnp.logical_and(visible, same_id())
         s = jnp.where(visible, s, -jnp.inf)
     m_prev = m_ref[...]  # [rows, LANES]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -102,26 +138,21 @@ def _update(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, mask, tiling, scale
 
 
 def _forward_kernel(
-    q_table,
-    kv_table,
-    head_table,
-    flags_table,
-    q_ref,
-    k_ref,
-    v_ref,
-    o_ref,
-    lse_ref,
-    acc_ref,
-    m_ref,
-    l_ref,
-    *,
+    *refs,
     tiling: Tiling,
     scale: float,
     block_k_compute: int,
     rows: int,
     group: int,
+    segment_tables: int,
 ):
-    del head_table
+    # Scalar prefetch: the step tables (and with segment ids `segments_for_forward`'s), then
+    # q, k, v (and the ids' blocks), out, lse, and the scratch.
+    tables, refs = refs[: 4 + segment_tables], refs[4 + segment_tables :]
+    q_table, kv_table, _, flags_table = tables[:4]
+    q_ref, k_ref, v_ref = refs[:3]
+    ids_refs = refs[3:5] if segment_tables else None
+    o_ref, lse_ref, acc_ref, m_ref, l_ref = refs[5:] if segment_tables else refs[3:]
     t = pl.program_id(2)
     flags = flags_table[t]
     q_block, kv_block = q_table[t], kv_table[t]
@@ -129,9 +160,15 @@ def _forward_kernel(
     first = (flags & FIRST) != 0
     # A run that starts on an unmasked pair writes its statistics from its first piece
     # (`_update`'s ``fresh``); one that starts masked, or computes nothing, starts from zeros.
-    fresh_start = first & ((flags & (MASKED | EMPTY)) == 0)
+    # With segment ids a run's first pair may be skipped while the kernel runs: zeros always.
+    if segment_tables:
+        fresh_start = None
+        step_seen, segments = _segments(tables[4:], ids_refs, tiling, rows, block_k_compute)
+    else:
+        fresh_start = first & ((flags & (MASKED | EMPTY)) == 0)
+        step_seen = segments = None
 
-    @pl.when(first & ~fresh_start)
+    @pl.when(first if fresh_start is None else first & ~fresh_start)
     def _start():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
@@ -151,6 +188,7 @@ def _forward_kernel(
                     scale=scale,
                     rows=rows,
                     **piece,
+                    **({} if segments is None else {"segments": segments(q_block, kv_block)}),
                 )
 
         return attend
@@ -163,6 +201,7 @@ def _forward_kernel(
         kv_block=kv_block,
         piece=block_k_compute,
         fresh_first=fresh_start,
+        step_seen=step_seen,
     )
 
     @pl.when((flags & LAST) != 0)
@@ -177,12 +216,74 @@ def _forward_kernel(
             lse_ref[j] = lse[:, :1].T  # stored as a row (kernels/mosaic.py)
 
 
-def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool, tuning: mosaic.Tuning):
+def _segments(tables, ids_refs, tiling: Tiling, rows: int, piece: int):
+    """``(step_seen, segments)`` of a forward step with segment ids: whether the step computes
+    (its fetch table names itself: `segments.fetch_steps`), and ``segments(q_block, kv_block)``,
+    which gives `_attend` its ``segments(first_row, rows, keys) -> (seen, same_id)``: the strip's
+    and the piece's id ranges meet (SMEM tables), and the strip's pairs of equal ids (read from
+    the ids' blocks: the query ids across lanes, the key ids as a row)."""
+    fetch, q_lo, q_hi, kv_lo, kv_hi = tables
+    q_ids_ref, kv_ids_ref = ids_refs
+    b, t = pl.program_id(0), pl.program_id(2)
+    steps = pl.num_programs(2)
+    strips, pieces = tiling.block_q // rows, tiling.block_k // piece
+    strips_per_row, pieces_per_row = tiling.q_blocks * strips, tiling.kv_blocks * pieces
+
+    def for_pair(q_block, kv_block):
+        def strip(first_row, rows, keys):
+            q_tile = b * strips_per_row + q_block * strips + first_row // rows
+            kv_tile = b * pieces_per_row + kv_block * pieces + keys.start // piece
+            seen = segments.overlaps(q_lo[q_tile], q_hi[q_tile], kv_lo[kv_tile], kv_hi[kv_tile])
+
+            def same_id():
+                q_ids = q_ids_ref[first_row : first_row + rows, :]  # [rows, LANES]
+                kv_ids = kv_ids_ref[0:1, keys]  # [1, piece]
+                return mosaic.lanes_to(q_ids, kv_ids.shape[1]) == kv_ids
+
+            return seen, same_id
+
+        return strip
+
+    return fetch[b * steps + t] == t, for_pair
+
+
+def segments_for_forward(ids, steps, tiling: Tiling, rows: int, piece: int):
+    """The forward's segment tables (``fetch, q_lo, q_hi, kv_lo, kv_hi``: flat int32, per batch
+    row: the step each step fetches, and the id ranges of the query strips and the key pieces)
+    and the ids' blocks' arrays (query ids across lanes, key ids as rows), from padded
+    ``(q_ids, kv_ids)``."""
+    q_ids, kv_ids = ids
+    q_lo, q_hi = segments.tile_ranges(q_ids, rows)
+    kv_lo, kv_hi = segments.tile_ranges(kv_ids, piece)
+    q_block_lo, q_block_hi = segments.tile_ranges(q_ids, tiling.block_q)
+    kv_block_lo, kv_block_hi = segments.tile_ranges(kv_ids, tiling.block_k)
+    computes = segments.overlaps(
+        q_block_lo[:, steps.q_block],
+        q_block_hi[:, steps.q_block],
+        kv_block_lo[:, steps.kv_block],
+        kv_block_hi[:, steps.kv_block],
+    ) & jnp.asarray((steps.flags & EMPTY) == 0)
+    tables = [segments.fetch_steps(computes), q_lo, q_hi, kv_lo, kv_hi]
+    return [segments.flat(x) for x in tables], [segments.lanes(q_ids), segments.rows(kv_ids)]
+
+
+def forward(
+    q,
+    k,
+    v,
+    *,
+    tiling: Tiling,
+    scale: float,
+    interpret: bool,
+    tuning: mosaic.Tuning,
+    segment_ids=None,
+):
     """Padded inputs -> (o, lse), as `kernels.forward.forward`.
 
-    q: [batch, q_padded, heads, head_dim]; k, v: [batch, kv_padded, kv_heads, head_dim].
-    Returns o like q and lse float32 [batch, heads, q_padded] (base-2, scaled logits).
-    ``interpret``: TPU interpret mode rather than Mosaic's compiler.
+    q: [batch, q_padded, heads, head_dim]; k, v: [batch, kv_padded, kv_heads, head_dim];
+    segment_ids: None or padded ``(q_ids, kv_ids)``, int32 [batch, q_padded], [batch,
+    kv_padded]. Returns o like q and lse float32 [batch, heads, q_padded] (base-2, scaled
+    logits). ``interpret``: TPU interpret mode rather than Mosaic's compiler.
     """
     batch, q_padded, heads, head_dim = q.shape
     group = heads // k.shape[2]
@@ -194,21 +295,49 @@ def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool, tuning: m
     # group): fewer, longer steps, whose DMAs and fixed cost serve several heads.
     per_step = tuning.heads_per_step(heads, group, block_q)
     kv_per_step = max(1, per_step // group)
+    segment_tables, id_blocks = [], []
+    if segment_ids is not None:
+        segment_tables, id_blocks = segments_for_forward(
+            segment_ids, steps, tiling, rows, block_k_compute
+        )
+    n_steps = len(steps)
 
-    def q_index(b, h, t, q_table, kv_table, head_table, flags_table):
-        return mosaic.index(b, h, q_table[t], 0)
+    def fetched(b, t, tables):
+        """The step whose input blocks step t reads: itself, or with segment ids the step its
+        fetch table names (a skipped step copies what the next computed step reads)."""
+        return tables[4][b * n_steps + t] if segment_tables else t
 
-    def kv_index(b, h, t, q_table, kv_table, head_table, flags_table):
-        return mosaic.index(b, index_div(h * per_step, group * kv_per_step), kv_table[t], 0)
+    def q_index(b, h, t, *tables):
+        return mosaic.index(b, h, tables[0][fetched(b, t, tables)], 0)
 
-    def lse_index(b, h, t, q_table, kv_table, head_table, flags_table):
-        return mosaic.index(b, h, 0, q_table[t])
+    def kv_index(b, h, t, *tables):
+        kv_head = index_div(h * per_step, group * kv_per_step)
+        return mosaic.index(b, kv_head, tables[1][fetched(b, t, tables)], 0)
+
+    def out_index(b, h, t, *tables):
+        return mosaic.index(b, h, tables[0][t], 0)
+
+    def lse_index(b, h, t, *tables):
+        return mosaic.index(b, h, 0, tables[0][t])
 
     q_spec = pl.BlockSpec((None, per_step, block_q, head_dim), q_index)
     kv_spec = pl.BlockSpec((None, kv_per_step, block_k, head_dim), kv_index)
+    out_spec = pl.BlockSpec((None, per_step, block_q, head_dim), out_index)
     lse_spec = pl.BlockSpec((None, per_step, 1, block_q), lse_index)
+    id_specs = []
+    if segment_tables:
+        id_specs = [
+            pl.BlockSpec(
+                (None, block_q, segments.LANES),
+                lambda b, h, t, *tables: mosaic.index(b, tables[0][fetched(b, t, tables)], 0),
+            ),
+            pl.BlockSpec(
+                (None, segments.SUBLANES, block_k),
+                lambda b, h, t, *tables: mosaic.index(b, 0, tables[1][fetched(b, t, tables)]),
+            ),
+        ]
     qt, kt, vt = mosaic.heads_major(q), mosaic.heads_major(k), mosaic.heads_major(v)
-    pairs = batch * heads * steps.computed_pairs()
+    pairs = batch * heads * steps.computed_pairs()  # with segment ids, at most this many
     itemsize = q.dtype.itemsize
     o, lse = pl.pallas_call(
         functools.partial(
@@ -218,12 +347,13 @@ def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool, tuning: m
             block_k_compute=block_k_compute,
             rows=rows,
             group=group,
+            segment_tables=len(segment_tables),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(batch, heads // per_step, len(steps)),
-            in_specs=[q_spec, kv_spec, kv_spec],
-            out_specs=[q_spec, lse_spec],
+            num_scalar_prefetch=4 + len(segment_tables),
+            grid=(batch, heads // per_step, n_steps),
+            in_specs=[q_spec, kv_spec, kv_spec, *id_specs],
+            out_specs=[out_spec, lse_spec],
             scratch_shapes=[
                 pltpu.VMEM((per_step, block_q, head_dim), jnp.float32),
                 pltpu.VMEM((per_step, block_q, mosaic.LANES), jnp.float32),
@@ -242,5 +372,12 @@ def forward(q, k, v, *, tiling: Tiling, scale: float, interpret: bool, tuning: m
             bytes_accessed=itemsize * (2 * qt.size + pairs * 2 * block_k * head_dim),
         ),
         name="dew_flash_attention_forward",
-    )(*(jnp.asarray(table) for table in steps.tables()), qt, kt, vt)
+    )(
+        *(jnp.asarray(table) for table in steps.tables()),
+        *segment_tables,
+        qt,
+        kt,
+        vt,
+        *id_blocks,
+    )
     return mosaic.heads_major(o), lse[:, :, 0]

@@ -11,9 +11,10 @@ Each table is int32, one entry a step, and the same for every (batch, head): a b
 visible or not by position alone. ``FIRST``/``LAST`` mark the first and last step of a run of
 steps that accumulate into one output block (the forward: one query block's key blocks; the
 dk/dv kernel: one key block's query blocks, over the heads of its group); ``MASKED`` a pair that
-holds an invisible (row, key) pair (the causal diagonal, a padded key tail); ``EMPTY`` a step
-that computes nothing and only opens and closes its output block: a query block with no visible
-key (rows before the first key, ``q_len > kv_len``) still writes its zeros and ``lse``.
+holds an invisible (row, key) pair (the causal diagonal, a window's edge, a padded key tail);
+``EMPTY`` a step that computes nothing and only opens and closes its output block: a query block
+with no visible key (rows before the first key, ``q_len > kv_len``) still writes its zeros and
+``lse``. Segment ids skip more steps while the kernels run (`kernels.segments`), out of these.
 
 Only real rows and keys decide visibility (rows ``< q_len``, keys ``< kv_len``): padded query
 rows are sliced off, and they compute finite values on the pairs the real rows visit.
@@ -45,6 +46,8 @@ def visible_blocks(tiling: Tiling) -> tuple[np.ndarray, np.ndarray]:
     cols = np.arange(tiling.kv_blocks * tiling.block_k)[None, :]
     real = (rows < tiling.q_len) & (cols < tiling.kv_len)
     visible = real & (cols <= rows + tiling.offset) if tiling.causal else real
+    if tiling.window is not None:
+        visible = visible & (cols > rows + tiling.offset - tiling.window)
     shape = (tiling.q_blocks, tiling.block_q, tiling.kv_blocks, tiling.block_k)
     seen = visible.reshape(shape).any(axis=(1, 3))
     # Whole: every real row sees every key of the block, and the block holds no padded key.

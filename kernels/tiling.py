@@ -6,7 +6,11 @@ column ``j`` iff ``j <= i + (kv_len - q_len)``. The queries are read as the last
 positions of a ``kv_len``-long sequence. With ``q_len == kv_len`` this is the usual lower
 triangle, identical to ``jax.nn.dot_product_attention(..., is_causal=True)``; with
 ``q_len > kv_len`` the first ``q_len - kv_len`` rows see no key at all (their output and
-gradients are zeros).
+gradients are zeros). A sliding ``window`` ``W`` (causal only) keeps the ``W`` most recent of
+those keys, the row's own position included: ``i + (kv_len - q_len) - j < W``.
+
+Segment ids are not part of a tiling: they are data, and their block skipping is decided while
+the kernels run (`kernels.segments`). Everything here is positions.
 
 The loop-bound helpers take traced ``int32`` block indices (from ``pl.program_id`` or a loop
 counter) and use only ops the Triton lowering accepts (``lax.div`` on non-negative values,
@@ -65,6 +69,9 @@ class Tiling:
     block_q: int
     block_k: int
     causal: bool
+    # Sliding window (causal only): row i sees keys j with i + offset - j < window. None: no
+    # window (`kernels.attention` turns a window no row can reach past, >= kv_len, into None).
+    window: int | None = None
 
     @property
     def q_blocks(self) -> int:
@@ -92,14 +99,21 @@ class Tiling:
         keys, so they are launched first: the GPU's last wave then holds short programs."""
         return self.q_blocks - 1 - program if self.causal else program
 
+    def visible(self, rows, cols):
+        """bool, broadcast of ``rows`` and ``cols`` (traced int32 positions): the (row, key)
+        pairs attended by position (key in range, causal, window)."""
+        visible = cols < self.kv_len
+        if self.causal:
+            visible = jnp.logical_and(visible, cols <= rows + self.offset)
+        if self.window is not None:
+            visible = jnp.logical_and(visible, cols > rows + self.offset - self.window)
+        return visible
+
     def mask(self, q_block, kv_block):
         """bool[block_q, block_k]: which (row, key) pairs of this block pair are attended."""
         rows = q_block * self.block_q + jnp.arange(self.block_q, dtype=INDEX_DTYPE)[:, None]
         cols = kv_block * self.block_k + jnp.arange(self.block_k, dtype=INDEX_DTYPE)[None, :]
-        visible = cols < self.kv_len
-        if self.causal:
-            visible = jnp.logical_and(visible, cols <= rows + self.offset)
-        return visible
+        return self.visible(rows, cols)
 
     def kv_range(self, q_block):
         """(n_full, n_visit) for a query block: key blocks ``[0, n_full)`` need no mask, key
@@ -114,6 +128,32 @@ class Tiling:
         n_full = index_div(jnp.maximum(first_row_limit + 1, 0), self.block_k)
         n_full = jnp.minimum(jnp.minimum(n_full, full_by_length), n_visit)
         return n_full, n_visit
+
+    def kv_bounds(self, q_block):
+        """``(lo, hi)``: the key blocks ``[lo, hi)`` a query block sees any key of, by position,
+        the window's left edge included (``kv_range``'s ``n_visit`` is ``hi``). The kernels that
+        take a window or segment ids visit this range with a mask on every block."""
+        _, hi = self.kv_range(q_block)
+        if self.window is None:
+            return as_index(0), hi
+        # The block's first row sees keys from first_row + offset - window + 1 on; later rows
+        # see later ones.
+        first_key = q_block * self.block_q + self.offset - self.window + 1
+        lo = jnp.minimum(index_div(jnp.maximum(first_key, 0), self.block_k), hi)
+        return lo, hi
+
+    def q_bounds(self, kv_block):
+        """``(lo, hi)``: the query blocks ``[lo, hi)`` that see any key of a key block, by
+        position (``q_range``'s ``first`` is ``lo``; without a window ``hi`` is ``q_blocks``)."""
+        lo, _ = self.q_range(kv_block)
+        if self.window is None:
+            return lo, as_index(self.q_blocks)
+        # Row r sees the block's last key while r + offset - window < last_key: rows
+        # r < last_key - offset + window.
+        last_key = (kv_block + 1) * self.block_k - 1
+        hi = _traced_cdiv(jnp.maximum(last_key - self.offset + self.window, 0), self.block_q)
+        hi = jnp.maximum(jnp.minimum(hi, self.q_blocks), lo)
+        return lo, hi
 
     def q_range(self, kv_block):
         """(first, first_full) for a key block: query blocks ``[first, first_full)`` need a mask,

@@ -7,15 +7,21 @@ backward, per kv head, each key block's visible query blocks in one run, head by
 group. ``FIRST``/``LAST`` open and close a run's output block, ``MASKED`` asks for the mask,
 ``EMPTY`` computes nothing (a block no row sees still writes its output). What the tables must
 say is written here from the causal formula alone: real query row ``i`` sees real key ``j`` iff
-``j <= i + kv_len - q_len`` (every real key when not causal); padded rows and keys (beyond the
-lengths, up to whole blocks) see nothing.
+``j <= i + kv_len - q_len`` (every real key when not causal), and with a window ``W`` also
+``i + kv_len - q_len - j < W``; padded rows and keys (beyond the lengths, up to whole blocks) see
+nothing.
+
+The segment-id tables (`dew.kernels.segments`: tile ranges, the fetch steps, the Triton block
+bounds) are checked against loops over the ids too.
 """
 
 from collections import defaultdict
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dew.kernels import segments
 from dew.kernels.schedule import (
     EMPTY,
     FIRST,
@@ -32,7 +38,10 @@ def sees(tiling: Tiling, row: int, key: int) -> bool:
     """Whether query row ``row`` attends to key ``key`` (padded positions included: never)."""
     if row >= tiling.q_len or key >= tiling.kv_len:
         return False
-    return not tiling.causal or key <= row + tiling.kv_len - tiling.q_len
+    position = row + tiling.kv_len - tiling.q_len  # the row's own position among the keys
+    if tiling.window is not None and position - key >= tiling.window:
+        return False
+    return not tiling.causal or key <= position
 
 
 def brute_force_pairs(tiling: Tiling):
@@ -119,37 +128,41 @@ def check_backward(tiling: Tiling, group: int):
 
 
 TILINGS = [
-    # q_len, kv_len, block_q, block_k, causal
-    pytest.param(37, 37, 16, 8, True, id="causal-square-odd"),
-    pytest.param(37, 53, 16, 8, True, id="causal-q37-kv53"),
-    pytest.param(53, 21, 8, 16, True, id="causal-q53-kv21-rows-see-nothing"),
-    pytest.param(40, 40, 8, 24, True, id="causal-block_k-not-block_q"),
-    pytest.param(29, 45, 16, 16, False, id="full-padded-tails"),
-    pytest.param(1, 1, 8, 8, True, id="one-row-one-key"),
+    # q_len, kv_len, block_q, block_k, causal[, window]
+    pytest.param((37, 37, 16, 8, True), id="causal-square-odd"),
+    pytest.param((37, 53, 16, 8, True), id="causal-q37-kv53"),
+    pytest.param((53, 21, 8, 16, True), id="causal-q53-kv21-rows-see-nothing"),
+    pytest.param((40, 40, 8, 24, True), id="causal-block_k-not-block_q"),
+    pytest.param((29, 45, 16, 16, False), id="full-padded-tails"),
+    pytest.param((1, 1, 8, 8, True), id="one-row-one-key"),
+    pytest.param((64, 64, 8, 8, True, 1), id="window-1"),
+    pytest.param((64, 64, 16, 8, True, 16), id="window-a-block"),
+    pytest.param((37, 53, 8, 16, True, 20), id="window-q37-kv53"),
+    pytest.param((53, 21, 8, 8, True, 5), id="window-q53-kv21-rows-see-nothing"),
 ]
 
 
-@pytest.mark.parametrize("q_len,kv_len,block_q,block_k,causal", TILINGS)
-def test_forward_steps_visit_each_visible_pair_once(q_len, kv_len, block_q, block_k, causal):
-    check_forward(Tiling(q_len, kv_len, block_q, block_k, causal))
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_forward_steps_visit_each_visible_pair_once(tiling):
+    check_forward(Tiling(*tiling))
 
 
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("q_len,kv_len,block_q,block_k,causal", TILINGS)
-def test_backward_steps_visit_each_visible_pair_once_per_head(
-    q_len, kv_len, block_q, block_k, causal, group
-):
-    check_backward(Tiling(q_len, kv_len, block_q, block_k, causal), group)
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_backward_steps_visit_each_visible_pair_once_per_head(tiling, group):
+    check_backward(Tiling(*tiling), group)
 
 
 def test_random_tilings(seed):
     # Fifty tilings drawn from the seed: lengths 1 to 70, blocks of 8 to 32 rows, causal or not,
-    # groups of 1 to 3 query heads.
+    # causal ones with a window of 1 to 40 keys one time in two, groups of 1 to 3 query heads.
     rng = np.random.default_rng(seed)
     for _ in range(50):
         q_len, kv_len = (int(n) for n in rng.integers(1, 71, size=2))
         block_q, block_k = (int(b) for b in rng.choice([8, 16, 24, 32], size=2))
-        tiling = Tiling(q_len, kv_len, block_q, block_k, bool(rng.integers(2)))
+        causal = bool(rng.integers(2))
+        window = int(rng.integers(1, 41)) if causal and rng.integers(2) else None
+        tiling = Tiling(q_len, kv_len, block_q, block_k, causal, window)
         try:
             check_forward(tiling)
             check_backward(tiling, int(rng.integers(1, 4)))
@@ -158,8 +171,14 @@ def test_random_tilings(seed):
 
 
 def test_visible_blocks_are_the_brute_force_pairs():
-    for q_len, kv_len, causal in [(37, 53, True), (53, 21, True), (29, 45, False), (64, 64, True)]:
-        tiling = Tiling(q_len, kv_len, 16, 8, causal)
+    for q_len, kv_len, causal, window in [
+        (37, 53, True, None),
+        (53, 21, True, None),
+        (29, 45, False, None),
+        (64, 64, True, None),
+        (64, 64, True, 9),
+    ]:
+        tiling = Tiling(q_len, kv_len, 16, 8, causal, window)
         seen, masked = brute_force_pairs(tiling)
         got_seen, got_whole = visible_blocks(tiling)
         pairs = {(int(i), int(j)) for i, j in zip(*np.nonzero(got_seen))}
@@ -181,3 +200,87 @@ def test_the_tables_skip_what_a_causal_square_never_sees():
     # step, which writes its zeros and lse.
     forward = check_forward(Tiling(40, 8, 8, 8, True))
     assert forward.flags.tolist()[:4] == [FIRST | LAST | EMPTY] * 4
+
+
+def test_a_window_skips_the_blocks_left_of_every_rows_window():
+    # 64 x 64 causal in 8 x 8 blocks with a window of 16: query block i sees key blocks i - 2
+    # (its first rows' windows reach into it), i - 1 and i; blocks left of those are not walked.
+    # The window's edge and the diagonal are masked, the block between them is whole.
+    steps = check_forward(Tiling(64, 64, 8, 8, True, 16))
+    pairs = set(zip(steps.q_block.tolist(), steps.kv_block.tolist()))
+    assert pairs == {(i, j) for i in range(8) for j in range(max(0, i - 2), i + 1)}
+    whole = {
+        (i, j) for i, j, f in zip(steps.q_block, steps.kv_block, steps.flags) if not f & MASKED
+    }
+    assert whole == {(i, i - 1) for i in range(1, 8)}
+
+
+# ---- segment ids: the tables the kernels skip tiles by ---------------------------------------
+
+
+def random_ids(rng, batch: int, length: int):
+    """Ids of documents of random lengths one after another, a row in increasing order, the next
+    with its labels shuffled, and so on."""
+    rows = []
+    for b in range(batch):
+        lengths = []
+        while sum(lengths) < length:
+            lengths.append(int(rng.integers(1, 20)))
+        labels = np.arange(len(lengths)) if b % 2 == 0 else rng.permutation(len(lengths))
+        rows.append(np.repeat(labels, lengths)[:length])
+    return np.asarray(rows, np.int32)
+
+
+def test_tile_ranges_and_block_bounds_against_loops(seed):
+    # The smallest and largest id of each tile; for each query tile the key tiles from the first
+    # to the last holding one of its ids' range, found by comparing every pair of ids.
+    rng = np.random.default_rng(seed)
+    q_ids, kv_ids = random_ids(rng, 4, 48), random_ids(rng, 4, 64)
+    q_lo, q_hi = (np.asarray(x) for x in segments.tile_ranges(jnp.asarray(q_ids), 8))
+    kv_lo, kv_hi = (np.asarray(x) for x in segments.tile_ranges(jnp.asarray(kv_ids), 16))
+    lo, hi = (np.asarray(x) for x in segments.block_bounds(q_lo, q_hi, kv_lo, kv_hi))
+    for b in range(4):
+        for i in range(6):
+            tile = q_ids[b, 8 * i : 8 * i + 8]
+            assert (q_lo[b, i], q_hi[b, i]) == (tile.min(), tile.max()), (seed, b, i)
+            meets = [
+                j
+                for j in range(4)
+                if any(tile.min() <= x <= tile.max() for x in kv_ids[b, 16 * j : 16 * j + 16])
+                or any(
+                    kv_ids[b, 16 * j : 16 * j + 16].min()
+                    <= x
+                    <= kv_ids[b, 16 * j : 16 * j + 16].max()
+                    for x in tile
+                )
+            ]
+            want = (meets[0], meets[-1] + 1) if meets else (0, 0)
+            assert (lo[b, i], hi[b, i]) == want, (seed, b, i, meets)
+
+
+def test_a_tile_pair_skipped_by_its_id_ranges_holds_no_pair_of_equal_ids(seed):
+    # Correctness of the skipping, for ids in any order: wherever two tiles' ranges are disjoint
+    # no query id equals a key id of the other tile; where ranges meet the kernels mask.
+    rng = np.random.default_rng(seed)
+    ids = np.concatenate([random_ids(rng, 2, 64), rng.integers(0, 5, (2, 64), dtype=np.int32)])
+    lo, hi = (np.asarray(x) for x in segments.tile_ranges(jnp.asarray(ids), 8))
+    meets = np.asarray(segments.overlaps(lo[:, :, None], hi[:, :, None], lo[:, None], hi[:, None]))
+    tiles = ids.reshape(4, 8, 8)
+    equal = (tiles[:, :, :, None, None] == tiles[:, None, None, :, :]).any(axis=(2, 4))
+    assert not (equal & ~meets).any(), seed
+
+
+@pytest.mark.parametrize(
+    "computes,want",
+    [
+        ([1, 1, 1], [0, 1, 2]),
+        ([0, 0, 1, 0, 1, 0, 0], [2, 2, 2, 4, 4, 4, 4]),
+        ([1, 0, 0, 0], [0, 0, 0, 0]),
+        ([0, 0, 0], [0, 0, 0]),
+    ],
+)
+def test_a_skipped_step_fetches_what_the_next_computed_step_reads(computes, want):
+    # A skipped step's index maps read the blocks of the next computed step (one early copy);
+    # past the last computed step, those of the last (in VMEM already); with none, step 0's.
+    got = segments.fetch_steps(jnp.asarray([computes], bool))
+    assert np.asarray(got).tolist() == [want]

@@ -504,6 +504,29 @@ def test_inside_shard_map_with_replicated_kv(seed):
         assert error < 1e-5, f"d{name}: relative error {error:.3g} (seed {seed})"
 
 
+@pytest.mark.parametrize("q_len,kv_len", [(17, 17), (40, 17), (33, 64), (64, 64)])
+@pytest.mark.parametrize("window", [1, 9, 16, 40])
+def test_window_loop_bounds_are_exact(q_len, kv_len, window):
+    # With a window the kernels visit key blocks [lo, hi) of a query block (and query blocks
+    # [lo, hi) of a key block), each with its mask: exactly those holding a visible pair.
+    for block_q, block_k in [(16, 16), (16, 32), (32, 16)]:
+        tiling = Tiling(q_len, kv_len, block_q, block_k, True, window)
+        rows = np.arange(tiling.q_padded)[:, None]
+        cols = np.arange(tiling.kv_padded)[None, :]
+        position = rows + kv_len - q_len
+        visible = (cols < kv_len) & (cols <= position) & (position - cols < window)
+        blocks = visible.reshape(tiling.q_blocks, block_q, tiling.kv_blocks, block_k)
+        any_visible = blocks.any(axis=(1, 3))
+        for i in range(tiling.q_blocks):
+            lo, hi = (int(x) for x in tiling.kv_bounds(jnp.int32(i)))
+            want = np.flatnonzero(any_visible[i])
+            assert (lo, hi) == ((want[0], want[-1] + 1) if len(want) else (lo, lo)), (tiling, i)
+        for j in range(tiling.kv_blocks):
+            lo, hi = (int(x) for x in tiling.q_bounds(jnp.int32(j)))
+            want = np.flatnonzero(any_visible[:, j])
+            assert (lo, hi) == ((want[0], want[-1] + 1) if len(want) else (lo, lo)), (tiling, j)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(
     "q_len,kv_len", [(1, 1), (5, 40), (17, 17), (40, 17), (64, 33), (33, 64), (48, 48)]

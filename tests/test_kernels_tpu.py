@@ -508,7 +508,7 @@ def test_the_fused_backward_runs_where_its_dq_fits_vmem():
 
     def fused(q, k, block_k=64, **tuning):
         with platform.tuned(**tuning):
-            config = attention_module._config(
+            config, _ = attention_module._config(
                 q, k, k, causal=False, sm_scale=None, block_q=128, block_k=block_k, interpret="tpu"
             )
         return attention_module._fused_backward_fits(q, k, config)
@@ -600,7 +600,7 @@ def call_blocks(q_len, kv_len, head_dim=128, causal=True, **blocks):
     q = jax.ShapeDtypeStruct((1, q_len, 2, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, kv_len, 1, head_dim), jnp.bfloat16)
     blocks = {"block_q": None, "block_k": None, **blocks}
-    config = attention_module._config(
+    config, _ = attention_module._config(
         q, k, k, causal=causal, sm_scale=None, interpret=None, **blocks
     )
     assert config.target == "mosaic"
@@ -745,7 +745,7 @@ def test_mosaic_block_q_is_whole_lanes_or_the_whole_length(monkeypatch):
 
     def blocks(q_len, **kw):
         q, k = jnp.zeros((1, q_len, 4, 16)), jnp.zeros((1, 200, 2, 16))
-        config = attention_module._config(
+        config, _ = attention_module._config(
             q, k, k, causal=True, sm_scale=None, interpret="tpu", **kw
         )
         return config.tiling.block_q, config.tiling.block_k

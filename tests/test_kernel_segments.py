@@ -1,0 +1,447 @@
+"""Segment ids and sliding windows in every attention kernel, against float64 references written
+here: one from the rule (loops over rows and keys: a query sees a key of its own id, at or before
+its position, within the window), and one that runs each document alone.
+
+The kernels run in interpret mode: the Mosaic TPU kernels in TPU interpret mode (the fused
+backward, and the two-kernel one), the Triton GPU kernels in Pallas' interpreter, and
+``dew.nn.attention.xla_attention``. One set of inputs (``packed``, from the module's seed) serves
+every case: 4 rows of 256 positions, 2 query heads over 1 kv head, head_dim 64, float32, blocks
+of 128, of which
+
+- row 0 packs documents of random lengths, ids increasing, with a document of one token and one
+  that spans several blocks;
+- row 1 is all one document;
+- row 2 holds row 0's documents in another order under shuffled ids (not sorted);
+- row 3 splits at the block boundary, so the pair (query block 1, key block 0) shares no id and
+  its whole step is skipped.
+
+Interpret mode compiles slowly, so each case is one compile of forward and backward, and the
+Mosaic cases compute pieces and strips of 64 inside the blocks of 128, which the ids skip too.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dew.kernels.attention as attention_module
+from dew.kernels import (
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+    mosaic_backward,
+    mosaic_forward,
+    mosaic_fused_backward,
+    platform,
+)
+from dew.nn.attention import xla_attention
+from tests.test_kernels import run_fast_compiled
+
+BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 4, 256, 2, 1, 64
+BLOCK = 128
+SCALE = 1 / np.sqrt(HEAD_DIM)
+# Pieces of keys and strips of query rows the Mosaic kernels compute at a time (and skip by ids).
+PIECES = dict(block_k_compute=64, backward_block_k_compute=64, block_q_compute=64)
+TOLERANCE = 1e-5  # float32 against float64, relative (Frobenius)
+
+
+# ---- the references ------------------------------------------------------------------------
+
+
+def visibility(q_ids, kv_ids, q_len, kv_len, window):
+    """bool ``[batch, q_len, kv_len]``, by loops: causal (bottom-right: query ``i`` sits at
+    position ``i + kv_len - q_len``), within ``window`` keys, and (ids given) the same id."""
+    batch = 1 if q_ids is None else len(q_ids)
+    visible = np.zeros((batch, q_len, kv_len), bool)
+    for b in range(batch):
+        for i in range(q_len):
+            position = i + kv_len - q_len
+            for j in range(kv_len):
+                if j > position or (window is not None and position - j >= window):
+                    continue
+                if q_ids is not None and q_ids[b][i] != kv_ids[b][j]:
+                    continue
+                visible[b, i, j] = True
+    return visible
+
+
+def reference(q, k, v, do, d_lse, visible):
+    """``(out, lse, dq, dk, dv)`` of softmax attention in float64 numpy, from the formulas:
+    ``p = softmax(s)`` over the visible keys (all zeros on a row that sees none, whose lse is
+    -inf), ``out = p v``, ``lse = log sum exp s``; for the cotangents ``do`` and ``d_lse``:
+    ``ds = p * (do v^T - rowsum(do * out) + d_lse)``, ``dq = scale ds k``, ``dk = scale ds^T q``,
+    ``dv = p^T do``, each kv head summing its group's query heads."""
+    q, k, v, do, d_lse = (np.asarray(x, np.float64) for x in (q, k, v, do, d_lse))
+    group = q.shape[2] // k.shape[2]
+    kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    s = np.where(visible[:, None], np.einsum("bqhd,bkhd->bhqk", q, kk) * SCALE, -np.inf)
+    top = s.max(axis=-1, keepdims=True)
+    weights = np.exp(s - np.where(np.isfinite(top), top, 0.0))
+    total = weights.sum(axis=-1, keepdims=True)
+    p = weights / np.where(total == 0, 1.0, total)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total == 0, -np.inf, top + np.log(total))[..., 0]
+    out = np.einsum("bhqk,bkhd->bqhd", p, vv)
+    delta = np.einsum("bqhd,bqhd->bhq", do, out) - d_lse
+    ds = p * (np.einsum("bqhd,bkhd->bhqk", do, vv) - delta[..., None])
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * SCALE
+
+    def per_kv_head(x):
+        return x.reshape(*x.shape[:2], k.shape[2], group, x.shape[3]).sum(axis=3)
+
+    dk = per_kv_head(np.einsum("bhqk,bqhd->bkhd", ds, q) * SCALE)
+    dv = per_kv_head(np.einsum("bhqk,bqhd->bkhd", p, do))
+    return out, lse, dq, dk, dv
+
+
+def documents(ids_row):
+    """The ``(start, stop)`` of each run of equal ids in a row."""
+    edges = [0] + [n for n in range(1, len(ids_row)) if ids_row[n] != ids_row[n - 1]]
+    return list(zip(edges, edges[1:] + [len(ids_row)]))
+
+
+def each_document_alone(inputs, ids, window):
+    """The reference run on each document of each row alone (its own short causal sequence, no
+    ids), put back in place: ``(out, lse, dq, dk, dv)`` of the whole batch."""
+    q, k, v, do, d_lse = (np.asarray(x, np.float64) for x in inputs)
+    got = [np.zeros_like(q), np.zeros(d_lse.shape), np.zeros_like(q), np.zeros_like(k)]
+    got.append(np.zeros_like(v))
+    for b, row in enumerate(ids):
+        for start, stop in documents(row):
+            one = slice(start, stop)
+            alone = reference(
+                q[b : b + 1, one],
+                k[b : b + 1, one],
+                v[b : b + 1, one],
+                do[b : b + 1, one],
+                d_lse[b : b + 1, :, one],
+                visibility(None, None, stop - start, stop - start, window),
+            )
+            for whole, part in zip(got, alone):
+                if whole.ndim == 3:  # lse: [batch, heads, seq]
+                    whole[b, :, one] = part[0]
+                else:
+                    whole[b, one] = part[0]
+    return tuple(got)
+
+
+# ---- the inputs ----------------------------------------------------------------------------
+
+
+def random_lengths(rng, total: int, low: int, high: int) -> list[int]:
+    """Lengths drawn from ``[low, high)`` until they reach ``total``, the last one cut to fit."""
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(rng.integers(low, high)))
+    lengths[-1] -= sum(lengths) - total
+    return lengths
+
+
+def packed_ids(rng):
+    """The four rows of the module docstring."""
+    head = random_lengths(rng, int(rng.integers(30, 80)), 2, 30)
+    head.insert(int(rng.integers(len(head) + 1)), 1)  # a document of one token
+    long = int(rng.integers(BLOCK + 20, BLOCK + 60))  # from before position 128 to past it
+    lengths = head + [long] + random_lengths(rng, SEQ - sum(head) - long, 2, 40)
+    ordered = np.repeat(np.arange(len(lengths)), lengths)
+    order = rng.permutation(len(lengths))
+    shuffled = np.repeat(rng.permutation(len(lengths)) + 7, np.asarray(lengths)[order])
+    halves = np.repeat([0, 1, 2, 3], [50, 78, 100, 28])  # no document across position 128
+    ids = np.stack([ordered, np.full(SEQ, 5), shuffled, halves]).astype(np.int32)
+    assert ids[0, BLOCK - 1] == ids[0, BLOCK] and 1 in np.bincount(ids[0]), lengths
+    return ids
+
+
+@pytest.fixture(scope="module")
+def packed(module_seed):
+    rng = np.random.default_rng(module_seed)
+
+    def draw(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    q, do = draw(BATCH, SEQ, HEADS, HEAD_DIM), draw(BATCH, SEQ, HEADS, HEAD_DIM)
+    k, v = draw(BATCH, SEQ, KV_HEADS, HEAD_DIM), draw(BATCH, SEQ, KV_HEADS, HEAD_DIM)
+    d_lse = draw(BATCH, HEADS, SEQ)
+    return (q, k, v, do, d_lse), packed_ids(rng)
+
+
+def relative_error(got, want):
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def assert_matches(got, want, what):
+    """out, lse, dq, dk, dv within TOLERANCE; lse -inf exactly where the reference's is."""
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        g = np.asarray(g, np.float64)
+        finite = np.isfinite(w)
+        assert np.array_equal(np.isfinite(g), finite), f"{name} ({what}): -inf rows differ"
+        error = relative_error(g[finite], w[finite])
+        assert error < TOLERANCE, f"{name} ({what}): relative error {error:.3g}"
+
+
+# ---- the kernels ---------------------------------------------------------------------------
+
+KERNELS = {
+    # name: flash_attention_forward's interpret, platform.tuned overrides
+    "mosaic": ("tpu", PIECES),
+    "mosaic-two-kernel-backward": ("tpu", dict(PIECES, fused_backward=False)),
+    "triton": (True, {}),
+}
+
+
+def run_kernel(kernel, inputs, segment_ids, window, q_len=SEQ, also=None):
+    """``(out, lse, dq, dk, dv)`` of `flash_attention_forward` and its vjp for the cotangents
+    ``(do, d_lse)``, as float64 numpy; the queries are the last ``q_len`` positions. ``also``:
+    None, or a function ``also(attend, q, k, v, do, d_lse, out, lse)`` (``attend`` the entry
+    points' shared arguments) whose results are computed in the same compile and returned after
+    those five."""
+    interpret, tuning = KERNELS[kernel]
+    q, k, v, do, d_lse = inputs
+    q, do, d_lse = q[:, -q_len:], do[:, -q_len:], d_lse[:, :, -q_len:]
+
+    def forward_and_backward(q, k, v, do, d_lse, segment_ids):
+        kwargs = dict(
+            causal=True,
+            segment_ids=segment_ids,
+            window=window,
+            block_q=BLOCK,
+            block_k=BLOCK,
+            interpret=interpret,
+        )
+        (out, lse), vjp = jax.vjp(functools.partial(flash_attention_forward, **kwargs), q, k, v)
+        extra = () if also is None else also(kwargs, q, k, v, do, d_lse, out, lse)
+        return (out, lse, *vjp((do, d_lse))), extra
+
+    with platform.tuned(**tuning):
+        got, extra = run_fast_compiled(forward_and_backward, q, k, v, do, d_lse, segment_ids)
+    got = [np.asarray(x, np.float64) for x in got]
+    return got if also is None else (got, jax.tree.map(lambda x: np.asarray(x, np.float64), extra))
+
+
+@pytest.fixture
+def computed(monkeypatch):
+    """Counts the (strip, piece) pairs the Mosaic forward computes (`mosaic_forward._update`),
+    the pieces its fused backward computes (`mosaic_fused_backward._attend`) and the block pairs
+    the two-kernel backward computes (`mosaic_backward._probabilities`, in dq and in dk/dv)."""
+    jax.clear_caches()
+    counts = {"forward": 0, "backward": 0, "two-kernel backward": 0}
+
+    def counted(name, compute):
+        def wrapper(*args, **kwargs):
+            jax.debug.callback(lambda: counts.__setitem__(name, counts[name] + 1))
+            return compute(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(mosaic_forward, "_update", counted("forward", mosaic_forward._update))
+    monkeypatch.setattr(
+        mosaic_fused_backward, "_attend", counted("backward", mosaic_fused_backward._attend)
+    )
+    monkeypatch.setattr(
+        mosaic_backward,
+        "_probabilities",
+        counted("two-kernel backward", mosaic_backward._probabilities),
+    )
+    yield counts
+    jax.clear_caches()
+
+
+def tiles_meeting(ids, q_tile: int, kv_tile: int, window):
+    """How many (query tile, key tile) pairs of ``ids`` (self-attention) hold a pair the causal
+    mask and the window let through, and whose id ranges meet: what a kernel computing
+    ``q_tile`` x ``kv_tile`` tiles inside blocks of ``BLOCK`` must compute, per head. The pair's
+    block pair must hold such a pair too (a whole step is skipped on its blocks' ranges)."""
+    position = np.arange(SEQ)
+    sees = (position[None, :] <= position[:, None]) & (
+        True if window is None else position[:, None] - position[None, :] < window
+    )
+    count = 0
+    for row in ids:
+
+        def ranges_meet(rows, keys):
+            return row[rows].min() <= row[keys].max() and row[keys].min() <= row[rows].max()
+
+        for r in range(0, SEQ, q_tile):
+            for c in range(0, SEQ, kv_tile):
+                rows, keys = slice(r, r + q_tile), slice(c, c + kv_tile)
+                block_rows = slice(r // BLOCK * BLOCK, r // BLOCK * BLOCK + BLOCK)
+                block_keys = slice(c // BLOCK * BLOCK, c // BLOCK * BLOCK + BLOCK)
+                by_position = sees[block_rows, keys].any()  # pieces skip on the block's rows
+                count += bool(
+                    by_position
+                    and ranges_meet(block_rows, block_keys)
+                    and ranges_meet(rows, keys)
+                    and (window is None or sees[rows, keys].any() or q_tile == BLOCK)
+                )
+    return count
+
+
+@pytest.mark.parametrize(
+    "kernel,window",
+    [
+        # A window of a block and 2 keys: the first row of a 64-row strip (and of a block) then
+        # sees back to the last key of a 64-key piece, which a skip one key too early would miss.
+        ("mosaic", BLOCK + 2),
+        ("mosaic-two-kernel-backward", None),
+        ("triton", BLOCK),
+    ],
+)
+def test_packed_documents_match_the_reference_and_each_document_alone(
+    packed, computed, seed, kernel, window
+):
+    # Forward and backward (with a cotangent on lse) of the four packed rows: against the
+    # float64 reference with the block-diagonal causal mask, and against each document run
+    # alone. The Mosaic kernels must compute exactly the tiles whose ids can meet (strips of 64
+    # query rows against pieces of 64 keys in the forward, whole query blocks against pieces in
+    # the fused backward, block pairs in the two-kernel one): fewer than the causal mask alone.
+    # With the Triton kernels (the cheaper to interpret) flash_attention, whose custom_vjp
+    # carries the ids on its own, runs beside, for the cotangent do.
+    inputs, ids = packed
+
+    def plain(kwargs, q, k, v, do, *_):
+        out, vjp = jax.vjp(functools.partial(flash_attention, **kwargs), q, k, v)
+        return out, *vjp(do)
+
+    also = plain if kernel == "triton" else None
+    got = run_kernel(kernel, inputs, jnp.asarray(ids), window, also=also)
+    got, plain_got = got if also else (got, None)
+    visible = visibility(ids, ids, SEQ, SEQ, window)
+    assert_matches(got, reference(*inputs, visible), f"{kernel}, seed {seed}")
+    assert_matches(got, each_document_alone(inputs, ids, window), f"{kernel} alone, seed {seed}")
+    if plain_got is not None:
+        no_d_lse = reference(*inputs[:4], np.zeros_like(inputs[4]), visible)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), plain_got, no_d_lse[:1] + no_d_lse[2:]):
+            error = relative_error(g, w)
+            assert error < TOLERANCE, f"flash_attention's {name} ({kernel}, {seed}): {error:.3g}"
+    if kernel == "mosaic":
+        want = {
+            "forward": HEADS * tiles_meeting(ids, 64, 64, window),
+            "backward": HEADS * tiles_meeting(ids, BLOCK, 64, window),
+            "two-kernel backward": 0,
+        }
+        causal_only = HEADS * tiles_meeting(np.zeros_like(ids), 64, 64, window)
+        assert computed == want and want["forward"] < causal_only, (computed, want, seed)
+    elif kernel == "mosaic-two-kernel-backward":
+        pairs = HEADS * tiles_meeting(ids, BLOCK, BLOCK, window)
+        assert computed["two-kernel backward"] == 2 * pairs, (computed, pairs, seed)
+
+
+@pytest.mark.parametrize("kernel", ["mosaic", "triton"])
+def test_a_pair_of_ids_and_rows_that_see_no_key(packed, seed, kernel):
+    # segment_ids as a pair (q_ids, kv_ids), the queries the last 136 of the 256 positions
+    # (bottom-right causal alignment), a fifth of them with an id no key has: those rows give
+    # zeros, lse -inf and no gradient, never NaN; the others as the reference.
+    # With the Triton kernels, flash_attention_backward then runs on the keys cut in two, each
+    # part with its own kv ids and the merged out and lse (what a ring attention does): the 120
+    # keys before the queries (no causal mask: every query follows them) and the queries' own
+    # 136 (causal). Its dq shares sum to dq, its dk, dv are the parts'.
+    inputs, ids = packed
+    q_len = 136
+    rng = np.random.default_rng(seed)
+    q_ids = ids[:, -q_len:].copy()
+    q_ids[rng.random(q_ids.shape) < 0.2] = -1
+
+    def by_key_blocks(kwargs, q, k, v, do, d_lse, out, lse):
+        q_ids, kv_ids = kwargs["segment_ids"]
+        grads = []
+        for keys, causal in ((slice(0, SEQ - q_len), False), (slice(SEQ - q_len, SEQ), True)):
+            one = dict(kwargs, causal=causal, segment_ids=(q_ids, kv_ids[:, keys]))
+            grads.append(
+                flash_attention_backward(q, k[:, keys], v[:, keys], out, lse, do, d_lse, **one)
+            )
+        (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = grads
+        return dq_a + dq_b, jnp.concatenate([dk_a, dk_b], 1), jnp.concatenate([dv_a, dv_b], 1)
+
+    segment_ids = (jnp.asarray(q_ids), jnp.asarray(ids))
+    also = by_key_blocks if kernel == "triton" else None
+    got = run_kernel(kernel, inputs, segment_ids, None, q_len, also=also)
+    got, blocks = got if also else (got, ())
+    q, k, v, do, d_lse = inputs
+    cut = (q[:, -q_len:], k, v, do[:, -q_len:], d_lse[:, :, -q_len:])
+    want = reference(*cut, visibility(q_ids, ids, q_len, SEQ, None))
+    assert_matches(got, want, f"{kernel}, seed {seed}")
+    for name, g, w in zip(("dq", "dk", "dv"), blocks, want[2:]):
+        error = relative_error(g, w)
+        assert error < TOLERANCE, f"{name} by key blocks ({kernel}, seed {seed}): {error:.3g}"
+    lonely = q_ids == -1
+    out, lse, dq = got[:3]
+    assert lonely.any() and np.all(out[lonely] == 0) and np.all(dq[lonely] == 0), seed
+    assert np.all(lse.transpose(0, 2, 1)[lonely] == -np.inf), seed
+
+
+@pytest.mark.parametrize("kernel", ["mosaic-two-kernel-backward", "triton"])
+def test_windows_of_one_key_and_of_more_than_the_sequence(packed, seed, kernel):
+    # A window of 1: each query sees itself alone. No ids. (The fused Mosaic backward's window
+    # is the packed test's.) A window longer than the sequence hides nothing: it is the causal
+    # call, its tiling has no window (`test_a_window_past_the_keys_is_the_causal_call`), and, with
+    # the Triton kernels, its results are the causal call's to the bit.
+    inputs, _ = packed
+    q, k, v, do, d_lse = (x[:1] for x in inputs)
+    interpret, tuning = KERNELS[kernel]
+    windows = (1,) if kernel.startswith("mosaic") else (1, SEQ + 44, None)
+
+    def each_window(q, k, v, do, d_lse):
+        results = []
+        for window in windows:
+            attend = functools.partial(
+                flash_attention_forward,
+                window=window,
+                block_q=BLOCK,
+                block_k=BLOCK,
+                interpret=interpret,
+            )
+            (out, lse), vjp = jax.vjp(attend, q, k, v)
+            results.append((out, lse, *vjp((do, d_lse))))
+        return results
+
+    with platform.tuned(**tuning):
+        one, *others = run_fast_compiled(each_window, q, k, v, do, d_lse)
+    one = [np.asarray(x, np.float64) for x in one]
+    assert_matches(one, reference(q, k, v, do, d_lse, visibility(None, None, SEQ, SEQ, 1)), seed)
+    if others:
+        longer, causal = others
+        for a, b in zip(longer, causal):
+            assert np.array_equal(a, b), seed
+
+
+def test_a_window_past_the_keys_is_the_causal_call():
+    # A window of kv_len keys or more hides none: the tiling has no window (the kernels' causal
+    # code). One key fewer is a window. Refusals: not an int >= 1, or without causal.
+    q, k = jnp.zeros((1, 40, 2, 16)), jnp.zeros((1, 56, 1, 16))
+
+    def tiling(**kw):
+        config, _ = attention_module._config(
+            q, k, k, sm_scale=None, block_q=None, block_k=None, interpret="tpu", **kw
+        )
+        return config.tiling
+
+    assert tiling(causal=True, window=56).window is None
+    assert tiling(causal=True, window=1000).window is None
+    assert tiling(causal=True, window=55).window == 55
+    for bad in (0, -3, 2.0, True, "8"):
+        with pytest.raises(ValueError, match=re.escape("window must be None or an int >= 1")):
+            tiling(causal=True, window=bad)
+    with pytest.raises(ValueError, match="window=8 needs causal=True"):
+        tiling(causal=False, window=8)
+
+
+def test_xla_attention_takes_segment_ids_and_a_window(packed, seed):
+    # dew.nn.attention.xla_attention, the XLA path: the same masks, out and lse (its gradients
+    # are JAX's own), rows that see no key giving zeros and lse -inf.
+    inputs, ids = packed
+    q, k, v, do, d_lse = inputs
+    q_ids = ids.copy()
+    q_ids[:, ::7] = -1
+    for window in (None, 40):
+        out, lse = jax.jit(functools.partial(xla_attention, window=window))(
+            q, k, v, segment_ids=(jnp.asarray(q_ids), jnp.asarray(ids))
+        )
+        want = reference(*inputs, visibility(q_ids, ids, SEQ, SEQ, window))
+        got = [np.asarray(out, np.float64), np.asarray(lse, np.float64)]
+        for name, g, w in zip(("out", "lse"), got, want[:2]):
+            finite = np.isfinite(w)
+            assert np.array_equal(np.isfinite(g), finite), (name, window, seed)
+            assert relative_error(g[finite], w[finite]) < TOLERANCE, (name, window, seed)
