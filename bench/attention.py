@@ -1,6 +1,7 @@
 """Attention benchmark: Dew's Pallas flash attention against the kernels a user would otherwise use.
 
-    python bench/attention.py [--rows 8192:128 4096:128:gqa ...] [--sweep] [--json FILE]
+    python bench/attention.py [--rows 8192:128 4096:128:gqa 8192:128:docs300 ...] [--sweep]
+        [--json FILE]
 
 Contestants, by backend:
 
@@ -35,9 +36,22 @@ scaled before the clock starts (as a model folds it into the query projection). 
 attention takes no grouped K/V: it gets K/V repeated to every query head, inside the clock (what
 a model calling it has to do).
 
+Packed documents and windows (issue 53): a row ``SEQ:HEAD_DIM:docsN`` gives every contestant the
+same segment ids, documents of random lengths with a mean of N tokens (uniform from 1 to 2N - 1,
+one draw per row of the batch, ids increasing); ``SEQ:HEAD_DIM:windowW`` a sliding window of the
+W most recent keys. Dew takes them as ``segment_ids`` and ``window``, splash as ``SegmentIds``
+and a ``LocalMask((W - 1, 0))``, JAX flash as its ``SegmentIds`` (no window: "n/a"), XLA as a
+mask. Those rows count the FLOPs of the visible (query, key) pairs, and also time Dew at each
+of ``MASKED_DEW_BLOCKS`` (its best is the cell); a window row also times Dew's plain causal
+forward ("dew-causal") and prints the window's time over it. The checks run the masks too: Dew
+in float32 against the float64 reference, and every contestant in bfloat16, so a contestant
+whose mask differs from Dew's shows there. Splash's blocks of 2048 need
+``LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=98304``.
+
 A failure (a check off its tolerance or raising, a timed call raising) is reported where it
 happens and the script goes on; it ends with the list of failures and exit status 1 when there
-was one. A contestant that runs out of memory gets "OOM" in its cell, not a failure.
+was one. A contestant that runs out of memory gets "OOM" in its cell, not a failure; one that
+cannot take a row's mask gets "n/a".
 """
 
 from __future__ import annotations
@@ -83,21 +97,48 @@ class Row:
     head_dim: int
     grouped: bool = False
     causal: bool = True
+    documents: int = 0  # mean document length of the packed rows' segment ids; 0: none
+    window: int = 0  # a sliding window of this many keys; 0: none
 
     @classmethod
     def parse(cls, text: str) -> "Row":
-        """``SEQ:HEAD_DIM[:gqa][:full]`` (``full``: no causal mask)."""
+        """``SEQ:HEAD_DIM[:gqa][:full][:docsN][:windowW]`` (``full``: no causal mask; ``docsN``:
+        packed documents of mean length N; ``windowW``: a window of W keys)."""
+        usage = (
+            "a row is SEQ:HEAD_DIM[:gqa][:full][:docsN][:windowW], e.g. 8192:128, 4096:128:gqa "
+            f"or 8192:128:docs300; got {text!r}"
+        )
         parts = text.split(":")
         try:
             seq, head_dim = int(parts[0]), int(parts[1])
+            numbers = {
+                name: int(flag[len(name) :])
+                for flag in parts[2:]
+                for name in ("docs", "window")
+                if flag.startswith(name)
+            }
         except (IndexError, ValueError):
-            raise argparse.ArgumentTypeError(
-                f"a row is SEQ:HEAD_DIM[:gqa][:full], e.g. 8192:128 or 4096:128:gqa; got {text!r}"
-            ) from None
-        flags = set(parts[2:])
+            raise argparse.ArgumentTypeError(usage) from None
+        flags = {f for f in parts[2:] if not f.startswith(("docs", "window"))}
         if flags - {"gqa", "full"}:
             raise argparse.ArgumentTypeError(f"unknown row flags {flags - {'gqa', 'full'}}")
-        return cls(seq, head_dim, "gqa" in flags, "full" not in flags)
+        if any(n < 1 for n in numbers.values()):
+            raise argparse.ArgumentTypeError(f"docsN and windowW take N, W >= 1; {usage}")
+        if "window" in numbers and "full" in flags:
+            raise argparse.ArgumentTypeError(f"a window needs a causal row; {usage}")
+        return cls(
+            seq,
+            head_dim,
+            "gqa" in flags,
+            "full" not in flags,
+            numbers.get("docs", 0),
+            numbers.get("window", 0),
+        )
+
+    @property
+    def masked(self) -> bool:
+        """Segment ids or a window: the rows issue 53 added."""
+        return bool(self.documents or self.window)
 
     def shape(self, tokens: int, channels: int) -> tuple[int, int, int]:
         """(batch, heads, kv_heads)."""
@@ -109,6 +150,8 @@ class Row:
 
     def label(self) -> str:
         extra = (" gqa 32/8" if self.grouped else "") + ("" if self.causal else " non-causal")
+        extra += f" docs {self.documents}" if self.documents else ""
+        extra += f" window {self.window}" if self.window else ""
         return f"{self.seq}, {self.head_dim}{extra}"
 
 
@@ -122,12 +165,55 @@ TPU_ROWS = (
     Row(4096, 128, causal=False),
 )
 GPU_ROWS = tuple(Row(s, d) for s in (1024, 2048, 4096, 8192, 16384) for d in (64, 128))
-CPU_ROWS = (Row(256, 64), Row(256, 64, grouped=True), Row(128, 128, causal=False))
+CPU_ROWS = (
+    Row(256, 64),
+    Row(256, 64, grouped=True),
+    Row(128, 128, causal=False),
+    Row(256, 64, documents=40),
+    Row(256, 64, window=64),
+)
+# Issue 53's rows (--masked): packed documents of mean length 300, a window of 1024 at 8192 keys.
+MASKED_ROWS = (
+    Row(2048, 128, documents=300),
+    Row(8192, 128, documents=300),
+    Row(8192, 128, window=1024),
+)
 
 
-def forward_flops(row: Row, batch: int, heads: int) -> float:
-    full = 4.0 * batch * heads * row.seq * row.seq * row.head_dim
-    return full / 2 if row.causal else full
+def forward_flops(row: Row, batch: int, heads: int, ids=None) -> float:
+    """A forward's FLOPs: ``4 head_dim`` a visible (query, key) pair (two matmuls). Causal rows
+    count half the square (as JAX's and splash's benchmarks do); rows with segment ids
+    (``ids``, ``[batch, seq]``) or a window count their visible pairs exactly."""
+    if not row.masked:
+        full = 4.0 * batch * heads * row.seq * row.seq * row.head_dim
+        return full / 2 if row.causal else full
+    return 4.0 * heads * row.head_dim * visible_pairs(row, batch, ids)
+
+
+def visible_pairs(row: Row, batch: int, ids=None) -> int:
+    """The (query, key) pairs a causal row with segment ids and/or a window lets through."""
+    seen = np.minimum(np.arange(1, row.seq + 1), row.window or row.seq)  # per query, no ids
+    if ids is None:
+        return int(batch * seen.sum())
+    total = 0
+    for ids_row in np.asarray(ids):
+        starts = np.flatnonzero(np.diff(ids_row, prepend=ids_row[0] - 1))
+        for length in np.diff(np.append(starts, row.seq)):
+            total += int(np.minimum(np.arange(1, length + 1), row.window or length).sum())
+    return total
+
+
+def document_ids(seed: int, batch: int, seq: int, mean: int) -> np.ndarray:
+    """int32 ``[batch, seq]``: each row packs documents of lengths drawn uniformly from
+    ``[1, 2 mean)``, numbered in order (the last one cut at ``seq``)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        lengths = []
+        while sum(lengths) < seq:
+            lengths.append(int(rng.integers(1, 2 * mean)))
+        rows.append(np.repeat(np.arange(len(lengths)), lengths)[:seq])
+    return np.asarray(rows, np.int32)
 
 
 # ---- contestants -------------------------------------------------------------------------------
@@ -136,22 +222,33 @@ def forward_flops(row: Row, batch: int, heads: int) -> float:
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One way to run a contestant: ``label`` names its blocks; ``make(row, sm_scale)`` returns
-    ``attend(q, k, v) -> out`` on the contestant's layout; ``context`` is entered while it is
-    traced (Dew's tuning overrides)."""
+    ``attend(q, k, v, segment_ids=None) -> out`` on the contestant's layout (``segment_ids``
+    ``[batch, seq]`` int32 on the rows with documents), or None where it cannot take the row's
+    mask; ``context`` is entered while it is traced (Dew's tuning overrides)."""
 
     label: str
     make: object
     context: object = contextlib.nullcontext
+    masked_rows_only: bool = False  # timed only on rows with segment ids or a window
 
 
-def _dew(interpret=None, layout="bhsd", **tuning):
+def _dew(interpret=None, layout="bhsd", masked_rows_only=False, window=True, **tuning):
+    """Dew's kernels under ``tuning`` (`kernels.platform.tuned`); ``masked_rows_only``: only on
+    rows with segment ids or a window; ``window=False``: the row without its window (the plain
+    causal forward a window row is measured against)."""
+
     def make(row, sm_scale):
         return functools.partial(
-            flash_attention, causal=row.causal, layout=layout, interpret=interpret
+            flash_attention,
+            causal=row.causal,
+            window=(row.window or None) if window else None,
+            layout=layout,
+            interpret=interpret,
         )
 
     label = ",".join(f"{k}={v}" for k, v in tuning.items()) or "defaults"
-    return Candidate(label, make, functools.partial(kernel_platform.tuned, **tuning))
+    context = functools.partial(kernel_platform.tuned, **tuning)
+    return Candidate(label, make, context, masked_rows_only)
 
 
 def _jax_flash(block: int, block_k: int | None = None):
@@ -173,14 +270,24 @@ def _jax_flash(block: int, block_k: int | None = None):
     )
 
     def make(row, sm_scale):
-        def attend(q, k, v):
+        if row.window:
+            return None  # JAX flash has no sliding window
+
+        def attend(q, k, v, segment_ids=None):
             group = q.shape[1] // k.shape[1]
             if group > 1:  # no grouped K/V: repeated to every query head
                 k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
             seq = q.shape[2]
             blocks = sizes if seq >= block else None
+            ids = None if segment_ids is None else jax_flash.SegmentIds(segment_ids, segment_ids)
             return jax_flash.flash_attention(
-                q, k, v, causal=row.causal, sm_scale=sm_scale, block_sizes=blocks
+                q,
+                k,
+                v,
+                segment_ids=ids,
+                causal=row.causal,
+                sm_scale=sm_scale,
+                block_sizes=blocks,
             )
 
         return attend
@@ -195,10 +302,12 @@ def _splash(block_q: int, block_kv: int, compute: int, fused: bool, interpret: b
         del sm_scale  # splash takes q pre-scaled (see the module's docstring)
         cache = {}
 
-        def attend(q, k, v):
+        def attend(q, k, v, segment_ids=None):
             heads, seq = q.shape[1], q.shape[2]
             if (heads, seq) not in cache:
                 one = splash.CausalMask((seq, seq)) if row.causal else splash.FullMask((seq, seq))
+                if row.window:  # the window's W keys: W - 1 before the query, none after
+                    one = splash.LocalMask((seq, seq), (row.window - 1, 0), offset=0)
                 bq, bkv, bc = (min(b, seq) for b in (block_q, block_kv, compute))
                 sizes = splash.BlockSizes(
                     block_q=bq,
@@ -214,9 +323,13 @@ def _splash(block_q: int, block_kv: int, compute: int, fused: bool, interpret: b
                 cache[heads, seq] = splash.make_splash_mha_single_device(
                     splash.MultiHeadMask([one] * heads), block_sizes=sizes
                 )
+            args = (q, k, v)
+            if segment_ids is not None:  # the kernel's fourth argument
+                args += (splash.SegmentIds(segment_ids, segment_ids),)
             if interpret:  # TPU interpret mode mis-sizes a vmapped splash grid: one call a row
-                return jnp.stack([cache[heads, seq](*x) for x in zip(q, k, v)])
-            return jax.vmap(cache[heads, seq])(q, k, v)
+                rows = [jax.tree.map(lambda x, n=n: x[n], args) for n in range(q.shape[0])]
+                return jnp.stack([cache[heads, seq](*one) for one in rows])
+            return jax.vmap(cache[heads, seq])(*args)
 
         return attend
 
@@ -224,16 +337,36 @@ def _splash(block_q: int, block_kv: int, compute: int, fused: bool, interpret: b
     return Candidate(f"{block_q}x{block_kv}/{compute}{fused_label}", make)
 
 
-def _xla(row, sm_scale):
-    return functools.partial(
-        jax.nn.dot_product_attention, is_causal=row.causal, scale=sm_scale, implementation="xla"
-    )
+def _dot_product_attention(implementation: str):
+    """``jax.nn.dot_product_attention``: the window as its ``local_window_size``, segment ids
+    as a mask (cuDNN takes none: "n/a")."""
+
+    def make(row, sm_scale):
+        if row.documents and implementation == "cudnn":
+            return None
+
+        def attend(q, k, v, segment_ids=None):
+            mask = None
+            if segment_ids is not None:
+                mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+            return jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                is_causal=row.causal,
+                scale=sm_scale,
+                local_window_size=(row.window - 1, 0) if row.window else None,
+                implementation=implementation,
+            )
+
+        return attend
+
+    return make
 
 
-def _cudnn(row, sm_scale):
-    return functools.partial(
-        jax.nn.dot_product_attention, is_causal=row.causal, scale=sm_scale, implementation="cudnn"
-    )
+_xla = _dot_product_attention("xla")
+_cudnn = _dot_product_attention("cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +375,7 @@ class Contestant:
     layout: str  # "bhsd" or "bshd": the layout its inputs are made in
     candidates: tuple
     prescaled: bool = False  # q arrives multiplied by sm_scale
+    window_rows_only: bool = False  # timed only on rows with a window (dew-causal)
 
 
 def tpu_contestants(sweep: bool, interpret: bool) -> list[Contestant]:
@@ -250,6 +384,7 @@ def tpu_contestants(sweep: bool, interpret: bool) -> list[Contestant]:
     dew_interp = "tpu" if interpret else None
     if interpret:  # toy sizes: blocks that split them, nothing more
         dew = (_dew(dew_interp, block_q=128, block_k=128),)
+        dew_causal = (_dew(dew_interp, window=False, block_q=128, block_k=128),)
         flash = (_jax_flash(128),)
         splash = (_splash(128, 128, 128, False, True), _splash(128, 128, 128, True, True))
     elif sweep:
@@ -264,12 +399,32 @@ def tpu_contestants(sweep: bool, interpret: bool) -> list[Contestant]:
         dew = (_dew(dew_interp),)
         flash = (_jax_flash(1024),)
         splash = (_splash(1024, 1024, 512, True), _splash(2048, 2048, 512, True))
+    if not interpret:
+        # Rows with segment ids or a window: Dew at more blocks (shorter ones skip more), and
+        # splash at 512 too.
+        dew += tuple(_dew(dew_interp, masked_rows_only=True, **t) for t in MASKED_DEW_BLOCKS)
+        splash += (_splash(512, 512, 512, True),)
+        dew_causal = (_dew(dew_interp, window=False),)
     return [
         Contestant("dew", "bhsd", dew),
         Contestant("jax-flash", "bhsd", flash),
         Contestant("splash", "bhsd", splash, prescaled=True),
         Contestant("xla", "bshd", (Candidate("-", _xla),)),
+        # On a window row, Dew's causal forward without the window (the target: the window's
+        # forward at most 0.3x of it); on other rows nothing.
+        Contestant("dew-causal", "bhsd", dew_causal, window_rows_only=True),
     ]
+
+
+# Dew's blocks tried beside its defaults on rows with segment ids or a window (query and key
+# blocks; keys computed 512 at a time where the block holds more, or as given): shorter blocks
+# and pieces follow a window's band and documents' edges more closely, for more grid steps.
+MASKED_DEW_BLOCKS = (
+    dict(block_q=512, block_k=1024),
+    dict(block_q=512, block_k=512),
+    dict(block_q=256, block_k=512),
+    dict(block_q=512, block_k=1024, block_k_compute=256, backward_block_k_compute=256),
+)
 
 
 # Dew's tunings tried by --sweep (kernels.platform.tuned's fields; blocks as block_q, block_k).
@@ -289,7 +444,10 @@ DEW_SWEEP = (
 
 def gpu_contestants() -> list[Contestant]:
     dew = Candidate(
-        "defaults", lambda row, scale: functools.partial(flash_attention, causal=row.causal)
+        "defaults",
+        lambda row, scale: functools.partial(
+            flash_attention, causal=row.causal, window=row.window or None
+        ),
     )
     return [
         Contestant("dew", "bshd", (dew,)),
@@ -313,20 +471,29 @@ def random_inputs(key, batch, seq, heads, kv_heads, head_dim, dtype, kv_seq=None
     )
 
 
-def reference(q, k, v, do, *, causal: bool, sm_scale: float):
+def reference(q, k, v, do, *, causal: bool, sm_scale: float, segment_ids=None, window=0):
     """Softmax attention and its q, k, v gradients for the cotangent ``do``, in float64 numpy,
-    from the formulas: ``p = softmax(sm_scale q k^T)`` (bottom-right causal mask), ``out = p v``,
-    ``dv = p^T do``, ``ds = p * (do v^T - rowsum(do * out))``, ``dq = sm_scale ds k``, ``dk =
-    sm_scale ds^T q``; grouped K/V serve ``heads // kv_heads`` query heads each. Arrays
-    ``[batch, seq, heads, head_dim]``; rows must see at least one key."""
+    from the formulas: ``p = softmax(sm_scale q k^T)`` (bottom-right causal mask; with
+    ``segment_ids`` ``[batch, seq]`` only keys of the query's id, with ``window`` only the
+    ``window`` most recent keys), ``out = p v``, ``dv = p^T do``, ``ds = p * (do v^T -
+    rowsum(do * out))``, ``dq = sm_scale ds k``, ``dk = sm_scale ds^T q``; grouped K/V serve
+    ``heads // kv_heads`` query heads each. Arrays ``[batch, seq, heads, head_dim]``; rows must
+    see at least one key."""
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
     group = q.shape[2] // k.shape[2]
     kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     s = np.einsum("bqhd,bkhd->bhqk", q, kk) * sm_scale
+    q_len, kv_len = q.shape[1], k.shape[1]
+    position = np.arange(q_len)[:, None] + (kv_len - q_len)  # of each query among the keys
+    visible = np.ones((1, 1, q_len, kv_len), bool)
     if causal:
-        q_len, kv_len = q.shape[1], k.shape[1]
-        visible = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + (kv_len - q_len)
-        s = np.where(visible, s, -np.inf)
+        visible = visible & (np.arange(kv_len)[None, :] <= position)
+    if window:
+        visible = visible & (position - np.arange(kv_len)[None, :] < window)
+    if segment_ids is not None:
+        ids = np.asarray(segment_ids)
+        visible = visible & (ids[:, None, :, None] == ids[:, None, None, :])
+    s = np.where(visible, s, -np.inf)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     out = np.einsum("bhqk,bkhd->bqhd", p, vv)
@@ -353,24 +520,39 @@ def to_layout(layout: str, x):
     return jnp.swapaxes(x, 1, 2) if layout == "bhsd" else x
 
 
-def forward_and_backward(attend):
-    """(q, k, v, do) -> (out, dq, dk, dv): what a training step runs."""
+def with_ids(attend):
+    """``attend`` as ``(q, k, v[, segment_ids]) -> out``: the ids, where a row has them, as its
+    ``segment_ids`` (every contestant's keyword)."""
 
-    def run(q, k, v, do):
-        out, vjp = jax.vjp(attend, q, k, v)
+    def run(q, k, v, *ids):
+        return attend(q, k, v, segment_ids=ids[0]) if ids else attend(q, k, v)
+
+    return run
+
+
+def forward_and_backward(attend):
+    """(q, k, v, do[, segment_ids]) -> (out, dq, dk, dv): what a training step runs."""
+
+    def run(q, k, v, do, *ids):
+        out, vjp = jax.vjp(lambda q, k, v: with_ids(attend)(q, k, v, *ids), q, k, v)
         return (out, *vjp(do))
 
     return run
 
 
-def run_contestant(contestant, candidate, row, inputs, sm_scale):
+def run_contestant(contestant, candidate, row, inputs, sm_scale, segment_ids=None):
     """(out, dq, dk, dv) of one candidate on [batch, seq, heads, head_dim] ``inputs``, returned in
-    that layout and float32 (dq of a pre-scaled q turned back into the gradient of q)."""
+    that layout and float32 (dq of a pre-scaled q turned back into the gradient of q); None
+    where the candidate cannot take the row's mask."""
+    attend = candidate.make(row, sm_scale)
+    if attend is None:
+        return None
     q, k, v, do = (to_layout(contestant.layout, x) for x in inputs)
     if contestant.prescaled:
         q = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)
+    ids = () if segment_ids is None else (jnp.asarray(segment_ids),)
     with candidate.context():
-        got = jax.jit(forward_and_backward(candidate.make(row, sm_scale)))(q, k, v, do)
+        got = jax.jit(forward_and_backward(attend))(q, k, v, do, *ids)
     out, dq, dk, dv = (to_layout(contestant.layout, x).astype(jnp.float32) for x in got)
     if contestant.prescaled:
         dq = dq * sm_scale
@@ -380,26 +562,63 @@ def run_contestant(contestant, candidate, row, inputs, sm_scale):
 # ---- checks ------------------------------------------------------------------------------------
 
 
+def _mask_label(causal: bool, documents: int, window: int) -> str:
+    if documents:
+        return f"docs {documents}"
+    if window:
+        return f"window {window}"
+    return "causal" if causal else "full"
+
+
+def _check_inputs(key, case, dtype):
+    """``(row, inputs, segment_ids, reference)`` of one check case ``(batch, seq, heads,
+    kv_heads, head_dim, causal[, documents, window])``."""
+    batch, seq, heads, kv_heads, head_dim, causal, documents, window = (*case, 0, 0)[:8]
+    row = Row(seq, head_dim, causal=causal, documents=documents, window=window)
+    inputs = random_inputs(key, batch, seq, heads, kv_heads, head_dim, dtype)
+    ids = None
+    if documents:
+        ids = document_ids(int(jax.random.randint(key, (), 0, 2**31 - 1)), batch, seq, documents)
+    want = reference(
+        *inputs, causal=causal, sm_scale=1 / math.sqrt(head_dim), segment_ids=ids, window=window
+    )
+    return row, inputs, ids, want
+
+
+def _case_head(case) -> str:
+    batch, seq, heads, kv_heads, head_dim, causal, documents, window = (*case, 0, 0)[:8]
+    mask = _mask_label(causal, documents, window)
+    return f"    {batch:>5} {seq:>5} {heads:>5} {kv_heads:>3} {head_dim:>4} {mask:>11}  "
+
+
 def run_checks(contestants, backend: str, seed: int) -> list[str]:
     """Dew's kernels in float32 at small shapes, then every contestant in bfloat16, against the
-    float64 reference. Returns the failures."""
+    float64 reference; the rows with segment ids (``docs``) and a window included. Returns the
+    failures."""
     failures = []
     on_cpu = backend == "cpu"
     dew = contestants[0]
-    f32_cases = [  # batch, seq, heads, kv_heads, head_dim, causal
+    f32_cases = [  # batch, seq, heads, kv_heads, head_dim, causal[, documents, window]
         (1, 200, 4, 2, 64, True),
         (2, 129, 2, 2, 128, True),
         (1, 300, 4, 1, 128, False),
+        (2, 300, 4, 2, 64, True, 40, 0),
+        (1, 300, 2, 1, 128, True, 0, 70),
     ]
     if not on_cpu:
-        f32_cases += [(1, 1024, 4, 2, 128, True), (1, 4096, 2, 2, 128, True)]
+        f32_cases += [
+            (1, 1024, 4, 2, 128, True),
+            (1, 4096, 2, 2, 128, True),
+            (2, 2048, 4, 2, 128, True, 300, 0),
+            (1, 4096, 2, 2, 128, True, 0, 1024),
+        ]
     print(f"checks: seed {seed}; relative error (Frobenius) against float64 numpy attention")
     # On a TPU chip the gradients measured 2.5e-5 to 2.9e-5 from float64 (v5e, 2026-12-05), the
     # output 1e-6; the cause is not found (tests/test_on_tpu.py, KERNEL_GRAD_TOL).
     grad_tol = 1e-5 if backend != "tpu" else 5e-5
     print(f"  Dew's kernels, float32 inputs (tolerance: out 1e-5, gradients {grad_tol:g}):")
     print(
-        f"    {'batch':>5} {'seq':>5} {'heads':>5} {'kv':>3} {'dim':>4} {'causal':>6}  "
+        f"    {'batch':>5} {'seq':>5} {'heads':>5} {'kv':>3} {'dim':>4} {'mask':>11}  "
         f"{'out':>8} {'dq':>8} {'dk':>8} {'dv':>8}"
     )
     key = jax.random.key(seed)
@@ -407,55 +626,56 @@ def run_checks(contestants, backend: str, seed: int) -> list[str]:
     with jax.default_matmul_precision("highest"):
         for case in f32_cases:
             key, sub = jax.random.split(key)
-            batch, seq, heads, kv_heads, head_dim, causal = case
-            row = Row(seq, head_dim, causal=causal)
-            inputs = random_inputs(sub, batch, seq, heads, kv_heads, head_dim, jnp.float32)
-            sm_scale = 1 / math.sqrt(head_dim)
-            want = reference(*inputs, causal=causal, sm_scale=sm_scale)
-            head = (
-                f"    {batch:>5} {seq:>5} {heads:>5} {kv_heads:>3} {head_dim:>4} {str(causal):>6}  "
-            )
+            row, inputs, ids, want = _check_inputs(sub, case, jnp.float32)
+            sm_scale = 1 / math.sqrt(row.head_dim)
             try:
-                got = run_contestant(dew, dew.candidates[0], row, inputs, sm_scale)
+                got = run_contestant(dew, dew.candidates[0], row, inputs, sm_scale, ids)
             except Exception as error:
                 traceback.print_exc(file=sys.stderr)
-                print(head + f"error: {type(error).__name__}")
+                print(_case_head(case) + f"error: {type(error).__name__}")
                 failures.append(f"dew float32 {case}: {type(error).__name__}")
                 continue
             errors = [relative_error(g, w) for g, w in zip(got, want)]
             ok = errors[0] < 1e-5 and all(e < grad_tol for e in errors[1:])
-            print(head + " ".join(f"{e:8.1e}" for e in errors) + ("  ok" if ok else "  FAIL"))
+            line = " ".join(f"{e:8.1e}" for e in errors) + ("  ok" if ok else "  FAIL")
+            print(_case_head(case) + line)
             if not ok:
                 failures.append(f"dew float32 {case}: errors {errors}")
 
-    bf16_cases = [  # batch, seq, heads, kv_heads, head_dim, causal
+    bf16_cases = [  # batch, seq, heads, kv_heads, head_dim, causal[, documents, window]
         (1, 256, 4, 4, 64, True),
         (1, 256, 8, 2, 128, True),
         (1, 128, 2, 2, 128, False),
+        (2, 256, 4, 4, 128, True, 40, 0),
+        (1, 256, 4, 4, 128, True, 0, 64),
     ]
     if not on_cpu:
         bf16_cases = [
             (1, 2048, 8, 2, 128, True),
             (2, 1024, 4, 4, 64, True),
             (1, 2048, 4, 4, 128, False),
+            (2, 2048, 8, 8, 128, True, 300, 0),
+            (1, 4096, 4, 4, 128, True, 0, 1024),
         ]
+    checked = [c for c in contestants if not c.window_rows_only]
     print("  every contestant, bfloat16 inputs, out dq dk dv (Dew's tolerance 2e-2):")
-    names = [c.name for c in contestants]
     print(
-        f"    {'batch':>5} {'seq':>5} {'heads':>5} {'kv':>3} {'dim':>4} {'causal':>6}  "
-        + "  ".join(f"{n:>35}" for n in names)
+        f"    {'batch':>5} {'seq':>5} {'heads':>5} {'kv':>3} {'dim':>4} {'mask':>11}  "
+        + "  ".join(f"{c.name:>35}" for c in checked)
     )
     for case in bf16_cases:
         key, sub = jax.random.split(key)
-        batch, seq, heads, kv_heads, head_dim, causal = case
-        row = Row(seq, head_dim, causal=causal)
-        inputs = random_inputs(sub, batch, seq, heads, kv_heads, head_dim, jnp.bfloat16)
-        sm_scale = 1 / math.sqrt(head_dim)
-        want = reference(*inputs, causal=causal, sm_scale=sm_scale)
+        row, inputs, ids, want = _check_inputs(sub, case, jnp.bfloat16)
+        sm_scale = 1 / math.sqrt(row.head_dim)
         cells = []
-        for contestant in contestants:
+        for contestant in checked:
             try:
-                got = run_contestant(contestant, contestant.candidates[0], row, inputs, sm_scale)
+                got = run_contestant(
+                    contestant, contestant.candidates[0], row, inputs, sm_scale, ids
+                )
+                if got is None:
+                    cells.append(f"{'n/a':>35}")
+                    continue
                 errors = [relative_error(g, w) for g, w in zip(got, want)]
                 cells.append(" ".join(f"{e:8.1e}" for e in errors))
                 if contestant.name == "dew" and not all(e < 2e-2 for e in errors):
@@ -469,11 +689,7 @@ def run_checks(contestants, backend: str, seed: int) -> list[str]:
                 cells.append(f"{short_error(error):>35}")
                 if contestant.name == "dew":
                     failures.append(f"dew bfloat16 {case}: {type(error).__name__}")
-        print(
-            f"    {batch:>5} {seq:>5} {heads:>5} {kv_heads:>3} {head_dim:>4} {str(causal):>6}  "
-            + "  ".join(f"{c:>35}" for c in cells),
-            flush=True,
-        )
+        print(_case_head(case) + "  ".join(f"{c:>35}" for c in cells), flush=True)
     return failures
 
 
@@ -593,28 +809,52 @@ class Cell:
         return self.device_seconds or self.seconds
 
 
-def time_row(row, contestants, tokens, channels, calls, key, threads) -> list[Cell]:
+def row_ids(row, batch: int, key):
+    """The segment ids a row with documents times every contestant on (None for the others)."""
+    if not row.documents:
+        return None
+    seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
+    return document_ids(seed, batch, row.seq, row.documents)
+
+
+def time_row(row, contestants, tokens, channels, calls, key, threads, ids=None) -> list[Cell]:
     """Every candidate of every contestant on one row, forward and forward+backward: traced one
     at a time (Dew's overrides are process-wide), compiled in ``threads`` threads, then timed
     round robin, by the wall clock (`median_seconds_round_robin`) and, off the CPU, on the
-    device (`device_seconds_round_robin`)."""
+    device (`device_seconds_round_robin`). ``ids``: the row's segment ids (`row_ids`). A
+    candidate that cannot take the row's mask gets an "n/a" cell."""
     batch, heads, kv_heads = row.shape(tokens, channels)
     sm_scale = 1 / math.sqrt(row.head_dim)
     inputs = random_inputs(key, batch, row.seq, heads, kv_heads, row.head_dim, jnp.bfloat16)
+    extra = () if ids is None else (jnp.asarray(ids),)
     jobs = []
     for contestant in contestants:
+        if contestant.window_rows_only and not row.window:
+            continue
         q, k, v, do = (to_layout(contestant.layout, x) for x in inputs)
         if contestant.prescaled:
             q = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)
         for candidate in contestant.candidates:
+            if candidate.masked_rows_only and not row.masked:
+                continue
+            if candidate.make(row, sm_scale) is None:
+                for mode in ("fwd", "fwd+bwd"):
+                    jobs.append(
+                        (Cell(contestant.name, candidate.label, mode, error="n/a"), None, None)
+                    )
+                continue
             for mode in ("fwd", "fwd+bwd"):
                 cell = Cell(contestant.name, candidate.label, mode)
                 try:
+                    # A fresh attend for each program: splash builds its kernel (and its mask's
+                    # arrays) at the first trace, and a kernel built in one trace and closed over
+                    # by another compiles with those arrays as inputs the call does not pass
+                    # ("compiled for 9 inputs but called with 4", on the chip).
                     attend = candidate.make(row, sm_scale)
                     fn, args = (
-                        (attend, (q, k, v))
+                        (with_ids(attend), (q, k, v, *extra))
                         if mode == "fwd"
-                        else (forward_and_backward(attend), (q, k, v, do))
+                        else (forward_and_backward(attend), (q, k, v, do, *extra))
                     )
                     fn = named(fn, f"bench_cell_{len(jobs)}")
                     with candidate.context():
@@ -697,6 +937,20 @@ def dew_ratio(cells, mode, seconds) -> float | None:
     return others / dew if dew and others else None
 
 
+def window_ratios(cells) -> str:
+    """A window row's line: Dew's time with the window over its time on the plain causal row
+    (dew-causal), forward and forward+backward (issue 53's target: the forward at most 0.3)."""
+    parts = []
+    for mode in ("fwd", "fwd+bwd"):
+        window, causal = best(cells, "dew", mode), best(cells, "dew-causal", mode)
+        if window and causal and window.time and causal.time:
+            ratio = f"{window.time / causal.time:.3f} ({window.time * 1e3:.3f} / "
+            parts.append(f"{mode} {ratio}{causal.time * 1e3:.3f} ms)")
+        else:
+            parts.append(f"{mode} -")
+    return "dew window / dew causal: " + ", ".join(parts) + " (target: fwd <= 0.3)"
+
+
 def best(cells, contestant, mode):
     timed = [c for c in cells if c.contestant == contestant and c.mode == mode and c.time]
     if timed:
@@ -707,7 +961,18 @@ def best(cells, contestant, mode):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=Row.parse, nargs="*", help="SEQ:HEAD_DIM[:gqa][:full]")
+    parser.add_argument(
+        "--rows",
+        type=Row.parse,
+        nargs="*",
+        help="SEQ:HEAD_DIM[:gqa][:full][:docsN][:windowW]",
+    )
+    parser.add_argument(
+        "--masked",
+        action="store_true",
+        help="time issue 53's rows: packed documents (2048 and 8192, d128) and a window of 1024 "
+        "at 8192 keys (with --rows: after them)",
+    )
     parser.add_argument("--seqs", type=int, nargs="*", help="with --head-dims: causal rows")
     parser.add_argument("--head-dims", type=int, nargs="*", help="with --seqs: causal rows")
     parser.add_argument("--sweep", action="store_true", help="time more blocks per kernel")
@@ -744,8 +1009,8 @@ def main(argv=None) -> int:
             "no accelerator: the TPU contestants in TPU interpret mode at toy sizes, only to "
             "show that the script works; the timings mean nothing"
         )
-    if args.rows:
-        rows = tuple(args.rows)
+    if args.rows or args.masked:
+        rows = tuple(args.rows or ()) + (MASKED_ROWS if args.masked else ())
     elif args.seqs or args.head_dims:
         rows = tuple(Row(s, d) for s in args.seqs or (2048,) for d in args.head_dims or (128,))
     failures = []
@@ -793,27 +1058,33 @@ def run_table(rows, contestants, tokens, channels, args, start) -> list[str]:
         if time.perf_counter() - start > args.budget_s:
             print(f"{row.label():<24}skipped (time budget)")
             continue
-        key, sub = jax.random.split(key)
-        cells = time_row(row, contestants, tokens, channels, args.calls, sub, args.threads)
+        key, sub, ids_key = jax.random.split(key, 3)
         batch, heads, _ = row.shape(tokens, channels)
-        flops = forward_flops(row, batch, heads)
+        ids = row_ids(row, batch, ids_key)
+        cells = time_row(row, contestants, tokens, channels, args.calls, sub, args.threads, ids)
+        flops = forward_flops(row, batch, heads, ids)
+        # dew-causal runs the row without its window: its FLOPs are the causal square's.
+        plain = dataclasses.replace(row, window=0)
+        flops_of = {"dew-causal": forward_flops(plain, batch, heads, ids)}
         line, ratios = f"{row.label():<24}", []
         for mode, scale in (("fwd", 1.0), ("fwd+bwd", 3.5)):
             tflops = {}
             for name in names:
                 cell = best(cells, name, mode)
                 if cell is not None and cell.time:
-                    tflops[name] = scale * flops / cell.time / 1e12
+                    tflops[name] = scale * flops_of.get(name, flops) / cell.time / 1e12
                     line += f"{tflops[name]:>18.1f}"
                 else:
                     line += f"{(cell.error if cell else None) or '-':>18}"
-                    if name == "dew" and cell is not None and cell.error != "OOM":
+                    if name == "dew" and cell is not None and cell.error not in ("OOM", "n/a"):
                         failures.append(f"dew {row.label()} {mode}: {cell.error}")
             ratios.append(dew_ratio(cells, mode, lambda c: c.time))
         wall = [dew_ratio(cells, mode, lambda c: c.seconds) for mode in ("fwd", "fwd+bwd")]
         line += "".join(f"{r:>14.2f}" if r else f"{'-':>14}" for r in ratios)
         line += "".join(f"{r:>10.2f}" if r else f"{'-':>10}" for r in wall)
         print(line, flush=True)
+        if row.window:
+            print("    " + window_ratios(cells))
         for mode in ("fwd", "fwd+bwd"):
             print(
                 "    best: "

@@ -183,3 +183,35 @@ def test_a_row_counts_device_times_only_when_every_cell_has_one(capsys):
     assert [c.device_seconds for c in partial] == [None, None]
     assert [c.time for c in partial] == [4.0, 4.4]
     assert "no device time for splash b fwd" in capsys.readouterr().out
+
+
+def test_rows_with_documents_and_windows_parse_and_count_their_visible_pairs():
+    # docsN and windowW parse into the row; a row's FLOPs count its visible (query, key) pairs,
+    # here by a loop over every query and key of the row's ids.
+    import numpy as np
+    import pytest
+
+    row = attention.Row.parse("512:64:docs40")
+    assert (row.documents, row.window, row.causal, row.masked) == (40, 0, True, True)
+    assert attention.Row.parse("512:64:window100").window == 100
+    assert not attention.Row.parse("512:64").masked
+    for bad in ("512:64:docs0", "512:64:window", "512:64:full:window8", "512:64:docsx"):
+        with pytest.raises(attention.argparse.ArgumentTypeError):
+            attention.Row.parse(bad)
+    ids = attention.document_ids(3, 2, 512, 40)
+    assert ids.shape == (2, 512) and ids.dtype == np.int32
+    assert (np.diff(ids, axis=1) >= 0).all() and len(np.unique(ids[0])) > 5  # documents, in order
+    for window in (0, 25):
+        row = attention.Row(512, 64, documents=40, window=window)
+        pairs = sum(
+            1
+            for b in range(2)
+            for i in range(512)
+            for j in range(i + 1)
+            if ids[b, i] == ids[b, j] and (not window or i - j < window)
+        )
+        assert attention.visible_pairs(row, 2, ids) == pairs
+        assert attention.forward_flops(row, 2, 8, ids) == 4.0 * 8 * 64 * pairs
+    # A window alone: query i sees min(i + 1, window) keys.
+    row = attention.Row(512, 64, window=25)
+    assert attention.visible_pairs(row, 2) == 2 * sum(min(i + 1, 25) for i in range(512))
