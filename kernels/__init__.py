@@ -1,7 +1,9 @@
 """Pallas kernels of Dew (installed as `dew.kernels`); see docs/kernels.md.
 
-- `flash_attention(q, k, v, *, causal=True, sm_scale=None, block_q=None, block_k=None,
-  interpret=None) -> out`: blockwise softmax attention, forward and backward in Pallas.
+- `flash_attention(q, k, v, *, causal=True, segment_ids=None, window=None, sm_scale=None,
+  block_q=None, block_k=None, interpret=None, layout="bshd") -> out`: blockwise softmax
+  attention, forward and backward in Pallas; segment ids keep each query to the keys of its own
+  id (packed documents), a window to its ``window`` most recent keys.
 - `flash_attention_forward(q, k, v, *, <same>) -> (out, lse)`: the same, with each query row's
   natural-log log-sum-exp of its logits (float32 [batch, heads, q_len]); differentiable.
 - `flash_attention_backward(q, k, v, out, lse, d_out, d_lse=None, *, <same>) -> (dq, dk, dv)`:
@@ -10,7 +12,8 @@
 Two kernel families behind one contract, chosen per call from the devices it is compiled for
 (`platform.py`): Mosaic on TPU (`mosaic_forward.py`, `mosaic_backward.py`, `mosaic.py`), Triton on
 GPU (`forward.py`, `backward.py`); on CPU, Pallas' interpreter (``interpret=None`` or ``True``) or
-TPU interpret mode for the Mosaic kernels (``interpret="tpu"``).
+TPU interpret mode for the Mosaic kernels (``interpret="tpu"``). Block skipping: by position in
+`schedule.py` and `tiling.py`, by segment ids in `segments.py`.
 
 Imported as a top-level ``kernels`` (from the repository's root), this file hands the import to
 an installed package of that name instead (below).

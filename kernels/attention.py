@@ -9,7 +9,9 @@ shared.
 
 Only the numbers of rows are padded (with zeros), never heads or head_dim; the kernels mask
 padded keys, padded query rows are sliced off the output, and their cotangent is zero. When the
-lengths are multiples of the blocks no copy is made.
+lengths are multiples of the blocks no copy is made. Segment ids (`kernels.segments`) are checked
+here, padded with their last id, and travel beside q, k, v through the custom_vjps (no cotangent);
+a window is checked here and becomes part of the static `Tiling`.
 
 (Past 450 lines: the three entry points share the input checks, the block choice and the padding,
 which must agree between a forward and the backward that later reads its residuals.)

@@ -16,6 +16,11 @@ Each program owns its output block (no atomics); under grouped queries one dk/dv
 all ``group`` query heads of its kv head. Block pairs with no visible (row, key) pair are not
 computed; their steps fetch the next block the kernel needs instead (`kernels/mosaic.py`). A row
 that saw no key has ``lse = +inf``, so ``p = 0`` and it contributes nothing.
+
+With a window or segment ids the masked kernels run (`_dq_kernel_masked`, `_dkdv_kernel_masked`):
+a block pair is computed, with its mask, where its rows see its keys by position
+(`Tiling.kv_bounds`, `q_bounds`) and, with ids, where the two blocks' id ranges meet (SMEM
+tables, `kernels.segments`); a pair skipped by its ids still fetches its blocks.
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ different at 2048), though each strip loads the piece's K and V into the MXUs ag
 the table marks ``MASKED`` (the causal diagonal, a padded key tail) build a mask, and within them
 a piece no row sees is skipped.
 
+Segment ids (`kernels.segments`) skip more while the kernel runs: a step whose blocks' id ranges
+cannot meet computes nothing and fetches the next computed step's blocks, a strip of query rows
+whose ids cannot meet a piece's is skipped, and every strip computed masks the pairs of unequal
+ids. A window is positions: the step table leaves out the pairs outside it, and a masked pair
+skips the strips of a piece no row of theirs sees.
+
 Numerics (`kernels.mosaic`): base-2 logits ``s = (q . k) * sm_scale * log2(e)``, ``m`` and ``l``
 kept lane-dense (``[block_q, 128]``, every lane equal), ``lse = m + log2(l)``, ``+inf`` for a row
 that sees no key (its output is 0).

@@ -23,7 +23,10 @@ table, each key block's visible query blocks in a run, head by head over the ``g
 heads that share the kv head. dk and dv of a key block accumulate in float32 scratch over its run
 and are written at its end; dq is written once, at the walk's last step, as one block holding
 the group's heads whole. Inside a step the key block is computed ``backward_block_k_compute``
-keys at a time (unrolled), and only pairs marked ``MASKED`` build a mask.
+keys at a time (unrolled), and only pairs marked ``MASKED`` build a mask. With segment ids
+(`kernels.segments`) a step whose blocks' id ranges cannot meet computes nothing and fetches the
+next computed step's blocks, a piece whose ids cannot meet the query block's is skipped, and every
+piece computed masks the pairs of unequal ids.
 """
 
 from __future__ import annotations

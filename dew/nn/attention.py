@@ -1,8 +1,10 @@
 """Causal multi-head self-attention with grouped queries, and the attention functions it can use.
 
-Attention functions take ``(q, k, v, *, causal)`` and return ``(out, lse)``: the output and the
-log-sum-exp of each query's logits, so that partial softmaxes over blocks of keys can be merged
-(``"cudnn"`` returns ``lse=None``: cuDNN's statistics have no gradient path, see ``resolve``).
+Attention functions take ``(q, k, v, *, causal, segment_ids=None, window=None)`` and return
+``(out, lse)``: the output and the log-sum-exp of each query's logits, so that partial softmaxes
+over blocks of keys can be merged (``"cudnn"`` returns ``lse=None``: cuDNN's statistics have no
+gradient path, see ``resolve``; it refuses segment ids). ``segment_ids`` and ``window`` are
+``dew.kernels.flash_attention``'s.
 
 ``CHOICES`` are the values of a model's ``attention_impl``: the functions of ``IMPLEMENTATIONS`` and
 ``"auto"``, which ``resolve`` turns into one of them for the devices a step is compiled for.
