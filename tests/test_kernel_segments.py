@@ -453,3 +453,71 @@ def test_xla_attention_takes_segment_ids_and_a_window(packed, seed):
             finite = np.isfinite(w)
             assert np.array_equal(np.isfinite(g), finite), (name, window, seed)
             assert relative_error(g[finite], w[finite]) < TOLERANCE, (name, window, seed)
+
+
+def test_cudnn_takes_no_segment_ids_and_auto_runs_the_kernels_instead():
+    # jax.nn.dot_product_attention (JAX 0.10.2) takes no segment ids: "cudnn" with them is
+    # refused before anything is compiled, naming why, and "auto" on a GPU picks the Pallas
+    # kernels for such a call (cuDNN where there are none).
+    from dew.nn import attention
+
+    with pytest.raises(ValueError, match="takes no segment ids"):
+        attention.resolve("cudnn", "gpu", jnp.bfloat16, 64, segmented=True)
+    assert attention.resolve("auto", "gpu", jnp.bfloat16, 64, segmented=True) == "pallas"
+    assert attention.resolve("auto", "gpu", jnp.bfloat16, 64) == "cudnn"
+    q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="takes no segment ids"):
+        attention.cudnn_attention(q, q, q, segment_ids=jnp.zeros((1, 16), jnp.int32))
+
+
+@pytest.mark.parametrize(
+    "segment_ids,message",
+    [
+        (np.zeros((2, 40), np.int64), r"segment_ids must be int32; q_ids is \(2, 40\) int64"),
+        (np.zeros((2, 41), np.int32), r"q_ids must be \[batch, q_len\] = \(2, 40\); got \(2, 41\)"),
+        (np.zeros((1, 40), np.int32), r"= \(2, 40\); got \(1, 40\) int32"),
+        ((np.zeros((2, 40), np.int32),), "one int32 \\[batch, seq\\] array or a pair"),
+        ((np.zeros((2, 40), np.int32), [0] * 40), "kv_ids must be an int32 array; got list"),
+        (
+            (np.zeros((2, 40), np.int32), np.zeros((2, 40), np.float32)),
+            "segment_ids must be int32; kv_ids is \\(2, 40\\) float32",
+        ),
+    ],
+    ids=["int64", "longer", "batch", "one-of-a-pair", "list", "float-kv"],
+)
+def test_refuses_bad_segment_ids(monkeypatch, segment_ids, message):
+    # A ValueError naming the shapes and dtypes, from every entry point, before any kernel.
+    from tests.test_kernels import _no_kernel
+
+    for entry in ("_padded_attention", "_padded_forward", "_padded_backward"):
+        monkeypatch.setattr(attention_module, entry, _no_kernel)
+    q, k = jnp.zeros((2, 40, 4, 16)), jnp.zeros((2, 40, 2, 16))
+    lse = jnp.zeros((2, 4, 40))
+    calls = (
+        lambda: flash_attention(q, k, k, segment_ids=segment_ids),
+        lambda: flash_attention_forward(q, k, k, segment_ids=segment_ids, interpret="tpu"),
+        lambda: flash_attention_backward(q, k, k, q, lse, q, segment_ids=segment_ids),
+    )
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_refuses_one_array_of_ids_for_unequal_lengths_and_mosaic_key_blocks_off_the_lanes(
+    monkeypatch,
+):
+    from tests.test_kernels import _no_kernel
+
+    monkeypatch.setattr(attention_module, "_padded_forward", _no_kernel)
+    q, k = jnp.zeros((1, 40, 2, 16)), jnp.zeros((1, 300, 1, 16))
+    with pytest.raises(ValueError, match="q_len is 40 and kv_len 300: pass a pair"):
+        flash_attention_forward(q, k, k, segment_ids=jnp.zeros((1, 40), jnp.int32))
+    # With ids, Mosaic's key blocks are lanes of the [8, block_k] id blocks: a multiple of 128,
+    # or the whole key length. The generic interpreter takes its power-of-two blocks.
+    ids = (jnp.zeros((1, 40), jnp.int32), jnp.zeros((1, 300), jnp.int32))
+    message = r"block_k must be a multiple of 128 .* got block_k=64 for kv_len 300"
+    with pytest.raises(ValueError, match=message):
+        flash_attention_forward(q, k, k, segment_ids=ids, block_k=64, interpret="tpu")
+    for block_k, interpret in ((128, "tpu"), (304, "tpu"), (64, True)):
+        with pytest.raises(AssertionError, match="the kernels were reached"):
+            flash_attention_forward(q, k, k, segment_ids=ids, block_k=block_k, interpret=interpret)
