@@ -71,6 +71,11 @@ def visibility(q_ids, kv_ids, q_len, kv_len, window):
 
 
 def reference(q, k, v, do, d_lse, visible):
+    """`reference_with` at this module's scale, ``1 / sqrt(HEAD_DIM)``."""
+    return reference_with(q, k, v, do, d_lse, visible, SCALE)
+
+
+def reference_with(q, k, v, do, d_lse, visible, scale):
     """``(out, lse, dq, dk, dv)`` of softmax attention in float64 numpy, from the formulas:
     ``p = softmax(s)`` over the visible keys (all zeros on a row that sees none, whose lse is
     -inf), ``out = p v``, ``lse = log sum exp s``; for the cotangents ``do`` and ``d_lse``:
@@ -79,7 +84,7 @@ def reference(q, k, v, do, d_lse, visible):
     q, k, v, do, d_lse = (np.asarray(x, np.float64) for x in (q, k, v, do, d_lse))
     group = q.shape[2] // k.shape[2]
     kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    s = np.where(visible[:, None], np.einsum("bqhd,bkhd->bhqk", q, kk) * SCALE, -np.inf)
+    s = np.where(visible[:, None], np.einsum("bqhd,bkhd->bhqk", q, kk) * scale, -np.inf)
     top = s.max(axis=-1, keepdims=True)
     weights = np.exp(s - np.where(np.isfinite(top), top, 0.0))
     total = weights.sum(axis=-1, keepdims=True)
@@ -89,12 +94,12 @@ def reference(q, k, v, do, d_lse, visible):
     out = np.einsum("bhqk,bkhd->bqhd", p, vv)
     delta = np.einsum("bqhd,bqhd->bhq", do, out) - d_lse
     ds = p * (np.einsum("bqhd,bkhd->bhqk", do, vv) - delta[..., None])
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * SCALE
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
 
     def per_kv_head(x):
         return x.reshape(*x.shape[:2], k.shape[2], group, x.shape[3]).sum(axis=3)
 
-    dk = per_kv_head(np.einsum("bhqk,bqhd->bkhd", ds, q) * SCALE)
+    dk = per_kv_head(np.einsum("bhqk,bqhd->bkhd", ds, q) * scale)
     dv = per_kv_head(np.einsum("bhqk,bqhd->bkhd", p, do))
     return out, lse, dq, dk, dv
 
