@@ -556,20 +556,23 @@ def test_loop_bounds_are_exact(q_len, kv_len, causal):
 
 
 @pytest.mark.parametrize(
-    "q_len,kv_len,heads,kv_heads,head_dim,dtype,causal",
+    "q_len,kv_len,heads,kv_heads,head_dim,dtype,causal,masks",
     [
-        (1000, 1000, 8, 2, 64, jnp.bfloat16, True),
-        (300, 300, 4, 4, 128, jnp.float32, False),
-        (256, 1000, 4, 2, 256, jnp.bfloat16, True),
+        (1000, 1000, 8, 2, 64, jnp.bfloat16, True, {}),
+        (300, 300, 4, 4, 128, jnp.float32, False, {}),
+        (256, 1000, 4, 2, 256, jnp.bfloat16, True, {}),
+        (256, 1000, 4, 2, 128, jnp.bfloat16, True, {"segment_ids": True, "window": 100}),
     ],
+    ids=["causal-gqa", "full-f32", "q256-kv1000-d256", "segment-ids-window"],
 )
 def test_kernels_lower_to_triton_without_a_gpu(
-    monkeypatch, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal
+    monkeypatch, q_len, kv_len, heads, kv_heads, head_dim, dtype, causal, masks
 ):
     """Lower forward + backward for an sm_90 GPU from this CPU machine: Pallas' Triton lowering
     (power-of-two tensors, supported ops, loop shapes) runs here, so a kernel that could not
     compile on a GPU fails in CI. All three kernels must lower, and every loop must become an
-    scf.for (Triton pipelines those).
+    scf.for (Triton pipelines those); with segment ids and a window, the masked kernels (their
+    ids' blocks and bounds read as scalars).
 
     Skipped in exactly two cases, both "Triton lowering is not available in this JAX":
     - `dew._jax_compat.pallas_triton_lowering()` is None: the private module
@@ -596,13 +599,22 @@ def test_kernels_lower_to_triton_without_a_gpu(
     monkeypatch.setattr(attention_module, "choose_target", lambda interpret: "triton")
     q = jax.ShapeDtypeStruct((1, q_len, heads, head_dim), dtype)
     k = jax.ShapeDtypeStruct((1, kv_len, kv_heads, head_dim), dtype)
+    ids = (
+        jax.ShapeDtypeStruct((1, q_len), jnp.int32),
+        jax.ShapeDtypeStruct((1, kv_len), jnp.int32),
+    )
 
-    def forward_backward(q, k, v, do):
-        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=causal), q, k, v)
+    def forward_backward(q, k, v, do, ids):
+        window, segment_ids = masks.get("window"), ids if masks.get("segment_ids") else None
+
+        def attend(q, k, v):
+            return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
+
+        out, vjp = jax.vjp(attend, q, k, v)
         return out, vjp(do)
 
     try:
-        jax.jit(forward_backward).trace(q, k, k, q).lower(lowering_platforms=("cuda",))
+        jax.jit(forward_backward).trace(q, k, k, q, ids).lower(lowering_platforms=("cuda",))
     except RuntimeError as error:
         if str(error) == NO_TRITON_COMPILER and not has_triton_compiler("cuda"):
             pytest.skip(f"this JAX compiles Triton while lowering and has no compiler: {error}")
@@ -615,7 +627,8 @@ def test_kernels_lower_to_triton_without_a_gpu(
     )
     assert names == ["dkdv", "dq", "forward"], names
     for text in modules:
-        assert "scf.while" not in text and text.count("scf.for") >= 2
+        # Two loops (unmasked and masked blocks) a kernel; the masked kernels' forward and dq one.
+        assert "scf.while" not in text and text.count("scf.for") >= (1 if masks else 2)
 
 
 # ---- refusals: a ValueError naming the shapes, before any kernel is traced -----------------
