@@ -562,6 +562,10 @@ def _options_for(options: StepOptions, shape: dict) -> StepOptions:
             else "gather"
         ),
         gradient_sum_dtype=options.gradient_sum_dtype,
+        # The tensor rings where a tensor axis has them and no pipeline refuses them.
+        tensor_scheme=(
+            options.tensor_scheme if shape["tensor"] > 1 and shape["stage"] == 1 else "plain"
+        ),
     )
 
 

@@ -101,6 +101,17 @@ LAYOUTS = {
         M(tensor=2, fsdp=4),
         options(sequence_parallel=True),
     ),
+    # The regions' entry and exit as collective matmuls (tensor_scheme="ring"): tensor 8 with
+    # shared kv heads, beside fsdp without sequence parallelism, tensor 2 beside data and fsdp.
+    "tensor8_kv2_ring_sequence_parallel": Layout(
+        {**TENSOR, "num_kv_heads": 2},
+        M(tensor=8),
+        options(sequence_parallel=True, tensor_scheme="ring"),
+    ),
+    "tensor4_fsdp2_ring": Layout(TENSOR, M(tensor=4, fsdp=2), options(tensor_scheme="ring")),
+    "data2_tensor2_fsdp2_ring_sequence_parallel": Layout(
+        TENSOR, M(tensor=2, fsdp=2), options(sequence_parallel=True, tensor_scheme="ring")
+    ),
     # --- sequence
     "sequence8": Layout({}, M(sequence=8)),
     "data2_sequence4_kv2": Layout({"num_kv_heads": 2}, M(sequence=4)),
@@ -127,6 +138,10 @@ LAYOUTS = {
     "moe_fsdp8": Layout(MOE, M(fsdp=8)),
     "moe_expert8": Layout(MOE, M(expert=8)),
     "moe_data2_expert2_tensor2": Layout(MOE, M(expert=2, tensor=2)),
+    # Attention's region on the tensor ring, the MoE layer's on the plain pair.
+    "moe_data2_expert2_tensor2_ring_sequence_parallel": Layout(
+        MOE, M(expert=2, tensor=2), options(sequence_parallel=True, tensor_scheme="ring")
+    ),
     "moe_capacity_expert8": Layout({**MOE, "capacity_factor": 1.0}, M(expert=8)),
     # One dense layer then one MoE layer, positions split over sequence too.
     "moe_every2_data2_expert2_sequence2": Layout({**MOE, "moe_every": 2}, M(expert=2, sequence=2)),

@@ -220,6 +220,23 @@ def add_fsdp_scheme_flag(parser: argparse.ArgumentParser, *, several: bool = Fal
     )
 
 
+def add_tensor_scheme_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """``--tensor-scheme``: ``StepOptions(tensor_scheme=...)``; ``several=True`` takes one or
+    more (``step_option_variants``)."""
+    parser.add_argument(
+        "--tensor-scheme",
+        nargs="+" if several else None,
+        default=["plain"] if several else "plain",
+        choices=choices.TENSOR_SCHEMES,
+        metavar="SCHEME",
+        help="how activations cross a tensor axis above 1 at attention's and the MLP's entry and "
+        "exit (default plain: all-gather or all-reduce beside the matmuls); ring: collective "
+        "matmuls, rings of ppermutes with the same bytes, each block of positions' matmul "
+        "beside the next block's transfer (positions per device must divide by tensor)"
+        + ("; several: a row each" if several else ""),
+    )
+
+
 def add_gradient_sum_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     """``--gradient-sum-dtype``: ``StepOptions(gradient_sum_dtype=...)``; ``several=True``
     takes one or more (``step_option_variants``)."""
@@ -242,8 +259,8 @@ def step_options(args):
 
 
 def step_option_variants(args) -> list:
-    """One ``StepOptions`` per combination of the ``--fsdp-scheme`` and
-    ``--gradient-sum-dtype`` values given (``dew plan`` takes several of each), in order."""
+    """One ``StepOptions`` per combination of the ``--fsdp-scheme``, ``--gradient-sum-dtype``
+    and ``--tensor-scheme`` values given (``dew plan`` takes several of each), in order."""
     import itertools
 
     from dew.parallel.options import StepOptions
@@ -258,9 +275,12 @@ def step_option_variants(args) -> list:
             pipeline_schedule=args.pipeline_schedule,
             fsdp_scheme=scheme,
             gradient_sum_dtype=dtype,
+            tensor_scheme=tensor_scheme,
         )
-        for scheme, dtype in itertools.product(
-            listed(args.fsdp_scheme), listed(args.gradient_sum_dtype)
+        for scheme, dtype, tensor_scheme in itertools.product(
+            listed(args.fsdp_scheme),
+            listed(args.gradient_sum_dtype),
+            listed(args.tensor_scheme),
         )
     ]
 

@@ -31,6 +31,7 @@ from dew.cli.flags import (
     add_seed_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
+    add_tensor_scheme_flag,
     check_counts,
     engine_names,
     step_options,
@@ -59,6 +60,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_sequence_scheme_flag(parser)
     add_pipeline_schedule_flag(parser)
     add_fsdp_scheme_flag(parser)
+    add_tensor_scheme_flag(parser)
     add_gradient_sum_flag(parser)
     add_accumulation_flag(parser)
 

@@ -26,6 +26,7 @@ from dew.cli.flags import (
     add_pipeline_schedule_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
+    add_tensor_scheme_flag,
     engine_names,
     step_option_variants,
 )
@@ -80,6 +81,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     add_sequence_scheme_flag(parser)
     add_pipeline_schedule_flag(parser)
     add_fsdp_scheme_flag(parser, several=True)
+    add_tensor_scheme_flag(parser, several=True)
     add_gradient_sum_flag(parser, several=True)
     add_accumulation_flag(parser)
     parser.add_argument(
@@ -161,8 +163,8 @@ def _header(args, target, objective) -> str:
 
 
 def option_variants(args) -> list[tuple]:
-    """``(StepOptions, engines)`` for each combination of the ``--fsdp-scheme`` and
-    ``--gradient-sum-dtype`` values given, a step of its own each, in order. The GSPMD baseline
+    """``(StepOptions, engines)`` for each combination of the ``--fsdp-scheme``,
+    ``--gradient-sum-dtype`` and ``--tensor-scheme`` values given, a step of its own each, in order. The GSPMD baseline
     takes none of them: it runs once a layout, beside the first."""
     out = []
     for k, options in enumerate(step_option_variants(args)):

@@ -23,10 +23,12 @@ rule), with its layers in ``dew.nn`` and every split in ``dew.parallel``; what i
 wiring of those, and where each split meets the model.
 
 Tensor parallelism is written where it happens, and nowhere else: attention and the MLP are
-Megatron regions (``tensor.enter`` on the way in, ``tensor.leave`` on the way out), their first
-matmuls split by columns (``q``, ``k``, ``v`` over heads; ``gate``, ``up`` over the MLP width) and
-their second by rows (``o``, ``down``); the embedding, head and loss split the vocabulary. On one
-device every one of those is the identity or the plain operation.
+Megatron regions (``region.enter`` on the way in, ``region.leave`` on the way out:
+``dew.parallel.tensor``'s pairs, or, under ``tensor_scheme="ring"``, the layers' own projections as
+collective matmuls, ``dew.parallel.tensor_ring``), their first matmuls split by columns (``q``,
+``k``, ``v`` over heads; ``gate``, ``up`` over the MLP width) and their second by rows (``o``,
+``down``); the embedding, head and loss split the vocabulary. On one device every one of those is
+the identity or the plain operation.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from dew.parallel import (
     ragged,
     sequence,
     tensor,
+    tensor_ring,
     vocabulary,
 )
 
@@ -531,6 +534,8 @@ class CausalTransformer:
         # Over a sequence axis, attention spans every device's positions (ring or all-to-all);
         # elsewhere it is the plain call.
         attend = sequence.attention(shards, impl)
+        # The Megatron regions' entry and exit: tensor's pairs, or collective matmuls.
+        region = tensor_ring.region(shards)
         if gspmd_kernel.wraps(impl, platform):
             # The GSPMD engine over several devices: XLA cannot split the kernel's custom call,
             # so it runs per device, as a user's GSPMD code runs it.
@@ -546,8 +551,9 @@ class CausalTransformer:
                 }
             # Two Megatron regions per layer. Each enters with the normalized activations (whole on
             # every device of the tensor group, or gathered from its positions under sequence
-            # parallelism) and leaves by summing the devices' partial outputs.
-            h = tensor.enter(norm.rms_norm(w["attn_norm"], x, self.rms_norm_eps), shards)
+            # parallelism) and leaves by summing the devices' partial outputs: by the pairs
+            # around the layer, or by its projections (tensor_scheme="ring").
+            h = region.enter(norm.rms_norm(w["attn_norm"], x, self.rms_norm_eps))
             h = attention.self_attention(
                 attn,
                 h,
@@ -555,8 +561,9 @@ class CausalTransformer:
                 attend,
                 rope_theta=self.rope_theta,
                 rope_scaling=self.rope_scaling,
+                projections=region,
             )
-            return x + tensor.leave(h, shards)
+            return x + region.leave(h)
 
         def dense_layer(x, layer_shards):
             x = shards.pin(x)
@@ -569,8 +576,8 @@ class CausalTransformer:
             )
             x = attention_half(x, w)
             h = checkpoint_name(norm.rms_norm(w["mlp_norm"], x, self.rms_norm_eps), MLP_INPUT)
-            h = tensor.enter(h, shards)
-            return x + tensor.leave(mlp.swiglu(w["mlp"], h), shards), None
+            h = region.enter(h)
+            return x + region.leave(mlp.swiglu(w["mlp"], h, region)), None
 
         def moe_layer(x, layer_shards):
             x = shards.pin(x)

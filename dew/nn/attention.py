@@ -27,7 +27,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from dew.nn import rotary
-from dew.nn.param import Param, normal, project
+from dew.nn.param import PLAIN, Param, Projections, normal
 
 # The residuals' names (the Pallas kernels and the ring use the same strings).
 OUT_NAME = "attention_out"
@@ -254,6 +254,7 @@ def self_attention(
     *,
     rope_theta: float = rotary.DEFAULT_THETA,
     rope_scaling: rotary.Llama3Scaling | None = None,
+    projections: Projections = PLAIN,
 ) -> jax.Array:
     """``x``: ``[batch, seq, embed]`` -> ``[batch, seq, embed]``, causal, rotary positions.
 
@@ -261,11 +262,14 @@ def self_attention(
     function ``(q, k, v, *, causal) -> (out, lse)`` (``IMPLEMENTATIONS``, or one spanning a
     sequence axis, ``dew.parallel.sequence.attention``). ``rope_theta``, ``rope_scaling``: the
     rotary frequencies (``dew.nn.rotary``); q and k are rotated here, before ``attend``, so a
-    sequence split rotates each device's positions by the same frequencies.
+    sequence split rotates each device's positions by the same frequencies. ``projections``: how
+    ``q``, ``k``, ``v`` (columns, one input) and ``o`` (the row) run (``dew.nn.param.Projections``;
+    a tensor region's, ``dew.parallel.tensor_ring.Region``, may take ``x`` as this device's
+    positions and return them).
     """
     rope = dict(base=rope_theta, scaling=rope_scaling)
-    q = rotary.rotate(project("bse,ehd->bshd", x, p["q"]), positions, **rope)
-    k = rotary.rotate(project("bse,ehd->bshd", x, p["k"]), positions, **rope)
-    v = project("bse,ehd->bshd", x, p["v"])
+    q, k, v = projections.columns("bse,ehd->bshd", x, (p["q"], p["k"], p["v"]))
+    q = rotary.rotate(q, positions, **rope)
+    k = rotary.rotate(k, positions, **rope)
     out, _ = attend(q, k, v, causal=True)
-    return project("bshd,hde->bse", out, p["o"])
+    return projections.row("bshd,hde->bse", out, p["o"])

@@ -4,7 +4,7 @@ import math
 
 import jax
 
-from dew.nn.param import Param, normal, project
+from dew.nn.param import PLAIN, Param, Projections, normal
 
 
 def mlp_params(features: int, hidden: int, out_scale: float) -> dict:
@@ -15,11 +15,13 @@ def mlp_params(features: int, hidden: int, out_scale: float) -> dict:
     }
 
 
-def swiglu(p: dict, x: jax.Array) -> jax.Array:
-    """``x``: ``[batch, seq, embed]`` -> same shape."""
+def swiglu(p: dict, x: jax.Array, projections: Projections = PLAIN) -> jax.Array:
+    """``x``: ``[batch, seq, embed]`` -> same shape. ``projections``: how ``gate`` and ``up``
+    (columns, one input) and ``down`` (the row) run (``dew.nn.param.Projections``; a tensor
+    region's, ``dew.parallel.tensor_ring.Region``, may take ``x`` as this device's positions and
+    return them)."""
     # As [batch * seq, embed] matrices: XLA:CPU then compiles the weight-gradient matmuls to its
     # fast fused kernels (measured: docs/benchmarks.md, "Choices in the model").
     rows = x.reshape(-1, x.shape[-1])
-    gate = project("te,ef->tf", rows, p["gate"])
-    up = project("te,ef->tf", rows, p["up"])
-    return project("tf,fe->te", jax.nn.silu(gate) * up, p["down"]).reshape(x.shape)
+    gate, up = projections.columns("te,ef->tf", rows, (p["gate"], p["up"]))
+    return projections.row("tf,fe->te", jax.nn.silu(gate) * up, p["down"]).reshape(x.shape)

@@ -93,3 +93,24 @@ def project(spec: str, x: jax.Array, w: Any) -> jax.Array:
     if hasattr(w, "einsum"):
         return w.einsum(spec, x)
     return jnp.einsum(spec, x, w.astype(x.dtype))
+
+
+class Projections:
+    """A layer's matmuls with its weights, in the two kinds a tensor-parallel region needs told
+    apart: ``columns``, several projections of one input (q, k and v; gate and up), and ``row``,
+    the one projection whose output leaves the layer (o; down). Here each is a plain ``project``;
+    ``dew.parallel.tensor_ring.Region`` runs them as the region's entry and exit, collective
+    matmuls, so a layer says which of its matmuls share an input and which one ends it, and the
+    region decides how they cross devices (as ``attend`` decides how attention spans them)."""
+
+    def columns(self, spec: str, x: jax.Array, weights) -> tuple[jax.Array, ...]:
+        """``tuple(project(spec, x, w) for w in weights)``."""
+        return tuple(project(spec, x, w) for w in weights)
+
+    def row(self, spec: str, h: jax.Array, weight) -> jax.Array:
+        """``project(spec, h, weight)``."""
+        return project(spec, h, weight)
+
+
+# The plain projections, for a layer outside any tensor-parallel region.
+PLAIN = Projections()

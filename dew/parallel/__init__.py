@@ -9,6 +9,8 @@
   group's tokens rather than gather the table (when the tokens are fewer than its rows).
 - ``tensor``: Megatron's conjugate pairs around attention and the MLP, the vocabulary-parallel
   embedding and cross-entropy, shared kv heads, and what a layout must split over ``tensor``.
+- ``tensor_ring``: the same regions' entry and exit as collective matmuls (rings of ``ppermute``
+  over ``tensor``, each block's matmul beside the next block's transfer), ``tensor_scheme="ring"``.
 - ``sequence``: positions split in zigzag order; attention over every device's positions by a
   ring of K/V blocks (``ppermute``) or by trading positions for heads (``all_to_all``).
 - ``expert``: mixture-of-experts layers with experts split over ``expert``; token copies travel

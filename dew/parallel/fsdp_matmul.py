@@ -39,7 +39,7 @@ from jax import lax
 from dew.parallel.ring import AXIS, ring_gather, ring_pairs
 
 
-def _labels(spec: str) -> tuple[str, str, str]:
+def einsum_labels(spec: str) -> tuple[str, str, str]:
     """``"bse,ehd->bshd"`` -> ``("bse", "ehd", "bshd")``."""
     inputs, out = spec.replace(" ", "").split("->")
     x, w = inputs.split(",")
@@ -56,7 +56,7 @@ def _weight_gradient_block(spec, x, d_out, w_dim: int, b, n: int, dtype):
     """Block ``b`` of this device's ``d einsum(spec, x, W) / dW`` along ``W``'s ``w_dim``: from
     ``x`` and ``d_out`` alone (the einsum is linear in ``W``), one matmul of ``1 / n`` of the
     work, in float32, cast to ``dtype`` (the sum's)."""
-    x_labels, w_labels, out_labels = _labels(spec)
+    x_labels, w_labels, out_labels = einsum_labels(spec)
     label = w_labels[w_dim]
     if label in x_labels:
         x = _block(x, x_labels.index(label), b, n)
@@ -83,8 +83,17 @@ def _ring_einsum_fwd(x, shard, spec, dim, n, also_sum, sum_dtype, weight_dtype):
 
 def _ring_einsum_bwd(spec, dim, n, also_sum, sum_dtype, weight_dtype, residuals, d_out):
     x, whole = residuals
-    x_labels, w_labels, out_labels = _labels(spec)
+    x_labels, w_labels, out_labels = einsum_labels(spec)
     dx = jnp.einsum(f"{out_labels},{w_labels}->{x_labels}", d_out, whole).astype(x.dtype)
+    return dx, ring_weight_gradient(spec, x, d_out, dim, n, also_sum, sum_dtype, weight_dtype)
+
+
+def ring_weight_gradient(spec, x, d_out, dim, n, also_sum, sum_dtype, weight_dtype):
+    """This device's block (along ``dim``) of ``d einsum(spec, x, W) / dW`` summed over fsdp
+    (and ``also_sum``), each block computed as its running sum passes round the ring (the module
+    docstring), in ``sum_dtype``; returned in ``weight_dtype``. ``x`` and ``d_out`` are this
+    device's whole operands (``dew.parallel.tensor_ring`` passes the positions its tensor ring
+    gathered)."""
     dtype = jnp.dtype(sum_dtype)
     i = lax.axis_index(AXIS)
     # The running sum of block b starts on device b + 1 and reaches device b after n - 1 steps;
@@ -96,7 +105,7 @@ def _ring_einsum_bwd(spec, dim, n, also_sum, sum_dtype, weight_dtype, residuals,
     if also_sum:
         # This device's block, 1 / n of the gradient, summed over the other devices holding it.
         total = lax.psum(total, also_sum)
-    return dx, total.astype(weight_dtype)
+    return total.astype(weight_dtype)
 
 
 _ring_einsum.defvjp(_ring_einsum_fwd, _ring_einsum_bwd)
@@ -125,7 +134,7 @@ class RingSplit:
         """``jnp.einsum(spec, x, W.astype(x.dtype))`` of the whole weight ``W``, gathered round
         the ring, whose gradient is summed round it as each block is computed (the module
         docstring). ``spec`` names two operands, ``x`` first."""
-        x_labels, w_labels, out_labels = _labels(spec)
+        x_labels, w_labels, out_labels = einsum_labels(spec)
         label = w_labels[self.dim]
         if (label in x_labels) == (label in out_labels):
             raise ValueError(
@@ -137,6 +146,29 @@ class RingSplit:
         return _ring_einsum(
             x, self.shard, spec, self.dim, self.n, self.also_sum, sum_dtype, weight_dtype
         )
+
+    def whole(self, dtype) -> jax.Array:
+        """The whole weight in ``dtype``, gathered round the fsdp ring (no custom gradient: for a
+        caller that writes its own backward with ``gradient``, as ``dew.parallel.tensor_ring``
+        does, gathering the weight once for all the blocks of its ring)."""
+        return ring_gather(self.shard, self.dim, self.n).astype(dtype)
+
+    def gradient(self, spec: str, x: jax.Array, d_out: jax.Array) -> "RingSplit":
+        """The cotangent of this ``RingSplit`` for ``einsum(spec, x, W)`` with output gradient
+        ``d_out``: its shard's gradient, summed round the fsdp ring as it is computed
+        (``ring_weight_gradient``)."""
+        weight_dtype = self.shard.dtype.name
+        grad = ring_weight_gradient(
+            spec,
+            x,
+            d_out,
+            self.dim,
+            self.n,
+            self.also_sum,
+            self.sum_dtype or weight_dtype,
+            weight_dtype,
+        )
+        return dataclasses.replace(self, shard=grad)
 
 
 jax.tree_util.register_dataclass(

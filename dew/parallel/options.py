@@ -22,6 +22,9 @@ from dew.parallel import fsdp, pipeline, sequence
 # How weights cross the fsdp axis (``StepOptions.fsdp_scheme``).
 FSDP_SCHEMES = ("gather", "ring")
 
+# How activations cross the tensor axis (``StepOptions.tensor_scheme``).
+TENSOR_SCHEMES = ("plain", "ring")
+
 # The dtypes gradients may be summed across devices in (``StepOptions.gradient_sum_dtype``).
 GRADIENT_SUM_DTYPES = ("float32", "bfloat16")
 
@@ -62,6 +65,12 @@ class StepOptions:
         bfloat16: half the bytes of float32 sums and of their whole-gradient temporaries, with
         bfloat16's rounding at every step of the sum. ``"float32"`` sums bfloat16 weights'
         gradients in float32.
+      tensor_scheme: how activations cross a ``tensor`` axis above 1 at the Megatron regions'
+        entries and exits: ``"plain"`` (the default: ``dew.parallel.tensor``'s pairs, an
+        all-gather or all-reduce before or after the matmuls) or ``"ring"`` (collective matmuls,
+        ``dew.parallel.tensor_ring``: rings of ``ppermute`` s, each block of positions' matmul
+        beside the next block's transfer, the same bytes). Each device's positions must split
+        over ``tensor``; not with a ``stage`` axis.
     """
 
     sequence_parallel: bool = False
@@ -69,6 +78,7 @@ class StepOptions:
     pipeline_schedule: str = "1f1b"
     fsdp_scheme: str = "gather"
     gradient_sum_dtype: str | None = None
+    tensor_scheme: str = "plain"
 
     def __post_init__(self):
         if not isinstance(self.sequence_parallel, bool):
@@ -90,6 +100,11 @@ class StepOptions:
                 f"unknown fsdp_scheme {self.fsdp_scheme!r}; expected one of "
                 f"{', '.join(FSDP_SCHEMES)}"
             )
+        if self.tensor_scheme not in TENSOR_SCHEMES:
+            raise ValueError(
+                f"unknown tensor_scheme {self.tensor_scheme!r}; expected one of "
+                f"{', '.join(TENSOR_SCHEMES)}"
+            )
         if self.gradient_sum_dtype not in (None, *GRADIENT_SUM_DTYPES):
             raise ValueError(
                 f"unknown gradient_sum_dtype {self.gradient_sum_dtype!r}; expected None (each "
@@ -108,7 +123,9 @@ class StepOptions:
           different branches deadlock);
         - ``pipeline_schedule`` other than the default without a ``stage`` axis;
         - ``fsdp_scheme="ring"`` on an fsdp axis outside 2 to ``fsdp.RING_MAX``, or with a
-          ``stage`` axis (the ring attention's reason).
+          ``stage`` axis (the ring attention's reason);
+        - ``tensor_scheme="ring"`` without a ``tensor`` axis, with positions per device that do
+          not split over it (the ring's blocks), or with a ``stage`` axis.
         """
         t, n = axis_sizes.get("tensor", 1), axis_sizes.get("sequence", 1)
         stages = axis_sizes.get("stage", 1)
@@ -160,6 +177,34 @@ class StepOptions:
                 "fsdp_scheme='gather' with a stage axis"
             )
 
+        if self.tensor_scheme == "ring":
+            self._check_tensor_ring(t, stages, seq_len, n)
+
+    def _check_tensor_ring(self, t: int, stages: int, seq_len: int, n: int) -> None:
+        if t == 1:
+            raise ValueError(
+                "tensor_scheme='ring' needs a tensor axis above 1: its rings pass blocks of "
+                "positions round the tensor group, and this mesh has tensor 1"
+            )
+        positions = seq_len // n
+        if positions % t:
+            held = f"seq_len {seq_len}" + (
+                f" over sequence {n} leaves {positions} positions per device, which"
+                if n > 1
+                else ""
+            )
+            raise ValueError(
+                f"tensor_scheme='ring': {held} does not split into tensor {t} blocks (its rings "
+                "pass blocks of each row's positions round the tensor group)"
+            )
+        if stages > 1:
+            raise ValueError(
+                f"tensor_scheme='ring' with stage {stages}: the tensor rings' ppermutes cannot run "
+                "inside a pipeline stage (each stage runs its own branch of the schedule, and a "
+                "collective-permute there must be joined by every device); use "
+                "tensor_scheme='plain' with a stage axis"
+            )
+
     def in_effect(self, axis_sizes: dict) -> dict:
         """The options a mesh of ``axis_sizes`` uses, by name: ``sequence_parallel`` with a
         ``tensor`` axis, ``sequence_scheme`` with a ``sequence`` axis, ``pipeline_schedule`` with
@@ -171,6 +216,7 @@ class StepOptions:
             # Named only when asked: every fsdp layout gathers, and says nothing of it.
             "fsdp_scheme": self.fsdp_scheme != "gather",
             "gradient_sum_dtype": self.gradient_sum_dtype is not None,
+            "tensor_scheme": self.tensor_scheme != "plain",
         }
         return {name: getattr(self, name) for name, used in uses.items() if used}
 

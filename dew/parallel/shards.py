@@ -49,6 +49,9 @@ class Shards:
         (``StepOptions(fsdp_scheme="ring")``: on a 3-D TPU torus the compiler overlaps those
         with compute, and no ``all_gather``); it replaces ``fsdp_scatter_stages``. ``False``:
         ``all_gather`` and ``psum_scatter``.
+      tensor_ring: the Megatron regions' entry and exit run as collective matmuls, rings of
+        ``ppermute`` s over ``tensor`` (``StepOptions(tensor_scheme="ring")``,
+        ``dew.parallel.tensor_ring``); ``False``: ``dew.parallel.tensor``'s pairs.
       loop_sums: the axes beyond ``fsdp`` the layer loop's gathers sum their weights' gradients
         over, inside the loop (``dew.parallel.fsdp.loop_sum_axes``, set by the step engine);
         ``dew.parallel.gradients.sum_axes`` leaves them out of the step's tail for those weights.
@@ -62,6 +65,7 @@ class Shards:
     fsdp_scatter_stages: tuple[int, ...] = ()
     fsdp_tpu_layout: bool = False
     fsdp_ring: bool = False
+    tensor_ring: bool = False
     loop_sums: tuple[str, ...] = ()
 
     def size(self, *axes: str) -> int:

@@ -218,6 +218,7 @@ class Trainer:
             fsdp_scatter_stages=fsdp.scatter_stages(self.mesh),
             fsdp_tpu_layout=fsdp.on_tpu(self.mesh),
             fsdp_ring=engine == "shard_map" and options.fsdp_scheme == "ring",
+            tensor_ring=engine == "shard_map" and options.tensor_scheme == "ring",
         )
         if engine == "shard_map":
             for specs, tree_axes, shapes in self._weight_trees(abstract_state, axes):

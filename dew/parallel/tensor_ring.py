@@ -1,0 +1,413 @@
+"""Tensor parallelism's activations moved as collective matmuls: rings of ``ppermute`` s over
+``tensor``, each step's matmul beside the next step's transfer (``StepOptions(tensor_scheme=
+"ring")``; the default ``"plain"`` runs ``dew.parallel.tensor``'s pairs).
+
+A Megatron region (attention, the dense MLP) is entered by its column-parallel projections (q, k,
+v; gate, up: one input, several weights) and left by its row-parallel one (o; down). With the
+plain pairs the region's input is made whole first (``tensor.enter``) and its output summed after
+(``tensor.leave``), each a collective with nothing beside it. Here the collective is cut into
+``n`` blocks of positions (or of tokens, ``BLOCK_LABELS``) and each block's matmul runs while the
+next block travels. Device ``i`` of a tensor group of ``n``, blocks of ``b`` bytes:
+
+**Sequence-parallel activations** (``StepOptions(sequence_parallel=True)``), between blocks each
+device holds its ``1 / n`` of the positions:
+
+- entry, ``gather_columns`` (all-gather -> matmul)::
+
+      forward   block = x_i
+                for s in 0 .. n - 1:            block i - s is here
+                  send block to i + 1           n - 1 ppermutes of b: (n - 1) b, an all-gather's
+                  out[i - s] = block @ W        for every W of the region's entry
+      backward  dx: running sums round the ring n - 1 ppermutes of b: a reduce-scatter's
+                  total = dout[i - 1] @ W^T       (the sum over the entry's weights)
+                  total = ppermute(total) + dout[i - 1 - s] @ W^T
+                dW = x_all^T dout               x_all gathered by the forward's ring
+
+- exit, ``scatter_row`` (matmul -> reduce-scatter): the forward is the backward's ring above,
+  ``total = ppermute(total) + h[i - 1 - s] @ W`` (``fsdp_matmul``'s weight-gradient ring with
+  positions for weight blocks), and its backward the forward's: the output's gradient gathered
+  round the ring, each arriving block's ``dh = g @ W^T`` computed as the next travels.
+
+**Whole activations** (the plain pair's place): the exit's all-reduce is the exit ring above
+followed by an ``all_gather`` of the summed block, ``copy_columns``'s backward the same for the
+input's gradient (a reduce-scatter ring fused with the ``dx`` matmul, then an ``all_gather``), the
+entry's forward and the exit's backward need nothing. Half of each all-reduce (``(n - 1) / n A``
+of its ``2 (n - 1) / n A``) travels beside matmuls, the all-gather after it only beside what does
+not need its result (the weight gradients, in the backward). Sequence parallelism does better:
+its all-gather is the next region's entry ring.
+
+Each is a ``jax.custom_vjp``, its backward written beside its forward (the step runs with
+``check_vma=False``: ``dew.parallel.tensor``). The forward keeps the gathered input (``x_all``,
+the region's input over all positions, as the plain pair's einsum keeps it) for the weight
+gradients, so the backward's rings move the activations' gradients only: the same bytes as the
+plain pairs, in ``n - 1`` ``ppermute`` s a collective. Per decoder layer and microbatch, with
+activations of ``A`` bytes and full recompute (the layer's forward run again in its backward,
+attention's exit included, the MLP's dropped: ``dew.parallel.tensor``): sequence parallel, 11
+rings of ``n - 1`` ``ppermute`` s of ``A / n`` (4 forward, 3 recomputed, 4 backward); whole
+activations, 5 rings and 5 ``all_gather`` s of ``A / n``.
+
+**With the fsdp rings** (``fsdp_scheme="ring"``) a region's matrices reach it still split over
+fsdp (``fsdp_matmul.RingSplit``). A ring here is ``n`` matmuls a weight, so it gathers each such
+weight once, round the fsdp ring (``RingSplit.whole``), before its own ring, and sums the weight's
+gradient round the fsdp ring from ``x_all`` and the whole output gradient (``RingSplit.gradient``):
+no device holds a whole weight gradient, as under the fsdp rings alone.
+
+What keeps the plain pairs: the MoE layers (``expert.moe_mlp`` enters and leaves around its
+router and exchange), the embedding, the vocabulary-parallel head and loss (``tensor.enter``), a
+weight that is neither an array nor a ``RingSplit`` (anything else with an ``einsum``: the region
+falls back to the pair for that call), and the GSPMD engine (no tensor axis inside its model:
+``Shards.tensor_ring`` is off). Shared kv heads (``tensor.shared_kv_heads``) are plain arrays, cut
+before the ring. A pipeline refuses the rings (``StepOptions.check``: a ``ppermute`` inside a
+stage's branch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dew.nn.param import Projections, project
+from dew.parallel import tensor
+from dew.parallel.fsdp_matmul import RingSplit, einsum_labels
+
+AXIS = tensor.AXIS
+
+# The label a region's einsums give the dimension its rings cut into blocks: positions (``s``, in
+# ``[rows, seq, ...]``), or tokens (``t``, rows and positions flattened, as the MLP runs). The
+# MLP is the same for every token, so its blocks of tokens may travel in any order, as long as
+# the exit scatters the order the entry gathered: with sequence-parallel activations its tokens
+# are gathered device-major, ``[n, rows x seq / n]``, and scattered back the same way.
+BLOCK_LABELS = ("s", "t")
+
+
+def ring_pairs(n: int) -> list[tuple[int, int]]:
+    """The ``ppermute`` pairs of a ring over tensor: index ``i`` sends to ``i + 1``."""
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def _block_label(spec: str) -> str:
+    x_labels = einsum_labels(spec)[0]
+    for label in BLOCK_LABELS:
+        if label in x_labels:
+            return label
+    raise ValueError(
+        f"einsum {spec!r}: a tensor ring cuts its input into blocks along positions or tokens, "
+        f"labelled {' or '.join(map(repr, BLOCK_LABELS))}, which its input does not name"
+    )
+
+
+def _block(a: jax.Array, dim: int, b, n: int) -> jax.Array:
+    """Block ``b`` (traced, taken mod ``n``) of ``n`` of ``a`` along ``dim``."""
+    k = a.shape[dim] // n
+    return lax.dynamic_slice_in_dim(a, (b % n) * k, k, axis=dim)
+
+
+def _put(whole: jax.Array | None, piece: jax.Array, dim: int, b, n: int) -> jax.Array:
+    """``whole`` (zeros of ``n`` times ``piece`` along ``dim`` when ``None``) with block ``b``
+    (traced) written by ``piece``."""
+    if whole is None:
+        shape = list(piece.shape)
+        shape[dim] *= n
+        whole = jnp.zeros(shape, piece.dtype)
+    k = piece.shape[dim]
+    return lax.dynamic_update_slice_in_dim(whole, piece, (b % n) * k, axis=dim)
+
+
+def _whole(w, dtype) -> jax.Array:
+    """The weight for the ring's matmuls, in the activations' dtype: gathered once round the
+    fsdp ring when it is still split (``RingSplit``)."""
+    return w.whole(dtype) if isinstance(w, RingSplit) else w.astype(dtype)
+
+
+def _weight_gradient(spec: str, x: jax.Array, d_out: jax.Array, w):
+    """The cotangent of ``w`` for ``einsum(spec, x, w)``: ``x^T d_out`` in the activations' dtype
+    cast to the weight's (the transpose of ``project``'s cast), or, for a ``RingSplit``, its
+    shard's gradient summed round the fsdp ring."""
+    if isinstance(w, RingSplit):
+        return w.gradient(spec, x, d_out)
+    x_labels, w_labels, out_labels = einsum_labels(spec)
+    return jnp.einsum(f"{x_labels},{out_labels}->{w_labels}", x, d_out).astype(w.dtype)
+
+
+def _gather_ring(block: jax.Array, dim: int, n: int, each):
+    """Gather ``block`` (this device's ``i``) round the ring along ``dim``, calling ``each(piece,
+    b)`` on each block ``b`` as it is here (own first); the next block's ``ppermute`` is issued
+    beside it. Returns the gathered array, device ``b``'s block at ``b``."""
+    i = lax.axis_index(AXIS)
+    gathered = None
+    for s in range(n):
+        gathered = _put(gathered, block, dim, i - s, n)
+        # The piece the next step needs leaves now, and travels while ``each`` computes. It is
+        # read back from ``gathered``, not forwarded as it arrived, so that each send waits for
+        # the write before it and one piece at a time is in flight (``ring.ring_gather``).
+        sent = _block(gathered, dim, i - s, n)
+        arriving = lax.ppermute(sent, AXIS, ring_pairs(n)) if s < n - 1 else None
+        each(block, i - s)
+        block = arriving
+    return gathered
+
+
+def _scatter_ring(partial_block, n: int) -> jax.Array:
+    """``psum_scatter`` of ``partial_block(b)`` over its ``n`` blocks: the running sum of block
+    ``b`` starts on device ``b + 1``; each device adds its own part of the block that reaches it
+    and passes the sum on, computing the next part while the sum travels. Device ``i`` ends with
+    block ``i`` summed over the group: ``n - 1`` ``ppermute`` s of a block."""
+    i = lax.axis_index(AXIS)
+    total = partial_block(i - 1)
+    for s in range(1, n):
+        total = lax.ppermute(total, AXIS, ring_pairs(n)) + partial_block(i - 1 - s)
+    return total
+
+
+def _dx_block(spec, d_outs, wholes, out_dim, b, n):
+    """Block ``b`` of this device's part of the entry input's gradient: ``sum_w dout_w[b] W^T``."""
+    x_labels, w_labels, out_labels = einsum_labels(spec)
+    back = f"{out_labels},{w_labels}->{x_labels}"
+    return sum(jnp.einsum(back, _block(d, out_dim, b, n), w) for d, w in zip(d_outs, wholes))
+
+
+def _dims(spec: str) -> tuple[int, int]:
+    """The blocked dimension of the einsum's input and of its output."""
+    x_labels, _, out_labels = einsum_labels(spec)
+    label = _block_label(spec)
+    return x_labels.index(label), out_labels.index(label)
+
+
+# --- Sequence-parallel activations ----------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gather_columns(x, weights, spec: str, n: int):
+    return _gather_columns_fwd(x, weights, spec, n)[0]
+
+
+def _gather_columns_fwd(x, weights, spec, n):
+    dim, out_dim = _dims(spec)
+    wholes = [_whole(w, x.dtype) for w in weights]
+    outs = [None] * len(wholes)
+
+    def each(block, b):
+        for j, w in enumerate(wholes):
+            outs[j] = _put(outs[j], jnp.einsum(spec, block, w), out_dim, b, n)
+
+    gathered = _gather_ring(x, dim, n, each)
+    return tuple(outs), (gathered, wholes, weights)
+
+
+def _gather_columns_bwd(spec, n, residuals, d_outs):
+    gathered, wholes, weights = residuals
+    _, out_dim = _dims(spec)
+    dx = _scatter_ring(lambda b: _dx_block(spec, d_outs, wholes, out_dim, b, n), n)
+    grads = tuple(_weight_gradient(spec, gathered, d, w) for d, w in zip(d_outs, weights))
+    return dx.astype(gathered.dtype), grads
+
+
+_gather_columns.defvjp(_gather_columns_fwd, _gather_columns_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _scatter_row(h, weight, spec: str, n: int):
+    return _scatter_row_fwd(h, weight, spec, n)[0]
+
+
+def _scatter_row_fwd(h, weight, spec, n):
+    dim, _ = _dims(spec)
+    whole = _whole(weight, h.dtype)
+    out = _scatter_ring(lambda b: jnp.einsum(spec, _block(h, dim, b, n), whole), n)
+    return out, (h, whole, weight)
+
+
+def _scatter_row_bwd(spec, n, residuals, g):
+    h, whole, weight = residuals
+    dim, out_dim = _dims(spec)
+    h_labels, w_labels, out_labels = einsum_labels(spec)
+    dh = [None]
+
+    def each(block, b):
+        dh[0] = _put(
+            dh[0], jnp.einsum(f"{out_labels},{w_labels}->{h_labels}", block, whole), dim, b, n
+        )
+
+    g_all = _gather_ring(g, out_dim, n, each)
+    return dh[0].astype(h.dtype), _weight_gradient(spec, h, g_all, weight)
+
+
+_scatter_row.defvjp(_scatter_row_fwd, _scatter_row_bwd)
+
+
+# --- Whole activations ----------------------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _copy_columns(x, weights, spec: str, n: int):
+    return _copy_columns_fwd(x, weights, spec, n)[0]
+
+
+def _copy_columns_fwd(x, weights, spec, n):
+    wholes = [_whole(w, x.dtype) for w in weights]
+    return tuple(jnp.einsum(spec, x, w) for w in wholes), (x, wholes, weights)
+
+
+def _copy_columns_bwd(spec, n, residuals, d_outs):
+    x, wholes, weights = residuals
+    dim, out_dim = _dims(spec)
+    # The all-reduce of the input's gradient: its reduce-scatter half fused with the dx matmul,
+    # then an all-gather of the summed block ((n - 1) / n of dx each), beside the weight
+    # gradients, which do not need it.
+    summed = _scatter_ring(lambda b: _dx_block(spec, d_outs, wholes, out_dim, b, n), n)
+    dx = lax.all_gather(summed, AXIS, axis=dim, tiled=True)
+    grads = tuple(_weight_gradient(spec, x, d, w) for d, w in zip(d_outs, weights))
+    return dx.astype(x.dtype), grads
+
+
+_copy_columns.defvjp(_copy_columns_fwd, _copy_columns_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _reduce_row(h, weight, spec: str, n: int):
+    return _reduce_row_fwd(h, weight, spec, n)[0]
+
+
+def _reduce_row_fwd(h, weight, spec, n):
+    dim, out_dim = _dims(spec)
+    whole = _whole(weight, h.dtype)
+    # The all-reduce of the partial outputs: the reduce-scatter half fused with the matmul, then
+    # an all-gather of the summed block ((n - 1) / n of the output each).
+    summed = _scatter_ring(lambda b: jnp.einsum(spec, _block(h, dim, b, n), whole), n)
+    return lax.all_gather(summed, AXIS, axis=out_dim, tiled=True), (h, whole, weight)
+
+
+def _reduce_row_bwd(spec, n, residuals, g):
+    h, whole, weight = residuals
+    h_labels, w_labels, out_labels = einsum_labels(spec)
+    # The output is the same on every device, and so is its gradient: no collective.
+    dh = jnp.einsum(f"{out_labels},{w_labels}->{h_labels}", g, whole).astype(h.dtype)
+    return dh, _weight_gradient(spec, h, g, weight)
+
+
+_reduce_row.defvjp(_reduce_row_fwd, _reduce_row_bwd)
+
+
+# --- The functions ---------------------------------------------------------------------------------
+
+
+def _check_blocks(spec: str, x: jax.Array, n: int, whole: bool) -> None:
+    dim, _ = _dims(spec)
+    if whole and x.shape[dim] % n:
+        raise ValueError(
+            f"einsum {spec!r}: dimension {dim} of the input {x.shape} ({x.shape[dim]}) does not "
+            f"split into tensor {n} blocks for the ring"
+        )
+
+
+def _ring_weights(weights: Sequence[Any]) -> bool:
+    """Whether the ring can run these weights: arrays, or ``RingSplit`` s (anything else with an
+    ``einsum`` of its own keeps the plain pair)."""
+    return all(isinstance(w, RingSplit) or not hasattr(w, "einsum") for w in weights)
+
+
+def columns(spec: str, x: jax.Array, weights: Sequence[Any], shards) -> tuple[jax.Array, ...]:
+    """Enter a tensor-parallel region through its column-parallel projections, as one ring:
+    ``tuple(einsum(spec, entered(x), w) for w in weights)``, ``entered`` being ``tensor.enter``
+    along the ring's blocks (``BLOCK_LABELS``).
+
+    Args:
+      spec: ``"bse,ehd->bshd"``-like, the input first; its input names ``s`` or ``t``.
+      x: sequence parallel, this device's block of positions (or tokens), e.g. ``[rows, seq / n,
+        embed]``; else the whole input, the same on every device of the group, its blocked
+        dimension divisible by ``n``.
+      weights: this device's slices (arrays, or ``fsdp_matmul.RingSplit`` s); each in ``x``'s dtype
+        for the matmul.
+      shards: the step's ``Shards``.
+
+    Returns:
+      one output per weight, over all positions.
+    """
+    n = shards.size(AXIS)
+    sequence_parallel = tensor.sequence_parallel(shards)
+    if not _ring_weights(weights):
+        dim, _ = _dims(spec)
+        if sequence_parallel:
+            x = tensor.gather_from_sequence(x, shards, dim)
+        else:
+            x = tensor.copy_to_region(x, shards)
+        return tuple(project(spec, x, w) for w in weights)
+    _check_blocks(spec, x, n, whole=not sequence_parallel)
+    ring = _gather_columns if sequence_parallel else _copy_columns
+    return ring(x, tuple(weights), spec, n)
+
+
+def row(spec: str, h: jax.Array, weight: Any, shards) -> jax.Array:
+    """Leave a tensor-parallel region through its row-parallel projection, as one ring:
+    ``tensor.leave(einsum(spec, h, weight))`` along the ring's blocks (``BLOCK_LABELS``).
+
+    Args:
+      spec: ``"bshd,hde->bse"``-like; ``h`` names ``s`` or ``t``, divisible by ``n``.
+      h: this device's slice of the region's width, over all positions.
+      weight: this device's slice (an array or a ``fsdp_matmul.RingSplit``).
+      shards: the step's ``Shards``.
+
+    Returns:
+      the sum over the group: sequence parallel, this device's block of positions (``1 / n`` of
+      them along the blocked dimension); else all of them, the same on every device.
+    """
+    n = shards.size(AXIS)
+    sequence_parallel = tensor.sequence_parallel(shards)
+    if not _ring_weights([weight]):
+        out = project(spec, h, weight)
+        _, out_dim = _dims(spec)
+        if sequence_parallel:
+            return tensor.scatter_to_sequence(out, shards, out_dim)
+        return tensor.reduce_from_region(out, shards)
+    _check_blocks(spec, h, n, whole=True)
+    ring = _scatter_row if sequence_parallel else _reduce_row
+    return ring(h, weight, spec, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region(Projections):
+    """A Megatron region (attention, the dense MLP) as the model enters and leaves it and its
+    layers project inside it (``dew.nn.param.Projections``: ``self_attention`` and ``swiglu`` take
+    one).
+
+    With the plain pairs (``Shards.tensor_ring`` off, or a tensor axis of 1), ``enter`` and
+    ``leave`` are ``tensor.enter`` and ``tensor.leave`` and the projections plain ``project`` s:
+    today's program. With the rings, ``enter`` and ``leave`` pass the activations through, and the
+    projections are ``columns`` and ``row``: the entry and exit as collective matmuls.
+    """
+
+    shards: Any
+
+    @property
+    def ring(self) -> bool:
+        return bool(self.shards.tensor_ring) and self.shards.size(AXIS) > 1
+
+    def enter(self, x: jax.Array) -> jax.Array:
+        """``x`` ``[rows, seq, embed]`` (``[rows, seq / n, embed]`` sequence parallel), into the
+        region: ``tensor.enter``, or ``x`` itself when the region's projections enter."""
+        return x if self.ring else tensor.enter(x, self.shards)
+
+    def leave(self, h: jax.Array) -> jax.Array:
+        """The region's output: ``tensor.leave`` of the partial sums, or ``h`` itself when the
+        row projection has left."""
+        return h if self.ring else tensor.leave(h, self.shards)
+
+    def columns(self, spec, x, weights):
+        if not self.ring:
+            return super().columns(spec, x, weights)
+        return columns(spec, x, weights, self.shards)
+
+    def row(self, spec, h, weight):
+        if not self.ring:
+            return super().row(spec, h, weight)
+        return row(spec, h, weight, self.shards)
+
+
+def region(shards) -> Region:
+    """The ``Region`` of the step's ``shards``."""
+    return Region(shards)
