@@ -202,6 +202,18 @@ def test_the_fsdp_scheme_reaches_the_step_options_of_train_collectives_and_plan(
         assert step_options(parse(command, "--fsdp-scheme", "ring")).fsdp_scheme == "ring"
 
 
+def test_the_tensor_scheme_reaches_the_step_options_of_train_collectives_and_plan():
+    from dew.cli.flags import step_options
+    from dew.cli.plan import option_variants
+
+    for command in ("train", "collectives", "plan"):
+        assert step_options(parse(command)).tensor_scheme == "plain", command
+        assert step_options(parse(command, "--tensor-scheme", "ring")).tensor_scheme == "ring"
+    args = parse("plan", "--engines", "shard_map", "gspmd", "--tensor-scheme", "plain", "ring")
+    chosen = [(o.tensor_scheme, engines) for o, engines in option_variants(args)]
+    assert chosen == [("plain", ["shard_map", "gspmd"]), ("ring", ["shard_map"])]
+
+
 def test_the_gradient_sum_dtype_reaches_the_step_options_of_train_collectives_and_plan():
     from dew.cli.flags import step_options
 

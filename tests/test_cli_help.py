@@ -64,7 +64,7 @@ def real_choices() -> dict:
     from dew.models.lora import BASE_DTYPES
     from dew.models.presets import PRESETS
     from dew.nn.attention import CHOICES
-    from dew.parallel.options import FSDP_SCHEMES, GRADIENT_SUM_DTYPES
+    from dew.parallel.options import FSDP_SCHEMES, GRADIENT_SUM_DTYPES, TENSOR_SCHEMES
     from dew.parallel.pipeline import SCHEDULES
     from dew.parallel.sequence import SCHEMES
     from dew.training.step import ENGINES
@@ -81,6 +81,7 @@ def real_choices() -> dict:
         "fsdp_scheme": tuple(FSDP_SCHEMES),
         "gradient_sum_dtype": tuple(GRADIENT_SUM_DTYPES),
         "base_dtype": tuple(BASE_DTYPES),
+        "tensor_scheme": tuple(TENSOR_SCHEMES),
     }
 
 
@@ -132,6 +133,7 @@ def test_every_copy_equals_its_original():
     assert choices.PIPELINE_SCHEDULES == expected["pipeline_schedule"]
     assert choices.FSDP_SCHEMES == expected["fsdp_scheme"]
     assert choices.GRADIENT_SUM_DTYPES == expected["gradient_sum_dtype"]
+    assert choices.TENSOR_SCHEMES == expected["tensor_scheme"]
     assert choices.DEFAULT_MIN_SHARD == DEFAULT_MIN_SHARD
     assert choices.DTYPES == expected["dtype"]
     assert (choices.REMAT_CHOICES, choices.REMAT_AUTO) == (REMAT_CHOICES, REMAT_AUTO)

@@ -29,7 +29,10 @@ its output reduce-scattered back to them, which moves the same bytes as the all-
 Only the plain pair is a ``jax.custom_vjp``, its backward written out. The sequence-parallel pair is
 the bare collectives: autodiff already transposes a tiled ``all_gather`` into a tiled
 ``psum_scatter`` along the same dimension, and back, which is the backward in the table.
-``enter`` / ``leave`` pick the pair from one switch, ``shards.options.sequence_parallel``.
+``enter`` / ``leave`` pick the pair from one switch, ``shards.options.sequence_parallel``. Under
+``StepOptions(tensor_scheme="ring")`` attention's and the dense MLP's entry and exit run as
+collective matmuls instead (``dew.parallel.tensor_ring``, whose ``Region`` calls these pairs when
+the rings are off); the embedding, the head, the loss and the MoE layers keep these pairs.
 
 Gradients follow one convention: each device differentiates its own copy of the loss. Through these
 pairs a tensor-split weight's gradient comes out whole (nothing left to sum over ``tensor``); a
