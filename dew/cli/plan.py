@@ -164,8 +164,8 @@ def _header(args, target, objective) -> str:
 
 def option_variants(args) -> list[tuple]:
     """``(StepOptions, engines)`` for each combination of the ``--fsdp-scheme``,
-    ``--gradient-sum-dtype`` and ``--tensor-scheme`` values given, a step of its own each, in order. The GSPMD baseline
-    takes none of them: it runs once a layout, beside the first."""
+    ``--gradient-sum-dtype`` and ``--tensor-scheme`` values given, a step of its own each, in
+    order. The GSPMD baseline takes none of them: it runs once a layout, beside the first."""
     out = []
     for k, options in enumerate(step_option_variants(args)):
         engines = args.engines if k == 0 else [e for e in args.engines if e != "gspmd"]
