@@ -27,8 +27,9 @@ from test_tensor_collectives import DATA, outside_layers, sizes_of
 
 import dew
 from dew.collectives import collectives
+from dew.nn.param import spec_labels
 from dew.parallel import fsdp, tensor_ring
-from dew.parallel.fsdp_matmul import RingSplit, einsum_labels
+from dew.parallel.fsdp_matmul import RingSplit
 from dew.parallel.options import StepOptions
 from dew.parallel.shards import Shards
 from tests.equivalence import assert_matches, cached_reference, layout_case, sharded_run
@@ -71,7 +72,7 @@ class Case:
 
     def dims(self):
         """The blocked dimension of the input and of the output."""
-        x_labels, _, out_labels = einsum_labels(self.spec)
+        x_labels, _, out_labels = spec_labels(self.spec)
         label = "s" if "s" in x_labels else "t"
         return x_labels.index(label), out_labels.index(label)
 
@@ -106,7 +107,7 @@ def draw(case, rng):
     - ``d_outs``: the gradient of each output this device returns (row, sequence parallel: of its
       block of positions).
     """
-    x_labels, w_labels, out_labels = einsum_labels(case.spec)
+    x_labels, w_labels, out_labels = spec_labels(case.spec)
     n, nf = case.n, case.nf
     blocks_in = 1 if case.kind == "columns" and case.sequence_parallel else n
     blocks_out = 1 if case.kind == "row" and case.sequence_parallel else n
@@ -123,7 +124,7 @@ def draw(case, rng):
 def formula(case, x, weights, d_outs):
     """``(outs, dx, dws)`` as the plain collectives and einsums give them, in float64: ``outs``
     and ``dx`` per device ``[nf][n]``, ``dws`` per weight ``[n, ...]``, summed over fsdp."""
-    x_labels, w_labels, out_labels = einsum_labels(case.spec)
+    x_labels, w_labels, out_labels = spec_labels(case.spec)
     back = f"{out_labels},{w_labels}->{x_labels}"
     grad = f"{x_labels},{out_labels}->{w_labels}"
     dim, out_dim = case.dims()
@@ -457,3 +458,25 @@ def test_a_weight_with_an_einsum_of_its_own_keeps_the_plain_pair():
         values[wrap] = np.asarray(jax.jit(run)(*args))
     assert reports == {False: {"ppermute"}, True: {"all_gather", "psum_scatter"}}
     np.testing.assert_allclose(values[True], values[False], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sequence_parallel", "whole"])
+def test_lora_adapted_weights_keep_the_plain_pairs_under_the_ring(sequence_parallel):
+    """A LoRA model's adapted weights (``dew.nn.lora.Adapted``, an ``einsum`` of their own) enter
+    and leave by the plain pairs under ``tensor_scheme="ring"``: the step's collectives are the
+    plain scheme's, no ``ppermute``."""
+    from test_lora import lora_objective
+
+    def report(scheme):
+        trainer = dew.Trainer(
+            lora_objective(),
+            optax.sgd(0.1),
+            jax.random.key(0),
+            mesh=dew.MeshSpec(tensor=4),
+            layout=dew.Layout(min_shard=1),
+            options=StepOptions(sequence_parallel=sequence_parallel, tensor_scheme=scheme),
+        )
+        return rows_by_key(trainer.collectives(DATA))
+
+    ring = report("ring")
+    assert ring == report("plain") and ("ppermute", (T,)) not in ring, ring

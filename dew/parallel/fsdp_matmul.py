@@ -36,14 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dew.nn.param import spec_labels
 from dew.parallel.ring import AXIS, ring_gather, ring_pairs
-
-
-def einsum_labels(spec: str) -> tuple[str, str, str]:
-    """``"bse,ehd->bshd"`` -> ``("bse", "ehd", "bshd")``."""
-    inputs, out = spec.replace(" ", "").split("->")
-    x, w = inputs.split(",")
-    return x, w, out
 
 
 def _block(a: jax.Array, axis: int, b, n: int) -> jax.Array:
@@ -56,7 +50,7 @@ def _weight_gradient_block(spec, x, d_out, w_dim: int, b, n: int, dtype):
     """Block ``b`` of this device's ``d einsum(spec, x, W) / dW`` along ``W``'s ``w_dim``: from
     ``x`` and ``d_out`` alone (the einsum is linear in ``W``), one matmul of ``1 / n`` of the
     work, in float32, cast to ``dtype`` (the sum's)."""
-    x_labels, w_labels, out_labels = einsum_labels(spec)
+    x_labels, w_labels, out_labels = spec_labels(spec)
     label = w_labels[w_dim]
     if label in x_labels:
         x = _block(x, x_labels.index(label), b, n)
@@ -83,7 +77,7 @@ def _ring_einsum_fwd(x, shard, spec, dim, n, also_sum, sum_dtype, weight_dtype):
 
 def _ring_einsum_bwd(spec, dim, n, also_sum, sum_dtype, weight_dtype, residuals, d_out):
     x, whole = residuals
-    x_labels, w_labels, out_labels = einsum_labels(spec)
+    x_labels, w_labels, out_labels = spec_labels(spec)
     dx = jnp.einsum(f"{out_labels},{w_labels}->{x_labels}", d_out, whole).astype(x.dtype)
     return dx, ring_weight_gradient(spec, x, d_out, dim, n, also_sum, sum_dtype, weight_dtype)
 
@@ -134,7 +128,7 @@ class RingSplit:
         """``jnp.einsum(spec, x, W.astype(x.dtype))`` of the whole weight ``W``, gathered round
         the ring, whose gradient is summed round it as each block is computed (the module
         docstring). ``spec`` names two operands, ``x`` first."""
-        x_labels, w_labels, out_labels = einsum_labels(spec)
+        x_labels, w_labels, out_labels = spec_labels(spec)
         label = w_labels[self.dim]
         if (label in x_labels) == (label in out_labels):
             raise ValueError(

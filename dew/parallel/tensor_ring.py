@@ -57,8 +57,9 @@ no device holds a whole weight gradient, as under the fsdp rings alone.
 
 What keeps the plain pairs: the MoE layers (``expert.moe_mlp`` enters and leaves around its
 router and exchange), the embedding, the vocabulary-parallel head and loss (``tensor.enter``), a
-weight that is neither an array nor a ``RingSplit`` (anything else with an ``einsum``: the region
-falls back to the pair for that call), and the GSPMD engine (no tensor axis inside its model:
+weight that is neither an array nor a ``RingSplit`` (anything else with an ``einsum`` of its
+own, a LoRA ``dew.nn.lora.Adapted`` or an int8 ``dew.nn.int8.Quantized``: the region falls back to
+the pair for that call), and the GSPMD engine (no tensor axis inside its model:
 ``Shards.tensor_ring`` is off). Shared kv heads (``tensor.shared_kv_heads``) are plain arrays, cut
 before the ring. A pipeline refuses the rings (``StepOptions.check``: a ``ppermute`` inside a
 stage's branch).
@@ -74,9 +75,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dew.nn.param import Projections, project
+from dew.nn.param import Projections, project, spec_labels
 from dew.parallel import tensor
-from dew.parallel.fsdp_matmul import RingSplit, einsum_labels
+from dew.parallel.fsdp_matmul import RingSplit
 
 AXIS = tensor.AXIS
 
@@ -94,7 +95,7 @@ def ring_pairs(n: int) -> list[tuple[int, int]]:
 
 
 def _block_label(spec: str) -> str:
-    x_labels = einsum_labels(spec)[0]
+    x_labels = spec_labels(spec)[0]
     for label in BLOCK_LABELS:
         if label in x_labels:
             return label
@@ -133,7 +134,7 @@ def _weight_gradient(spec: str, x: jax.Array, d_out: jax.Array, w):
     shard's gradient summed round the fsdp ring."""
     if isinstance(w, RingSplit):
         return w.gradient(spec, x, d_out)
-    x_labels, w_labels, out_labels = einsum_labels(spec)
+    x_labels, w_labels, out_labels = spec_labels(spec)
     return jnp.einsum(f"{x_labels},{out_labels}->{w_labels}", x, d_out).astype(w.dtype)
 
 
@@ -169,14 +170,14 @@ def _scatter_ring(partial_block, n: int) -> jax.Array:
 
 def _dx_block(spec, d_outs, wholes, out_dim, b, n):
     """Block ``b`` of this device's part of the entry input's gradient: ``sum_w dout_w[b] W^T``."""
-    x_labels, w_labels, out_labels = einsum_labels(spec)
+    x_labels, w_labels, out_labels = spec_labels(spec)
     back = f"{out_labels},{w_labels}->{x_labels}"
     return sum(jnp.einsum(back, _block(d, out_dim, b, n), w) for d, w in zip(d_outs, wholes))
 
 
 def _dims(spec: str) -> tuple[int, int]:
     """The blocked dimension of the einsum's input and of its output."""
-    x_labels, _, out_labels = einsum_labels(spec)
+    x_labels, _, out_labels = spec_labels(spec)
     label = _block_label(spec)
     return x_labels.index(label), out_labels.index(label)
 
@@ -228,7 +229,7 @@ def _scatter_row_fwd(h, weight, spec, n):
 def _scatter_row_bwd(spec, n, residuals, g):
     h, whole, weight = residuals
     dim, out_dim = _dims(spec)
-    h_labels, w_labels, out_labels = einsum_labels(spec)
+    h_labels, w_labels, out_labels = spec_labels(spec)
     dh = [None]
 
     def each(block, b):
@@ -287,7 +288,7 @@ def _reduce_row_fwd(h, weight, spec, n):
 
 def _reduce_row_bwd(spec, n, residuals, g):
     h, whole, weight = residuals
-    h_labels, w_labels, out_labels = einsum_labels(spec)
+    h_labels, w_labels, out_labels = spec_labels(spec)
     # The output is the same on every device, and so is its gradient: no collective.
     dh = jnp.einsum(f"{out_labels},{w_labels}->{h_labels}", g, whole).astype(h.dtype)
     return dh, _weight_gradient(spec, h, g, weight)
