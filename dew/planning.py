@@ -54,6 +54,7 @@ from dew.collectives.report import format_bytes
 from dew.layout import Layout
 from dew.mesh import AXES, MeshSpec
 from dew.parallel import fsdp
+from dew.parallel.options import AUTO as SCHEME_AUTO
 from dew.parallel.options import StepOptions
 from dew.targets import GIB, Target
 from dew.training.remat_choice import REMAT_ORDER
@@ -72,6 +73,10 @@ __all__ = [
     "choices",
     "search",
     "search_summary",
+    "plan_schemes",
+    "scheme_variants",
+    "SchemeChoice",
+    "SUM_DTYPE_ORDER",
     "choice_text",
     "format_table",
     "weight_count",
@@ -113,6 +118,9 @@ class PlanRow:
       compiler scheduled beside each collective (``dew.collectives.overlap.hlo_overlap``):
       compute between its start and its done, or nothing; the two add up to ``wire_bytes``.
       Compiled rows only.
+    - ``ici_send_bytes_per_s``: what a chip of the target can send over its links a second
+      (``Target.ici_send_bytes_per_s``); ``exposed_s``, the exposed bytes over it: the least time
+      they stall the step (docs/planning.md, "Exposed time").
 
     ``error`` is set when the layout was refused before compiling (a ``ValueError`` naming the
     rule) or the compiler failed; ``refused`` when the TPU compiler refused the step for not
@@ -137,6 +145,7 @@ class PlanRow:
     overlapped_wire_bytes: int | None = None
     exposed_wire_bytes: int | None = None
     collectives: dict = dataclasses.field(default_factory=dict)  # op -> calls per step
+    ici_send_bytes_per_s: float | None = None
     compile_s: float = 0.0
     approximate: bool = False
     error: str | None = None
@@ -174,10 +183,19 @@ class PlanRow:
             return "fits"
         return f"over by {(self.total_bytes - self.limit_bytes) / GIB:.2f} GiB"
 
+    @property
+    def exposed_s(self) -> float | None:
+        """``exposed_wire_bytes`` over ``ici_send_bytes_per_s``: seconds a step waits, at least,
+        for the collectives nothing runs beside."""
+        if self.exposed_wire_bytes is None or not self.ici_send_bytes_per_s:
+            return None
+        return self.exposed_wire_bytes / self.ici_send_bytes_per_s
+
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["fits"] = self.fits
         out["spare_bytes"] = self.spare_bytes
+        out["exposed_s"] = self.exposed_s
         return out
 
 
@@ -266,6 +284,7 @@ def plan_layout(
         remat=getattr(objective.model, "remat", ""),
         choices=dict(chosen or {}),
         usable_bytes=target.usable_bytes or None,
+        ici_send_bytes_per_s=target.ici_send_bytes_per_s or None,
     )
     try:
         row["axis_sizes"] = spec.shape(target.chips)
@@ -273,7 +292,10 @@ def plan_layout(
         if data > 1:  # the devices the other axes leave, named: "data=2,fsdp=4"
             row["mesh"] = f"data={data}" if row["mesh"] == "data" else f"data={data},{row['mesh']}"
         if engine == "shard_map":
-            row["options"] = options_text(options, row["axis_sizes"])
+            # What the step runs: "auto" made its choice for the target's chips, as the
+            # Trainer makes it.
+            resolved = options.resolve(row["axis_sizes"], "tpu")
+            row["options"] = options_text(resolved, row["axis_sizes"])
         trainer = _trainer(
             target,
             objective,
@@ -492,6 +514,101 @@ def plan(
     return rows
 
 
+# ----------------------------------------------------------------------------- schemes
+
+# The dtypes of the gradient sums a search tries, the preferred first: each weight's own (float32
+# sums of float32 weights add no rounding to one device's gradient), then bfloat16 (half the sums'
+# bytes and their whole-gradient temporaries), only for a layout where nothing fits in the first.
+SUM_DTYPE_ORDER = (None, "bfloat16")
+
+
+def scheme_variants(options: StepOptions, axis_sizes: dict) -> list[StepOptions]:
+    """The steps a search compiles for the communication ``options`` leaves open on a TPU slice's
+    mesh of ``axis_sizes``: with ``fsdp_scheme="auto"`` where a ring can run, the rings (the
+    rule's choice, ``StepOptions.resolve``) and the gathers; else ``options`` resolved, alone."""
+    resolved = options.resolve(axis_sizes, "tpu")
+    if options.fsdp_scheme != SCHEME_AUTO or resolved.fsdp_scheme != "ring":
+        return [resolved]
+    return [resolved, dataclasses.replace(resolved, fsdp_scheme="gather")]
+
+
+def _scheme_rank(row: PlanRow) -> tuple:
+    """Those that fit first, then the least exposed communication, then the least memory."""
+    unknown = math.inf
+    return (
+        not row.fits,
+        unknown if row.exposed_wire_bytes is None else row.exposed_wire_bytes,
+        unknown if row.total_bytes is None else row.total_bytes,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemeChoice:
+    """What ``plan_schemes`` chose for one layout: ``chosen``, of ``tried`` (the row each
+    variant's choices ended on, in the order compiled), the one that fits with the least exposed
+    communication."""
+
+    chosen: PlanRow
+    tried: tuple[PlanRow, ...]
+
+    def reason(self) -> str:
+        """``"fsdp=8: fsdp_scheme=ring, the least exposed communication of the steps that fit
+        (fsdp_scheme=ring: 0.1 GiB exposed, 0.6 ms; gather: 3.5 GiB exposed, 18.5 ms)"``."""
+
+        def described(row: PlanRow) -> str:
+            if not row.fits:
+                return f"{row.options or 'gather'}: {row.verdict}"
+            time = f", {seconds_text(row.exposed_s)}" if row.exposed_s is not None else ""
+            return f"{row.options or 'gather'}: {_bytes(row.exposed_wire_bytes)} exposed{time}"
+
+        why = "of the steps that fit" if self.chosen.fits else "none fits"
+        return (
+            f"{self.chosen.mesh}: {self.chosen.options or 'gather'}, the least exposed "
+            f"communication {why} ({'; '.join(described(r) for r in self.tried)})"
+        )
+
+
+def plan_schemes(
+    target: Target,
+    objective,
+    mesh,
+    batch: int,
+    *,
+    options: StepOptions = StepOptions(),
+    engines: Sequence[str] = ("shard_map",),
+    sum_dtypes: Sequence[str | None] | None = None,
+    on_scheme: Callable[[SchemeChoice], None] | None = None,
+    **settings,
+) -> list[PlanRow]:
+    """``plan`` of one layout for each of its ``scheme_variants`` (the GSPMD baseline once,
+    beside the first) and, where none fits, again with each further gradient-sum dtype of
+    ``sum_dtypes`` (``None``: ``options``' own alone): every row compiled. ``on_scheme`` sees the
+    ``SchemeChoice`` where there was more than one step to choose from. ``settings`` go to
+    ``plan``."""
+    spec = _as_spec(mesh)
+    axis_sizes = spec.shape(target.chips)
+    rows: list[PlanRow] = []
+    tried: list[PlanRow] = []
+    baseline = [e for e in engines if e != "shard_map"]
+    for sum_dtype in sum_dtypes or (options.gradient_sum_dtype,):
+        asked = dataclasses.replace(options, gradient_sum_dtype=sum_dtype)
+        for variant in scheme_variants(asked, axis_sizes):
+            run = [e for e in engines if e == "shard_map" or e in baseline]
+            baseline = []  # the GSPMD rows once a layout: they take no options
+            compiled = plan(
+                target, objective, [spec], batch, engines=run, options=variant, **settings
+            )
+            rows += compiled
+            ours = [r for r in compiled if r.engine == "shard_map"]
+            if ours:
+                tried.append(ours[-1])
+        if any(r.fits for r in tried):
+            break
+    if on_scheme is not None and len(tried) > 1:
+        on_scheme(SchemeChoice(min(tried, key=_scheme_rank), tuple(tried)))
+    return rows
+
+
 def _factorizations(n: int, slots: int) -> Iterable[tuple[int, ...]]:
     """Every way to write ``n`` as an ordered product of ``slots`` positive integers."""
     if slots == 1:
@@ -607,15 +724,22 @@ def search(
     on_row: Callable[[PlanRow], None] | None = None,
     on_candidates: Callable[[list[Candidate]], None] | None = None,
     on_choice: Callable[[list[PlanRow]], None] | None = None,
+    on_scheme: Callable[[SchemeChoice], None] | None = None,
     optimizer: optax.GradientTransformation | None = None,
     states: Sequence[str] | None = None,
+    sum_dtypes: Sequence[str | None] | None = None,
 ) -> list[PlanRow]:
     """Finds the layouts of ``candidate_meshes``, compiles them until ``max_layouts`` fit and
-    returns their rows, those that fit first, by wire bytes per device (fewest first).
+    returns their rows, those that fit first, then by exposed wire bytes per device (fewest
+    first: ``_rank``).
 
     Where ``objective``'s model leaves a choice (``"auto"``: the ``SEARCH_DIMENSIONS``, e.g.
     ``remat``), each layout is compiled with its candidates in their order until one fits
-    (``plan_choices``); the layouts are traced and ordered with the preferred candidate.
+    (``plan_choices``); the layouts are traced and ordered with the preferred candidate. Where
+    ``options`` leave the fsdp scheme to choose (``"auto"``), each layout is compiled with each
+    scheme that can run on it, and the one that fits with the least exposed communication is
+    its choice (``plan_schemes``, ``on_scheme``); ``sum_dtypes`` (``SUM_DTYPE_ORDER``) are the
+    gradient sums' dtypes tried, the next only where nothing fits in the one before.
 
     Which to compile, in order (each number exact, none needs a compile):
 
@@ -649,16 +773,18 @@ def search(
         if fitting == max_layouts:
             break
         step_options = _options_for(options, c.mesh.shape(target.chips))
-        compiled = plan(
+        compiled = plan_schemes(
             target,
             objective,
-            [c.mesh],
+            c.mesh,
             batch,
+            options=step_options,
             engines=engines,
+            sum_dtypes=sum_dtypes,
+            on_scheme=on_scheme,
             on_row=on_row,
             on_choice=on_choice,
             layout=layout,
-            options=step_options,
             accumulation=accumulation,
             optimizer=optimizer,
             states=states,
@@ -677,19 +803,26 @@ def search_summary(rows: Sequence[PlanRow]) -> str:
         return f"search: none of the {len(rows)} steps compiled fits"
     best = min(fitting, key=_rank)
     values = f", {_values_text(best)}" if best.choices else ""
+    options = f", {best.options}" if best.options else ""
+    exposed = _bytes(best.exposed_wire_bytes)
+    if best.exposed_s is not None:
+        exposed += f", {seconds_text(best.exposed_s)}"
     return (
-        f"search chose {best.mesh} ({best.engine}{values}): of the {len(fitting)} steps that "
-        f"fit, the fewest wire bytes per step ({_bytes(best.wire_bytes)}), then the least "
-        f"memory ({_bytes(best.total_bytes)} of {format_bytes(best.limit_bytes)}); each "
-        "layout's choices are the first that fit in their order (above)"
+        f"search chose {best.mesh} ({best.engine}{values}{options}): of the {len(fitting)} "
+        f"steps that fit, the fewest exposed wire bytes per step ({exposed}), then the fewest "
+        f"wire bytes ({_bytes(best.wire_bytes)}), then the least memory "
+        f"({_bytes(best.total_bytes)} of {format_bytes(best.limit_bytes)}); each layout's "
+        "choices are the first that fit in their order, its scheme the least exposed (above)"
     )
 
 
 def _rank(row: PlanRow) -> tuple:
-    """Those that fit first, then fewest wire bytes, then least memory; unknowns last."""
+    """Those that fit first, then fewest exposed wire bytes (the communication nothing hides),
+    then fewest wire bytes, then least memory; unknowns last."""
     unknown = math.inf
     return (
         not row.fits,
+        unknown if row.exposed_wire_bytes is None else row.exposed_wire_bytes,
         unknown if row.wire_bytes is None else row.wire_bytes,
         unknown if row.total_bytes is None else row.total_bytes,
     )
@@ -720,11 +853,18 @@ def _bytes(n: int | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
+def seconds_text(seconds: float) -> str:
+    """``0.0123`` -> ``"12.3 ms"``."""
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 def _overlap_text(row: PlanRow) -> str:
-    """``"3.9 GiB / 2.6 GiB"``: the wire bytes run beside compute, then those run alone."""
+    """``"3.9 GiB / 2.6 GiB (13.0 ms)"``: the wire bytes run beside compute, then those run
+    alone, and their time at the chip's link bandwidth (``PlanRow.exposed_s``)."""
     if row.overlapped_wire_bytes is None or row.exposed_wire_bytes is None:
         return "-"
-    return f"{_bytes(row.overlapped_wire_bytes)} / {_bytes(row.exposed_wire_bytes)}"
+    time = f" ({seconds_text(row.exposed_s)})" if row.exposed_s is not None else ""
+    return f"{_bytes(row.overlapped_wire_bytes)} / {_bytes(row.exposed_wire_bytes)}{time}"
 
 
 def row_cells(row: PlanRow) -> tuple[str, ...]:

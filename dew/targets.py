@@ -53,18 +53,26 @@ class Generation:
     # together), as libtpu 0.0.42.1 states it when it refuses a program ("exceeds available HBM
     # (15.75G)", to 0.01 GiB): the runtime keeps the rest.
     usable_hbm_bytes: int = 0
+    # What a chip can send over its inter-chip links a second, all of them at once: half the
+    # "bidirectional ICI bandwidth per chip" of Cloud TPU's pages (v5e 400 GB/s, v5p 1,200 GB/s,
+    # v6e 800 GB/s; v4: six links of 400 Gb/s each way, 600 GB/s). ``dew plan`` divides exposed
+    # wire bytes by it: a lower bound on their time, since a ring on one torus axis sends on two
+    # of the chip's 4 (2-D) or 6 (3-D) links (docs/planning.md).
+    ici_send_bytes_per_s: float = 0.0
 
 
 GENERATIONS = {
-    "v4": Generation("v4", "TPU v4", 3, 2, 32 * GIB, 275e12, (2, 2, 1), 4, 4096, int(30.75 * GIB)),
+    "v4": Generation(
+        "v4", "TPU v4", 3, 2, 32 * GIB, 275e12, (2, 2, 1), 4, 4096, int(30.75 * GIB), 300e9
+    ),
     "v5e": Generation(
-        "v5e", "TPU v5 lite", 2, 1, 16 * GIB, 197e12, (2, 2, 1), 8, 256, int(15.75 * GIB)
+        "v5e", "TPU v5 lite", 2, 1, 16 * GIB, 197e12, (2, 2, 1), 8, 256, int(15.75 * GIB), 200e9
     ),
     "v5p": Generation(
-        "v5p", "TPU v5", 3, 2, 95 * GIB, 459e12, (2, 2, 1), 4, 6144, int(95.74 * GIB)
+        "v5p", "TPU v5", 3, 2, 95 * GIB, 459e12, (2, 2, 1), 4, 6144, int(95.74 * GIB), 600e9
     ),
     "v6e": Generation(
-        "v6e", "TPU v6 lite", 2, 1, 32 * GIB, 918e12, (2, 2, 1), 8, 256, int(31.25 * GIB)
+        "v6e", "TPU v6 lite", 2, 1, 32 * GIB, 918e12, (2, 2, 1), 8, 256, int(31.25 * GIB), 400e9
     ),
 }
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e"}
@@ -179,6 +187,11 @@ class Target:
     def usable_bytes(self) -> int:
         """What the TPU compiler lets one program use of a chip's memory (``Generation``)."""
         return self.generation.usable_hbm_bytes
+
+    @property
+    def ici_send_bytes_per_s(self) -> float:
+        """What one chip can send over its inter-chip links a second (``Generation``)."""
+        return self.generation.ici_send_bytes_per_s
 
     def describe(self) -> str:
         hosts = f"{self.hosts} host" + ("s" if self.hosts > 1 else "")

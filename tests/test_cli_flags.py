@@ -198,7 +198,7 @@ def test_the_fsdp_scheme_reaches_the_step_options_of_train_collectives_and_plan(
     from dew.cli.flags import step_options
 
     for command in ("train", "collectives", "plan"):
-        assert step_options(parse(command)).fsdp_scheme == "gather", command
+        assert step_options(parse(command)).fsdp_scheme == "auto", command
         assert step_options(parse(command, "--fsdp-scheme", "ring")).fsdp_scheme == "ring"
 
 

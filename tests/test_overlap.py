@@ -256,6 +256,8 @@ def test_a_tpu_step_splits_every_wire_byte_into_overlapped_or_exposed(engine):
         layout=dew.Layout(min_shard=4096),
         devices=target("v5e-8").devices(),
         engine=engine,
+        # The gathers (not "auto"'s rings on TPU): this test reads chained all-gathers.
+        options=dew.StepOptions(fsdp_scheme="gather" if engine == "shard_map" else "auto"),
     )
     compiled = trainer.compiled_step(16)
     overlap = hlo_overlap(compiled, trainer.mesh)
@@ -273,6 +275,85 @@ def test_a_tpu_step_splits_every_wire_byte_into_overlapped_or_exposed(engine):
         assert sum(p.wire_bytes for p in parts) == row.wire_bytes
     # Both engines' weight gathers are chained into the matmuls that use them, in part.
     assert overlap.overlapped.count("all_gather") > 0 and overlap.exposed_wire_bytes > 0
+
+
+# Programs whose answer is known, compiled for v5e-8 by the TPU compiler and read from its
+# schedule: each moves f32[512, 512] pieces (1 MiB; a ppermute's wire bytes are its operand's).
+PIECE = (512, 512)
+PIECE_BYTES = 512 * 512 * 4
+
+
+@pytest.fixture(scope="module")
+def tpu_ring():
+    """``(compile, mesh)``: ``compile(f, outputs)`` compiles ``f(x, w)`` (each device's ``[1,
+    512, 512]`` pieces; ``outputs`` arrays out) in a shard_map over the 8 chips of v5e-8."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    tpu_mesh = Mesh(target("v5e-8").devices(), ("fsdp",))
+    specs = (P("fsdp"), P("fsdp"))
+    args = [jax.ShapeDtypeStruct((8, *PIECE), "float32")] * 2
+
+    def compile_(f, outputs=1):
+        out_specs = P("fsdp") if outputs == 1 else (P("fsdp"),) * outputs
+        step = jax.shard_map(f, mesh=tpu_mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+        return jax.jit(step).lower(*args).compile()
+
+    return compile_, tpu_mesh
+
+
+RING = [(i, (i + 1) % 8) for i in range(8)]
+
+
+@pytest.mark.xdist_group("tpu")
+def test_a_tpu_collective_with_independent_compute_beside_it_is_overlapped(tpu_ring):
+    compile_, tpu_mesh = tpu_ring
+
+    def independent(x, w):
+        # Nothing the matmuls compute waits for the ppermute (two outputs: nothing joins them),
+        # so it travels while they run.
+        moved = jax.lax.ppermute(x, "fsdp", RING)
+        product = jax.numpy.tanh(w[0] @ w[0]) @ w[0]
+        return moved, product[None]
+
+    overlap = hlo_overlap(compile_(independent, outputs=2), tpu_mesh)
+    assert (overlap.overlapped_wire_bytes, overlap.exposed_wire_bytes) == (PIECE_BYTES, 0)
+
+
+@pytest.mark.xdist_group("tpu")
+def test_a_tpu_collective_whose_result_the_next_op_needs_is_exposed(tpu_ring):
+    compile_, tpu_mesh = tpu_ring
+
+    def dependent(x, w):
+        # The only compute there is needs what the ppermute brings: nothing can run beside it.
+        moved = jax.lax.ppermute(x, "fsdp", RING)
+        return (jax.numpy.tanh(moved[0]) @ w[0])[None]
+
+    overlap = hlo_overlap(compile_(dependent), tpu_mesh)
+    assert (overlap.overlapped_wire_bytes, overlap.exposed_wire_bytes) == (0, PIECE_BYTES)
+
+
+@pytest.mark.xdist_group("tpu")
+def test_a_tpu_ring_inside_a_scan_is_overlapped_once_per_step(tpu_ring):
+    compile_, tpu_mesh = tpu_ring
+    steps = 7
+
+    def ring(x, w):
+        # fsdp_matmul's pattern: each step's matmul on the piece held, beside the piece's trip
+        # to the next device; the scan's trip count multiplies the bytes.
+        def step(carry, _):
+            piece, total = carry
+            return (
+                jax.lax.ppermute(piece, "fsdp", RING),
+                total + jax.numpy.tanh(piece @ w[0]),
+            ), None
+
+        (piece, total), _ = jax.lax.scan(step, (x[0], jax.numpy.zeros(PIECE)), None, length=steps)
+        return (piece + total)[None]
+
+    overlap = hlo_overlap(compile_(ring), tpu_mesh)
+    assert (overlap.overlapped_wire_bytes, overlap.exposed_wire_bytes) == (steps * PIECE_BYTES, 0)
+    assert overlap.overlapped.count("ppermute") == steps
 
 
 def test_what_is_not_a_compiled_step_and_its_mesh_is_refused_by_name(mesh):

@@ -285,10 +285,11 @@ def test_a_ring_is_the_all_gather_and_the_reduce_scatter(cpu_mesh, dim, seed):
 
 
 def test_the_ring_is_asked_for_and_refused_where_it_cannot_run():
-    # A choice of the step's options, off by default; the Trainer hands it to the step.
-    assert StepOptions().fsdp_scheme == "gather"
+    # A choice of the step's options ("auto" by default: tests/test_schemes_auto.py); the
+    # Trainer hands it to the step.
+    assert StepOptions().fsdp_scheme == "auto"
     with pytest.raises(
-        ValueError, match="unknown fsdp_scheme 'rings'; expected one of gather, ring"
+        ValueError, match="unknown fsdp_scheme 'rings'; expected one of auto, gather, ring"
     ):
         StepOptions(fsdp_scheme="rings")
     ring = StepOptions(fsdp_scheme="ring")

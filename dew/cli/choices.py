@@ -14,7 +14,7 @@ SEQUENCE_SCHEMES = ("ring", "all_to_all")
 # dew.parallel.pipeline.SCHEDULES' names
 PIPELINE_SCHEDULES = ("1f1b", "1f1b_phased", "gpipe")
 # dew.parallel.options.FSDP_SCHEMES
-FSDP_SCHEMES = ("gather", "ring")
+FSDP_SCHEMES = ("auto", "gather", "ring")
 # dew.parallel.options.TENSOR_SCHEMES
 TENSOR_SCHEMES = ("plain", "ring")
 # dew.parallel.options.GRADIENT_SUM_DTYPES

@@ -209,13 +209,13 @@ def add_fsdp_scheme_flag(parser: argparse.ArgumentParser, *, several: bool = Fal
     parser.add_argument(
         "--fsdp-scheme",
         nargs="+" if several else None,
-        default=["gather"] if several else "gather",
+        default=["auto"] if several else "auto",
         choices=choices.FSDP_SCHEMES,
         metavar="SCHEME",
-        help="how weights cross an fsdp axis above 1 (default gather: all_gather, its gradient a "
-        "psum_scatter); ring: rings of ppermutes with the same bytes (fsdp of 2 to 32), which "
-        "the TPU compiler overlaps with compute on a 3-D torus (v4, v5p), each weight "
-        "gradient summed round the ring as it is computed"
+        help="how weights cross an fsdp axis above 1: gather (all_gather, its gradient a "
+        "psum_scatter) or ring (rings of ppermutes with the same bytes, fsdp of 2 to 32, which "
+        "the TPU compiler runs beside the matmuls, each weight gradient summed round the ring "
+        "as it is computed); default auto: ring on TPU where a ring can run, else gather"
         + ("; several: a row each" if several else ""),
     )
 

@@ -96,8 +96,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--search",
         action="store_true",
         help="enumerate every layout of the six axes the model and slice allow and compile the "
-        "most promising (see --max-layouts); rank those that fit by wire bytes. Without "
-        "--remat it also chooses the recompute policy per layout (--remat auto)",
+        "most promising (see --max-layouts); rank those that fit by exposed wire bytes, then "
+        "wire bytes. Per layout it also chooses the recompute policy (without --remat: the "
+        "least recomputation that fits), the fsdp scheme (with --fsdp-scheme auto: each that "
+        "can run, the least exposed that fits) and the gradient sums' dtype (without "
+        "--gradient-sum-dtype: float32, then bfloat16 where nothing fits)",
     )
     parser.add_argument(
         "--max-layouts",
@@ -225,6 +228,7 @@ def run(args) -> int:
             )
             return
         heap = "-" if row.temp_bytes is None else planning.format_bytes(row.temp_bytes)
+        exposed = "" if row.exposed_s is None else f" ({planning.seconds_text(row.exposed_s)})"
         spare = (
             f" with {planning.format_bytes(row.spare_bytes)} to spare"
             if row.spare_bytes is not None
@@ -235,12 +239,16 @@ def run(args) -> int:
             f"{planning.format_bytes(row.total_bytes)} per device (temporaries: the compiler's "
             f"heap {heap}, memory_analysis {planning.format_bytes(row.analysis_temp_bytes)}), "
             f"{row.verdict}{spare} of {planning.format_bytes(row.limit_bytes)}; "
-            f"{planning.format_bytes(row.wire_bytes)} on the wire per step",
+            f"{planning.format_bytes(row.wire_bytes)} on the wire per step, "
+            f"{planning.format_bytes(row.exposed_wire_bytes)} of it exposed{exposed}",
             flush=True,
         )
 
     def chose(rows):
         print(f"  chose {planning.choice_text(rows)}", flush=True)
+
+    def chose_scheme(choice):
+        print(f"  chose {choice.reason()}", flush=True)
 
     if args.search:
 
@@ -253,6 +261,8 @@ def run(args) -> int:
                 flush=True,
             )
 
+        # The gradient sums' dtype is a choice too unless --gradient-sum-dtype names one.
+        sums = planning.SUM_DTYPE_ORDER if args.gradient_sum_dtype == [None] else None
         rows = []
         for objective in objectives:
             for options, engines in variants:
@@ -266,6 +276,8 @@ def run(args) -> int:
                     on_row=show,
                     on_candidates=listed,
                     on_choice=chose,
+                    on_scheme=chose_scheme,
+                    sum_dtypes=sums,
                     **settings,
                 )
     else:

@@ -19,8 +19,10 @@ import dataclasses
 
 from dew.parallel import fsdp, pipeline, sequence
 
-# How weights cross the fsdp axis (``StepOptions.fsdp_scheme``).
-FSDP_SCHEMES = ("gather", "ring")
+# How weights cross the fsdp axis (``StepOptions.fsdp_scheme``): "auto" is resolved per platform
+# and mesh (``StepOptions.resolve``) into one of the others.
+AUTO = "auto"
+FSDP_SCHEMES = (AUTO, "gather", "ring")
 
 # How activations cross the tensor axis (``StepOptions.tensor_scheme``).
 TENSOR_SCHEMES = ("plain", "ring")
@@ -49,13 +51,17 @@ class StepOptions:
         backward)`` a step, up to ``2 stage - 1`` inputs held) or ``"gpipe"`` (all forwards,
         then all backwards: every stage holds all ``M`` inputs).
       fsdp_scheme: how weights cross an ``fsdp`` axis above 1 (``dew.parallel.fsdp``):
-        ``"gather"`` (the default: ``all_gather``, its transpose a ``psum_scatter``) or
-        ``"ring"`` (rings of ``ppermute`` s with the same bytes, at most ``fsdp.RING_MAX``
-        devices; a layer's matrices' gradients summed round the ring as they are computed:
-        ``dew.parallel.fsdp_matmul``). On a 3-D TPU torus the compiler overlaps no all-gather
-        with compute but runs a ring's collective-permutes beside the matmuls: measured on
-        v5p-16, Llama-3.1-8B, fsdp=8, 0.36 x GSPMD's exposed bytes against 5.1 x, and 1.009 x
-        its temporaries against 1.068 x (docs/benchmarks.md).
+        ``"gather"`` (``all_gather``, its transpose a ``psum_scatter``), ``"ring"`` (rings of
+        ``ppermute`` s with the same bytes, at most ``fsdp.RING_MAX`` devices; a layer's
+        matrices' gradients summed round the ring as they are computed:
+        ``dew.parallel.fsdp_matmul``) or ``"auto"`` (the default), which ``resolve`` turns into
+        one of them by a rule: ``"ring"`` on TPU devices wherever a ring can run (fsdp of 2 to
+        ``fsdp.RING_MAX``, no ``stage`` axis), ``"gather"`` elsewhere. The TPU compiler runs a
+        ring's collective-permutes beside the matmuls and leaves most all-gathers alone (on a
+        3-D torus, every one): on v5e-8, Llama-3.2-1B, fsdp=8, the gathers exposed 7.8 x
+        GSPMD's bytes and the rings 0.25 x, in less memory than GSPMD's (docs/benchmarks.md,
+        "Pods by default"). On CPU and GPU, ``"auto"`` is the gathers: nothing measured there
+        says otherwise, and the CPU programs of the tests stay what they were.
       gradient_sum_dtype: the dtype every cross-device sum of a weight's gradient runs in (the
         fsdp ``psum_scatter``, the ``psum`` s over ``data`` and the other axes of
         ``dew.parallel.gradients``): ``None`` (the default) sums each gradient in its weight's
@@ -76,7 +82,7 @@ class StepOptions:
     sequence_parallel: bool = False
     sequence_scheme: str = "ring"
     pipeline_schedule: str = "1f1b"
-    fsdp_scheme: str = "gather"
+    fsdp_scheme: str = AUTO
     gradient_sum_dtype: str | None = None
     tensor_scheme: str = "plain"
 
@@ -205,6 +211,15 @@ class StepOptions:
                 "tensor_scheme='plain' with a stage axis"
             )
 
+    def resolve(self, axis_sizes: dict, platform: str) -> StepOptions:
+        """These options with every ``"auto"`` made a choice, for a step on a mesh of
+        ``axis_sizes`` whose devices are ``platform``'s (``"cpu"``, ``"gpu"``, ``"tpu"``): what
+        the ``Trainer`` builds its step with. A rule, not a compile (docs/distributed.md,
+        "Schemes chosen by default"): the table it stands on is docs/benchmarks.md's."""
+        if self.fsdp_scheme != AUTO:
+            return self
+        return dataclasses.replace(self, fsdp_scheme=auto_fsdp_scheme(axis_sizes, platform))
+
     def in_effect(self, axis_sizes: dict) -> dict:
         """The options a mesh of ``axis_sizes`` uses, by name: ``sequence_parallel`` with a
         ``tensor`` axis, ``sequence_scheme`` with a ``sequence`` axis, ``pipeline_schedule`` with
@@ -213,8 +228,8 @@ class StepOptions:
             "sequence_parallel": axis_sizes.get("tensor", 1) > 1,
             "sequence_scheme": axis_sizes.get("sequence", 1) > 1,
             "pipeline_schedule": axis_sizes.get("stage", 1) > 1,
-            # Named only when asked: every fsdp layout gathers, and says nothing of it.
-            "fsdp_scheme": self.fsdp_scheme != "gather",
+            # Named where the rings run (asked or chosen): a layout that gathers says nothing.
+            "fsdp_scheme": self.fsdp_scheme == "ring" and axis_sizes.get("fsdp", 1) > 1,
             "gradient_sum_dtype": self.gradient_sum_dtype is not None,
             "tensor_scheme": self.tensor_scheme != "plain",
         }
@@ -223,6 +238,14 @@ class StepOptions:
     def describe(self) -> dict:
         """The options as a JSON-ready dict (checkpoint metadata, benchmark rows)."""
         return dataclasses.asdict(self)
+
+
+def auto_fsdp_scheme(axis_sizes: dict, platform: str) -> str:
+    """``fsdp_scheme="auto"`` on a mesh of ``axis_sizes`` of ``platform`` devices: ``"ring"`` on
+    TPU where a ring can run (an fsdp axis of 2 to ``fsdp.RING_MAX`` devices, no ``stage`` axis),
+    else ``"gather"``."""
+    f, stages = axis_sizes.get("fsdp", 1), axis_sizes.get("stage", 1)
+    return "ring" if platform == "tpu" and 1 < f <= fsdp.RING_MAX and stages == 1 else "gather"
 
 
 DEFAULT = StepOptions()

@@ -105,8 +105,9 @@ class Trainer:
       options: a ``StepOptions``: Megatron's sequence-parallel activations over ``tensor``, the
         attention scheme over ``sequence``, the pipeline schedule over ``stage``
         (``dew.parallel.options``). Checked against the mesh here, before anything compiles: an
-        option the mesh gives no axis for is an error. The shard_map engine's only: the GSPMD
-        engines take the default.
+        option the mesh gives no axis for is an error. Its ``"auto"`` choices are made here for
+        these devices (``StepOptions.resolve``): ``trainer.options`` is what the step runs. The
+        shard_map engine's only: the GSPMD engines take the default.
       memory_limit_bytes: a device's memory, for a model with ``remat="auto"``: the first step
         built (``train_step``, at its batch size) takes the least recomputation whose step fits
         it (``dew.training.remat_choice.choose_remat``, a compile per policy tried). Default:
@@ -167,7 +168,12 @@ class Trainer:
         self.checkpoints = checkpoints
         self.accumulation = accumulation
         self.engine = engine
-        self.options = options
+        self.platform = platform = self.mesh.devices.flat[0].platform
+        # "auto" (the fsdp scheme's default) made a choice for these devices: the options the
+        # shard_map step is built with, and what ``options`` reads back.
+        self.options = options.resolve(dict(self.mesh.shape), platform)
+        if engine != "shard_map":
+            self.options = options
         self.memory_limit_bytes = memory_limit_bytes
         # A LoRA model trains its adapters on a frozen base (``TrainState.frozen``).
         self.lora = getattr(objective.model, "lora", None)
@@ -185,14 +191,12 @@ class Trainer:
         if mesh_shape["sequence"] > 1:  # zigzag chunks only where a sequence axis splits rows
             sequence.check_seq_len(objective.seq_len, mesh_shape["sequence"])
         if engine == "shard_map":
-            options.check(mesh_shape, objective.seq_len)
+            self.options.check(mesh_shape, objective.seq_len)
         if hasattr(objective.model, "attention_for"):
             # An attention kernel that cannot run on these devices (cuDNN off a GPU, or on a
             # ring) is refused here, before anything is traced, not by the first step.
             objective.model.attention_for(
-                self.mesh.devices.flat[0].platform,
-                mesh_shape if engine == "shard_map" else None,
-                options.sequence_scheme,
+                platform, mesh_shape if engine == "shard_map" else None, options.sequence_scheme
             )
         if self.lora is not None:
             lora.check(objective.model, mesh_shape)
@@ -213,12 +217,12 @@ class Trainer:
         self.shards = Shards(
             axis_sizes=mesh_shape,
             param_specs=model_specs,
-            options=options,
+            options=self.options,
             microbatches=self.microbatches,
             fsdp_scatter_stages=fsdp.scatter_stages(self.mesh),
             fsdp_tpu_layout=fsdp.on_tpu(self.mesh),
-            fsdp_ring=engine == "shard_map" and options.fsdp_scheme == "ring",
-            tensor_ring=engine == "shard_map" and options.tensor_scheme == "ring",
+            fsdp_ring=engine == "shard_map" and self.options.fsdp_scheme == "ring",
+            tensor_ring=engine == "shard_map" and self.options.tensor_scheme == "ring",
         )
         if engine == "shard_map":
             for specs, tree_axes, shapes in self._weight_trees(abstract_state, axes):
@@ -358,7 +362,7 @@ class Trainer:
             from dew.training import lora_base
 
             metadata["lora_base"] = lora_base.describe(self, state.frozen)
-        if self.options != StepOptions():
+        if self.options != StepOptions().resolve(dict(self.mesh.shape), self.platform):
             metadata["options"] = self.options.describe()
         if self.mesh.shape["stage"] > 1:
             metadata["pipeline"] = {

@@ -1,0 +1,199 @@
+"""The communication schemes chosen by default (``StepOptions(fsdp_scheme="auto")``, the
+default): the rule ``StepOptions.resolve`` applies, the ``Trainer`` and ``dew plan`` taking it
+alike, a CPU step unchanged by it, and the choice ``dew plan --search`` makes by compiling each
+scheme (``planning.plan_schemes``, read here from rows built by hand: nothing compiles but the
+CPU step and one TPU ``Trainer``'s devices)."""
+
+import dataclasses
+
+import jax
+import optax
+import pytest
+
+import dew
+from dew import MeshSpec, StepOptions, planning
+from dew.objectives.lm import LMObjective
+from dew.parallel import fsdp
+from dew.targets import GIB, target
+
+AUTO = StepOptions()
+
+
+@pytest.mark.parametrize(
+    "sizes, platform, scheme",
+    [
+        ({"fsdp": 8}, "tpu", "ring"),  # v5e-8 / v5p-16 fsdp=8: the rings
+        ({"fsdp": 2, "tensor": 4}, "tpu", "ring"),
+        ({"fsdp": fsdp.RING_MAX}, "tpu", "ring"),  # the largest ring
+        ({"fsdp": 2 * fsdp.RING_MAX}, "tpu", "gather"),  # past it: n - 1 ppermutes too many
+        ({"fsdp": 8, "stage": 2}, "tpu", "gather"),  # no ring inside a pipeline stage
+        ({"data": 8}, "tpu", "gather"),  # no fsdp axis: nothing to gather
+        ({"fsdp": 8}, "cpu", "gather"),  # off TPU: the programs of the tests, unchanged
+        ({"fsdp": 8}, "gpu", "gather"),  # nothing measured on GPU says otherwise
+    ],
+)
+def test_auto_is_the_rings_on_tpu_wherever_a_ring_runs(sizes, platform, scheme):
+    assert AUTO.fsdp_scheme == "auto"
+    assert AUTO.resolve(sizes, platform).fsdp_scheme == scheme
+    # What a user asks for is kept, on every platform.
+    for asked in ("gather", "ring"):
+        assert StepOptions(fsdp_scheme=asked).resolve(sizes, platform).fsdp_scheme == asked
+
+
+def tiny_objective() -> LMObjective:
+    model = dew.models.build(
+        "causal_transformer",
+        vocab_size=64,
+        emb_features=32,
+        num_layers=1,
+        num_heads=2,
+        max_seq_len=8,
+    )
+    return LMObjective(model, 8)
+
+
+def trainer(options=AUTO, devices=None) -> dew.Trainer:
+    return dew.Trainer(
+        tiny_objective(),
+        optax.adamw(1e-3),
+        jax.random.key(0),
+        mesh=MeshSpec(fsdp=8),
+        layout=dew.Layout(min_shard=1),
+        devices=devices,
+        options=options,
+    )
+
+
+def test_on_cpu_auto_builds_the_gather_step_itself():
+    chosen = trainer()
+    assert chosen.options == StepOptions(fsdp_scheme="gather") and not chosen.shards.fsdp_ring
+    # The same program as asking for the gathers: no compile and no step of its own.
+    asked = trainer(StepOptions(fsdp_scheme="gather"))
+    lowered = [t.train_step(8).lower(*t.step_arguments(8)).as_text() for t in (chosen, asked)]
+    assert lowered[0] == lowered[1]
+    # and another program than the rings', so the comparison can tell them apart.
+    rings = trainer(StepOptions(fsdp_scheme="ring"))
+    assert rings.train_step(8).lower(*rings.step_arguments(8)).as_text() != lowered[0]
+
+
+@pytest.mark.xdist_group("tpu")
+def test_on_a_tpu_slice_the_trainer_and_plan_take_the_rings():
+    tpu = trainer(devices=target("v5e-8").devices())
+    assert tpu.options.fsdp_scheme == "ring" and tpu.shards.fsdp_ring
+    # dew plan names the step it compiles by the same rule (its rows say what ran).
+    assert planning.options_text(AUTO.resolve(dict(tpu.mesh.shape), "tpu"), {"fsdp": 8}) == (
+        "fsdp_scheme=ring"
+    )
+
+
+def row(options: str, *, exposed: int, total: int = 3 * GIB, fits: bool = True, sums=None):
+    """A compiled shard_map row of fsdp=8 on v5e-8, ``exposed`` bytes exposed."""
+    return planning.PlanRow(
+        target="v5e-8",
+        mesh="fsdp=8",
+        axis_sizes={"fsdp": 8},
+        engine="shard_map",
+        options=options,
+        hbm_bytes=16 * GIB,
+        usable_bytes=int(15.75 * GIB),
+        total_bytes=total if fits else 20 * GIB,
+        wire_bytes=6 * GIB,
+        overlapped_wire_bytes=6 * GIB - exposed,
+        exposed_wire_bytes=exposed,
+        ici_send_bytes_per_s=200e9,
+        choices={} if sums is None else {"sums": sums},
+    )
+
+
+def fake_plan(outcomes: dict, calls: list):
+    """``planning.plan`` answering each (fsdp scheme, sum dtype) with ``outcomes``' row, and
+    GSPMD's, recording what it was asked to compile."""
+
+    def plan(target_, objective, meshes, batch, *, engines, options, **settings):
+        calls.append((options.fsdp_scheme, options.gradient_sum_dtype, tuple(engines)))
+        out = [outcomes[(options.fsdp_scheme, options.gradient_sum_dtype)]] * (
+            "shard_map" in engines
+        )
+        if "gspmd" in engines:
+            out.append(dataclasses.replace(out[0], engine="gspmd", options=""))
+        return out
+
+    return plan
+
+
+def choose(monkeypatch, outcomes) -> tuple[list, list, list]:
+    calls, choices = [], []
+    monkeypatch.setattr(planning, "plan", fake_plan(outcomes, calls))
+    rows = planning.plan_schemes(
+        target("v5e-8"),
+        None,
+        "fsdp=8",
+        16,
+        options=AUTO,
+        engines=("shard_map", "gspmd"),
+        sum_dtypes=planning.SUM_DTYPE_ORDER,
+        on_scheme=choices.append,
+    )
+    return rows, calls, choices
+
+
+def test_the_search_takes_the_scheme_that_fits_with_the_least_exposed_bytes(monkeypatch):
+    # The rings expose less but do not fit: the gathers are the choice, and float32 sums fit.
+    outcomes = {
+        ("ring", None): row("fsdp_scheme=ring", exposed=100, fits=False),
+        ("gather", None): row("", exposed=3 * GIB),
+    }
+    rows, calls, (choice,) = choose(monkeypatch, outcomes)
+    assert calls == [("ring", None, ("shard_map", "gspmd")), ("gather", None, ("shard_map",))]
+    assert choice.chosen is outcomes[("gather", None)]
+    assert choice.reason().startswith("fsdp=8: gather, the least exposed communication of the")
+    assert [r.engine for r in rows].count("gspmd") == 1  # the baseline once a layout
+    # Both fit: the one that exposes less, whatever the memory.
+    outcomes[("ring", None)] = row("fsdp_scheme=ring", exposed=100, total=4 * GIB)
+    _, _, (choice,) = choose(monkeypatch, outcomes)
+    assert choice.chosen is outcomes[("ring", None)]
+    assert "fsdp_scheme=ring: 100 B exposed, 0.0 ms; gather: 3.0 GiB exposed, 16.1 ms" in (
+        choice.reason()
+    )
+
+
+def test_bfloat16_sums_are_tried_only_where_nothing_fits_in_float32(monkeypatch):
+    outcomes = {
+        ("ring", None): row("fsdp_scheme=ring", exposed=100, fits=False),
+        ("gather", None): row("", exposed=3 * GIB, fits=False),
+        ("ring", "bfloat16"): row("fsdp_scheme=ring, gradient_sum_dtype=bfloat16", exposed=50),
+        ("gather", "bfloat16"): row("gradient_sum_dtype=bfloat16", exposed=GIB),
+    }
+    _, calls, (choice,) = choose(monkeypatch, outcomes)
+    assert [c[:2] for c in calls] == [
+        ("ring", None),
+        ("gather", None),
+        ("ring", "bfloat16"),
+        ("gather", "bfloat16"),
+    ]
+    assert choice.chosen is outcomes[("ring", "bfloat16")]
+
+
+def test_a_scheme_the_user_names_is_the_only_one_compiled(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        planning, "plan", fake_plan({("gather", None): row("", exposed=GIB)}, calls)
+    )
+    choices = []
+    planning.plan_schemes(
+        target("v5e-8"),
+        None,
+        "fsdp=8",
+        16,
+        options=StepOptions(fsdp_scheme="gather"),
+        on_scheme=choices.append,
+    )
+    assert calls == [("gather", None, ("shard_map",))] and choices == []
+
+
+def test_exposed_time_is_the_exposed_bytes_over_the_chip_s_link_bandwidth():
+    # v5e: 400 GB/s both ways a chip (Cloud TPU's page), 200 GB/s sent.
+    assert target("v5e-8").ici_send_bytes_per_s == 200e9
+    assert target("v5p-16").ici_send_bytes_per_s == 600e9
+    assert row("", exposed=2 * 10**9).exposed_s == pytest.approx(0.01)
+    assert planning.seconds_text(0.0123) == "12.3 ms"
