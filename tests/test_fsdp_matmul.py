@@ -203,4 +203,4 @@ def test_a_search_asks_for_the_rings_only_where_they_can_run():
     assert planning._options_for(asked, shape) == asked
     for other in (dict(fsdp=64), dict(fsdp=4, stage=2), dict(fsdp=1)):
         given = planning._options_for(asked, {**shape, **other})
-        assert given == StepOptions(gradient_sum_dtype="bfloat16"), other
+        assert given == StepOptions(fsdp_scheme="gather", gradient_sum_dtype="bfloat16"), other

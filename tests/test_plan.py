@@ -81,7 +81,11 @@ def test_a_plan_row_holds_the_memory_of_an_independent_compile_to_the_byte():
     assert row.fits and row.verdict == "fits" and row.hbm_bytes == 16 * GIB
     assert row.usable_bytes == v5e.usable_bytes and row.spare_bytes > 15 * GIB
     assert row.axis_sizes["fsdp"] == 8 and row.axis_sizes["data"] == 1
-    assert not row.approximate and row.wire_bytes > 0 and row.collectives["all_gather"] > 0
+    # The default scheme ("auto") on a TPU slice: the fsdp rings, named in the row, as the
+    # Trainer built them (tests/test_schemes_auto.py).
+    assert row.options == "fsdp_scheme=ring" and trainer.shards.fsdp_ring
+    assert not row.approximate and row.wire_bytes > 0 and row.collectives["ppermute"] > 0
+    assert "all_gather" not in row.collectives
     # Every wire byte is either beside compute or alone (tests/test_overlap.py reads the split).
     assert row.overlapped_wire_bytes + row.exposed_wire_bytes == row.wire_bytes
 
@@ -98,6 +102,8 @@ def test_the_tpu_hlo_counts_every_layer_as_the_jaxpr_does():
         mesh=dew.MeshSpec(fsdp=4),
         layout=LAYOUT,
         devices=v5p.devices(),
+        # The gathers, whose all-gathers this test counts ("auto" would run the rings).
+        options=dew.StepOptions(fsdp_scheme="gather"),
     )
     compiled = trainer.compiled_step(8)
     from_hlo = hlo_collectives(compiled, trainer.mesh)
