@@ -244,10 +244,10 @@ def test_plan_runs_each_fsdp_scheme_and_sum_dtype_given_and_gspmd_once():
     # GSPMD alone: one row a layout, whatever the options.
     alone = parse("plan", "--engines", "gspmd", "--fsdp-scheme", "gather", "ring")
     assert [engines for _, engines in option_variants(alone)] == [["gspmd"]]
-    # By default one step: the gathers, each weight's dtype.
+    # By default one step: the scheme chosen for the target ("auto"), each weight's dtype.
     ((options, engines),) = option_variants(parse("plan"))
     assert (options.fsdp_scheme, options.gradient_sum_dtype, engines) == (
-        "gather",
+        "auto",
         None,
         ["shard_map"],
     )

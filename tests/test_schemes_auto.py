@@ -197,3 +197,15 @@ def test_exposed_time_is_the_exposed_bytes_over_the_chip_s_link_bandwidth():
     assert target("v5p-16").ici_send_bytes_per_s == 600e9
     assert row("", exposed=2 * 10**9).exposed_s == pytest.approx(0.01)
     assert planning.seconds_text(0.0123) == "12.3 ms"
+
+
+def test_the_search_ranks_steps_that_fit_by_exposed_bytes_before_wire_bytes():
+    # Fewer wire bytes, but more of them exposed: the other step ranks first, and the summary
+    # names it with its scheme.
+    quiet = dataclasses.replace(row("fsdp_scheme=ring", exposed=GIB), wire_bytes=7 * GIB)
+    loud = row("", exposed=2 * GIB)
+    assert sorted([loud, quiet], key=planning._rank) == [quiet, loud]
+    assert planning.search_summary([loud, quiet]).startswith(
+        "search chose fsdp=8 (shard_map, fsdp_scheme=ring): of the 2 steps that fit, the fewest "
+        "exposed wire bytes per step (1.0 GiB, 5.4 ms)"
+    )
