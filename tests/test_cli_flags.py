@@ -207,7 +207,7 @@ def test_the_tensor_scheme_reaches_the_step_options_of_train_collectives_and_pla
     from dew.cli.plan import option_variants
 
     for command in ("train", "collectives", "plan"):
-        assert step_options(parse(command)).tensor_scheme == "plain", command
+        assert step_options(parse(command)).tensor_scheme == "auto", command
         assert step_options(parse(command, "--tensor-scheme", "ring")).tensor_scheme == "ring"
     args = parse("plan", "--engines", "shard_map", "gspmd", "--tensor-scheme", "plain", "ring")
     chosen = [(o.tensor_scheme, engines) for o, engines in option_variants(args)]

@@ -32,12 +32,49 @@ AUTO = StepOptions()
         ({"fsdp": 8}, "gpu", "gather"),  # nothing measured on GPU says otherwise
     ],
 )
-def test_auto_is_the_rings_on_tpu_wherever_a_ring_runs(sizes, platform, scheme):
+def test_auto_is_the_fsdp_rings_on_tpu_wherever_a_ring_runs(sizes, platform, scheme):
     assert AUTO.fsdp_scheme == "auto"
     assert AUTO.resolve(sizes, platform).fsdp_scheme == scheme
     # What a user asks for is kept, on every platform.
     for asked in ("gather", "ring"):
         assert StepOptions(fsdp_scheme=asked).resolve(sizes, platform).fsdp_scheme == asked
+
+
+@pytest.mark.parametrize(
+    "sizes, platform, seq_len, scheme",
+    [
+        ({"fsdp": 2, "tensor": 4}, "tpu", 512, "ring"),  # v5e-8 fsdp=2,tensor=4: the rings
+        ({"tensor": 8}, "tpu", None, "ring"),
+        ({"tensor": 4}, "tpu", 510, "plain"),  # 510 positions are not 4 whole blocks
+        ({"tensor": 4, "sequence": 2}, "tpu", 1024, "ring"),  # 512 a device: blocks of 128
+        ({"tensor": 4, "sequence": 2}, "tpu", 1020, "plain"),  # 510 a device
+        ({"tensor": 4, "stage": 2}, "tpu", 512, "plain"),  # no ring inside a pipeline stage
+        ({"fsdp": 8}, "tpu", 512, "plain"),  # no tensor axis
+        ({"tensor": 4}, "cpu", 512, "plain"),  # off TPU: the tests' programs, unchanged
+        ({"tensor": 4}, "gpu", 512, "plain"),
+    ],
+)
+def test_auto_is_the_tensor_rings_on_tpu_wherever_they_run(sizes, platform, seq_len, scheme):
+    assert AUTO.tensor_scheme == "auto"
+    assert AUTO.resolve(sizes, platform, seq_len).tensor_scheme == scheme
+    for asked in ("plain", "ring"):
+        given = StepOptions(tensor_scheme=asked).resolve(sizes, platform, seq_len)
+        assert given.tensor_scheme == asked
+
+
+def test_a_search_compiles_the_rule_s_choice_then_each_scheme_plain_alone():
+    variants = planning.scheme_variants(AUTO, {"fsdp": 2, "tensor": 4}, 512)
+    assert [(v.fsdp_scheme, v.tensor_scheme) for v in variants] == [
+        ("ring", "ring"),
+        ("gather", "ring"),
+        ("ring", "plain"),
+    ]
+    named = StepOptions(tensor_scheme="plain")
+    variants = planning.scheme_variants(named, {"fsdp": 2, "tensor": 4}, 512)
+    assert [(v.fsdp_scheme, v.tensor_scheme) for v in variants] == [
+        ("ring", "plain"),
+        ("gather", "plain"),
+    ]
 
 
 def tiny_objective() -> LMObjective:
@@ -66,7 +103,8 @@ def trainer(options=AUTO, devices=None) -> dew.Trainer:
 
 def test_on_cpu_auto_builds_the_gather_step_itself():
     chosen = trainer()
-    assert chosen.options == StepOptions(fsdp_scheme="gather") and not chosen.shards.fsdp_ring
+    assert chosen.options == StepOptions(fsdp_scheme="gather", tensor_scheme="plain")
+    assert not chosen.shards.fsdp_ring and not chosen.shards.tensor_ring
     # The same program as asking for the gathers: no compile and no step of its own.
     asked = trainer(StepOptions(fsdp_scheme="gather"))
     lowered = [t.train_step(8).lower(*t.step_arguments(8)).as_text() for t in (chosen, asked)]
@@ -146,13 +184,13 @@ def test_the_search_takes_the_scheme_that_fits_with_the_least_exposed_bytes(monk
     rows, calls, (choice,) = choose(monkeypatch, outcomes)
     assert calls == [("ring", None, ("shard_map", "gspmd")), ("gather", None, ("shard_map",))]
     assert choice.chosen is outcomes[("gather", None)]
-    assert choice.reason().startswith("fsdp=8: gather, the least exposed communication of the")
+    assert choice.reason().startswith("fsdp=8: fsdp gather, the least exposed communication of")
     assert [r.engine for r in rows].count("gspmd") == 1  # the baseline once a layout
     # Both fit: the one that exposes less, whatever the memory.
     outcomes[("ring", None)] = row("fsdp_scheme=ring", exposed=100, total=4 * GIB)
     _, _, (choice,) = choose(monkeypatch, outcomes)
     assert choice.chosen is outcomes[("ring", None)]
-    assert "fsdp_scheme=ring: 100 B exposed, 0.0 ms; gather: 3.0 GiB exposed, 16.1 ms" in (
+    assert "(fsdp ring: 100 B exposed, 0.0 ms; fsdp gather: 3.0 GiB exposed, 16.1 ms)" in (
         choice.reason()
     )
 

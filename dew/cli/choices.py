@@ -16,7 +16,7 @@ PIPELINE_SCHEDULES = ("1f1b", "1f1b_phased", "gpipe")
 # dew.parallel.options.FSDP_SCHEMES
 FSDP_SCHEMES = ("auto", "gather", "ring")
 # dew.parallel.options.TENSOR_SCHEMES
-TENSOR_SCHEMES = ("plain", "ring")
+TENSOR_SCHEMES = ("auto", "plain", "ring")
 # dew.parallel.options.GRADIENT_SUM_DTYPES
 GRADIENT_SUM_DTYPES = ("float32", "bfloat16")
 # dew.layout.DEFAULT_MIN_SHARD

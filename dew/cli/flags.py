@@ -226,13 +226,14 @@ def add_tensor_scheme_flag(parser: argparse.ArgumentParser, *, several: bool = F
     parser.add_argument(
         "--tensor-scheme",
         nargs="+" if several else None,
-        default=["plain"] if several else "plain",
+        default=["auto"] if several else "auto",
         choices=choices.TENSOR_SCHEMES,
         metavar="SCHEME",
         help="how activations cross a tensor axis above 1 at attention's and the MLP's entry and "
-        "exit (default plain: all-gather or all-reduce beside the matmuls); ring: collective "
+        "exit: plain (all-gather or all-reduce beside the matmuls) or ring (collective "
         "matmuls, rings of ppermutes with the same bytes, each block of positions' matmul "
-        "beside the next block's transfer (positions per device must divide by tensor)"
+        "beside the next block's transfer; positions per device must divide by tensor); "
+        "default auto: ring on TPU where the rings can run, else plain"
         + ("; several: a row each" if several else ""),
     )
 

@@ -171,7 +171,7 @@ class Trainer:
         self.platform = platform = self.mesh.devices.flat[0].platform
         # "auto" (the fsdp scheme's default) made a choice for these devices: the options the
         # shard_map step is built with, and what ``options`` reads back.
-        self.options = options.resolve(dict(self.mesh.shape), platform)
+        self.options = options.resolve(dict(self.mesh.shape), platform, objective.seq_len)
         if engine != "shard_map":
             self.options = options
         self.memory_limit_bytes = memory_limit_bytes
@@ -362,7 +362,9 @@ class Trainer:
             from dew.training import lora_base
 
             metadata["lora_base"] = lora_base.describe(self, state.frozen)
-        if self.options != StepOptions().resolve(dict(self.mesh.shape), self.platform):
+        if self.options != StepOptions().resolve(
+            dict(self.mesh.shape), self.platform, self.objective.seq_len
+        ):
             metadata["options"] = self.options.describe()
         if self.mesh.shape["stage"] > 1:
             metadata["pipeline"] = {
