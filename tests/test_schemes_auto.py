@@ -247,3 +247,31 @@ def test_the_search_ranks_steps_that_fit_by_exposed_bytes_before_wire_bytes():
         "search chose fsdp=8 (shard_map, fsdp_scheme=ring): of the 2 steps that fit, the fewest "
         "exposed wire bytes per step (1.0 GiB, 5.4 ms)"
     )
+
+
+def test_plan_search_of_the_layouts_given_weighs_their_schemes(monkeypatch, capsys):
+    from dew.cli.main import build_parser
+    from dew.cli.plan import run
+
+    asked = []
+
+    def plan_schemes(target_, objective, mesh, batch, *, options, sum_dtypes, on_scheme, **kw):
+        asked.append((planning.mesh_text(mesh), options, sum_dtypes))
+        tried = (row("fsdp_scheme=ring", exposed=100), row("", exposed=3 * GIB))
+        on_scheme(planning.SchemeChoice(tried[0], tried))
+        return list(tried)
+
+    monkeypatch.setattr(planning, "plan_schemes", plan_schemes)
+    args = build_parser().parse_args(
+        ["plan", "--target", "v5e-8", "--search", "--mesh", "fsdp=8", "fsdp=2,tensor=4"]
+        + ["--layers", "1", "--width", "64", "--heads", "2"]
+    )
+    assert run(args) == 0
+    # Each layout given, no other, with the schemes and the sums' dtype left to choose.
+    assert [(m, o.fsdp_scheme, o.tensor_scheme, s) for m, o, s in asked] == [
+        ("fsdp=8", "auto", "auto", planning.SUM_DTYPE_ORDER),
+        ("fsdp=2,tensor=4", "auto", "auto", planning.SUM_DTYPE_ORDER),
+    ]
+    out = capsys.readouterr().out
+    assert "  chose fsdp=8: fsdp ring, the least exposed communication of the steps" in out
+    assert "search chose fsdp=8 (shard_map, fsdp_scheme=ring)" in out

@@ -96,7 +96,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--search",
         action="store_true",
         help="enumerate every layout of the six axes the model and slice allow and compile the "
-        "most promising (see --max-layouts); rank those that fit by exposed wire bytes, then "
+        "most promising (see --max-layouts), or with --mesh only the layouts given; rank those "
+        "that fit by exposed wire bytes, then "
         "wire bytes. Per layout it also chooses the recompute policy (without --remat: the "
         "least recomputation that fits), the fsdp scheme (with --fsdp-scheme auto: each that "
         "can run, the least exposed that fits) and the gradient sums' dtype (without "
@@ -184,8 +185,6 @@ def run(args) -> int:
     from dew.targets import target
 
     tpu = target(args.target)
-    if args.search and args.mesh is not None:
-        raise ValueError("--mesh and --search: give one (--search enumerates the layouts itself)")
     if not args.search and args.mesh is None:
         if tpu.chips > 1:
             raise ValueError("which layouts? give --mesh LAYOUT... (one or more) or --search")
@@ -250,7 +249,28 @@ def run(args) -> int:
     def chose_scheme(choice):
         print(f"  chose {choice.reason()}", flush=True)
 
-    if args.search:
+    # The gradient sums' dtype is a choice too unless --gradient-sum-dtype names one.
+    sums = planning.SUM_DTYPE_ORDER if args.gradient_sum_dtype == [None] else None
+    if args.search and args.mesh is not None:
+        # The layouts given, each with its own choices searched (remat, state, schemes, sums).
+        rows = []
+        for objective in objectives:
+            for options, engines in variants:
+                for text in args.mesh:
+                    rows += planning.plan_schemes(
+                        tpu,
+                        objective,
+                        MeshSpec.parse(text),
+                        args.batch,
+                        options=options,
+                        engines=engines,
+                        sum_dtypes=sums,
+                        on_scheme=chose_scheme,
+                        on_row=show,
+                        on_choice=chose,
+                        **settings,
+                    )
+    elif args.search:
 
         def listed(candidates):
             most = planning.SEARCH_COMPILES_PER_LAYOUT * args.max_layouts
@@ -261,8 +281,6 @@ def run(args) -> int:
                 flush=True,
             )
 
-        # The gradient sums' dtype is a choice too unless --gradient-sum-dtype names one.
-        sums = planning.SUM_DTYPE_ORDER if args.gradient_sum_dtype == [None] else None
         rows = []
         for objective in objectives:
             for options, engines in variants:
