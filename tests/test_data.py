@@ -77,6 +77,7 @@ def test_write_token_folder_picks_smallest_dtype_little_endian(tmp_path, vocab_s
         "train_tokens": 5,
         "val_tokens": 1,
         "eos_id": 3,
+        "version": 2,  # the format's version (docs/data.md); 1 had no field
     }
     raw = (tmp_path / "tok" / "train.bin").read_bytes()
     assert raw == np.asarray(train, np.dtype(dtype).newbyteorder("<")).tobytes()
@@ -200,7 +201,10 @@ def test_example_corpus_is_the_notebooks_and_is_not_rewritten(tmp_path):
         assert (tmp_path / "example" / name).read_bytes() == (
             tmp_path / "notebook" / name
         ).read_bytes()
-    assert meta.to_json() == json.loads((tmp_path / "notebook" / "meta.json").read_text())
+    # The notebook writes a version-1 meta.json by hand (no "version"); Dew writes version 2.
+    notebook = json.loads((tmp_path / "notebook" / "meta.json").read_text())
+    assert meta.to_json() == {**notebook, "version": 2}
+    assert read_meta(tmp_path / "notebook").version == 1
     text = ByteTokenizer().decode(np.fromfile(tmp_path / "example" / "train.bin", np.uint8))
     assert text.endswith(".\n") and " sees " in text
 

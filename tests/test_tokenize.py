@@ -338,11 +338,11 @@ def test_a_crash_mid_write_leaves_no_folder_that_loads(
     appended = []
     original = TokenFolderWriter.append
 
-    def crash_on_the_third(self, split, ids):
+    def crash_on_the_third(self, split, ids, *mask_and_starts):
         appended.append(split)
         if len(appended) == 3:
             raise KeyboardInterrupt("simulated crash")
-        original(self, split, ids)
+        original(self, split, ids, *mask_and_starts)
 
     monkeypatch.setattr(TokenFolderWriter, "append", crash_on_the_third)
     with pytest.raises(KeyboardInterrupt):

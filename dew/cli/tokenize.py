@@ -34,7 +34,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "dew train --data reads. A text file (.txt, .text, .md) is one document; a .jsonl file "
         "one per line (its --field); a .parquet file one per row (column --field, needs "
         "pyarrow); a folder, the files under it. Each document is followed by the end-of-text "
-        "id. The folder is written aside and renamed into place when complete.",
+        "id, and where each starts is recorded (train.docs, val.docs). The folder is written "
+        "aside and renamed into place when complete.",
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files or folders to read")
     parser.add_argument(
@@ -68,9 +69,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--rows",
         choices=("pack", "pad"),
         default="pack",
-        help="pack (default): documents follow each other, joined by the end-of-text id, and "
-        "a row may hold several (attention crosses them); pad: each document starts a row of "
-        "--seq-len, the rest padded and masked, so no row holds two documents",
+        help="pack (default): documents follow each other, joined by the end-of-text id, a row "
+        "may hold several, and the folder records where each starts, so that dew train keeps "
+        "attention, rotary positions and the loss inside each document (dew train --documents: "
+        "the default for --jsonl-fields data); pad: each document starts a row of --seq-len, "
+        "the rest padded and masked, so no row holds two documents",
     )
     parser.add_argument(
         "--seq-len",
@@ -211,7 +214,11 @@ def tokenize_command(args) -> int:
     )
     if meta.loss_mask:
         rows = "packed" if meta.pad_seq_len is None else f"padded to rows of {meta.pad_seq_len}"
-        print(f"Loss mask: train.mask, val.mask; documents {rows}")
+        separate = meta.pad_seq_len is None and meta.document_starts
+        print(
+            f"Loss mask: train.mask, val.mask; documents {rows}"
+            + (" (dew train keeps each one to itself: --documents separate)" if separate else "")
+        )
     return 0
 
 

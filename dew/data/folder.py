@@ -19,6 +19,15 @@ bytes long, ``mask[i] = 1`` when predicting token ``i`` counts in the loss (``de
 every token. ``"pad_seq_len": S`` records that each document starts at a multiple of ``S`` tokens
 (``dew tokenize --rows pad``), so windows of ``seq_len = S`` never hold two documents.
 
+Document starts (format version 2, ``"document_starts": true``): ``train.docs`` and ``val.docs``
+hold, as little-endian ``uint64``, the index of each document's first token in ``train.bin`` /
+``val.bin``, increasing from 0, ``train_documents`` / ``val_documents`` of them (``dew tokenize``
+records them for every kind of input). A folder without them (version 1, written before Dew
+recorded them, or by ``write_token_folder`` without starts) says so (``TokenMeta.document_starts``
+is False) and is never read as if it had them: where documents come from is not guessed from the
+end-of-text id. ``"version"`` is the format's version: absent in version 1 folders, 2 in those
+written now; a larger one is refused (a newer Dew wrote it).
+
 (Past 450 lines: the folder's format, its writer and its checked reader, masks included, are
 one contract; apart, a change to the format could reach one side only.)
 """
@@ -41,6 +50,12 @@ VAL = "val.bin"
 # The loss mask beside each token file (only where meta.json says "loss_mask": true).
 MASKS = {"train": "train.mask", "val": "val.mask"}
 MASK_DTYPE = np.dtype("uint8")
+# Each document's first token index beside each token file (where meta.json says
+# "document_starts": true).
+DOCS = {"train": "train.docs", "val": "val.docs"}
+DOCS_DTYPE = np.dtype("uint64").newbyteorder("<")
+# The folder format's version: 1 had no "version" field and no document starts; 2 may hold them.
+FORMAT_VERSION = 2
 # Accepted storage dtypes, all unsigned and stored little-endian whatever the machine.
 DTYPES = ("uint8", "uint16", "uint32")
 _REQUIRED = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens", "eos_id")
@@ -61,6 +76,13 @@ class TokenMeta:
     loss_mask: bool = False
     # The seq_len whose rows each document starts (dew tokenize --rows pad), or None (packed).
     pad_seq_len: int | None = None
+    # True when train.docs and val.docs say where each document starts (format version 2).
+    document_starts: bool = False
+    # Documents in each split: their starts' counts (None without document starts).
+    train_documents: int | None = None
+    val_documents: int | None = None
+    # The format version the folder was written in (1: before document starts were recorded).
+    version: int = FORMAT_VERSION
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -70,10 +92,16 @@ class TokenMeta:
     def to_json(self) -> dict[str, Any]:
         """The ``meta.json`` object (without ``path``)."""
         meta = {name: getattr(self, name) for name in _REQUIRED}
+        if self.version > 1:
+            meta["version"] = self.version
         if self.loss_mask:
             meta["loss_mask"] = True
         if self.pad_seq_len is not None:
             meta["pad_seq_len"] = self.pad_seq_len
+        if self.document_starts:
+            meta["document_starts"] = True
+            meta["train_documents"] = self.train_documents
+            meta["val_documents"] = self.val_documents
         return meta
 
 
@@ -107,7 +135,9 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
     or a ``train.bin`` / ``val.bin`` whose size disagrees with ``train_tokens`` / ``val_tokens``;
     with ``"loss_mask": true``, FileNotFoundError for a missing ``train.mask`` / ``val.mask`` and
     ValueError for one whose size is not its token count; without it, ValueError for a mask file
-    that ``meta.json`` does not describe (a mask must never be silently ignored).
+    that ``meta.json`` does not describe (a mask must never be silently ignored). The same for
+    ``train.docs`` / ``val.docs`` under ``"document_starts": true`` (``train_documents`` /
+    ``val_documents`` uint64 each); a ``version`` above ``FORMAT_VERSION`` is a ValueError.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -155,6 +185,24 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
     pad_seq_len = meta.get("pad_seq_len")
     if pad_seq_len is not None and (not _is_int(pad_seq_len) or pad_seq_len < 1):
         fail(f"pad_seq_len must be null or an integer >= 1, got {pad_seq_len!r}")
+    version = meta.get("version", 1)
+    if not _is_int(version) or version < 1:
+        fail(f"version must be an integer >= 1, got {version!r}")
+    if version > FORMAT_VERSION:
+        fail(
+            f"format version {version} is newer than this Dew reads (up to {FORMAT_VERSION}); "
+            "upgrade Dew to read it"
+        )
+    document_starts = meta.get("document_starts", False)
+    if not isinstance(document_starts, bool):
+        fail(f"document_starts must be true or false, got {document_starts!r}")
+    if document_starts:
+        for name in ("train_documents", "val_documents"):
+            if not _is_int(meta.get(name)) or meta[name] < 0:
+                fail(
+                    f'{name} must be an integer >= 0 with "document_starts": true, got '
+                    f"{meta.get(name)!r}"
+                )
 
     itemsize = np.dtype(dtype).itemsize
     files = [(TRAIN, "train_tokens", itemsize, dtype), (VAL, "val_tokens", itemsize, dtype)]
@@ -169,6 +217,19 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
             fail(
                 f'the folder holds {", ".join(stray)} but meta.json has no "loss_mask": true; '
                 "remove the mask files to count every token, or set loss_mask to use them"
+            )
+    if document_starts:
+        files += [
+            (DOCS["train"], "train_documents", DOCS_DTYPE.itemsize, "uint64"),
+            (DOCS["val"], "val_documents", DOCS_DTYPE.itemsize, "uint64"),
+        ]
+    else:
+        stray = [name for name in DOCS.values() if (folder / name).exists()]
+        if stray:
+            fail(
+                f'the folder holds {", ".join(stray)} but meta.json has no "document_starts": '
+                "true; remove them, or set document_starts (with train_documents and "
+                "val_documents) to use them"
             )
     for file, count_name, file_itemsize, file_dtype in files:
         file_path = folder / file
@@ -194,6 +255,10 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
         eos_id=eos_id,
         loss_mask=loss_mask,
         pad_seq_len=pad_seq_len,
+        document_starts=document_starts,
+        train_documents=meta["train_documents"] if document_starts else None,
+        val_documents=meta["val_documents"] if document_starts else None,
+        version=version,
     )
 
 
@@ -216,6 +281,54 @@ def open_mask(meta: TokenMeta, split: str) -> np.ndarray | None:
     if count == 0:
         return np.zeros(0, MASK_DTYPE)
     return np.memmap(meta.path / MASKS[split], dtype=MASK_DTYPE, mode="r", shape=(count,))
+
+
+def open_document_starts(meta: TokenMeta, split: str) -> np.ndarray:
+    """The document starts of ``split`` (``"train"`` or ``"val"``), uint64 ``[documents]``, each
+    document's first token index, checked: the first is 0 (when the split has tokens), each
+    larger than the one before and below the token count. ValueError naming the file for a
+    folder without document starts (``meta.document_starts`` False: it is never guessed) or for
+    starts that break the rule (a damaged file). Reads the whole file (8 bytes a document)."""
+    if not meta.document_starts:
+        raise ValueError(
+            f"the token folder {str(meta.path)!r} records no document starts (format version "
+            f"{meta.version}, written before Dew recorded them or without them): tokenize it "
+            "again with dew tokenize to mask attention by document"
+        )
+    tokens = {"train": meta.train_tokens, "val": meta.val_tokens}[split]
+    count = {"train": meta.train_documents, "val": meta.val_documents}[split]
+    if count == 0:
+        starts = np.zeros(0, DOCS_DTYPE)
+    else:
+        starts = np.fromfile(meta.path / DOCS[split], dtype=DOCS_DTYPE, count=count)
+    file = str(meta.path / DOCS[split])
+    if tokens and (count == 0 or starts[0] != 0):
+        raise ValueError(f"{file!r}: the first document must start at token 0")
+    if count and not tokens:
+        raise ValueError(f"{file!r} holds {count} document starts for a split without tokens")
+    if count > 1 and not np.all(starts[1:] > starts[:-1]):
+        raise ValueError(f"{file!r}: document starts must increase")
+    if count and starts[-1] >= tokens:
+        raise ValueError(
+            f"{file!r}: a document starts at token {int(starts[-1])}, past the {tokens} tokens"
+        )
+    return starts
+
+
+def _as_starts_array(starts: Any, name: str, tokens: int) -> np.ndarray:
+    """``starts`` (offsets into a piece of ``tokens`` ids where documents begin) checked:
+    increasing integers in ``[0, tokens)``."""
+    array = np.asarray(starts)
+    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+        raise ValueError(f"{name} must be a flat sequence of token offsets, got {array!r:.80}")
+    if array.size and (
+        int(array.min()) < 0 or int(array.max()) >= tokens or np.any(np.diff(array) <= 0)
+    ):
+        raise ValueError(
+            f"{name} must increase, each in [0, {tokens}) (the ids appended with them), got "
+            f"{array.tolist()!r:.80}"
+        )
+    return array.astype(np.int64)
 
 
 def _as_mask_array(mask: Any, name: str, tokens: int) -> np.ndarray:
@@ -270,8 +383,12 @@ def _check_header(tokenizer: Any, vocab_size: Any, eos_id: Any) -> None:
         raise ValueError(f"tokenizer must be a name (str), got {tokenizer!r}")
 
 
-def _check_extra(extra: dict[str, Any]) -> None:
-    clash = sorted(set(extra) & set(_REQUIRED))
+# The fields a writer with document starts sets itself.
+_DOCUMENT_FIELDS = ("document_starts", "train_documents", "val_documents")
+
+
+def _check_extra(extra: dict[str, Any], reserved: tuple[str, ...] = ()) -> None:
+    clash = sorted(set(extra) & {*_REQUIRED, "version", *reserved})
     if clash:
         raise ValueError(f"extra meta fields may not replace {', '.join(clash)}")
 
@@ -291,6 +408,11 @@ class TokenFolderWriter:
     ``loss_mask=True`` writes ``train.mask`` and ``val.mask`` too: every ``append`` then takes
     ``mask``, one 0 or 1 per id (checked). ``pad_seq_len`` is recorded in ``meta.json`` (the
     caller lays the documents out; ``dew.data.text`` does for ``--rows pad``).
+
+    ``document_starts=True`` writes ``train.docs`` and ``val.docs``: every ``append`` then takes
+    ``starts``, the offsets into its ids where a document begins (ids before the first offset
+    continue the split's last document; a split's first id must begin one), and ``meta.json``
+    gets ``"document_starts": true`` with the counts ``train_documents`` and ``val_documents``.
     """
 
     def __init__(
@@ -304,6 +426,7 @@ class TokenFolderWriter:
         extra: dict[str, Any] | None = None,
         loss_mask: bool = False,
         pad_seq_len: int | None = None,
+        document_starts: bool = False,
     ):
         _check_header(tokenizer, vocab_size, eos_id)
         _check_extra(extra or {})
@@ -311,7 +434,9 @@ class TokenFolderWriter:
             positive_int("pad_seq_len", pad_seq_len)
         self.folder = Path(path)
         existing = [
-            name for name in (META, TRAIN, VAL, *MASKS.values()) if (self.folder / name).exists()
+            name
+            for name in (META, TRAIN, VAL, *MASKS.values(), *DOCS.values())
+            if (self.folder / name).exists()
         ]
         if existing and not overwrite:
             raise FileExistsError(
@@ -324,6 +449,9 @@ class TokenFolderWriter:
         self.extra = dict(extra or {})
         self.loss_mask = bool(loss_mask)
         self.pad_seq_len = pad_seq_len
+        self.document_starts = bool(document_starts)
+        if self.document_starts:
+            _check_extra(self.extra, _DOCUMENT_FIELDS)
         self.folder.mkdir(parents=True, exist_ok=True)
         suffix = f".tmp-{os.getpid()}"
         self._temps = {
@@ -337,7 +465,12 @@ class TokenFolderWriter:
             for split, name in MASKS.items():
                 self._temps[name] = self.folder / (name + suffix)
                 streams.append(name)
+        if self.document_starts:
+            for split, name in DOCS.items():
+                self._temps[name] = self.folder / (name + suffix)
+                streams.append(name)
         self.counts = {"train": 0, "val": 0}
+        self.documents = {"train": 0, "val": 0}
         self._files = {}
         try:
             for stream in streams:
@@ -346,10 +479,11 @@ class TokenFolderWriter:
             self.abort()
             raise
 
-    def append(self, split: str, ids: Any, mask: Any = None) -> None:
+    def append(self, split: str, ids: Any, mask: Any = None, starts: Any = None) -> None:
         """Adds ``ids`` (a flat integer sequence) to the end of ``split`` ("train" or "val"), and
         ``mask`` (one 0 or 1 per id) to its loss mask: required with ``loss_mask=True``, refused
-        without."""
+        without; ``starts`` (offsets into ``ids`` where documents begin) to its document starts:
+        required with ``document_starts=True``, refused without."""
         if split not in self.counts:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         if self.meta is not None or not self._files:
@@ -359,10 +493,25 @@ class TokenFolderWriter:
                 f"this writer has loss_mask={self.loss_mask}: "
                 + ("append needs a mask" if self.loss_mask else "it takes no mask")
             )
+        if (starts is None) == self.document_starts:
+            raise ValueError(
+                f"this writer has document_starts={self.document_starts}: "
+                + ("append needs starts" if self.document_starts else "it takes no starts")
+            )
         array = _as_token_array(ids, f"{split} ids", self._header["vocab_size"], self.dtype)
+        # Everything checked before anything is written: the files never disagree.
         if self.loss_mask:
             mask_array = _as_mask_array(mask, f"{split} mask", array.size)
-            # Both checked before either is written: the files never disagree in length.
+        if self.document_starts:
+            offsets = _as_starts_array(starts, f"{split} starts", array.size)
+            if self.counts[split] == 0 and array.size and (not offsets.size or offsets[0] != 0):
+                raise ValueError(
+                    f"the first id of {split} must start a document (starts begin with 0), got "
+                    f"starts {offsets.tolist()!r:.80}"
+                )
+            (offsets + self.counts[split]).astype(DOCS_DTYPE).tofile(self._files[DOCS[split]])
+            self.documents[split] += int(offsets.size)
+        if self.loss_mask:
             mask_array.tofile(self._files[MASKS[split]])
         array.tofile(self._files[split])
         self.counts[split] += int(array.size)
@@ -388,6 +537,12 @@ class TokenFolderWriter:
             meta["loss_mask"] = True
         if self.pad_seq_len is not None:
             meta["pad_seq_len"] = self.pad_seq_len
+        meta["version"] = FORMAT_VERSION
+        if self.document_starts:
+            _check_extra(self.extra, _DOCUMENT_FIELDS)
+            meta["document_starts"] = True
+            meta["train_documents"] = self.documents["train"]
+            meta["val_documents"] = self.documents["val"]
         try:
             for file in self._files.values():
                 file.flush()
@@ -401,6 +556,11 @@ class TokenFolderWriter:
                 if self.loss_mask:
                     os.replace(self._temps[name], self.folder / name)
                 else:  # an overwritten folder's old mask would not describe these tokens
+                    (self.folder / name).unlink(missing_ok=True)
+            for name in DOCS.values():
+                if self.document_starts:
+                    os.replace(self._temps[name], self.folder / name)
+                else:  # nor would its old document starts
                     (self.folder / name).unlink(missing_ok=True)
             os.replace(self._temps["meta"], self.folder / META)
         finally:
@@ -438,6 +598,8 @@ def write_token_folder(
     overwrite: bool = False,
     train_mask: Any = None,
     val_mask: Any = None,
+    train_starts: Any = None,
+    val_starts: Any = None,
 ) -> TokenMeta:
     """Writes a token folder at ``path`` and returns its validated meta.
 
@@ -452,12 +614,16 @@ def write_token_folder(
     leaves no ``meta.json`` rather than one that describes the wrong files.
 
     ``train_mask`` and ``val_mask`` (both or neither): the loss mask, one 0 or 1 per id, written
-    as ``train.mask`` / ``val.mask``.
+    as ``train.mask`` / ``val.mask``. ``train_starts`` and ``val_starts`` (both or neither): the
+    index of each document's first id (increasing from 0), written as ``train.docs`` /
+    ``val.docs``.
     """
     _check_header(tokenizer, vocab_size, eos_id)
     dtype = smallest_dtype(vocab_size)
     if (train_mask is None) != (val_mask is None):
         raise ValueError("give both train_mask and val_mask, or neither")
+    if (train_starts is None) != (val_starts is None):
+        raise ValueError("give both train_starts and val_starts, or neither")
     # Checked before anything is written.
     train = _as_token_array(train_ids, "train_ids", vocab_size, dtype)
     val = _as_token_array(val_ids, "val_ids", vocab_size, dtype)
@@ -472,9 +638,10 @@ def write_token_folder(
         eos_id=eos_id,
         overwrite=overwrite,
         loss_mask=masked,
+        document_starts=train_starts is not None,
     ) as writer:
-        writer.append("train", train, train_mask)
-        writer.append("val", val, val_mask)
+        writer.append("train", train, train_mask, train_starts)
+        writer.append("val", val, val_mask, val_starts)
     return writer.meta
 
 

@@ -41,6 +41,11 @@ without one), masked, so that no window of ``seq_len = S`` holds two documents: 
 to another document. A document's first token never counts there (the row before would predict
 it). ``rows="pack"`` (the default) joins documents by the end-of-text id alone.
 
+Every folder records where each document starts (``train.docs``, ``val.docs``: the folder's
+format version 2), whatever the input and the rows, so that ``dew train`` can keep each packed
+document to itself (``dew.data.windows``' ``documents="separate"``, the default for masked packed
+folders).
+
 (Past 450 lines: reading text, jsonl and parquet, the prompt/chat masks and the pack/pad rows
 are one pass over the documents that writes tokens and mask together.)
 """
@@ -60,6 +65,7 @@ from pathlib import Path
 import numpy as np
 
 from dew.data.folder import (
+    DOCS,
     MASKS,
     META,
     TRAIN,
@@ -336,42 +342,52 @@ def pad_id(tokenizer: Tokenizer) -> int:
     return 0 if tokenizer.eos_id is None else tokenizer.eos_id
 
 
-def encode_chunk(tokenizer: Tokenizer, chunk: Chunk, rule: MaskRule | None = None):
-    """The train ids, val ids (each document followed by the end-of-text id) and the number of
-    train and val documents of one chunk; with a ``MaskRule`` (a masked folder), the train and
-    val loss masks after the ids: ``(train, val, train_mask, val_mask, train_docs, val_docs)``."""
+@dataclasses.dataclass(frozen=True)
+class EncodedChunk:
+    """One chunk's documents, tokenized: per split (``"train"``, ``"val"``) the ids (each
+    document followed by the end-of-text id), the loss mask (``None`` for an unmasked folder),
+    the offset of each document's first id, and the number of documents."""
+
+    ids: dict[str, np.ndarray]
+    masks: dict[str, np.ndarray] | None
+    starts: dict[str, np.ndarray]
+    documents: dict[str, int]
+
+
+def encode_chunk(tokenizer: Tokenizer, chunk: Chunk, rule: MaskRule | None = None) -> EncodedChunk:
+    """The ``EncodedChunk`` of one chunk: its documents' ids per split, each followed by the
+    end-of-text id, with a ``MaskRule`` (a masked folder) their loss masks, and always where each
+    document starts."""
     texts, to_val, _ = chunk
-    if rule is not None:
-        parts: dict[bool, list] = {False: [], True: []}
-        for document, val in zip(texts, to_val):
-            parts[val].append(encode_masked(tokenizer, document, rule))
-
-        def joined(val: bool, which: int, dtype):
-            arrays = [part[which] for part in parts[val]]
-            return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
-
-        val_docs = sum(to_val)
-        return (
-            joined(False, 0, np.int64),
-            joined(True, 0, np.int64),
-            joined(False, 1, np.uint8),
-            joined(True, 1, np.uint8),
-            len(texts) - val_docs,
-            val_docs,
-        )
-    ids: dict[bool, list[int]] = {False: [], True: []}
+    pieces: dict[str, list] = {"train": [], "val": []}
     eos = tokenizer.eos_id
-    for text, val in zip(texts, to_val):
-        ids[val].extend(tokenizer.encode(text))
-        if eos is not None:
-            ids[val].append(eos)
-    val_docs = sum(to_val)
-    return (
-        np.asarray(ids[False], np.int64),
-        np.asarray(ids[True], np.int64),
-        len(texts) - val_docs,
-        val_docs,
-    )
+    for document, val in zip(texts, to_val):
+        if rule is not None:
+            ids, mask = encode_masked(tokenizer, document, rule)
+        else:
+            ids = tokenizer.encode(document)
+            if eos is not None:
+                ids.append(eos)
+            ids, mask = np.asarray(ids, np.int64), None
+        if ids.size:  # a document that encodes to nothing is no document
+            pieces["val" if val else "train"].append((ids, mask))
+
+    def joined(parts, which, dtype):
+        arrays = [part[which] for part in parts]
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
+
+    ids = {split: joined(parts, 0, np.int64) for split, parts in pieces.items()}
+    masks = None
+    if rule is not None:
+        masks = {split: joined(parts, 1, np.uint8) for split, parts in pieces.items()}
+    starts = {
+        split: np.cumsum([0] + [part[0].size for part in parts[:-1]], dtype=np.int64)
+        if parts
+        else np.zeros(0, np.int64)
+        for split, parts in pieces.items()
+    }
+    documents = {split: len(parts) for split, parts in pieces.items()}
+    return EncodedChunk(ids=ids, masks=masks, starts=starts, documents=documents)
 
 
 # A worker process's tokenizer and mask rule, set once by _start_worker.
@@ -420,7 +436,7 @@ def _encoded(
             yield result.get(), size
 
 
-_FOLDER_FILES = (META, TRAIN, VAL, *MASKS.values())
+_FOLDER_FILES = (META, TRAIN, VAL, *MASKS.values(), *DOCS.values())
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -532,20 +548,15 @@ def tokenize_files(
             eos_id=tokenizer.eos_id,
             loss_mask=rule is not None,
             pad_seq_len=None if rule is None else rule.pad_seq_len,
+            document_starts=True,
         )
         try:
             chunks = _chunks(files, field, val_fraction, seed, chunk_bytes or CHUNK_BYTES, fields)
             for encoded, size in _encoded(tokenizer, chunks, workers, rule):
-                if rule is None:
-                    train, val, train_docs, val_docs = encoded
-                    writer.append("train", train)
-                    writer.append("val", val)
-                else:
-                    train, val, train_mask, val_mask, train_docs, val_docs = encoded
-                    writer.append("train", train, train_mask)
-                    writer.append("val", val, val_mask)
-                documents["train"] += train_docs
-                documents["val"] += val_docs
+                for split in ("train", "val"):
+                    mask = None if encoded.masks is None else encoded.masks[split]
+                    writer.append(split, encoded.ids[split], mask, encoded.starts[split])
+                    documents[split] += encoded.documents[split]
                 bytes_read += size
                 if progress is not None:
                     progress(bytes_read, writer.counts["train"] + writer.counts["val"])
@@ -553,15 +564,11 @@ def tokenize_files(
                 raise ValueError(f"no documents in {', '.join(map(str, files))}")
             if rule is not None and rule.pad_seq_len is not None:
                 # The last row's last target: one more pad, so that the last row is whole.
+                # It belongs to the split's last document (no start).
                 for split in ("train", "val"):
                     if writer.counts[split]:
-                        writer.append(split, [pad_id(tokenizer)], [0])
-            writer.extra.update(
-                train_documents=documents["train"],
-                val_documents=documents["val"],
-                val_fraction=val_fraction,
-                seed=seed,
-            )
+                        writer.append(split, [pad_id(tokenizer)], [0], [])
+            writer.extra.update(val_fraction=val_fraction, seed=seed)
             writer.close()
         finally:
             writer.abort()

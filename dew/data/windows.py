@@ -15,6 +15,18 @@ process reads its own rows of it with ``rows=``.
 Loss mask: a folder with one (``dew.data.folder``) gives batches ``[rows, 2, seq_len + 1]``, the
 window's tokens at ``[:, 0]`` and their mask (0 or 1) at ``[:, 1]``, cut by the same rule; a
 folder without one gives ``[rows, seq_len + 1]`` tokens, as always.
+
+Documents (``documents=``): ``"separate"`` gives batches ``[rows, 3, seq_len + 1]``: tokens, their
+loss mask (all 1 for a folder without one) and, at ``[:, 2]``, each token's document id within its
+window (0 for the window's first document, then 1, 2, ... at each document start the folder
+records). The step then keeps attention inside each document, restarts rotary positions at each
+document's first token in the window, and drops the targets that would predict one document's
+first token from the document before (``dew.objectives.lm``). A window that starts inside a
+document holds that document's tail as its document 0, positions from 0 (the window holds
+nothing of its head to attend to). ``"joined"``: the batches above, documents joined by the
+end-of-text id only. ``"auto"`` (the default): ``"separate"`` for a packed folder with a loss mask
+and document starts (prompt/completion and chat data from ``dew tokenize --jsonl-fields``),
+``"joined"`` otherwise (plain text, padded rows, folders without document starts).
 """
 
 from __future__ import annotations
@@ -27,11 +39,27 @@ from typing import Any
 import numpy as np
 
 from dew.checks import nonnegative_int, positive_int
-from dew.data.folder import TokenMeta, open_mask, open_tokens, read_meta
+from dew.data.folder import TokenMeta, open_document_starts, open_mask, open_tokens, read_meta
 from dew.data.loading import BatchStream, Loading
 
 # Windows are returned as int32; ids must fit.
 _INT32_VOCAB = 2**31
+# How documents share a window (``TokenWindows(documents=...)``).
+DOCUMENTS = ("auto", "separate", "joined")
+
+
+def resolve_documents(documents: str, meta: TokenMeta) -> str:
+    """``"separate"`` or ``"joined"``: what ``documents`` means for the folder of ``meta``
+    (module doc); ValueError for an unknown choice, or ``"separate"`` on a folder without document
+    starts (they are never guessed)."""
+    if documents not in DOCUMENTS:
+        raise ValueError(f"documents must be one of {', '.join(DOCUMENTS)}, got {documents!r}")
+    if documents == "auto":
+        packed_sft = meta.loss_mask and meta.pad_seq_len is None
+        return "separate" if packed_sft and meta.document_starts else "joined"
+    if documents == "separate" and not meta.document_starts:
+        open_document_starts(meta, "train")  # raises, naming the folder and what to do
+    return documents
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -78,7 +106,7 @@ class TokenWindows:
     ``load(batch=B)`` opens the folder and returns a ``WindowDataset`` of global batches of ``B``
     windows. ``val_batches`` is how many validation batches ``validation()`` returns; ``seed`` fixes
     the shuffled order; ``loading`` says how ``batches()`` reads ahead (it never changes what is
-    read).
+    read); ``documents``: ``"auto"``, ``"separate"`` or ``"joined"`` (the module doc).
     """
 
     path: str | os.PathLike
@@ -86,6 +114,7 @@ class TokenWindows:
     val_batches: int = 0
     loading: Loading = Loading()
     seed: int = 0
+    documents: str = "auto"
 
     def __post_init__(self):
         _check_int("seq_len", self.seq_len, 1)
@@ -93,6 +122,10 @@ class TokenWindows:
         _check_int("seed", self.seed, 0)
         if not isinstance(self.loading, Loading):
             raise ValueError(f"loading must be a dew.data.Loading, got {self.loading!r}")
+        if self.documents not in DOCUMENTS:
+            raise ValueError(
+                f"documents must be one of {', '.join(DOCUMENTS)}, got {self.documents!r}"
+            )
 
     def load(self, batch: int) -> WindowDataset:
         """Opens the folder (memory maps, nothing read yet) and returns the dataset of global
@@ -109,6 +142,7 @@ class TokenWindows:
             val_batches=int(self.val_batches),
             loading=self.loading,
             seed=int(self.seed),
+            documents=resolve_documents(self.documents, meta),
         )
 
 
@@ -125,6 +159,8 @@ class WindowDataset:
       val_batches: how many batches ``validation()`` returns.
       meta: the folder's ``TokenMeta``.
       loss_mask: whether batches carry the folder's loss mask (``[rows, 2, seq_len + 1]``).
+      documents: ``"separate"`` (batches ``[rows, 3, seq_len + 1]`` with document ids) or
+        ``"joined"``.
     """
 
     def __init__(
@@ -136,6 +172,7 @@ class WindowDataset:
         val_batches: int,
         loading: Loading,
         seed: int,
+        documents: str = "joined",
     ):
         if meta.vocab_size > _INT32_VOCAB:
             raise ValueError(
@@ -149,7 +186,8 @@ class WindowDataset:
         self.val_batches = val_batches
         self.loading = loading
         self.seed = seed
-        self.loss_mask = meta.loss_mask
+        self.documents = resolve_documents(documents, meta)
+        self.loss_mask = meta.loss_mask or self.documents == "separate"
 
         if meta.pad_seq_len is not None and meta.pad_seq_len != seq_len:
             raise ValueError(
@@ -176,6 +214,9 @@ class WindowDataset:
         masks = {split: open_mask(meta, split) for split in ("train", "val")}
         self._train_mask = None if masks["train"] is None else _windows(masks["train"], seq_len)
         self._val_mask = None if masks["val"] is None else _windows(masks["val"], seq_len)
+        self._starts = None
+        if self.documents == "separate":
+            self._starts = {split: open_document_starts(meta, split) for split in ("train", "val")}
         if val_batches * batch_size > self._val.shape[0]:
             raise ValueError(
                 f"val_batches {val_batches} x batch {batch_size} needs "
@@ -214,7 +255,7 @@ class WindowDataset:
         ``[len(rows), seq_len + 1]`` (``[len(rows), 2, seq_len + 1]``, tokens then mask, for a
         folder with a loss mask). Reads only those rows' windows from the memory map."""
         picked = self.windows_of(index)[_row_indices(rows, self.batch_size)]
-        return self._with_mask(self._train, self._train_mask, picked, "train.mask")
+        return self._read("train", picked)
 
     def batches(self, start: int = 0, rows: slice = slice(None)) -> BatchStream:
         """``(index, batch(index, rows))`` for index = start, start + 1, ... forever, read ahead as
@@ -230,27 +271,43 @@ class WindowDataset:
         ``v`` holds val.bin's windows ``v * batch_size`` to ``(v + 1) * batch_size - 1``, in
         order, the same every call."""
         picked = np.asarray(_row_indices(rows, self.batch_size), np.int64)
-        return [
-            self._with_mask(self._val, self._val_mask, v * self.batch_size + picked, "val.mask")
-            for v in range(self.val_batches)
-        ]
+        return [self._read("val", v * self.batch_size + picked) for v in range(self.val_batches)]
 
-    def _with_mask(
-        self, windows: np.ndarray, masks: np.ndarray | None, picked, file: str
-    ) -> np.ndarray:
-        """Windows ``picked`` as int32 ``[rows, seq_len + 1]``, or with their mask
-        ``[rows, 2, seq_len + 1]``. A mask byte other than 0 or 1 (a damaged file: values are
-        not checked when the folder is opened) is a ValueError here, before it can train."""
+    def _read(self, split: str, picked) -> np.ndarray:
+        """Windows ``picked`` of ``split`` as int32 ``[rows, seq_len + 1]``, with their mask
+        ``[rows, 2, seq_len + 1]``, or with their mask and document ids ``[rows, 3, seq_len +
+        1]`` (``documents="separate"``; the mask all 1 for a folder without one). A mask byte
+        other than 0 or 1 (a damaged file: values are not checked when the folder is opened) is
+        a ValueError here, before it can train."""
+        windows, masks = (
+            (self._train, self._train_mask) if split == "train" else (self._val, self._val_mask)
+        )
         tokens = windows[picked].astype(np.int32)
-        if masks is None:
+        if not self.loss_mask:
             return tokens
-        mask = masks[picked]
-        if mask.size and mask.max() > 1:
-            raise ValueError(
-                f"{file} in {str(self.path)!r} holds the value {int(mask.max())} where a loss "
-                "mask holds only 0 and 1: the file is damaged; tokenize the folder again"
-            )
-        return np.stack([tokens, mask.astype(np.int32)], axis=1)
+        if masks is None:
+            mask = np.ones_like(tokens)
+        else:
+            mask = masks[picked]
+            if mask.size and mask.max() > 1:
+                raise ValueError(
+                    f"{split}.mask in {str(self.path)!r} holds the value {int(mask.max())} where "
+                    "a loss mask holds only 0 and 1: the file is damaged; tokenize the folder "
+                    "again"
+                )
+        channels = [tokens, mask.astype(np.int32)]
+        if self._starts is not None:
+            channels.append(self._document_ids(split, np.asarray(picked)))
+        return np.stack(channels, axis=1)
+
+    def _document_ids(self, split: str, picked: np.ndarray) -> np.ndarray:
+        """int32 ``[rows, seq_len + 1]``: each token's document within its window, 0 for the
+        window's first (the document it starts in) and one more at each document start."""
+        first = picked.astype(np.int64) * self.seq_len
+        tokens = first[:, None] + np.arange(self.seq_len + 1)
+        # The document of each token: the last start at or before it.
+        document = np.searchsorted(self._starts[split], tokens, side="right")
+        return (document - document[:, :1]).astype(np.int32)
 
     def process_rows(self, process_index: int, process_count: int) -> slice:
         """The contiguous rows of each global batch that process ``process_index`` of
