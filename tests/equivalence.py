@@ -74,7 +74,8 @@ def reference_run(objective, optimizer, key, batches):
 
 def sharded_run(objective, optimizer, key, batches, mesh, initial=None, **trainer_args):
     """The same through a ``Trainer`` on ``mesh`` (``Layout(min_shard=1)`` unless given): its
-    initial weights, each step's loss and gradients, and the final weights and optimizer state.
+    initial weights, each step's loss, metrics and gradients, and the final weights and optimizer
+    state.
 
     ``initial``: weights to start from (the reference's), laid out by the trainer and given a
     fresh optimizer state, instead of ``trainer.init_state()``: one compile fewer for a test that
@@ -98,10 +99,12 @@ def sharded_run(objective, optimizer, key, batches, mesh, initial=None, **traine
         )
         state = jax.device_put(state, trainer.state_shardings)
     run = {"initial": jax.tree_util.tree_map(np.asarray, state.params), "losses": [], "grads": []}
+    run["metrics"] = []
     step = trainer.train_step(ROWS)
     for batch in batches:
         state, metrics = step(state, trainer.device_batch(batch, ROWS))
         run["losses"].append(float(metrics["loss"]))
+        run["metrics"].append({name: float(value) for name, value in metrics.items()})
         run["grads"].append(jax.tree_util.tree_map(np.asarray, state.opt_state[0]))
     run.update(params=state.params, opt_state=state.opt_state[1], step=int(state.step))
     return run

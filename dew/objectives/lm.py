@@ -5,6 +5,13 @@ A batch is ``[rows, seq_len + 1]`` int tokens, or ``[rows, 2, seq_len + 1]``: th
 ``[:, 0]`` and their loss mask at ``[:, 1]`` (``dew.data``: 1 where predicting the token counts).
 Target ``j`` of a row is token ``j + 1``, so its mask is ``batch[:, 1, j + 1]``.
 
+Packed documents: ``[rows, 3, seq_len + 1]`` adds each token's document id at ``[:, 2]``
+(``dew.data``'s ``documents="separate"``: ids that change where a document starts). Then a token
+attends only to earlier tokens of its own document (the model's ``segment_ids``), its rotary
+position counts from its document's first token in the row (``document_positions``), and target
+``j`` counts only when token ``j + 1`` is in token ``j``'s document: a document's last token
+(its end-of-text id) never predicts the next document's first (``split_batch``).
+
 Masked mean: the loss divides by the global count ``n`` of unmasked targets, not by
 ``rows x seq_len``. The step keeps its one divisor, ``N = rows x seq_len`` of the global batch,
 and weighs each target's cross-entropy by ``mask x N / n`` (``loss_weights``): then
@@ -27,17 +34,43 @@ from dew.nn.moe import RouterStats
 from dew.parallel import ONE_DEVICE, Shards
 
 
-def split_mask(batch: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """``(tokens [rows, seq_len + 1], target mask [rows, seq_len] or None)`` of a batch with or
-    without a loss mask (the module's two shapes); ValueError for any other rank."""
+def split_batch(batch: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """``(tokens [rows, seq_len + 1], target mask [rows, seq_len] or None, the inputs' document
+    ids [rows, seq_len] or None)`` of a batch of one of the module's three shapes; ValueError for
+    any other. With document ids, target ``j``'s mask is also 0 where token ``j + 1`` starts
+    another document than token ``j``'s: the loss never predicts across a boundary."""
     if batch.ndim == 2:
-        return batch, None
+        return batch, None, None
     if batch.ndim == 3 and batch.shape[1] == 2:
-        return batch[:, 0], batch[:, 1, 1:]
+        return batch[:, 0], batch[:, 1, 1:], None
+    if batch.ndim == 3 and batch.shape[1] == 3:
+        documents = batch[:, 2]
+        same = (documents[:, 1:] == documents[:, :-1]).astype(batch.dtype)
+        return batch[:, 0], batch[:, 1, 1:] * same, documents[:, :-1]
     raise ValueError(
-        f"a batch is [rows, seq_len + 1] tokens or [rows, 2, seq_len + 1] tokens and loss mask, "
-        f"got shape {batch.shape}"
+        f"a batch is [rows, seq_len + 1] tokens, [rows, 2, seq_len + 1] tokens and loss mask, or "
+        f"[rows, 3, seq_len + 1] tokens, loss mask and document ids; got shape {batch.shape}"
     )
+
+
+def split_mask(batch: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """``(tokens, target mask or None)``: ``split_batch`` without the document ids."""
+    tokens, mask, _ = split_batch(batch)
+    return tokens, mask
+
+
+def document_positions(documents: jax.Array) -> jax.Array:
+    """int32 ``[rows, seq]``: each token's position within its document in the row, counted from
+    0 at the document's first token there (a new id starts a document), from the document ids
+    ``[rows, seq]`` of the tokens in row order."""
+    seq = documents.shape[-1]
+    index = jnp.arange(seq, dtype=jnp.int32)
+    starts = jnp.concatenate(
+        [jnp.ones(documents.shape[:-1] + (1,), bool), documents[..., 1:] != documents[..., :-1]],
+        axis=-1,
+    )
+    first = lax.cummax(jnp.where(starts, index, 0), axis=documents.ndim - 1)
+    return index - first
 
 
 def loss_weights(target_mask: jax.Array, count: jax.Array, total: int) -> jax.Array:
@@ -90,6 +123,7 @@ class LMObjective:
         batch: jax.Array,
         shards: Shards = ONE_DEVICE,
         weights: jax.Array | None = None,
+        documents: jax.Array | None = None,
     ):
         """``(loss_sum, aux)`` of ``batch``'s rows and positions: ``token_loss_sum`` on the
         shifted batch.
@@ -97,11 +131,18 @@ class LMObjective:
         ``batch``: ``[rows, seq_len + 1]`` integer tokens, whole rows. Divide by the global number
         of predicted tokens for the mean; summing first lets devices add up their parts exactly.
         ``weights``: ``None``, or float32 ``[rows, seq_len]`` multipliers of each target's loss
-        (``loss_weights`` of the batch's mask).
+        (``loss_weights`` of the batch's mask). ``documents``: ``None``, or the inputs' document
+        ids ``[rows, seq_len]`` (``split_batch``): attention stays in each document and rotary
+        positions restart at each (``document_positions``).
         """
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        positions = jnp.arange(inputs.shape[1])
-        return self.token_loss_sum(params, inputs, targets, positions, shards, weights)
+        if documents is None:
+            positions = jnp.arange(inputs.shape[1])
+        else:
+            positions = document_positions(documents)
+        return self.token_loss_sum(
+            params, inputs, targets, positions, shards, weights, segment_ids=documents
+        )
 
     def token_loss_sum(
         self,
@@ -111,6 +152,7 @@ class LMObjective:
         positions: jax.Array,
         shards: Shards = ONE_DEVICE,
         weights: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ):
         """``(loss_sum, aux)``: the loss of predicting ``targets`` from ``inputs``, summed over
         tokens (float32 scalar), and the statistics the step sums over devices without reading
@@ -125,8 +167,11 @@ class LMObjective:
         the mean cross-entropy plus the weighted router losses.
 
         ``inputs`` and ``targets``: ``[rows, positions]`` integer tokens, already shifted (target
-        ``j`` follows input ``j``); ``positions``: their global positions in the row, ``[n]`` (all
-        of them in order for whole rows; this device's chunks under a ``sequence`` split).
+        ``j`` follows input ``j``); ``positions``: their rotary positions, ``[n]`` for every row
+        alike (all of them in order for whole rows; this device's chunks under a ``sequence``
+        split) or ``[rows, n]`` per row (packed documents: ``document_positions``);
+        ``segment_ids``: ``None``, or int32 ``[rows, n]`` document ids of the inputs: a token
+        attends only to tokens of its own id.
 
         The model runs as its parts (embed, blocks, then the head and the cross-entropy in
         ``head_loss_sum``), each on this device's slice of the vocabulary where a layout splits
@@ -135,9 +180,14 @@ class LMObjective:
         model = self.model
         params, shards = model.share_embedding(params, shards, inputs.size)
         x = model.embed(params, inputs, shards)
-        x, stats = model.blocks(params, x, positions, shards)
+        x, stats = self._blocks(params, x, positions, shards, segment_ids)
         loss = self._head_loss_sum(params, x, targets, shards, weights)
         return loss + self.router_loss(stats), self._aux(stats)
+
+    def _blocks(self, params, x, positions, shards, segment_ids):
+        if segment_ids is None:  # the model's call exactly as without documents
+            return self.model.blocks(params, x, positions, shards)
+        return self.model.blocks(params, x, positions, shards, segment_ids=segment_ids)
 
     def _head_loss_sum(self, params, x, targets, shards, weights):
         if weights is None:  # unmasked: the model's call exactly as without masks
@@ -183,9 +233,11 @@ class LMObjective:
         shards: Shards,
         stage_axis: str = "stage",
         weights: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ):
         """One pipeline stage's part of ``token_loss_sum``: ``(y, loss_sum, aux)``; ``weights``
-        as ``token_loss_sum`` takes them (read by the last stage, with the targets).
+        as ``token_loss_sum`` takes them (read by the last stage, with the targets), and
+        ``positions`` and ``segment_ids`` too.
 
         Stage ``s`` of ``S`` (``lax.axis_index(stage_axis)``) runs ``blocks`` on the layers it
         holds, after ``embed(inputs)`` on stage 0 (``x_in`` elsewhere, the activation from stage
@@ -202,7 +254,7 @@ class LMObjective:
         stage = lax.axis_index(stage_axis)
         last = lax.axis_size(stage_axis) - 1
         x = lax.cond(stage == 0, lambda: model.embed(params, inputs, shards), lambda: x_in)
-        y, stats = model.blocks(params, x, positions, shards)
+        y, stats = self._blocks(params, x, positions, shards, segment_ids)
 
         def cross_entropy():
             return self._head_loss_sum(params, y, targets, shards, weights)
@@ -214,7 +266,7 @@ class LMObjective:
         """The mean loss of ``batch`` on one device (cross-entropy, plus the weighted router
         losses of an MoE model): the reference every layout must reproduce. With a loss mask the
         cross-entropy is the mean over the unmasked targets (the module's doc)."""
-        tokens, mask = split_mask(batch)
+        tokens, mask, documents = split_batch(batch)
         total = tokens.shape[0] * self.seq_len
         weights = None if mask is None else loss_weights(mask, jnp.sum(mask), total)
-        return self.loss_sum(params, tokens, weights=weights)[0] / total
+        return self.loss_sum(params, tokens, weights=weights, documents=documents)[0] / total

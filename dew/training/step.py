@@ -77,7 +77,7 @@ from jax.sharding import PartitionSpec as P
 
 from dew.mesh import BATCH_AXES
 from dew.models import lora
-from dew.objectives.lm import loss_weights, split_mask
+from dew.objectives.lm import document_positions, loss_weights, split_batch
 from dew.parallel import ONE_DEVICE, Shards, data, fsdp, pipeline, sequence
 from dew.training.optimizer import global_norm, learning_rate
 from dew.training.state import TrainState
@@ -135,19 +135,27 @@ def split_tokens(mesh: Mesh, seq_len: int) -> Callable:
 
     A batch with a loss mask (``[rows, 2, seq_len + 1]``, ``dew.objectives.lm``) gives a fourth
     array, the targets' mask ``[rows, seq_len]`` (int32, 0 or 1), ordered and split as the
-    targets.
+    targets. One with document ids (``[rows, 3, seq_len + 1]``) gives a fifth, the inputs'
+    document ids ``[rows, seq_len]``, and its ``positions`` are per row, ``[rows, seq_len]``,
+    each token's position in its document (``document_positions``, computed on the natural-order
+    row before the reorder), ordered and split as the tokens.
     """
     n = mesh.shape["sequence"]
     order = np.arange(seq_len) if n == 1 else sequence.zigzag_positions(seq_len, n)
 
     def split(batch):
-        batch, mask = split_mask(batch)
+        batch, mask, documents = split_batch(batch)
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        if n > 1:
-            inputs, targets = inputs[:, order], targets[:, order]
-            mask = None if mask is None else mask[:, order]
         positions = jnp.asarray(order, jnp.int32)
-        return (inputs, targets, positions) + (() if mask is None else (mask,))
+        if documents is not None:
+            positions = document_positions(documents)
+        if n > 1:
+            reorder = lambda x: None if x is None else x[:, order]  # noqa: E731
+            inputs, targets, mask, documents = map(reorder, (inputs, targets, mask, documents))
+            if documents is not None:
+                positions = positions[:, order]
+        extra = () if mask is None else (mask,) if documents is None else (mask, documents)
+        return (inputs, targets, positions) + extra
 
     return split
 
@@ -178,9 +186,13 @@ class OnBase:
         params = self.model_params(adapters, batch, None)
         return self.objective.loss_sum(params, batch, shards, *args, **kwargs)
 
-    def token_loss_sum(self, adapters, inputs, targets, positions, shards=ONE_DEVICE, *args):
+    def token_loss_sum(
+        self, adapters, inputs, targets, positions, shards=ONE_DEVICE, *args, **kwargs
+    ):
         params = self.model_params(adapters, inputs, shards)
-        return self.objective.token_loss_sum(params, inputs, targets, positions, shards, *args)
+        return self.objective.token_loss_sum(
+            params, inputs, targets, positions, shards, *args, **kwargs
+        )
 
     def stage_loss_sum(self, adapters, x_in, inputs, targets, positions, shards, **kwargs):
         params = self.model_params(adapters, inputs, shards)
@@ -214,25 +226,56 @@ def _plain_gradients(objective, shards: Shards, accumulation: int, global_tokens
     batch's."""
 
     def share(params, micro):
-        inputs, targets, positions, *weights = micro
-        loss, aux = objective.token_loss_sum(params, inputs, targets, positions, shards, *weights)
+        loss, aux = _token_loss_sum(objective, shards, params, micro)
         return loss / global_tokens, aux
 
-    def fn(params, inputs, targets, positions, weights=None):
-        every = jnp.broadcast_to(positions, (accumulation, *positions.shape))
-        micro = (_cut(inputs, accumulation), _cut(targets, accumulation), every)
-        if weights is not None:
-            micro += (_cut(weights, accumulation),)
+    def fn(params, inputs, targets, positions, weights=None, documents=None):
+        micro = _microbatches(accumulation, inputs, targets, positions, weights, documents)
         loss, aux, grads = accumulated_gradients(share, params, micro)
         return grads, loss, aux
 
     return fn
 
 
+def _microbatches(count: int, inputs, targets, positions, weights, documents) -> dict:
+    """The device's tokens as ``count`` microbatches of consecutive rows: a dict of ``[count,
+    ...]`` arrays (``positions`` ``[seq]``, the same for every row, repeated for each); the
+    weights and the document ids only where the batch has them."""
+    if positions.ndim == 1:
+        positions = jnp.broadcast_to(positions, (count, *positions.shape))
+    else:
+        positions = _cut(positions, count)
+    micro = {"inputs": _cut(inputs, count), "targets": _cut(targets, count)}
+    micro["positions"] = positions
+    if weights is not None:
+        micro["weights"] = _cut(weights, count)
+    if documents is not None:
+        micro["segment_ids"] = _cut(documents, count)
+    return micro
+
+
+def _token_loss_sum(objective, shards: Shards, params, micro: dict):
+    """``objective.token_loss_sum`` of one microbatch (a dict of ``_microbatches``)."""
+    extra = {} if "segment_ids" not in micro else {"segment_ids": micro["segment_ids"]}
+    return objective.token_loss_sum(
+        params,
+        micro["inputs"],
+        micro["targets"],
+        micro["positions"],
+        shards,
+        micro.get("weights"),
+        **extra,
+    )
+
+
 def _plain_forward(objective, shards: Shards):
-    def fn(params, inputs, targets, positions, weights=None):
-        weights = () if weights is None else (weights,)
-        return objective.token_loss_sum(params, inputs, targets, positions, shards, *weights)
+    def fn(params, inputs, targets, positions, weights=None, documents=None):
+        micro = {"inputs": inputs, "targets": targets, "positions": positions}
+        if weights is not None:
+            micro["weights"] = weights
+        if documents is not None:
+            micro["segment_ids"] = documents
+        return _token_loss_sum(objective, shards, params, micro)
 
     return fn
 
@@ -243,17 +286,16 @@ def pipeline_microbatches(shards: Shards, accumulation: int) -> int:
     return accumulation * shards.microbatches
 
 
-def _stage_fn(objective, shards: Shards, positions: jax.Array) -> Callable:
-    """``(params, x_in, (inputs, targets)) -> (y, loss_sum, aux)``: this device's stage of the
-    objective on one microbatch (``LMObjective.stage_loss_sum``), for ``dew.parallel.pipeline``."""
+def _stage_fn(objective, shards: Shards) -> Callable:
+    """``(params, x_in, micro) -> (y, loss_sum, aux)``: this device's stage of the objective on
+    one microbatch (a dict of ``_microbatches``; ``LMObjective.stage_loss_sum``), for
+    ``dew.parallel.pipeline``."""
 
     def stage_fn(params, x_in, micro):
-        inputs, targets, *weights = micro
-        if weights:
-            return objective.stage_loss_sum(
-                params, x_in, inputs, targets, positions, shards, weights=weights[0]
-            )
-        return objective.stage_loss_sum(params, x_in, inputs, targets, positions, shards)
+        extra = {name: micro[name] for name in ("weights", "segment_ids") if name in micro}
+        return objective.stage_loss_sum(
+            params, x_in, micro["inputs"], micro["targets"], micro["positions"], shards, **extra
+        )
 
     return stage_fn
 
@@ -283,16 +325,14 @@ def _pipelined_gradients(objective, shards: Shards, accumulation: int, global_to
     stages = shards.size(pipeline.AXIS)
     schedule = pipeline.SCHEDULES[shards.options.pipeline_schedule](stages, count)
 
-    def fn(params, inputs, targets, positions, weights=None):
-        micro = (_cut(inputs, count), _cut(targets, count))
-        if weights is not None:
-            micro += (_cut(weights, count),)
+    def fn(params, inputs, targets, positions, weights=None, documents=None):
+        micro = _microbatches(count, inputs, targets, positions, weights, documents)
         grads, loss, aux = pipeline.pipeline_gradients(
-            _stage_fn(objective, shards, positions),
+            _stage_fn(objective, shards),
             params,
             micro,
             schedule,
-            activation=_activation(objective, shards, params, micro[0][0]),
+            activation=_activation(objective, shards, params, micro["inputs"][0]),
             loss_scale=1.0 / global_tokens,
             has_aux=True,
         )
@@ -306,16 +346,14 @@ def _pipelined_forward(objective, shards: Shards):
     (``dew.parallel.pipeline.pipeline_forward``: ``M + S - 1`` ticks, one ``ppermute`` of an
     activation each)."""
 
-    def fn(params, inputs, targets, positions, weights=None):
+    def fn(params, inputs, targets, positions, weights=None, documents=None):
         count = shards.microbatches
-        micro = (_cut(inputs, count), _cut(targets, count))
-        if weights is not None:
-            micro += (_cut(weights, count),)
+        micro = _microbatches(count, inputs, targets, positions, weights, documents)
         return pipeline.pipeline_forward(
-            _stage_fn(objective, shards, positions),
+            _stage_fn(objective, shards),
             params,
             micro,
-            activation=_activation(objective, shards, params, micro[0][0]),
+            activation=_activation(objective, shards, params, micro["inputs"][0]),
             has_aux=True,
         )
 
@@ -346,13 +384,13 @@ def local_gradients(
     # Where each layer runs once a step, its gathers' transposes also sum over data, in the loop.
     shards = dataclasses.replace(shards, loop_sums=fsdp.loop_sum_axes(shards, accumulation))
 
-    def fn(params, inputs, targets, positions, mask=None, frozen=None, key=None):
+    def fn(params, inputs, targets, positions, mask=None, documents=None, frozen=None, key=None):
         if key is not None:  # key data, the same on every device: a typed key again
             key = jax.random.wrap_key_data(key)
         on = on_base(objective, frozen, key)
         part = parts(on, shards, accumulation, global_tokens)
-        weights = () if mask is None else (_mask_weights(mask, shards, global_tokens),)
-        grads, loss, aux = part(params, inputs, targets, positions, *weights)
+        weights = None if mask is None else _mask_weights(mask, shards, global_tokens)
+        grads, loss, aux = part(params, inputs, targets, positions, weights, documents)
         return _summed(on, shards, grads, loss, aux, param_specs)
 
     return fn
@@ -408,14 +446,18 @@ def global_gradients(
         on = on_base(objective, frozen, None if key is None else jax.random.wrap_key_data(key))
 
         def share(params, micro):
-            tokens, *weights = micro
-            loss, aux = on.loss_sum(params, tokens, shards, *weights)
+            loss, aux = on.loss_sum(
+                params, micro["tokens"], shards, micro.get("weights"), micro.get("documents")
+            )
             return loss / global_tokens, aux
 
-        tokens, mask = split_mask(batch)
-        micro = (cut(tokens),)
+        tokens, mask, documents = split_batch(batch)
+        micro = {"tokens": cut(tokens)}
         if mask is not None:  # counted over the global array: XLA all-reduces the count
-            micro += (cut(loss_weights(mask, jnp.sum(mask, dtype=jnp.int32), global_tokens)),)
+            count = jnp.sum(mask, dtype=jnp.int32)
+            micro["weights"] = cut(loss_weights(mask, count, global_tokens))
+        if documents is not None:
+            micro["documents"] = cut(documents)
         loss, aux, grads = accumulated_gradients(share, params, micro)
         return grads, loss, aux
 
@@ -465,13 +507,15 @@ def _shard_map_step(
     implicit casts, so the collectives of a step are exactly those written in dew.parallel.
 
     A batch with a loss mask passes ``local`` a fifth argument, the targets' mask, split as the
-    targets are.
+    targets are; one with document ids a sixth, the inputs' document ids (and its positions are
+    per row, split as the tokens).
     """
     split = split_tokens(mesh, seq_len)
 
     def run(params, batch, frozen=None, key=None):
         arrays = split(batch)
-        specs = (TOKEN_SPEC, TOKEN_SPEC, POSITION_SPEC) + (TOKEN_SPEC,) * (len(arrays) - 3)
+        positions = POSITION_SPEC if arrays[2].ndim == 1 else TOKEN_SPEC
+        specs = (TOKEN_SPEC, TOKEN_SPEC, positions) + (TOKEN_SPEC,) * (len(arrays) - 3)
         if frozen is None:
             mapped = jax.shard_map(
                 local,
@@ -522,10 +566,11 @@ def build_loss(
     global_tokens = global_rows * objective.seq_len
     forward_of = _pipelined_forward if _pipelined(shards) else _plain_forward
 
-    def local_loss(params, inputs, targets, positions, mask=None, frozen=None):
+    def local_loss(params, inputs, targets, positions, mask=None, documents=None, frozen=None):
         forward = forward_of(on_base(objective, frozen), shards)
-        weights = () if mask is None else (_mask_weights(mask, shards, global_tokens),)
-        loss, aux = data.sum_loss(forward(params, inputs, targets, positions, *weights), shards)
+        weights = None if mask is None else _mask_weights(mask, shards, global_tokens)
+        parts = forward(params, inputs, targets, positions, weights, documents)
+        loss, aux = data.sum_loss(parts, shards)
         return loss / global_tokens, aux
 
     loss = _shard_map_step(
@@ -612,8 +657,9 @@ def build_train_step(
 
     ``metrics``: the objective's ``metrics(loss, aux, global_tokens)``, a dict of scalars with
     ``"loss"`` (for an MoE language model also ``"load_balance_loss"``, ``"router_z_loss"`` and
-    ``"dropped_fraction"``), and ``optimizer_metrics``: ``"grad_norm"`` and, where the optimizer
-    says it, ``"lr"``.
+    ``"dropped_fraction"``), ``optimizer_metrics``: ``"grad_norm"`` and, where the optimizer
+    says it, ``"lr"``, and for a batch with a loss mask ``"useful_tokens"``: the global batch's
+    targets whose loss counts (int32).
 
     ``state_shardings`` is the ``NamedSharding`` tree of the whole ``TrainState``; the other
     arguments are ``build_gradients``'.
@@ -640,6 +686,9 @@ def build_train_step(
         grads, loss, aux = gradients(state.params, batch, state.frozen, key)
         metrics = objective.metrics(loss, aux, global_tokens)
         metrics.update(optimizer_metrics(grads, optimizer, state.opt_state))
+        mask = split_batch(batch)[1]
+        if mask is not None:  # the targets whose loss counts (XLA sums the rows' split: 4 bytes)
+            metrics["useful_tokens"] = jnp.sum(mask, dtype=jnp.int32)
         return apply_updates(state, grads, optimizer, objective.ema_decay), metrics
 
     return jax.jit(

@@ -150,14 +150,18 @@ def check_evaluation(data, eval_every: int | None, eval_batches: int | None) -> 
 FIRST_STEP_NOTE = "(first step: includes compiling)"
 
 
-def speed_text(seconds: float, **speed) -> str:
+def speed_text(seconds: float, useful: float | None = None, **speed) -> str:
     """``"212.3 ms/step, 77,180 tokens/s, MFU 35.6% PaLM, 33.0% causal-halved"``: a step time of
     ``seconds`` and the throughput of ``speed`` at it (``dew.training.flops.throughput``'s
     ``tokens``, ``flops_per_token``, ``devices``, ``peak`` and ``causal_flops_per_token``); MFU
     only where the device's peak is known, by each count it is given, each named: PaLM's, and
-    with causal attention halved (MaxText's; ``dew.training.flops``)."""
+    with causal attention halved (MaxText's; ``dew.training.flops``). ``useful``: the step's
+    mean count of targets whose loss counts (a batch with a loss mask), or ``None``; given,
+    ``"(24,310 useful)"`` follows the tokens/s: those per second."""
     rates = throughput(seconds=seconds, **speed)
     text = f"{1e3 * seconds:,.1f} ms/step, {rates['tokens_per_s']:,.0f} tokens/s"
+    if useful is not None:
+        text += f" ({useful / seconds:,.0f} useful)"
     if "mfu" in rates:
         text += f", MFU {100 * rates['mfu']:.1f}% PaLM"
     if "mfu_causal" in rates:
@@ -178,35 +182,40 @@ class LogWindow:
 
     def __init__(self, **speed):
         self.speed = speed  # throughput's arguments but seconds
-        self._first = None  # the first step's time, while its window lasts
-        self._seconds: list[float] = []  # the window's other steps
+        self._first = None  # the first step's (seconds, useful), while its window lasts
+        self._steps: list[tuple[float, float | None]] = []  # the window's other steps
         self._started = False
 
-    def add(self, seconds: float) -> None:
-        """One more step, of ``seconds``."""
+    def add(self, seconds: float, useful: float | None = None) -> None:
+        """One more step, of ``seconds``, with ``useful`` targets whose loss counts (a step's
+        ``useful_tokens`` metric) or ``None``."""
         if self._started:
-            self._seconds.append(seconds)
+            self._steps.append((seconds, useful))
         else:
-            self._first, self._started = seconds, True
+            self._first, self._started = (seconds, useful), True
 
     def line(self) -> str:
         """The window's speed; the next window starts empty. ``ValueError`` when no step was
         added since the last call: a line's speed is of at least one step."""
-        if self._seconds:
-            text = speed_text(sum(self._seconds) / len(self._seconds), **self.speed)
+        if self._steps:
+            seconds = [s for s, _ in self._steps]
+            counts = [u for _, u in self._steps]
+            useful = None if None in counts else sum(counts) / len(counts)
+            text = speed_text(sum(seconds) / len(seconds), useful, **self.speed)
         elif self._first is not None:
-            text = f"{speed_text(self._first, **self.speed)} {FIRST_STEP_NOTE}"
+            text = f"{speed_text(*self._first, **self.speed)} {FIRST_STEP_NOTE}"
         else:
             raise ValueError("no step was added since the last line")
-        self._first, self._seconds = None, []
+        self._first, self._steps = None, []
         return text
 
 
 class FitLog:
     """What ``fit`` reports after each step, handed to its trackers on process 0 (``with`` closes
     them all at the end, on every process): ``loss``, ``step_time_s``, ``throughput`` (tokens/s,
-    model TFLOP/s per device, MFU), an MoE model's router statistics, and on a step that evaluated
-    the ``validation_metrics`` prefixed ``val_`` with ``val_weights``."""
+    model TFLOP/s per device, MFU), for a batch with a loss mask ``useful_tokens`` (the targets
+    whose loss counts) and ``useful_tokens_per_s``, an MoE model's router statistics, and on a
+    step that evaluated the ``validation_metrics`` prefixed ``val_`` with ``val_weights``."""
 
     def __init__(self, trackers, **speed):
         self.trackers = trackers
@@ -222,6 +231,8 @@ class FitLog:
     def step(self, step: int, metrics: dict, seconds: float, validation=None, weights=None):
         record = dict(loss=metrics["loss"], step_time_s=seconds)
         record.update(throughput(seconds=seconds, **self.speed))
+        if "useful_tokens" in metrics:  # the targets whose loss counts, per second
+            record["useful_tokens_per_s"] = metrics["useful_tokens"] / seconds
         record.update((k, v) for k, v in metrics.items() if k != "loss")
         if validation is not None:
             record.update((f"val_{k}", v) for k, v in validation.items())

@@ -700,7 +700,7 @@ class Trainer:
                 timing["first_step_after"] = ended - started
             else:
                 timing["in_steps"] += seconds
-            window.add(seconds)
+            window.add(seconds, step_metrics.get("useful_tokens"))
             if step % log_every == 0 or step == steps or last:
                 print(
                     f"step {step}: loss {loss:.4f}{_router_line(step_metrics)}, {window.line()}"
@@ -766,23 +766,27 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- inspection
 
-    def step_arguments(self, batch_size: int):
+    def step_arguments(self, batch_size: int, documents: bool = False):
         """``(state, batch)`` of the step on global batches of ``batch_size`` rows, as
         ``jax.ShapeDtypeStruct`` s laid out as the step takes them: lowering the step on them
-        allocates nothing."""
+        allocates nothing. ``documents``: the batch packs documents (tokens, loss mask and
+        document ids, ``[rows, 3, seq_len + 1]``), else plain tokens ``[rows, seq_len + 1]``."""
         state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             self._abstract_state,
             self.state_shardings,
         )
         width = self.objective.seq_len + 1
-        batch = jax.ShapeDtypeStruct((batch_size, width), jnp.int32, sharding=self.batch_sharding)
+        shape = (batch_size, 3, width) if documents else (batch_size, width)
+        batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
         return state, batch
 
-    def compiled_step(self, batch_size: int):
+    def compiled_step(self, batch_size: int, documents: bool = False):
         """The step on global batches of ``batch_size`` rows, lowered from ``step_arguments`` and
-        compiled, for its ``memory_analysis()`` and its HLO (nothing is allocated or run)."""
-        return self.train_step(batch_size).lower(*self.step_arguments(batch_size)).compile()
+        compiled, for its ``memory_analysis()`` and its HLO (nothing is allocated or run);
+        ``documents``: on packed documents (``[rows, 3, seq_len + 1]`` batches: segment ids)."""
+        arguments = self.step_arguments(batch_size, documents)
+        return self.train_step(batch_size).lower(*arguments).compile()
 
     def collectives(self, data):
         """The collectives of one training step on batches of ``data`` (anything with ``batch_size``
@@ -794,6 +798,8 @@ class Trainer:
         from dew.collectives import collectives, hlo_collectives
 
         self.check_batch(data.batch_size, data.seq_len)
+        documents = getattr(data, "documents", None) == "separate"  # packed: one more gather
         if self.engine != "shard_map":
-            return hlo_collectives(self.compiled_step(data.batch_size), self.mesh)
-        return collectives(self.train_step(data.batch_size), *self.step_arguments(data.batch_size))
+            return hlo_collectives(self.compiled_step(data.batch_size, documents), self.mesh)
+        arguments = self.step_arguments(data.batch_size, documents)
+        return collectives(self.train_step(data.batch_size), *arguments)
