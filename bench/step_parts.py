@@ -122,9 +122,10 @@ def parts(model, batch: int, seq_len: int, calls: int, seed: int, step_only: boo
     attend = attention_layer.IMPLEMENTATIONS[model.attention_for(jax.default_backend())]
     heads, kv_heads, head_dim = model.num_heads, model.kv_heads, model.head_dim
     kq, kk, kv = jax.random.split(key, 3)
-    q = jax.random.normal(kq, (batch, seq_len, heads, head_dim), dtype)
-    k = jax.random.normal(kk, (batch, seq_len, kv_heads, head_dim), dtype)
-    v = jax.random.normal(kv, (batch, seq_len, kv_heads, head_dim), dtype)
+    # The model's attention layout, [batch, heads, seq, head_dim] (dew.nn.attention.LAYOUT).
+    q = jax.random.normal(kq, (batch, heads, seq_len, head_dim), dtype)
+    k = jax.random.normal(kk, (batch, kv_heads, seq_len, head_dim), dtype)
+    v = jax.random.normal(kv, (batch, kv_heads, seq_len, head_dim), dtype)
 
     def kernel(q, k, v):
         return attend(q, k, v, causal=True)[0]

@@ -198,9 +198,11 @@ def test_cudnn_on_a_ring_is_refused():
 
 
 def stand_in_cudnn(q, k, v, *, causal=True):
-    """cuDNN's contract (``(out, None)``), computed by XLA: no GPU here."""
+    """cuDNN's contract (``(out, None)``, the model's ``[batch, heads, seq, head_dim]``), computed
+    by XLA: no GPU here."""
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
-    return out, None
+    return jnp.swapaxes(out, 1, 2), None
 
 
 def test_cudnn_runs_where_the_model_calls_it(seed, monkeypatch):

@@ -9,6 +9,7 @@ slice runs the Mosaic kernels through it.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -25,7 +26,8 @@ def test_the_split_is_the_batch_axes_and_the_heads_where_tensor_divides_them():
     mesh = jax.make_mesh(
         (2, 1, 2, 2, 1, 1), ("data", "expert", "fsdp", "tensor", "sequence", "stage")
     )
-    assert gspmd_kernel.call_spec(mesh, 4, 2) == P(("data", "fsdp"), None, "tensor", None)
+    # [batch, heads, seq, head_dim]: the model's layout.
+    assert gspmd_kernel.call_spec(mesh, 4, 2) == P(("data", "fsdp"), "tensor", None, None)
     # 3 kv heads do not split over 2 devices: the heads stay whole.
     assert gspmd_kernel.call_spec(mesh, 6, 3) == P(("data", "fsdp"), None, None, None)
     one = jax.make_mesh(
@@ -35,22 +37,28 @@ def test_the_split_is_the_batch_axes_and_the_heads_where_tensor_divides_them():
 
 
 def test_the_wrapped_kernel_is_attention_and_moves_nothing_on_its_split(seed):
+    """On packed rows: each row's segment ids (documents of random lengths) go to the kernel on
+    the row's device. The Mosaic kernels (in TPU interpret mode), which the wrapper runs on a TPU
+    slice. (The GSPMD step below runs the wrapper without ids.)"""
     print(f"seed {seed}")
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
     spec = gspmd_kernel.call_spec(mesh, 4, 2)
     keys = jax.random.split(jax.random.key(seed), 3)
-    shapes = [(8, 32, 4, 16), (8, 32, 2, 16), (8, 32, 2, 16)]
+    shapes = [(8, 4, 32, 16), (8, 2, 32, 16), (8, 2, 32, 16)]  # [batch, heads, seq, head_dim]
     q, k, v = (jax.random.normal(key, shape, jnp.float32) for key, shape in zip(keys, shapes))
-    wrapped = gspmd_kernel.kernel_on_mesh(attention.IMPLEMENTATIONS["pallas"], 4, 2)
+    rng = np.random.default_rng(seed)
+    ids = np.cumsum(rng.random((8, 32)) < 0.15, axis=1).astype(np.int32)
+    wrapped = gspmd_kernel.kernel_on_mesh(attention.IMPLEMENTATIONS["pallas_tpu_interpret"], 4, 2)
 
-    def run(q, k, v):
+    def run(q, k, v, ids):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return wrapped(q, k, v, causal=True)[0]
+            return wrapped(q, k, v, causal=True, segment_ids=ids)[0]
 
     placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    placed.append(jax.device_put(ids, NamedSharding(mesh, P(spec[0], None))))
     compiled = jax.jit(run).lower(*placed).compile()
     got = compiled(*placed)
-    want, _ = attention.xla_attention(q, k, v, causal=True)
+    want, _ = attention.xla_attention(q, k, v, causal=True, segment_ids=ids, layout="bhsd")
     assert relative_error(got, want) < 1e-5
     # q, k and v arrive split as the call wants them: no collective at all.
     hlo = compiled.as_text()

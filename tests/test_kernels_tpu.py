@@ -659,7 +659,7 @@ def test_pallas_tpu_interpret_reaches_the_ring_and_the_model():
 
             return jax.grad(loss, (0, 1, 2))(q, k, v)
 
-        positions = P(None, sequence.AXIS)
+        positions = P(None, None, sequence.AXIS)  # [batch, heads, seq, head_dim]: the model's
         fn = jax.shard_map(
             body,
             mesh=Mesh(np.array(jax.devices()[:2]), (sequence.AXIS,)),
@@ -667,7 +667,7 @@ def test_pallas_tpu_interpret_reaches_the_ring_and_the_model():
             out_specs=(positions,) * 3,
             check_vma=False,
         )
-        args = [jax.ShapeDtypeStruct((1, 16, h, 8), jnp.float32) for h in (2, 1, 1)]
+        args = [jax.ShapeDtypeStruct((1, h, 16, 8), jnp.float32) for h in (2, 1, 1)]
         return list(pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr))
 
     calls = kernel_calls()

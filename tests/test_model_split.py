@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dew.kernels import flash_attention_backward, flash_attention_forward
-from dew.nn.attention import pallas_attention, xla_attention
+from dew.nn.attention import model_xla_attention, pallas_attention, xla_attention
 from tests.helpers import fresh_batch, relative_error, seeded_key, tiny_objective
 
 ROWS = 4
@@ -136,10 +136,11 @@ def test_pallas_forward_and_backward_match_xla(causal, length, seed):
 
 
 def test_pallas_attention_differentiates_through_its_lse(seed):
-    """``pallas_attention`` returns a differentiable lse: its gradient matches XLA's."""
+    """``pallas_attention`` returns a differentiable lse: its gradient matches XLA's (both in the
+    model's layout, ``bhsd``)."""
     rng = np.random.default_rng(seed)
-    q, k, v = draw(rng, 1, 24, 4, 16), draw(rng, 1, 24, 2, 16), draw(rng, 1, 24, 2, 16)
-    d_out, d_lse = draw(rng, 1, 24, 4, 16), draw(rng, 1, 4, 24)
+    q, k, v = draw(rng, 1, 4, 24, 16), draw(rng, 1, 2, 24, 16), draw(rng, 1, 2, 24, 16)
+    d_out, d_lse = draw(rng, 1, 4, 24, 16), draw(rng, 1, 4, 24)
 
     def objective(attend):
         def f(q, k, v):
@@ -148,7 +149,7 @@ def test_pallas_attention_differentiates_through_its_lse(seed):
 
         return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
 
-    for name, got, want in zip("qkv", objective(pallas_attention), objective(xla_attention)):
+    for name, got, want in zip("qkv", objective(pallas_attention), objective(model_xla_attention)):
         error = relative_error(got, want)
         assert error < 1e-5, f"d{name} differs from XLA's by {error:.3g}, seed {seed}"
 

@@ -110,7 +110,7 @@ def sequence_per_layer(trainer, scheme):
     """``[(op, calls, operand bytes a call)]`` over ``sequence``, per decoder layer and
     microbatch.
 
-    Ring, with ``B = 2 r p kv d`` the elements of the stacked K/V block ``[2, r, p, kv, d]``:
+    Ring, with ``B = 2 r p kv d`` the elements of the stacked K/V block ``[2, r, kv, p, d]``:
     ``n - 1`` hops of the block (``B s`` bytes) in the forward; the layer is rematerialized
     (``jax.checkpoint``, nothing saved), so the backward runs the custom_vjp's forward again, its
     ``n - 1`` hops too; then the backward ring: ``n - 1`` hops of the block and ``n - 1`` of its
@@ -270,15 +270,16 @@ def test_one_more_layer_adds_one_layers_sequence_collectives(name):
 
 @pytest.mark.parametrize("name", RING)
 def test_the_ring_passes_kv_blocks_and_gathers_nothing_over_sequence(name):
-    """Only the stacked K/V block ``[2, r, S/n, kv, d]`` (kv heads, not query heads) and its dK/dV
-    accumulator travel; nothing is gathered, scattered or exchanged over ``sequence``."""
+    """Only the stacked K/V block ``[2, r, kv, S/n, d]`` (kv heads, not query heads; the model's
+    layout) and its dK/dV accumulator travel; nothing is gathered, scattered or exchanged over
+    ``sequence``."""
     trainer, report = honest_report(name)
     _, rows, p, _, kv, d, itemsize = attention_sizes(trainer)
     over = [row for row in report.rows if S in row.axes]
     assert {row.op for row in over} == {"ppermute", "psum"}, str(report)
     assert report.count("all_gather", axis=S) == 0 and report.count("psum_scatter", axis=S) == 0
     dtypes = {"f32"} | ({"bf16"} if itemsize == 2 else set())
-    block = f"{rows},{p},{kv},{d}"
+    block = f"{rows},{kv},{p},{d}"
     assert set(over_sequence(report, "ppermute").shapes) == {f"{t}[2,{block}]" for t in dtypes}
 
 
@@ -297,15 +298,15 @@ def test_gradients_and_loss_are_summed_over_the_token_axes(name):
 
 
 def test_all_to_all_trades_q_k_v_and_out_and_never_lse():
-    """The all-to-all's operands are this device's positions of q, k, v ``[r, S/n, h, d]`` and the
-    whole sequence of out for its heads ``[r, S, h/n, d]`` (and their cotangents); the lse
-    exchange, ``[r, h/n, S]``, is dead code in the step."""
+    """The all-to-all's operands are this device's positions of q, k, v ``[r, h, S/n, d]`` and the
+    whole sequence of out for its heads ``[r, h/n, S, d]`` (and their cotangents; the model's
+    layout); the lse exchange, ``[r, h/n, S]``, is dead code in the step."""
     trainer, report = honest_report("all_to_all,sequence=4")
     n, rows, p, heads, _, d, _ = attention_sizes(trainer)
     seq = trainer.objective.seq_len
     assert report.count("ppermute") == 0, str(report)
     shapes = set(over_sequence(report, "all_to_all").shapes)
-    assert shapes == {f"f32[{rows},{p},{heads},{d}]", f"f32[{rows},{seq},{heads // n},{d}]"}
+    assert shapes == {f"f32[{rows},{heads},{p},{d}]", f"f32[{rows},{heads // n},{seq},{d}]"}
     assert f"f32[{rows},{heads // n},{seq}]" not in shapes
 
 
@@ -355,17 +356,17 @@ def gathered_kv():
     queries attend to every key at or before their global position (autodiff writes the
     backward: a psum_scatter of dK/dV)."""
 
-    def attend(q, k, v, n, impl):
-        b, p, heads, d = q.shape
-        kv = lax.all_gather(jnp.stack([k, v]), S, axis=2, tiled=True)  # [2, b, S, kv, d]
+    def attend(q, k, v, ids, all_ids, n, impl, window):
+        b, heads, p, d = q.shape  # the model's layout
+        kv = lax.all_gather(jnp.stack([k, v]), S, axis=3, tiled=True)  # [2, b, kv, S, d]
         seq = p * n
         order = jnp.asarray(sequence.zigzag_positions(seq, n))
         mine = lax.dynamic_slice_in_dim(order, lax.axis_index(S) * p, p)
-        keys, values = (jnp.repeat(x, heads // k.shape[2], axis=2) for x in kv)
-        logits = jnp.einsum("bqhd,bshd->bhqs", q, keys) / math.sqrt(d)
+        keys, values = (jnp.repeat(x, heads // k.shape[1], axis=1) for x in kv)
+        logits = jnp.einsum("bhqd,bhsd->bhqs", q, keys) / math.sqrt(d)
         logits = jnp.where(order[None, :] <= mine[:, None], logits, -jnp.inf)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        out = jnp.einsum("bhqs,bshd->bqhd", jnp.exp(logits - lse[..., None]), values)
+        out = jnp.einsum("bhqs,bhsd->bhqd", jnp.exp(logits - lse[..., None]), values)
         return out.astype(q.dtype), lse
 
     return attend

@@ -1,7 +1,8 @@
 """Sequence parallelism's attention (dew.parallel.sequence) against causal attention on one device.
 
 Each scheme runs inside ``jax.shard_map(..., check_vma=False)`` on a mesh with a ``sequence`` axis
-of ``n`` devices, on the zigzag-permuted sequence split over dimension 1; its ``out``, ``lse`` and
+of ``n`` devices, on the zigzag-permuted sequence split over dimension 2 (the model's layout,
+``[batch, heads, seq, head_dim]``); its ``out``, ``lse`` and
 the gradients of q, k and v (of a random linear function of ``out`` and, in most cases, ``lse``)
 are compared with ``xla_attention`` on the natural-order sequence, permuted the same way (float32,
 relative 1e-5). Collectives are counted from the jaxpr with ``dew.collectives`` and, where XLA's
@@ -24,7 +25,7 @@ from tests.helpers import relative_error
 TOL = 1e-5
 S_AXIS = sequence.AXIS
 ROWS, HEAD_DIM = 2, 8
-POSITIONS = P(None, S_AXIS)  # q, k, v, out, their gradients: positions on dimension 1
+POSITIONS = P(None, None, S_AXIS)  # q, k, v, out, their gradients: [batch, heads, positions, d]
 LSE_POSITIONS = P(None, None, S_AXIS)  # lse: [batch, heads, positions]
 
 
@@ -50,47 +51,77 @@ def assert_close(actual, expected, what, seed):
 def inputs(seed, seq_len, heads, kv_heads):
     rng = np.random.default_rng(seed)
     return (
-        randn(rng, ROWS, seq_len, heads, HEAD_DIM),
-        randn(rng, ROWS, seq_len, kv_heads, HEAD_DIM),
-        randn(rng, ROWS, seq_len, kv_heads, HEAD_DIM),
-        randn(rng, ROWS, seq_len, heads, HEAD_DIM),  # the cotangent of out
+        randn(rng, ROWS, heads, seq_len, HEAD_DIM),
+        randn(rng, ROWS, kv_heads, seq_len, HEAD_DIM),
+        randn(rng, ROWS, kv_heads, seq_len, HEAD_DIM),
+        randn(rng, ROWS, heads, seq_len, HEAD_DIM),  # the cotangent of out
         randn(rng, ROWS, heads, seq_len),  # the cotangent of lse
     )
 
 
+def document_ids(rng, seq_len, sorted_ids=True):
+    """int32 ``[ROWS, seq_len]`` segment ids: documents of random lengths in order (one of a
+    single token, when there is room), or, ``sorted_ids=False``, ids drawn at random from 3."""
+    if not sorted_ids:
+        return rng.integers(0, 3, (ROWS, seq_len)).astype(np.int32)
+    rows = []
+    for _ in range(ROWS):
+        starts = np.sort(rng.choice(np.arange(2, seq_len), 3, replace=False))
+        starts[0] = 1  # a document of one token: position 0
+        rows.append(np.searchsorted(starts, np.arange(seq_len), side="right"))
+    return np.asarray(rows, np.int32)
+
+
 def check_against_one_device(
-    scheme, n, seed, seq_len=16, heads=4, kv_heads=4, impl="xla", with_lse=True
+    scheme,
+    n,
+    seed,
+    seq_len=16,
+    heads=4,
+    kv_heads=4,
+    impl="xla",
+    with_lse=True,
+    ids=None,
+    window=None,
 ):
     """``SCHEMES[scheme]`` on ``n`` devices: out, lse and the gradients of
-    ``sum(out * ct) [+ sum(lse * ct_lse)]`` equal one device's causal attention."""
+    ``sum(out * ct) [+ sum(lse * ct_lse)]`` equal one device's causal attention, with the
+    segment ids ``ids`` (``[ROWS, seq_len]`` in natural order, or ``None``) and ``window``."""
     q, k, v, ct, ct_lse = inputs(seed, seq_len, heads, kv_heads)
     if not with_lse:
         ct_lse = np.zeros_like(ct_lse)
+    masks = {"window": window}
 
     def objective(attend):
-        def loss(q, k, v, ct, ct_lse):
-            out, lse = attend(q, k, v)
+        def loss(q, k, v, ct, ct_lse, ids):
+            out, lse = attend(q, k, v, ids)
             # Without lse the loss does not touch it: its cotangent is a symbolic zero.
             return jnp.sum(out * ct) + (jnp.sum(lse * ct_lse) if with_lse else 0.0)
 
         return loss
 
-    def reference(q, k, v, ct, ct_lse):
-        plain = lambda q, k, v: xla_attention(q, k, v, causal=True)  # noqa: E731
-        return (*plain(q, k, v), *jax.grad(objective(plain), (0, 1, 2))(q, k, v, ct, ct_lse))
+    def reference(q, k, v, ct, ct_lse, ids):
+        def plain(q, k, v, ids):
+            return xla_attention(q, k, v, causal=True, layout="bhsd", segment_ids=ids, **masks)
+
+        grads = jax.grad(objective(plain), (0, 1, 2))(q, k, v, ct, ct_lse, ids)
+        return (*plain(q, k, v, ids), *grads)
 
     # One compiled program: eager op-by-op dispatch would cost more than the test itself.
-    expected = jax.jit(reference)(q, k, v, ct, ct_lse)
+    expected = jax.jit(reference)(q, k, v, ct, ct_lse, ids)
 
     shards = shards_of(n)
     attend = sequence.SCHEMES[scheme]
 
-    def body(q, k, v, ct, ct_lse):
-        run = lambda q, k, v: attend(q, k, v, shards, impl)  # noqa: E731
-        out, lse = run(q, k, v)
-        return (out, lse, *jax.grad(objective(run), (0, 1, 2))(q, k, v, ct, ct_lse))
+    def body(q, k, v, ct, ct_lse, ids):
+        def run(q, k, v, ids):
+            return attend(q, k, v, shards, impl, segment_ids=ids, **masks)
 
-    specs = (POSITIONS, POSITIONS, POSITIONS, POSITIONS, LSE_POSITIONS)
+        out, lse = run(q, k, v, ids)
+        return (out, lse, *jax.grad(objective(run), (0, 1, 2))(q, k, v, ct, ct_lse, ids))
+
+    ids_spec = None if ids is None else P(None, S_AXIS)
+    specs = (POSITIONS, POSITIONS, POSITIONS, POSITIONS, LSE_POSITIONS, ids_spec)
     step = jax.jit(
         jax.shard_map(
             body,
@@ -101,9 +132,12 @@ def check_against_one_device(
         )
     )
     zz = sequence.zigzag_positions(seq_len, n)
-    got = step(q[:, zz], k[:, zz], v[:, zz], ct[:, zz], ct_lse[:, :, zz])
-    expected = [x[:, :, zz] if x.ndim == 3 else x[:, zz] for x in expected]
-    where = f"{scheme} {impl}, sequence {n}, heads {heads}/{kv_heads}, with_lse {with_lse}"
+    got = step(*(x[:, :, zz] for x in (q, k, v, ct, ct_lse)), None if ids is None else ids[:, zz])
+    expected = [x[:, :, zz] for x in expected]
+    where = (
+        f"{scheme} {impl}, sequence {n}, heads {heads}/{kv_heads}, with_lse {with_lse}, "
+        f"ids {ids is not None}, window {window}"
+    )
     for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
         assert_close(a, e, f"{where}: {name}", seed)
 
@@ -179,7 +213,7 @@ def test_ring_pallas_backward_runs_one_kernel_pair_per_block(with_lse):
         out_specs=(POSITIONS,) * 3,
         check_vma=False,
     )
-    args = [jax.ShapeDtypeStruct((ROWS, seq_len, h, HEAD_DIM), jnp.float32) for h in (4, 2, 2)]
+    args = [jax.ShapeDtypeStruct((ROWS, h, seq_len, HEAD_DIM), jnp.float32) for h in (4, 2, 2)]
 
     def kernels(jaxpr):
         for eqn in jaxpr.eqns:
@@ -199,6 +233,25 @@ def test_ring_pallas_backward_runs_one_kernel_pair_per_block(with_lse):
     }, counts
 
 
+@pytest.mark.parametrize(
+    "scheme, n, impl, sorted_ids, window",
+    [
+        ("ring", 4, "xla", True, None),
+        ("ring", 2, "pallas", True, None),
+        ("ring", 2, "xla", False, 5),
+        ("all_to_all", 2, "xla", True, 3),
+    ],
+)
+def test_segment_ids_and_windows_over_the_sequence_axis_equal_one_device(
+    seed, scheme, n, impl, sorted_ids, window
+):
+    """Packed documents (each K/V block's ids the owner's; the Pallas blocks take them as the
+    pair ``(q_ids, kv_ids)``) and unsorted ids; a window over the ring's XLA blocks by their
+    global positions, and over the all-to-all's whole sequence."""
+    ids = document_ids(np.random.default_rng((seed, 1)), 16, sorted_ids)
+    check_against_one_device(scheme, n, seed, kv_heads=2, impl=impl, ids=ids, window=window)
+
+
 @pytest.mark.parametrize("n, heads, kv_heads, with_lse", [(2, 4, 2, True), (4, 8, 4, False)])
 def test_all_to_all_attention_equals_one_device(seed, n, heads, kv_heads, with_lse):
     check_against_one_device(
@@ -211,7 +264,7 @@ def test_sequence_size_one_is_the_plain_call(seed, scheme):
     """No mesh, no collective: the same bits as xla_attention."""
     q, k, v, _, _ = inputs(seed, 16, 4, 2)
     out, lse = sequence.SCHEMES[scheme](q, k, v, ONE_DEVICE)
-    out_ref, lse_ref = xla_attention(q, k, v, causal=True)
+    out_ref, lse_ref = xla_attention(q, k, v, causal=True, layout="bhsd")
     assert np.array_equal(out, out_ref) and np.array_equal(lse, lse_ref), f"seed {seed}"
     report = dew.collectives(lambda q, k, v: sequence.SCHEMES[scheme](q, k, v, ONE_DEVICE), q, k, v)
     assert not report.rows, report.rows
@@ -238,7 +291,7 @@ def traced_collectives(scheme, n, seq_len, heads, kv_heads, dtype, grad, with_ls
     fn = jax.shard_map(
         body, mesh=mesh, in_specs=(POSITIONS,) * 3, out_specs=(POSITIONS,) * 3, check_vma=False
     )
-    args = [jax.ShapeDtypeStruct((ROWS, seq_len, h, HEAD_DIM), dtype) for h in (heads, kv_heads)]
+    args = [jax.ShapeDtypeStruct((ROWS, h, seq_len, HEAD_DIM), dtype) for h in (heads, kv_heads)]
     args.append(args[-1])
     compiled = jax.jit(fn).lower(*args).compile()
     return dew.collectives(fn, *args), hlo_collectives(compiled, mesh)
@@ -307,7 +360,7 @@ def trace(scheme, n, seq_len, heads, kv_heads, impl="xla"):
         out_specs=POSITIONS,
         check_vma=False,
     )
-    shapes = [(ROWS, seq_len, h, HEAD_DIM) for h in (heads, kv_heads, kv_heads)]
+    shapes = [(ROWS, h, seq_len, HEAD_DIM) for h in (heads, kv_heads, kv_heads)]
     return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
 
 
@@ -334,3 +387,35 @@ def trace(scheme, n, seq_len, heads, kv_heads, impl="xla"):
 def test_bad_sizes_are_refused_before_compiling(scheme, n, seq_len, heads, kv_heads, impl, message):
     with pytest.raises(ValueError, match=message):
         trace(scheme, n, seq_len, heads, kv_heads, impl)
+
+
+def test_the_ring_gathers_the_segment_ids_once():
+    """The ids of every device come in one all_gather of int32 [rows, 2c] (forward and backward
+    share it); the K/V blocks and their gradients travel as without ids."""
+    n, seq_len, heads, kv_heads = 4, 32, 4, 2
+    shards = shards_of(n)
+
+    def body(q, k, v, ids):
+        def loss(q, k, v):
+            out, lse = sequence.ring_attention(q, k, v, shards, segment_ids=ids)
+            return jnp.sum(out) + jnp.sum(lse)
+
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+    fn = jax.shard_map(
+        body,
+        mesh=sequence_mesh(n),
+        in_specs=(POSITIONS,) * 3 + (P(None, S_AXIS),),
+        out_specs=(POSITIONS,) * 3,
+        check_vma=False,
+    )
+    shapes = [(ROWS, h, seq_len, HEAD_DIM) for h in (heads, kv_heads, kv_heads)]
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
+    args.append(jax.ShapeDtypeStruct((ROWS, seq_len), jnp.int32))
+    rows = rows_of(dew.collectives(fn, *args))
+    block = 2 * ROWS * (seq_len // n) * kv_heads * HEAD_DIM
+    ids_bytes = (n - 1) * ROWS * (seq_len // n) * 4
+    assert rows == {
+        ("all_gather", (S_AXIS,)): (1, ids_bytes),
+        ("ppermute", (S_AXIS,)): (3 * (n - 1), (n - 1) * (2 * 4 * block + 4 * block)),
+    }, rows

@@ -173,6 +173,9 @@ class CausalTransformer:
         fine-tuned by LoRA adapters on a frozen base (``dew.models.lora`` says how the training
         state splits; ``apply`` takes the base and adapters joined, ``lora.combine``, or merged,
         ``lora.merge``).
+      attention_window: ``None`` (every earlier token) or ``W >= 1``: sliding-window attention,
+        each token attending to at most the ``W`` most recent tokens, itself included (Mistral's
+        and Gemma's local attention; ``window=W`` in ``dew.kernels``), in every layer.
     """
 
     vocab_size: int
@@ -200,6 +203,7 @@ class CausalTransformer:
     rms_norm_eps: float = 1e-6
     loss_chunk_tokens: int | None = None
     lora: lora.Lora | None = None
+    attention_window: int | None = None
 
     def __post_init__(self):
         # A dict (a preset's, a config.json's) becomes the frozen, hashable Llama3Scaling.
@@ -215,6 +219,8 @@ class CausalTransformer:
             positive_int(name, value)
         if self.loss_chunk_tokens is not None:
             positive_int("loss_chunk_tokens", self.loss_chunk_tokens)
+        if self.attention_window is not None:
+            positive_int("attention_window", self.attention_window)
         resolve_dtype(self.dtype)
         resolve_dtype(self.param_dtype)
         if self.attention_impl not in attention.CHOICES:
@@ -331,18 +337,33 @@ class CausalTransformer:
         return logical_axes(self.declare())
 
     def attention_for(
-        self, platform: str, axis_sizes: dict | None = None, sequence_scheme: str = "ring"
+        self,
+        platform: str,
+        axis_sizes: dict | None = None,
+        sequence_scheme: str = "ring",
+        segmented: bool = False,
     ) -> str:
         """The attention implementation a step compiled for ``platform`` devices (``"cpu"``,
         ``"gpu"``, ``"tpu"``) on a mesh of ``axis_sizes`` runs: ``attention_impl`` resolved
         (``dew.nn.attention.resolve``) for this model's dtype and head_dim, and for a ring when
         the ``sequence`` axis is above 1 under the ring scheme. ``ValueError`` for ``"cudnn"``
-        where cuDNN cannot run (not a GPU, float32, a ring): what the step raises while tracing,
-        for callers that want to say so before building anything."""
-        ring = (axis_sizes or {}).get(sequence.AXIS, 1) > 1 and sequence_scheme == "ring"
-        return attention.resolve(
-            self.attention_impl, platform, resolve_dtype(self.dtype), self.head_dim, ring
+        where cuDNN cannot run (not a GPU, float32, a ring), and for an ``attention_window`` on
+        a ring of the Pallas kernels (``dew.parallel.sequence.window_refusal``): what the step
+        raises while tracing, for callers that want to say so before building anything.
+        ``segmented``: the batch packs documents (segment ids), which cuDNN does not take."""
+        n = (axis_sizes or {}).get(sequence.AXIS, 1)
+        ring = n > 1 and sequence_scheme == "ring"
+        impl = attention.resolve(
+            self.attention_impl,
+            platform,
+            resolve_dtype(self.dtype),
+            self.head_dim,
+            ring,
+            segmented,
         )
+        if ring and self.attention_window is not None and impl != "xla":
+            raise ValueError(sequence.window_refusal(impl, n, self.attention_window))
+        return impl
 
     def check_split(self, axis_sizes: dict, sequence_scheme: str = "ring") -> None:
         """Raises ``ValueError``, naming the numbers, when this model cannot run on a mesh of
@@ -503,17 +524,25 @@ class CausalTransformer:
         return tensor.embed_lookup(table["embedding"], tokens, shards, dtype)
 
     def blocks(
-        self, params: dict, x: jax.Array, positions: jax.Array, shards: Shards = ONE_DEVICE
+        self,
+        params: dict,
+        x: jax.Array,
+        positions: jax.Array,
+        shards: Shards = ONE_DEVICE,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, moe.RouterStats]:
         """The ``num_layers`` decoder layers: ``x`` ``[rows, seq, embed]`` -> ``(x, stats)``, ``x``
         of the same shape (``[rows, seq / n, embed]``, this device's positions, under
         sequence-parallel activations on a tensor group of ``n``) and the MoE layers'
         ``RouterStats``, their losses averaged over the MoE layers (zeros for a dense model).
 
-        ``positions``: ``[seq]`` integers, the global positions of the tokens attention sees
-        (rotary positions; ``jnp.arange(seq)`` for a whole sequence). The layers run under
-        ``lax.scan`` (dense and MoE layers interleaved: a scan over groups of ``moe_every``
-        layers, each ``moe_every - 1`` dense layers then one MoE layer), each under
+        ``positions``: the rotary positions of the tokens attention sees, ``[seq]`` integers for
+        every row alike (``jnp.arange(seq)`` for a whole sequence) or ``[rows, seq]`` per row
+        (packed documents: each token's position in its document). ``segment_ids``: ``None``,
+        or int32 ``[rows, seq]``, each token's document: a token attends only to earlier tokens
+        of its own document (and, with ``attention_window``, only the most recent). The layers
+        run under ``lax.scan`` (dense and MoE layers interleaved: a scan over groups of
+        ``moe_every`` layers, each ``moe_every - 1`` dense layers then one MoE layer), each under
         ``jax.checkpoint`` with the ``remat`` policy; ``shards.pin`` constrains each layer's input
         and the output (the GSPMD baseline's activation pinning; a no-op otherwise).
         """
@@ -530,6 +559,7 @@ class CausalTransformer:
             platform,
             {sequence.AXIS: shards.size(sequence.AXIS)},
             shards.options.sequence_scheme,
+            segmented=segment_ids is not None,
         )
         # Over a sequence axis, attention spans every device's positions (ring or all-to-all);
         # elsewhere it is the plain call.
@@ -562,6 +592,8 @@ class CausalTransformer:
                 rope_theta=self.rope_theta,
                 rope_scaling=self.rope_scaling,
                 projections=region,
+                segment_ids=segment_ids,
+                window=self.attention_window,
             )
             return x + region.leave(h)
 

@@ -103,24 +103,41 @@ def frequencies(
     return jnp.where(medium, smoothed, scaled)
 
 
+LAYOUTS = ("bshd", "bhsd")
+
+
 def rotate(
     x: jax.Array,
     positions: jax.Array,
     base: float = DEFAULT_THETA,
     scaling: Llama3Scaling | None = None,
+    layout: str = "bshd",
 ) -> jax.Array:
-    """``x``: ``[batch, seq, heads, head_dim]`` (head_dim even); ``positions``: ``[seq]`` integers.
-    ``base``: theta of the frequencies; ``scaling``: Llama 3's frequency scaling, or ``None``.
+    """``x``: ``[batch, seq, heads, head_dim]`` (``layout="bshd"``) or ``[batch, heads, seq,
+    head_dim]`` (``"bhsd"``, the attention kernels' layout), head_dim even; ``positions``:
+    integers ``[seq]`` (every row alike) or ``[batch, seq]`` (each row its own: packed documents,
+    whose positions restart at each document). ``base``: theta of the frequencies;
+    ``scaling``: Llama 3's frequency scaling, or ``None``.
 
     Positions are explicit so that a device holding a slice of the sequence rotates by its own
     offsets. Computed in float32, returned in ``x``'s dtype; the gradient is the rotation back
     (by the negated angles), in the cotangent's dtype.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"rotate: layout must be one of {LAYOUTS}; got {layout!r}")
+    if positions.ndim not in (1, 2):
+        raise ValueError(
+            f"rotate: positions must be [seq] or [batch, seq], got shape {positions.shape}"
+        )
     freqs = frequencies(x.shape[-1], base, scaling)
-    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [seq, half]
-    # Whole head_dim rows: [cos, cos] and [sin, sin], broadcast over batch and heads.
-    cos = jnp.tile(jnp.cos(angles), 2)[None, :, None, :]
-    sin = jnp.tile(jnp.sin(angles), 2)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * freqs  # [(batch,) seq, half]
+    if positions.ndim == 1:
+        angles = angles[None]
+    # Whole head_dim rows: [cos, cos] and [sin, sin], broadcast over the heads (and the batch
+    # for positions shared by every row).
+    heads_at = 2 if layout == "bshd" else 1
+    cos = jnp.expand_dims(jnp.tile(jnp.cos(angles), 2), heads_at)
+    sin = jnp.expand_dims(jnp.tile(jnp.sin(angles), 2), heads_at)
     return _rotate(x, cos, sin)
 
 

@@ -100,7 +100,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.custom_derivatives import SymbolicZero
 
 from dew.checks import positive_int
-from dew.nn.attention import IMPLEMENTATIONS
+from dew.nn.attention import IMPLEMENTATIONS, LAYOUT, check_window, masked_attention
 
 AXIS = "sequence"
 # Local activations are [batch, positions, ...]: the positions are dimension 1.
@@ -172,70 +172,106 @@ def _check_impl(name: str, impl: str) -> None:
         raise ValueError(f"{name}: impl must be one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
 
 
-def _check_shapes(name: str, q, k, v, n: int) -> None:
+def _check_shapes(name: str, q, k, v, n: int, segment_ids=None) -> None:
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(
-            f"{name}: q must be [batch, 2c, heads, d] and k, v [batch, 2c, kv_heads, d], got "
+            f"{name}: q must be [batch, heads, 2c, d] and k, v [batch, kv_heads, 2c, d], got "
             f"q {q.shape}, k {k.shape}, v {v.shape}"
         )
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(
             f"{name}: q {q.shape} and k, v {k.shape} must agree on batch, positions and head_dim"
         )
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"{name}: heads {q.shape[2]} must be a multiple of kv_heads {k.shape[2]}")
-    local = q.shape[1]
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{name}: heads {q.shape[1]} must be a multiple of kv_heads {k.shape[1]}")
+    local = q.shape[2]
     if local % 2:
         raise ValueError(
             f"{name}: this device's {local} positions are not two zigzag chunks: seq_len "
             f"{local * n} does not split into 2 x sequence {n} = {2 * n} chunks"
         )
+    if segment_ids is not None and tuple(segment_ids.shape) != (q.shape[0], local):
+        raise ValueError(
+            f"{name}: segment_ids must be [batch, positions] = {(q.shape[0], local)} (this "
+            f"device's), got {tuple(segment_ids.shape)}"
+        )
 
 
 # --- Blocks ---------------------------------------------------------------------------------------
+#
+# q, out, d_out: [b, h, m, d]; k, v: [b, kv, s, d]; lse, d_lse: [b, h, m] (the model's layout,
+# dew.nn.attention.LAYOUT). ``causal`` is the mask on the block's own indices (the own block at
+# step 0, whose local order is the zigzag chunks' global order); ``ids``: None or the pair
+# (q_ids [b, m], kv_ids [b, s]); ``positions``: None or the pair (q rows' global positions [m],
+# keys' [s]), which the XLA blocks mask a window by (the Pallas blocks take no window on a ring).
 
 
-def _xla_block_forward(q, k, v, causal):
-    return IMPLEMENTATIONS["xla"](q, k, v, causal=causal)
+def _xla_mask(m: int, s_len: int, causal: bool, ids, window, positions):
+    """bool ``[b or 1, m, s]`` of the pairs a block computes, or ``None`` when it computes all."""
+    mask = None
+    if causal:
+        mask = jnp.tril(jnp.ones((m, s_len), bool))[None]
+    if window is not None:
+        q_pos, k_pos = positions
+        near = (k_pos[None, :] > q_pos[:, None] - window)[None]
+        mask = near if mask is None else mask & near
+    if ids is not None:
+        same = ids[0][:, :, None] == ids[1][:, None, :]
+        mask = same if mask is None else mask & same
+    return mask
 
 
-def _pallas_block_forward(q, k, v, causal, interpret=None):
+def _xla_block_forward(q, k, v, causal, ids=None, window=None, positions=None):
+    """``(out, lse)`` of one block: ``dew.nn.attention.masked_attention`` with the mask of
+    ``_xla_mask``; a row that sees no key gives zeros and ``lse = -inf`` (merging ignores it)."""
+    mask = _xla_mask(q.shape[2], k.shape[2], causal, ids, window, positions)
+    if mask is None:
+        return IMPLEMENTATIONS["xla"](q, k, v, causal=False)
+    return masked_attention(q, k, v, mask)
+
+
+def _pallas_block_forward(q, k, v, causal, ids=None, window=None, positions=None, interpret=None):
     from dew.kernels import flash_attention_forward
 
-    return flash_attention_forward(q, k, v, causal=causal, interpret=interpret)
+    extra = {} if ids is None else {"segment_ids": ids}
+    return flash_attention_forward(
+        q, k, v, causal=causal, interpret=interpret, layout=LAYOUT, **extra
+    )
 
 
-def _xla_block_backward(q, k, v, out, lse, d_out, d_lse, causal):
-    """``(dq, dk, dv)`` float32 of one block, from the final ``out`` and ``lse`` of these rows.
-
-    q, out, d_out: ``[b, m, h, d]``; k, v: ``[b, s, kv, d]``; lse, d_lse: ``[b, h, m]`` (d_lse may
-    be ``None``). ``p = exp(s - lse)`` is this block's share of the final softmax, so the results
-    are its share of dq and its whole dk, dv.
-    """
-    b, m, h, d = q.shape
-    s_len, kv = k.shape[1], k.shape[2]
+def _xla_block_backward(
+    q, k, v, out, lse, d_out, d_lse, causal, ids=None, window=None, positions=None
+):
+    """``(dq, dk, dv)`` float32 of one block, from the final ``out`` and ``lse`` of these rows
+    (d_lse may be ``None``). ``p = exp(s - lse)`` is this block's share of the final softmax, so
+    the results are its share of dq and its whole dk, dv (masked pairs: ``p = 0``)."""
+    b, h, m, d = q.shape
+    kv, s_len = k.shape[1], k.shape[2]
     groups = h // kv
     scale = 1.0 / math.sqrt(d)
     f32 = jnp.float32
-    qg = q.reshape(b, m, kv, groups, d)
-    dog = d_out.reshape(b, m, kv, groups, d)
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(f32), out.astype(f32))
+    qg = q.reshape(b, kv, groups, m, d)
+    dog = d_out.reshape(b, kv, groups, m, d)
+    delta = jnp.einsum("bhqd,bhqd->bhq", d_out.astype(f32), out.astype(f32))
     if d_lse is not None:
         delta = delta - d_lse  # d lse / d logits = p: it adds p d_lse to ds
     rows = lambda x: x.reshape(b, kv, groups, m)[..., None]  # noqa: E731
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=f32) * scale
-    if causal:
-        logits = jnp.where(jnp.tril(jnp.ones((m, s_len), bool)), logits, np.float32(-np.inf))
+    logits = jnp.einsum("bkgqd,bksd->bkgqs", qg, k, preferred_element_type=f32) * scale
+    mask = _xla_mask(m, s_len, causal, ids, window, positions)
+    if mask is not None:
+        logits = jnp.where(mask[:, None, None], logits, np.float32(-np.inf))
     p = jnp.exp(logits - rows(lse))
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", dog, v, preferred_element_type=f32)
+    dp = jnp.einsum("bkgqd,bksd->bkgqs", dog, v, preferred_element_type=f32)
     ds = p * (dp - rows(delta))
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k, preferred_element_type=f32) * scale
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, qg, preferred_element_type=f32) * scale
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", p, dog, preferred_element_type=f32)
-    return dq.reshape(b, m, h, d), dk, dv
+    dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k, preferred_element_type=f32) * scale
+    dk = jnp.einsum("bkgqs,bkgqd->bksd", ds, qg, preferred_element_type=f32) * scale
+    dv = jnp.einsum("bkgqs,bkgqd->bksd", p, dog, preferred_element_type=f32)
+    return dq.reshape(b, h, m, d), dk, dv
 
 
-def _pallas_block_backward(q, k, v, out, lse, d_out, d_lse, causal, interpret=None):
+def _pallas_block_backward(
+    q, k, v, out, lse, d_out, d_lse, causal, ids=None, window=None, positions=None, interpret=None
+):
     """``_xla_block_backward`` with Dew's Pallas backward kernels: one call, one dq kernel and one
     dk/dv kernel per block.
 
@@ -245,8 +281,9 @@ def _pallas_block_backward(q, k, v, out, lse, d_out, d_lse, causal, interpret=No
     """
     from dew.kernels import flash_attention_backward
 
+    extra = {} if ids is None else {"segment_ids": ids}
     grads = flash_attention_backward(
-        q, k, v, out, lse, d_out, d_lse, causal=causal, interpret=interpret
+        q, k, v, out, lse, d_out, d_lse, causal=causal, interpret=interpret, layout=LAYOUT, **extra
     )
     return tuple(g.astype(jnp.float32) for g in grads)
 
@@ -263,6 +300,9 @@ _BLOCK_BACKWARD = {
     "pallas": _pallas_block_backward,
     "pallas_tpu_interpret": functools.partial(_pallas_block_backward, interpret="tpu"),
 }
+# The ring's blocks that take a window (by the blocks' global positions): XLA's. The kernels'
+# window is counted from each call's own last key, which a ring block's offset does not fit.
+_WINDOWED_BLOCKS = ("xla",)
 
 
 # --- Ring attention -------------------------------------------------------------------------------
@@ -292,13 +332,15 @@ def _add_rows(acc, start, value, axis: int):
 
 def _merge_rows(out, lse, start, block_out, block_lse):
     """Online softmax: merge one block's ``(out, lse)`` for rows ``[start, start + m)`` into the
-    float32 accumulators ``out`` ``[b, 2c, h, d]`` and ``lse`` ``[b, h, 2c]``."""
-    m = block_out.shape[1]
-    old_out, old_lse = _rows(out, start, m, 1), _rows(lse, start, m, 2)
+    float32 accumulators ``out`` ``[b, h, 2c, d]`` and ``lse`` ``[b, h, 2c]``. A block row that saw
+    no key (``block_lse = -inf``, out 0) leaves the row as it was: the own block came first, so
+    every row's ``lse`` is already finite."""
+    m = block_out.shape[2]
+    old_out, old_lse = _rows(out, start, m, 2), _rows(lse, start, m, 2)
     new_lse = jnp.logaddexp(old_lse, block_lse)
-    weight = lambda part: jnp.exp(part - new_lse).transpose(0, 2, 1)[..., None]  # noqa: E731
+    weight = lambda part: jnp.exp(part - new_lse)[..., None]  # noqa: E731
     new_out = weight(old_lse) * old_out + weight(block_lse) * block_out.astype(jnp.float32)
-    out = lax.dynamic_update_slice_in_dim(out, new_out, _index(start), 1)
+    out = lax.dynamic_update_slice_in_dim(out, new_out, _index(start), 2)
     return out, lax.dynamic_update_slice_in_dim(lse, new_lse, _index(start), 2)
 
 
@@ -309,6 +351,56 @@ def _pairs(c: int, t, i):
     when the owner precedes this device, else ``1``."""
     own = jnp.where(t <= i, _index(0), _index(c))
     return ((c, 0), (own, own))
+
+
+def _global_positions(device, c: int, n: int):
+    """int32 ``[2c]``: the global positions of ``device``'s zigzag rows (chunks ``device`` and
+    ``2n - 1 - device``)."""
+    index = jnp.arange(c, dtype=jnp.int32)
+    device = _index(device)
+    return jnp.concatenate([device * c + index, (2 * n - 1 - device) * c + index])
+
+
+class _Block:
+    """What one ring step's block calls need besides q, k, v: the q rows' and the visiting keys'
+    segment ids and global positions (each ``None`` when unused), sliced per pair."""
+
+    def __init__(self, q_ids, kv_ids, q_pos, k_pos):
+        self.q_ids, self.kv_ids, self.q_pos, self.k_pos = q_ids, kv_ids, q_pos, k_pos
+
+    def at(self, q_at, k_at, q_len: int, k_len: int):
+        """``(ids, positions)`` for the block of queries ``[q_at, q_at + q_len)`` and keys
+        ``[k_at, k_at + k_len)``."""
+        ids = positions = None
+        if self.q_ids is not None:
+            ids = (_rows(self.q_ids, q_at, q_len, 1), _rows(self.kv_ids, k_at, k_len, 1))
+        if self.q_pos is not None:
+            positions = (_rows(self.q_pos, q_at, q_len, 0), _rows(self.k_pos, k_at, k_len, 0))
+        return ids, positions
+
+
+def _gather_ids(ids):
+    """Every device's segment ids, ``[b, n 2c]`` in device order: one ``all_gather`` over
+    ``sequence`` of int32 ``[b, 2c]`` (``4 b 2c (n - 1)`` bytes received per device: the bytes the
+    ids would cost travelling with each K/V block, in one collective instead of ``n - 1`` forward
+    and ``n - 1`` backward). ``None`` without ids."""
+    return None if ids is None else lax.all_gather(ids, AXIS, axis=1, tiled=True)
+
+
+def _ring_context(ids, all_ids, n: int, c: int, window):
+    """``visiting(t) -> _Block`` for this device's ring steps, and its own block's ``_Block``:
+    the visiting block's ids sliced from ``all_ids`` (``_gather_ids``), its positions (for a
+    window) computed from its owner's index."""
+    i = lax.axis_index(AXIS)
+    own_pos = None if window is None else _global_positions(i, c, n)
+
+    def visiting(t):
+        src = (i - t) % n
+        kv_ids = None if ids is None else _rows(all_ids, src * 2 * c, 2 * c, 1)
+        k_pos = None if window is None else _global_positions(src, c, n)
+        return _Block(ids, kv_ids, own_pos, k_pos)
+
+    return visiting, _Block(ids, ids, own_pos, own_pos)
 
 
 def _ring_steps(n: int, first: int, state, incoming, visit):
@@ -333,53 +425,66 @@ def _ring_steps(n: int, first: int, state, incoming, visit):
     return visit(n - 1, incoming, state)
 
 
-def _ring_forward(q, k, v, n: int, impl: str):
+def _ring_forward(q, k, v, ids, all_ids, n: int, impl: str, window):
     attend = _BLOCK_FORWARD[impl]
-    c = q.shape[1] // 2
+    c = q.shape[2] // 2
     i = lax.axis_index(AXIS)
+    visiting, own = _ring_context(ids, all_ids, n, c, window)
 
     def visit(t, block, state):
         out, lse = state
         block_k, block_v = block[0], block[1]
+        context = visiting(t)
         for q_at, k_at in _pairs(c, t, i):
+            block_ids, positions = context.at(q_at, k_at, c, c)
             block_out, block_lse = attend(
-                _rows(q, q_at, c, 1),
-                _rows(block_k, k_at, c, 1),
-                _rows(block_v, k_at, c, 1),
-                causal=False,
+                _rows(q, q_at, c, 2),
+                _rows(block_k, k_at, c, 2),
+                _rows(block_v, k_at, c, 2),
+                False,
+                block_ids,
+                window,
+                positions,
             )
             out, lse = _merge_rows(out, lse, q_at, block_out, block_lse)
         return out, lse
 
     incoming = _pass(jnp.stack([k, v]), n)  # issued before step 0's compute
-    out, lse = attend(q, k, v, causal=True)
+    own_ids, own_positions = own.at(0, 0, 2 * c, 2 * c)
+    out, lse = attend(q, k, v, True, own_ids, window, own_positions)
     out, lse = _ring_steps(n, 1, (out.astype(jnp.float32), lse), incoming, visit)
     return out.astype(q.dtype), lse
 
 
-def _ring_backward(n: int, impl: str, q, k, v, out, lse, d_out, d_lse):
+def _ring_backward(n: int, impl: str, window, q, k, v, ids, all_ids, out, lse, d_out, d_lse):
     grads = _BLOCK_BACKWARD[impl]
-    c = q.shape[1] // 2
+    c = q.shape[2] // 2
     i = lax.axis_index(AXIS)
+    visiting, own = _ring_context(ids, all_ids, n, c, window)
 
     def contributions(t, block, dq):
         """This step's share of dq (added to ``dq``) and the visiting block's [dV, dK] float32."""
         block_v, block_k = block[0], block[1]
+        context = visiting(t)
         contribution = jnp.zeros(block.shape, jnp.float32)
         for q_at, k_at in _pairs(c, t, i):
-            rows_of = lambda x, axis=1: _rows(x, q_at, c, axis)  # noqa: E731
+            rows_of = lambda x: _rows(x, q_at, c, 2)  # noqa: E731
+            block_ids, positions = context.at(q_at, k_at, c, c)
             dq_p, dk_p, dv_p = grads(
                 rows_of(q),
-                _rows(block_k, k_at, c, 1),
-                _rows(block_v, k_at, c, 1),
+                _rows(block_k, k_at, c, 2),
+                _rows(block_v, k_at, c, 2),
                 rows_of(out),
-                rows_of(lse, 2),
+                rows_of(lse),
                 rows_of(d_out),
-                None if d_lse is None else rows_of(d_lse, 2),
-                causal=False,
+                None if d_lse is None else rows_of(d_lse),
+                False,
+                block_ids,
+                window,
+                positions,
             )
-            dq = _add_rows(dq, q_at, dq_p, 1)
-            contribution = _add_rows(contribution, k_at, jnp.stack([dv_p, dk_p]), 2)
+            dq = _add_rows(dq, q_at, dq_p, 2)
+            contribution = _add_rows(contribution, k_at, jnp.stack([dv_p, dk_p]), 3)
         return dq, contribution
 
     def visit(t, block, state):
@@ -392,8 +497,9 @@ def _ring_backward(n: int, impl: str, q, k, v, out, lse, d_out, d_lse):
     # V first: not the forward's K-first stack, so XLA cannot merge this hop with the forward's
     # (a common subexpression) and keep that block alive from forward to backward.
     incoming = _pass(jnp.stack([v, k]), n)
-    dq, dk, dv = grads(q, k, v, out, lse, d_out, d_lse, causal=True)
-    own = jnp.stack([dv, dk])  # this device's block's gradient from its own queries
+    own_ids, own_positions = own.at(0, 0, 2 * c, 2 * c)
+    dq, dk, dv = grads(q, k, v, out, lse, d_out, d_lse, True, own_ids, window, own_positions)
+    own_grads = jnp.stack([dv, dk])  # this device's block's gradient from its own queries
     # Step 1 by itself: the block's accumulator is born here, nothing arrives with it.
     block = incoming
     if n > 2:
@@ -401,54 +507,73 @@ def _ring_backward(n: int, impl: str, q, k, v, out, lse, d_out, d_lse):
     dq, travelling = contributions(1, block, dq)
     if n > 2:
         dq, travelling = _ring_steps(n, 2, (dq, travelling), incoming, visit)
-    own = own + _pass(travelling, n)  # the last hop brings each accumulator home to its owner
-    return dq.astype(q.dtype), own[1].astype(k.dtype), own[0].astype(v.dtype)
+    own_grads = own_grads + _pass(travelling, n)  # the last hop brings each accumulator home
+    return dq.astype(q.dtype), own_grads[1].astype(k.dtype), own_grads[0].astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, n, impl):
-    return _ring_forward(q, k, v, n, impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _ring(q, k, v, ids, all_ids, n, impl, window):
+    return _ring_forward(q, k, v, ids, all_ids, n, impl, window)
 
 
-def _ring_fwd(q, k, v, n, impl):
+def _ring_fwd(q, k, v, ids, all_ids, n, impl, window):
     # symbolic_zeros: the primals come wrapped, and a cotangent nobody asked for (the model's
     # lse) arrives as a SymbolicZero, and the backward passes d_lse=None (nothing to subtract).
     q, k, v = q.value, k.value, v.value
-    out, lse = _ring_forward(q, k, v, n, impl)
+    ids, all_ids = (None if x is None else x.value for x in (ids, all_ids))
+    out, lse = _ring_forward(q, k, v, ids, all_ids, n, impl, window)
     # Named so that remat="attention" saves them and the backward does not run the ring again.
     out, lse = checkpoint_name(out, "attention_out"), checkpoint_name(lse, "attention_lse")
-    return (out, lse), (q, k, v, out, lse)
+    return (out, lse), (q, k, v, ids, all_ids, out, lse)
 
 
-def _ring_bwd(n, impl, residuals, cotangents):
-    q, k, v, out, lse = residuals
+def _ring_bwd(n, impl, window, residuals, cotangents):
+    q, k, v, ids, all_ids, out, lse = residuals
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, out.dtype)
     if isinstance(d_lse, SymbolicZero):
         d_lse = None
-    return _ring_backward(n, impl, q, k, v, out, lse, d_out.astype(out.dtype), d_lse)
+    d_out = d_out.astype(out.dtype)
+    grads = _ring_backward(n, impl, window, q, k, v, ids, all_ids, out, lse, d_out, d_lse)
+    return (*grads, None, None)  # the ids are integers: no cotangent
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
 
 
-def ring_attention(q, k, v, shards, impl: str = "xla"):
+def _plain(impl: str, q, k, v, segment_ids, window):
+    """The plain attention call (a sequence axis of 1), with segment ids and window when set."""
+    extra = {"segment_ids": segment_ids, "window": window}
+    return IMPLEMENTATIONS[impl](
+        q, k, v, causal=True, **{name: x for name, x in extra.items() if x is not None}
+    )
+
+
+def ring_attention(q, k, v, shards, impl: str = "xla", *, segment_ids=None, window=None):
     """Causal attention over the whole sequence, for this device's zigzag rows, as a ring.
 
     Args:
-      q: ``[batch, 2c, heads, d]``, this device's chunks ``i`` and ``2n-1-i`` (rotary applied with
-        their global positions).
-      k, v: ``[batch, 2c, kv_heads, d]``, the same positions; query head ``h`` uses kv head
+      q: ``[batch, heads, 2c, d]`` (the model's layout), this device's chunks ``i`` and
+        ``2n-1-i`` (rotary applied with their positions).
+      k, v: ``[batch, kv_heads, 2c, d]``, the same positions; query head ``h`` uses kv head
         ``h // (heads // kv_heads)``.
       shards: the step's ``Shards``; ``n = shards.size("sequence")``. At ``n = 1`` this is the
         plain causal attention call, without a collective.
       impl: the block computation, ``"xla"`` (plain JAX), ``"pallas"`` (``dew.kernels``, for
         the devices the step is compiled for) or ``"pallas_tpu_interpret"`` (its Mosaic kernels
         in TPU interpret mode).
+      segment_ids: ``None``, or int32 ``[batch, 2c]``, the document ids of this device's rows: a
+        query attends only to keys of its id. Every device's ids are gathered once (one
+        ``all_gather`` of int32 ``[batch, 2c]``) and each visiting K/V block's are sliced from
+        them; the Pallas blocks take the pair ``(q_ids, kv_ids)`` and skip the block pairs whose
+        ids never meet.
+      window: ``None`` or ``W``: each query sees at most the ``W`` most recent keys (global
+        positions): XLA blocks only (``ValueError`` for the Pallas blocks on a ring; the
+        all-to-all scheme takes it with any ``impl``).
 
     Returns:
-      ``(out, lse)``: ``out`` ``[batch, 2c, heads, d]`` in q's dtype, ``lse`` float32
+      ``(out, lse)``: ``out`` ``[batch, heads, 2c, d]`` in q's dtype, ``lse`` float32
       ``[batch, heads, 2c]``, what causal attention on the natural-order sequence gives at these
       positions; both differentiable (a ``custom_vjp`` ring, see the module docstring).
     """
@@ -459,37 +584,55 @@ def ring_attention(q, k, v, shards, impl: str = "xla"):
             f"ring_attention: impl {impl!r} gives no log-sum-exp to merge blocks by; use one of "
             f"{', '.join(_BLOCK_FORWARD)} on a ring (or the all_to_all scheme)"
         )
-    _check_shapes("ring_attention", q, k, v, n)
+    check_window(window)
+    if window is not None and n > 1 and impl not in _WINDOWED_BLOCKS:
+        raise ValueError(window_refusal(impl, n, window))
+    _check_shapes("ring_attention", q, k, v, n, segment_ids)
     if n == 1:
-        return IMPLEMENTATIONS[impl](q, k, v, causal=True)
-    return _ring(q, k, v, n, impl)
+        return _plain(impl, q, k, v, segment_ids, window)
+    ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    return _ring(q, k, v, ids, _gather_ids(ids), n, impl, window)
+
+
+def window_refusal(impl: str, n: int, window: int) -> str:
+    """Why a ring of ``n`` cannot run ``impl``'s blocks with a window (a sentence)."""
+    return (
+        f"attention window {window} on a sequence ring of {n} runs with attention 'xla' only: "
+        f"the {impl!r} kernels count a window from each call's own last key, which a ring block's "
+        "offset does not fit; use sequence_scheme 'all_to_all' (any attention) or attention 'xla'"
+    )
 
 
 # --- All-to-all (DeepSpeed-Ulysses) ---------------------------------------------------------------
 
 
 def _positions_to_heads(x, n: int):
-    """``[b, 2c, heads, d]`` (this device's zigzag positions, all heads) -> ``[b, S, heads / n, d]``
-    (every position in natural order, head group ``i``). All-to-all: ``(n - 1) / n`` of ``x``'s
-    bytes sent per device; its transpose (autodiff's backward) is the reverse all-to-all."""
-    x = lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True)
-    return _zigzag_to_natural(x, n, axis=1)
+    """``[b, heads, 2c, d]`` (this device's zigzag positions, all heads) -> ``[b, heads / n, S,
+    d]`` (every position in natural order, head group ``i``). All-to-all: ``(n - 1) / n`` of
+    ``x``'s bytes sent per device; its transpose (autodiff's backward) is the reverse
+    all-to-all."""
+    x = lax.all_to_all(x, AXIS, split_axis=1, concat_axis=2, tiled=True)
+    return _zigzag_to_natural(x, n, axis=2)
 
 
-def _heads_to_positions(x, n: int, positions_axis: int, heads_axis: int):
-    """The inverse of ``_positions_to_heads``, for ``out`` (positions at 1, heads at 2) and for
-    ``lse`` (heads at 1, positions at 2). All-to-all: ``(n - 1) / n`` of ``x``'s bytes sent."""
-    x = _natural_to_zigzag(x, n, axis=positions_axis)
-    return lax.all_to_all(x, AXIS, split_axis=positions_axis, concat_axis=heads_axis, tiled=True)
+def _heads_to_positions(x, n: int):
+    """The inverse of ``_positions_to_heads``, for ``out`` ``[b, heads / n, S, d]`` and ``lse``
+    ``[b, heads / n, S]`` (heads at 1, positions at 2 in both). All-to-all: ``(n - 1) / n`` of
+    ``x``'s bytes sent."""
+    x = _natural_to_zigzag(x, n, axis=2)
+    return lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True)
 
 
-def all_to_all_attention(q, k, v, shards, impl: str = "xla"):
+def all_to_all_attention(q, k, v, shards, impl: str = "xla", *, segment_ids=None, window=None):
     """Causal attention over the whole sequence, for this device's zigzag rows, by trading
     positions for heads (DeepSpeed-Ulysses).
 
     Arguments and results as ``ring_attention``'s. ``heads`` and ``kv_heads`` must divide by
     ``n``: device ``i`` attends with query heads ``[i h/n, (i+1) h/n)`` and kv heads
-    ``[i kv/n, (i+1) kv/n)``, which are the kv heads those query heads use.
+    ``[i kv/n, (i+1) kv/n)``, which are the kv heads those query heads use. Each device then
+    holds the whole sequence in natural order, so ``segment_ids`` (gathered: one ``all_gather``
+    of int32 ``[batch, 2c]``, put in natural order) and ``window`` go to ``impl`` as they are,
+    the kernels included.
 
     Collectives over ``sequence`` per call: five ``all_to_all`` forward (q, k, v in; out and lse
     back; XLA drops lse's when the caller discards it) and, in the backward, the transposes of
@@ -500,22 +643,25 @@ def all_to_all_attention(q, k, v, shards, impl: str = "xla"):
     """
     _check_impl("all_to_all_attention", impl)
     n = _size(shards)
-    _check_shapes("all_to_all_attention", q, k, v, n)
-    attend = IMPLEMENTATIONS[impl]
+    check_window(window)
+    _check_shapes("all_to_all_attention", q, k, v, n, segment_ids)
     if n == 1:
-        return attend(q, k, v, causal=True)
-    heads, kv_heads = q.shape[2], k.shape[2]
+        return _plain(impl, q, k, v, segment_ids, window)
+    heads, kv_heads = q.shape[1], k.shape[1]
     if heads % n or kv_heads % n:
         raise ValueError(
             f"all_to_all_attention: heads {heads} and kv_heads {kv_heads} must both divide by "
             f"sequence {n} (use the ring scheme otherwise)"
         )
+    if segment_ids is not None:
+        gathered = lax.all_gather(jnp.asarray(segment_ids, jnp.int32), AXIS, axis=1, tiled=True)
+        segment_ids = _zigzag_to_natural(gathered, n, axis=1)
     q, k, v = (_positions_to_heads(x, n) for x in (q, k, v))
-    out, lse = attend(q, k, v, causal=True)
-    out = _heads_to_positions(out, n, positions_axis=1, heads_axis=2)
+    out, lse = _plain(impl, q, k, v, segment_ids, window)
+    out = _heads_to_positions(out, n)
     if lse is None:  # "cudnn" gives none
         return out, None
-    return out, _heads_to_positions(lse, n, positions_axis=2, heads_axis=1)
+    return out, _heads_to_positions(lse, n)
 
 
 SCHEMES = {"ring": ring_attention, "all_to_all": all_to_all_attention}
@@ -547,16 +693,18 @@ def check_heads(
 
 
 def attention(shards, impl: str = "xla"):
-    """The attention function ``(q, k, v, *, causal) -> (out, lse)`` the decoder calls: the plain
-    one (``dew.nn.attention.IMPLEMENTATIONS[impl]``) on a sequence axis of size 1, else
-    ``shards.options.sequence_scheme``'s, which spans every device's positions (always causal)."""
+    """The attention function ``(q, k, v, *, causal, segment_ids=None, window=None) -> (out,
+    lse)`` the decoder calls, in the model's layout: the plain one
+    (``dew.nn.attention.IMPLEMENTATIONS[impl]``) on a sequence axis of size 1, else
+    ``shards.options.sequence_scheme``'s, which spans every device's positions (always causal;
+    this device's ``segment_ids`` go with its rows)."""
     if shards.size(AXIS) == 1:
         return IMPLEMENTATIONS[impl]
     scheme = SCHEMES[shards.options.sequence_scheme]
 
-    def attend(q, k, v, *, causal=True):
+    def attend(q, k, v, *, causal=True, segment_ids=None, window=None):
         if not causal:
             raise ValueError("attention over a sequence axis is causal only")
-        return scheme(q, k, v, shards, impl)
+        return scheme(q, k, v, shards, impl, segment_ids=segment_ids, window=window)
 
     return attend
