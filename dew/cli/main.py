@@ -79,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
         "from the folder's meta.json (default: write the example corpus into RUN_DIR/corpus)",
     )
     train.add_argument(
+        "--documents",
+        default="auto",
+        choices=("auto", "separate", "joined"),
+        help="how documents packed in a row see each other: separate (attention, rotary "
+        "positions and the loss stay inside each document; needs a folder with document "
+        "starts, as dew tokenize writes), joined (one stream, documents joined by the "
+        "end-of-text id), auto (default: separate for prompt/completion and chat data packed by "
+        "dew tokenize --jsonl-fields, joined otherwise); docs/data.md",
+    )
+    train.add_argument(
         "--run-dir",
         default="runs/dew-train",
         help="checkpoints go to RUN_DIR/checkpoints; a rerun resumes from them",
@@ -208,6 +218,7 @@ def _example(args, data_dir, model=None):
         seq_len=args.seq_len,
         val_batches=_val_batches(args),
         loading=Loading(workers=0, threads=1, read_buffer=2),
+        documents=getattr(args, "documents", "auto"),
     ).load(batch=args.batch)
     return LMObjective(model, args.seq_len), data
 

@@ -1,8 +1,8 @@
 """The model's flags, defined once for every ``dew`` command that builds one: a ``--model`` preset
 or the example decoder's sizes, the model's choices (``--dtype``, ``--param-dtype``, ``--remat``,
-``--attention``, ``--loss-chunk``), the mixture-of-experts flags, and what they make:
-``model_config`` (one model), ``model_variants`` (one per value of a choice given several),
-``sizes_text`` (a command's first line).
+``--attention``, ``--loss-chunk``, ``--attention-window``), the mixture-of-experts flags, and
+what they make: ``model_config`` (one model), ``model_variants`` (one per value of a choice given
+several), ``sizes_text`` (a command's first line).
 
 Like ``dew.cli.flags``, nothing here imports JAX at the top, and building the parser imports none
 (the choices are ``dew.cli.choices``' copies): the parser is built before the device flags are
@@ -124,6 +124,14 @@ def add_model_flags(
         "chunking)" + more,
         **nargs,
     )
+    parser.add_argument(
+        "--attention-window",
+        type=int,
+        default=None,
+        metavar="W",
+        help="sliding-window attention: each token attends to at most the W most recent tokens, "
+        "itself included, in every layer (default: all earlier tokens)",
+    )
     parser.set_defaults(
         example_model=dict(
             vocab_size=EXAMPLE_VOCAB, num_layers=layers, emb_features=width, num_heads=heads
@@ -145,14 +153,16 @@ _MODEL_CHOICE_FLAGS = {
     "remat": "remat",
     "attention": "attention_impl",
     "loss_chunk": "loss_chunk_tokens",
+    "attention_window": "attention_window",
 }
 
 
 def model_config(args) -> dict:
     """``models.build("causal_transformer", ...)``'s arguments from ``add_model_flags``' and
     ``add_moe_flags``' flags: the ``--model`` preset's shapes or the example decoder's, with
-    ``--layers``/``--width``/``--heads``, ``--dtype``, ``--param-dtype``, ``--remat`` and
-    ``--attention`` applied where given, and the MoE flags (``moe_config``).
+    ``--layers``/``--width``/``--heads``, ``--dtype``, ``--param-dtype``, ``--remat``,
+    ``--attention`` and ``--attention-window`` applied where given, and the MoE flags
+    (``moe_config``).
 
     A preset keeps its own context (``max_seq_len``); ``--seq-len`` above it is a ``ValueError``.
     The example decoder's ``max_seq_len`` is ``--seq-len``. A size below 1 is a ``ValueError``
@@ -161,7 +171,7 @@ def model_config(args) -> dict:
     from dew.models.presets import preset
 
     # Named as typed: the model would refuse --seq-len 0 as "max_seq_len".
-    check_counts(args, "batch", "seq_len", "layers", "width", "heads")
+    check_counts(args, "batch", "seq_len", "layers", "width", "heads", "attention_window")
     config = preset(args.model) if args.model else dict(args.example_model)
     given = dict(num_layers=args.layers, emb_features=args.width, num_heads=args.heads)
     given.update({field: getattr(args, flag, None) for flag, field in _MODEL_CHOICE_FLAGS.items()})
@@ -234,8 +244,13 @@ def sizes_text(config: dict, args, name: str | None = None) -> str:
         + f", vocab {value['vocab_size']}, context {value['max_seq_len']}"
         + (f", {value['num_experts']} experts" if value.get("num_experts") else "")
         + f"; {value['dtype']} activations, {value['param_dtype']} weights, remat "
-        f"{value['remat']}, attention {value['attention_impl']}{adapters}; batch {args.batch} x "
-        f"{args.seq_len} tokens"
+        f"{value['remat']}, attention {value['attention_impl']}"
+        + (
+            f" (window {value['attention_window']})"
+            if value.get("attention_window") is not None
+            else ""
+        )
+        + f"{adapters}; batch {args.batch} x {args.seq_len} tokens"
     )
 
 
