@@ -231,7 +231,10 @@ def test_plan_gives_a_row_per_recompute_policy(tmp_path, capsys):
     rows = {row["remat"]: row for row in json.loads(out.read_text())}
     assert set(rows) == {"full", "dots"} and all(r["fits"] for r in rows.values())
     assert rows["dots"]["state_bytes"] == rows["full"]["state_bytes"]  # the same weights
-    assert rows["dots"]["total_bytes"] > rows["full"]["total_bytes"], rows
+    # The heap (the temporaries), not the total: at this size the total is mostly the program's
+    # code, which recomputing makes longer (in the attention layout of 2026-12-06 "full"'s
+    # code outweighed "dots"' larger heap: totals 8.53 and 8.44 MB, heaps 1.80 and 1.97 MB).
+    assert rows["dots"]["temp_bytes"] > rows["full"]["temp_bytes"], rows
     table = capsys.readouterr().out.split("layout  engine")[-1]
     assert "  full  " in table and "  dots  " in table
 
