@@ -33,7 +33,7 @@ each first, until one fits; ``dew.training.remat_choice.choose_remat`` makes the
 a ``Trainer`` whose model says ``remat="auto"``. A compiled step's memory is read by
 ``dew.training.step_memory``.
 
-One module of about 770 lines: a row, the compile that fills it, the choices and the search that
+One module of about 930 lines: a row, the compile that fills it, the choices and the search that
 decide which rows to compile and the table that prints them are one path a reader follows from
 `dew plan`'s flags to its output; each part is a few functions that make no sense without the
 row.

@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 
 # dew plan's flags the suggested command leaves out: the search chooses the layout and the
-# recompute policy itself (it refuses --mesh beside --search, and fixes a --remat it is given).
+# recompute policy itself (with --mesh it would search only the layouts given, and it keeps a
+# --remat it is given fixed).
 _SEARCH_CHOOSES = ("--target", "--search", "--mesh", "--remat", "--engines")
 
 

@@ -99,8 +99,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "most promising (see --max-layouts), or with --mesh only the layouts given; rank those "
         "that fit by exposed wire bytes, then "
         "wire bytes. Per layout it also chooses the recompute policy (without --remat: the "
-        "least recomputation that fits), the fsdp scheme (with --fsdp-scheme auto: each that "
-        "can run, the least exposed that fits) and the gradient sums' dtype (without "
+        "least recomputation that fits), the fsdp and tensor schemes (with --fsdp-scheme or "
+        "--tensor-scheme auto: each that can run, the least exposed that fits) and the "
+        "gradient sums' dtype (without "
         "--gradient-sum-dtype: float32, then bfloat16 where nothing fits)",
     )
     parser.add_argument(

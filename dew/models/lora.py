@@ -354,12 +354,6 @@ def partial_over_tensor(model, adapters_shape: Any, shards) -> dict:
     return jax.tree_util.tree_map_with_path(partial, adapters_shape)
 
 
-def in_layer_loop(adapters_shape: Any) -> dict:
-    """Every adapter is one of the layer loop's (stacked), for ``sum_axes``'s ``summed_in_loop``
-    (which acts only on weights split over fsdp: adapters never are)."""
-    return jax.tree_util.tree_map(lambda _: True, adapters_shape)
-
-
 def check(model, axis_sizes: dict) -> None:
     """``ValueError`` naming the numbers for a LoRA model a mesh cannot run: kv heads shared over
     ``tensor`` (fewer kv heads than the tensor axis) with k or v adapted or an int8 base."""

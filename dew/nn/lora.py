@@ -8,8 +8,8 @@ For a weight ``W`` of the einsum ``spec`` (``x`` first), the adapted layer compu
 with ``A`` ``[*in_dims, R]`` (``W``'s dimensions that ``x`` names: the ones the matmul sums over)
 and ``B`` ``[R, *out_dims]`` (``W``'s dimensions the output names). For Dew's weights:
 
-    q, k, v   W [embed, heads, head_dim]  "bse,ehd->bshd"  A [embed, R]            B [R, heads, hd]
-    o         W [heads, head_dim, embed]  "bshd,hde->bse"  A [heads, head_dim, R]  B [R, embed]
+    q, k, v   W [embed, heads, head_dim]  "bse,ehd->bhsd"  A [embed, R]            B [R, heads, hd]
+    o         W [heads, head_dim, embed]  "bhsd,hde->bse"  A [heads, head_dim, R]  B [R, embed]
     gate, up  W [embed, mlp]              "te,ef->tf"      A [embed, R]            B [R, mlp]
     down      W [mlp, embed]              "tf,fe->te"      A [mlp, R]              B [R, embed]
 
@@ -42,7 +42,7 @@ def _rank_label(*labels: str) -> str:
 def lora_einsums(spec: str) -> tuple[str, str]:
     """The two einsums of the update for a weight of ``spec``: ``x A`` and ``(x A) B``.
 
-    ``"bse,ehd->bshd"`` -> ``("bse,er->bsr", "bsr,rhd->bshd")``. ``ValueError`` when a label of
+    ``"bse,ehd->bhsd"`` -> ``("bse,er->bsr", "bsr,rhd->bhsd")``. ``ValueError`` when a label of
     the weight is named by both ``x`` and the output, or by neither (a batched weight, such as
     an MoE layer's experts: not a matrix LoRA adapts)."""
     x, w, out = spec_labels(spec)

@@ -412,11 +412,13 @@ def _summed(objective, shards: Shards, grads, loss, aux, param_specs=None):
     """The one tail of every shard_map step: each gradient summed over the axes
     ``dew.parallel.gradients`` names for it, the loss and the statistics over every axis that
     holds a part of them (``data.sum_loss``). A LoRA model's gradients are its adapters', laid out
-    by ``param_specs`` (``dew.models.lora`` says which are partial over ``tensor``)."""
+    by ``param_specs`` (``dew.models.lora`` says which are partial over ``tensor``); none is
+    split over fsdp (``dew.layout.WHOLE_OVER_FSDP``), so none was summed inside the layer loop
+    (``Shards.loop_sums`` acts on fsdp-split weights only)."""
     if isinstance(objective, OnBase):
         model = objective.model
         partial = lora.partial_over_tensor(model, grads, shards)
-        in_loop = lora.in_layer_loop(grads) if shards.loop_sums else None
+        in_loop = None
         specs = param_specs
     else:
         partial = objective.model.partial_over_tensor(shards)
