@@ -103,14 +103,39 @@ def test_split_tokens_gives_each_device_its_rows_positions_in_zigzag_order(case,
     np.testing.assert_array_equal(inputs, packed[:, 0, :-1][:, order], err_msg=f"seed {seed}")
 
 
-def test_one_device_loss_and_gradients_are_the_documents_apart(case, seed):
-    objective, _, packed, _, reference = case
-    loss, grads = jax.jit(jax.value_and_grad(objective.loss))(reference["initial"], packed)
-    np.testing.assert_allclose(loss, reference["losses"][0], rtol=TOL, err_msg=f"seed {seed}")
+@pytest.fixture(scope="module")
+def one_device_loss(case):
+    """``jit(value_and_grad(objective.loss))``, compiled once for the module's batches."""
+    return jax.jit(jax.value_and_grad(case[0].loss))
+
+
+def assert_is_the_documents_apart(loss_and_grads, batch, reference, where):
     from tests.helpers import relative_error
 
+    loss, grads = loss_and_grads(reference["initial"], batch)
+    np.testing.assert_allclose(loss, reference["losses"][0], rtol=TOL, err_msg=where)
     error = relative_error(grads, reference["grads"][0])
-    assert error < TOL, f"gradients differ by {error:.3g}, seed {seed}"
+    assert error < TOL, f"gradients differ by {error:.3g}, {where}"
+
+
+def test_one_device_loss_and_gradients_are_the_documents_apart(case, one_device_loss, seed):
+    *_, packed, _, reference = case
+    assert_is_the_documents_apart(one_device_loss, packed, reference, f"seed {seed}")
+
+
+def test_ids_that_come_back_start_another_document(case, one_device_loss, seed):
+    """Document ids 0, 1, 0 (a library user's own batch): the third document is a third, for
+    attention as for the positions and the loss. The one-device loss and gradients are the
+    documents apart, as with ids 0, 1, 2; and the step's split (every shard_map layout's entry)
+    gives the segment ids 0, 1, 2, in zigzag order over sequence=4."""
+    *_, packed, _, reference = case
+    again = packed.copy()
+    again[:, 2] = packed[:, 2] % 2  # 0, 1, 2 -> 0, 1, 0
+    assert (again[:, 2, 0] == again[:, 2, -1]).all(), "the first id comes back at the row's end"
+    assert_is_the_documents_apart(one_device_loss, again, reference, f"ids 0, 1, 0, seed {seed}")
+    split = split_tokens(build_mesh(dew.MeshSpec(sequence=4)), SEQ)(jnp.asarray(again))
+    order = dew.parallel.sequence.zigzag_positions(SEQ, 4)
+    np.testing.assert_array_equal(split[4], packed[:, 2, :-1][:, order], err_msg=f"seed {seed}")
 
 
 M = dew.MeshSpec

@@ -6,11 +6,13 @@ A batch is ``[rows, seq_len + 1]`` int tokens, or ``[rows, 2, seq_len + 1]``: th
 Target ``j`` of a row is token ``j + 1``, so its mask is ``batch[:, 1, j + 1]``.
 
 Packed documents: ``[rows, 3, seq_len + 1]`` adds each token's document id at ``[:, 2]``
-(``dew.data``'s ``documents="separate"``: ids that change where a document starts). Then a token
-attends only to earlier tokens of its own document (the model's ``segment_ids``), its rotary
-position counts from its document's first token in the row (``document_positions``), and target
-``j`` counts only when token ``j + 1`` is in token ``j``'s document: a document's last token
-(its end-of-text id) never predicts the next document's first (``split_batch``).
+(``dew.data``'s ``documents="separate"``: ids that change where a document starts). A document
+starts wherever the id changes (``document_starts``: ids that come back start another document).
+Then a token attends only to earlier tokens of its own document (the model's ``segment_ids``,
+``document_segments``: the starts counted along the row), its rotary position counts from its
+document's first token in the row (``document_positions``), and target ``j`` counts only when
+token ``j + 1`` is in token ``j``'s document: a document's last token (its end-of-text id) never
+predicts the next document's first (``split_batch``, which makes all three from the starts).
 
 Masked mean: the loss divides by the global count ``n`` of unmasked targets, not by
 ``rows x seq_len``. The step keeps its one divisor, ``N = rows x seq_len`` of the global batch,
@@ -35,40 +37,53 @@ from dew.parallel import ONE_DEVICE, Shards
 
 
 def split_batch(batch: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """``(tokens [rows, seq_len + 1], target mask [rows, seq_len] or None, the inputs' document
+    """``(tokens [rows, seq_len + 1], target mask [rows, seq_len] or None, the inputs' segment
     ids [rows, seq_len] or None)`` of a batch of one of the module's three shapes; ValueError for
     any other. With document ids, target ``j``'s mask is also 0 where token ``j + 1`` starts
-    another document than token ``j``'s: the loss never predicts across a boundary."""
+    another document than token ``j``'s: the loss never predicts across a boundary. The segment
+    ids are ``document_segments`` of the document ids: what attention, the rotary positions and
+    the loss all read, on every path, so that they agree on where each document starts."""
     if batch.ndim == 2:
         return batch, None, None
     if batch.ndim == 3 and batch.shape[1] == 2:
         return batch[:, 0], batch[:, 1, 1:], None
     if batch.ndim == 3 and batch.shape[1] == 3:
-        documents = batch[:, 2]
-        same = (documents[:, 1:] == documents[:, :-1]).astype(batch.dtype)
-        return batch[:, 0], batch[:, 1, 1:] * same, documents[:, :-1]
+        starts = document_starts(batch[:, 2])
+        same = 1 - starts[:, 1:].astype(batch.dtype)
+        return batch[:, 0], batch[:, 1, 1:] * same, _segments(starts)[:, :-1]
     raise ValueError(
         f"a batch is [rows, seq_len + 1] tokens, [rows, 2, seq_len + 1] tokens and loss mask, or "
         f"[rows, 3, seq_len + 1] tokens, loss mask and document ids; got shape {batch.shape}"
     )
 
 
-def split_mask(batch: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """``(tokens, target mask or None)``: ``split_batch`` without the document ids."""
-    tokens, mask, _ = split_batch(batch)
-    return tokens, mask
+def document_starts(documents: jax.Array) -> jax.Array:
+    """bool ``[..., seq]``: where a document starts in each row of document ids ``[..., seq]``
+    (in row order): the row's first token, and every token whose id differs from the one before.
+    Ids that come back (``[0, 0, 1, 1, 0, 0]``) start a third document, not the first again."""
+    first = jnp.ones(documents.shape[:-1] + (1,), bool)
+    return jnp.concatenate([first, documents[..., 1:] != documents[..., :-1]], axis=-1)
+
+
+def _segments(starts: jax.Array) -> jax.Array:
+    return jnp.cumsum(starts, axis=-1, dtype=jnp.int32) - 1
+
+
+def document_segments(documents: jax.Array) -> jax.Array:
+    """int32 ``[..., seq]``: each token's document as attention sees it (a query attends only to
+    keys of its own id): 0 for a row's first document, one more at each of ``document_starts``.
+    Equal ids then mean the same document, as the positions and the loss mask take it
+    (``[0, 0, 1, 1, 0, 0]`` gives ``[0, 0, 1, 1, 2, 2]``; ``dew.data``'s ids already are so)."""
+    return _segments(document_starts(documents))
 
 
 def document_positions(documents: jax.Array) -> jax.Array:
     """int32 ``[rows, seq]``: each token's position within its document in the row, counted from
-    0 at the document's first token there (a new id starts a document), from the document ids
+    0 at the document's first token there (``document_starts``), from the document ids
     ``[rows, seq]`` of the tokens in row order."""
     seq = documents.shape[-1]
     index = jnp.arange(seq, dtype=jnp.int32)
-    starts = jnp.concatenate(
-        [jnp.ones(documents.shape[:-1] + (1,), bool), documents[..., 1:] != documents[..., :-1]],
-        axis=-1,
-    )
+    starts = document_starts(documents)
     first = lax.cummax(jnp.where(starts, index, 0), axis=documents.ndim - 1)
     return index - first
 
@@ -131,14 +146,16 @@ class LMObjective:
         ``batch``: ``[rows, seq_len + 1]`` integer tokens, whole rows. Divide by the global number
         of predicted tokens for the mean; summing first lets devices add up their parts exactly.
         ``weights``: ``None``, or float32 ``[rows, seq_len]`` multipliers of each target's loss
-        (``loss_weights`` of the batch's mask). ``documents``: ``None``, or the inputs' document
-        ids ``[rows, seq_len]`` (``split_batch``): attention stays in each document and rotary
-        positions restart at each (``document_positions``).
+        (``loss_weights`` of the batch's mask). ``documents``: ``None``, or the inputs' segment
+        ids ``[rows, seq_len]`` (``split_batch``'s; any document ids are taken as
+        ``document_segments`` of them): attention stays in each document and rotary positions
+        restart at each (``document_positions``).
         """
         inputs, targets = batch[:, :-1], batch[:, 1:]
         if documents is None:
             positions = jnp.arange(inputs.shape[1])
-        else:
+        else:  # (split_batch's ids are unchanged by this: the same starts)
+            documents = document_segments(documents)
             positions = document_positions(documents)
         return self.token_loss_sum(
             params, inputs, targets, positions, shards, weights, segment_ids=documents
@@ -170,8 +187,9 @@ class LMObjective:
         ``j`` follows input ``j``); ``positions``: their rotary positions, ``[n]`` for every row
         alike (all of them in order for whole rows; this device's chunks under a ``sequence``
         split) or ``[rows, n]`` per row (packed documents: ``document_positions``);
-        ``segment_ids``: ``None``, or int32 ``[rows, n]`` document ids of the inputs: a token
-        attends only to tokens of its own id.
+        ``segment_ids``: ``None``, or int32 ``[rows, n]`` segment ids of the inputs
+        (``document_segments``, as ``split_batch`` makes them, then ordered and split as the
+        inputs): a token attends only to tokens of its own id.
 
         The model runs as its parts (embed, blocks, then the head and the cross-entropy in
         ``head_loss_sum``), each on this device's slice of the vocabulary where a layout splits

@@ -136,7 +136,8 @@ def split_tokens(mesh: Mesh, seq_len: int) -> Callable:
     A batch with a loss mask (``[rows, 2, seq_len + 1]``, ``dew.objectives.lm``) gives a fourth
     array, the targets' mask ``[rows, seq_len]`` (int32, 0 or 1), ordered and split as the
     targets. One with document ids (``[rows, 3, seq_len + 1]``) gives a fifth, the inputs'
-    document ids ``[rows, seq_len]``, and its ``positions`` are per row, ``[rows, seq_len]``,
+    segment ids ``[rows, seq_len]`` (``split_batch``'s: a document wherever the id changes), and
+    its ``positions`` are per row, ``[rows, seq_len]``,
     each token's position in its document (``document_positions``, computed on the natural-order
     row before the reorder), ordered and split as the tokens.
     """
