@@ -65,6 +65,16 @@ BAD_INPUTS = [
     ("convert {tied} {ckpt}", "already holds checkpoints [0]"),
     ("convert {ckpt}/step_00000000/index.json {tmp}/out --to hf", "index.json is a file"),
     ("convert {empty} {tmp}/out --to hf", "holds no Dew checkpoint"),
+    # A flag another --to would take is refused, not ignored.
+    ("convert {ckpt} {tmp}/out --to peft --dtype bfloat16", "--dtype applies to --to dew only"),
+    (
+        "convert {ckpt} {tmp}/out --to peft --max-shard-bytes 1000",
+        "--max-shard-bytes applies to --to hf only, not --to peft; leave it out",
+    ),
+    (
+        "convert {tied} {tmp}/c --step 3",
+        "--step applies to --to hf or --to peft only, not --to dew",
+    ),
     # One of every other command.
     ("train --cpu-devices -1", "--cpu-devices must be >= 0, got -1"),
     ("train --steps 0", "--steps must be an integer >= 1, got 0"),

@@ -3,7 +3,9 @@ an export or a load that names no step refuses, naming the damaged step and the 
 and writes nothing; one that names an intact step reads it; resuming a run still falls back.
 
 Steps 1 and 2 hold other weights than step 0 (step 0's plus 1 and 2), so reading the wrong step
-shows; step 1 is damaged too, so the steps named intact are checked, not merely listed.
+shows; step 1 is damaged too, so the steps named intact are checked, not merely listed. A LoRA
+run's checkpoint (``lora_run``) holds the same for its adapters: ``--to peft`` and
+``load_checkpoint`` refuse its damaged latest step as ``--to hf`` does.
 """
 
 import os
@@ -16,6 +18,7 @@ from dew.checkpoints import Checkpoints, DamagedLatestStepError
 from dew.cli import convert
 from dew.models import hf
 from dew.models.checkpoint import load_checkpoint
+from tests.lora_reference import HF_BASE, write_run
 from tests.test_cli_errors import TIED
 
 
@@ -129,3 +132,56 @@ def test_on_object_storage_too(seed):
         np.testing.assert_array_equal(restored["w"], weights)
     finally:
         fs.rm(root, recursive=True)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """``(run directory, step 0's adapters)``: the LoRA reference run (step 0, base
+    ``HF_BASE``), its adapters plus one as step 1, whose data file is then cut to half."""
+    import dew
+    from dew.models.checkpoint import load_lora
+    from dew.objectives.lm import LMObjective
+
+    run = tmp_path_factory.mktemp("lora_damaged")
+    write_run(run)
+    model, _, adapters = load_lora(run)
+    trainer = dew.Trainer(
+        LMObjective(model, 40),
+        dew.training.optimizer.default_optimizer(),
+        jax.random.key(0),
+        checkpoints=dew.Checkpoints(run / "checkpoints", keep=None),
+        base=HF_BASE,
+    )
+    state, _, _ = trainer.place()
+    later = jax.tree.map(lambda a: a + 1, state.params)
+    trainer.save(state.replace(step=state.step + 1, params=later))
+    trainer.checkpoints.wait()
+    (data,) = (run / "checkpoints" / "step_00000001").glob("*.npz")
+    os.truncate(data, data.stat().st_size // 2)
+    return run, adapters
+
+
+def test_peft_export_refuses_a_damaged_latest_step_and_exports_a_named_one(
+    lora_run, dew_here, tmp_path
+):
+    from dew.models import safetensors
+
+    run, adapters = lora_run
+    out = tmp_path / "adapter"
+    with pytest.raises(DamagedLatestStepError) as refused:
+        convert.to_peft(run, out)
+    assert (refused.value.step, refused.value.intact) == (1, [0])
+    assert str(refused.value).endswith(
+        "the intact steps (every file whole) are 0: name one to read it (export one with --step N)"
+    ), str(refused.value)
+    assert not out.exists()
+    with pytest.raises(DamagedLatestStepError, match=r"\(load_checkpoint\(\.\.\., step=N\)\)$"):
+        load_checkpoint(run)  # the merged model: base and adapters, refused alike
+    # Named, step 0 exports: its adapters (A of layer 0's q, PEFT's [R, in]), not step 1's.
+    run_cli = dew_here("convert", str(run), str(out), "--to", "peft", "--step", "0", cwd=tmp_path)
+    assert run_cli.returncode == 0, run_cli.stderr
+    assert run_cli.stdout.strip().endswith(f"a PEFT adapter on the base {HF_BASE}"), run_cli.stdout
+    header = safetensors.Header.read(out / "adapter_model.safetensors")
+    tensor = header.tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    a = np.asarray(adapters["lora"]["layers"]["attn"]["q"]["a"][0])  # [embed, R]
+    np.testing.assert_array_equal(safetensors.read_block(tensor, (0, tensor.shape[0])), a.T)

@@ -107,3 +107,70 @@ def test_resuming_on_another_base_is_refused(run, tmp_path):
     metadata_file.write_text(json.dumps(index))
     with pytest.raises(CheckpointMismatchError, match="another base"):
         load_lora(copy)
+
+
+def test_a_base_given_by_a_relative_path_is_found_from_another_directory(tmp_path, monkeypatch):
+    """The base, a Dew checkpoint directory named relative to where the run started, is recorded
+    as its absolute path and the step read (0); the base's own run then writes step 1 (other
+    weights). From another working directory ``load_lora`` reads step 0 again (the checksum
+    agrees: the base the adapters trained on) and a resume with the base's absolute path does
+    too."""
+    from dew.checkpoints import Checkpoints
+    from dew.models import hf
+    from dew.objectives.lm import LMObjective
+
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    convert.to_checkpoint(HF_BASE, start / "base")
+    model = hf.model_from_config(
+        hf.read_config(HF_BASE), str(HF_BASE), lora=lora.Lora(rank=2, alpha=4.0)
+    )
+
+    def trainer(base):
+        return dew.Trainer(
+            LMObjective(model, 40),
+            dew.training.optimizer.default_optimizer(),
+            jax.random.key(0),
+            checkpoints=dew.Checkpoints(start / "run"),
+            base=base,
+        )
+
+    monkeypatch.chdir(start)
+    first = trainer("base")
+    first.save(first.init_state())
+    first.checkpoints.wait()
+    recorded = Checkpoints(start / "run").metadata()["lora_base"]
+    assert (recorded["path"], recorded["step"]) == (str((start / "base").resolve()), 0)
+    base_steps = Checkpoints(start / "base")
+    _, weights = hf.load(HF_BASE)
+    base_steps.save(1, jax.tree.map(lambda w: w + 1, weights), metadata=base_steps.metadata(0))
+    base_steps.wait()
+
+    monkeypatch.chdir(elsewhere)
+    _, base, _ = load_lora(start / "run")  # checks the checksum: raises for step 1's weights
+    got = base["params"]["layers"]["mlp"]["down"]
+    np.testing.assert_array_equal(got, weights["params"]["layers"]["mlp"]["down"])
+    trainer(start / "base").place()  # the resume reads step 0 too (and checks its checksum)
+
+
+def test_the_peft_export_of_a_run_without_a_base_folder_says_so(run, dew_here, tmp_path):
+    """A run whose base was drawn from its key records no path: the adapter's
+    base_model_name_or_path is null, and the line printed says what the base was."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    index_file = next((copy / "checkpoints").glob("step_*/index.json"))
+    index = json.loads(index_file.read_text())
+    index["metadata"]["lora_base"]["path"] = None
+    index_file.write_text(json.dumps(index))
+    out = tmp_path / "adapter"
+    printed = dew_here("convert", str(copy), str(out), "--to", "peft", cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    assert "base None" not in printed.stdout
+    assert printed.stdout.strip().endswith(
+        "a PEFT adapter on the model's initial weights drawn from the run's key (the run named "
+        "no base folder: base_model_name_or_path is null)"
+    ), printed.stdout
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] is None

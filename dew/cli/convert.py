@@ -36,13 +36,17 @@ def add_parser(commands) -> argparse.ArgumentParser:
     """Adds ``convert`` to the ``dew`` command's subparsers."""
     parser = commands.add_parser(
         "convert",
-        help="convert a Hugging Face Llama folder to a Dew checkpoint, or back with --to hf",
+        help="convert a Hugging Face Llama folder to a Dew checkpoint, or back with --to hf, or "
+        "a LoRA run's adapters to a PEFT adapter folder with --to peft",
         description="Converts a Hugging Face Llama folder (config.json and safetensors weights) "
-        "into a Dew checkpoint directory (one step, 0, of the weights alone), or with --to hf a "
-        "Dew checkpoint directory (of dew convert or dew train) into a Hugging Face folder.",
+        "into a Dew checkpoint directory (one step, 0, of the weights alone); with --to hf a "
+        "Dew checkpoint directory (of dew convert or dew train) into a Hugging Face folder; "
+        "with --to peft a LoRA run's checkpoint into a PEFT adapter folder.",
     )
     parser.add_argument("source", help="a Hugging Face folder, or a Dew checkpoint directory")
-    parser.add_argument("dest", help="the Dew checkpoint directory or Hugging Face folder to write")
+    parser.add_argument(
+        "dest", help="the Dew checkpoint directory, Hugging Face folder or PEFT folder to write"
+    )
     parser.add_argument(
         "--to",
         choices=("dew", "hf", "peft"),
@@ -54,11 +58,15 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="the weights' dtype in the Dew checkpoint (default float32; --to dew)",
+        default=None,
+        help="the weights' dtype in the Dew checkpoint (default float32); --to dew only",
     )
     parser.add_argument(
-        "--step", type=int, default=None, help="the step to convert (default: the latest; --to hf)"
+        "--step",
+        type=int,
+        default=None,
+        help="the step to convert (default: the latest, refused when it is damaged); --to hf "
+        "and --to peft",
     )
     parser.add_argument(
         "--max-shard-bytes",
@@ -66,20 +74,44 @@ def add_parser(commands) -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="largest safetensors file (default 5 GB; transformers 5's save_pretrained writes "
-        "50 GB); --to hf",
+        "50 GB); --to hf only",
     )
     add_device_flag(parser)
     parser.set_defaults(run=convert_command)
     return parser
 
 
+# The flags that apply to some values of --to only: (flag, attribute, the --to values).
+_ONLY_FOR = (
+    ("--dtype", "dtype", ("dew",)),
+    ("--step", "step", ("hf", "peft")),
+    ("--max-shard-bytes", "max_shard_bytes", ("hf",)),
+)
+
+
+def check_flags(args) -> None:
+    """``ValueError`` naming the flag when one is given with a ``--to`` it does not apply to
+    (it would be ignored)."""
+    for flag, name, applies in _ONLY_FOR:
+        if getattr(args, name) is not None and args.to not in applies:
+            where = " or ".join(f"--to {to}" for to in applies)
+            raise ValueError(f"{flag} applies to {where} only, not --to {args.to}; leave it out")
+
+
 def convert_command(args) -> int:
+    check_flags(args)
     if args.to == "peft":
         written, base = to_peft(args.source, args.dest, step=args.step)
-        print(f"Wrote {', '.join(written)} to {args.dest}: a PEFT adapter of base {base}")
+        on = (
+            f"on the base {base}"
+            if base is not None
+            else "on the model's initial weights drawn from the run's key (the run named no base "
+            "folder: base_model_name_or_path is null)"
+        )
+        print(f"Wrote {', '.join(written)} to {args.dest}: a PEFT adapter {on}")
         return 0
     if args.to == "dew":
-        copied = to_checkpoint(args.source, args.dest, dtype=args.dtype)
+        copied = to_checkpoint(args.source, args.dest, dtype=args.dtype or "float32")
         kept = f", with its {', '.join(copied)}" if copied else ", no tokenizer files beside it"
         print(f"Wrote {args.source} as a Dew checkpoint (step 0) in {args.dest}{kept}")
     else:
@@ -258,13 +290,16 @@ def to_hf(directory, folder, step: int | None = None, max_shard_bytes: int | Non
     return written, _copy_files([(f, Path(folder) / f.name) for f in tokenizer]), carried
 
 
-def to_peft(directory, folder, step: int | None = None) -> tuple[list[str], str]:
+def to_peft(directory, folder, step: int | None = None) -> tuple[list[str], str | None]:
     """Step ``step`` (default: the latest) of a LoRA run's checkpoint as a PEFT adapter folder
     (``dew.models.peft``), whose ``base_model_name_or_path`` is the base the run names (its
     path; ``None`` for a base drawn from the run's key). Returns ``(files written, the base)``.
-    The adapters alone are read: the base is not needed."""
+    The adapters alone are read: the base is not needed. A damaged latest step (``step=None``)
+    raises ``DamagedLatestStepError`` naming the intact steps, as ``to_hf`` does: an older
+    step's adapters are not exported in its place."""
     import jax
 
+    from dew.checkpoints import DamagedLatestStepError
     from dew.models import lora, peft
     from dew.models.checkpoint import checkpoint_directory, checkpoint_model
 
@@ -280,9 +315,12 @@ def to_peft(directory, folder, step: int | None = None) -> tuple[list[str], str]
     target = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), abstract
     )
-    adapters, metadata = checkpoints.restore(target, step, under=prefix)
+    try:
+        adapters, metadata = checkpoints.restore(target, step, under=prefix, fall_back=False)
+    except DamagedLatestStepError as error:
+        raise error.naming("export one with --step N") from None
     base = (metadata.get("lora_base") or {}).get("path")
-    return peft.save(model, adapters, folder, base), str(base)
+    return peft.save(model, adapters, folder, base), base
 
 
 # --- dew train --init-from ---------------------------------------------------------------------

@@ -114,15 +114,16 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None):
 
     directory = checkpoint_directory(run_dir)
     checkpoints, model, prefix = checkpoint_model(directory, step)
-    if model.lora is not None:
-        from dew.models import lora
-
-        model, base, adapters = load_lora(directory, step)
-        merged = jax.jit(lambda b, a: lora.merge(model, b, a))(base, adapters)
-        return dataclasses.replace(model, lora=None), merged
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree_util.tree_map(lambda _: one, jax.eval_shape(model.init, jax.random.key(0)))
     try:
+        if model.lora is not None:
+            from dew.models import lora
+
+            model, base, adapters = load_lora(directory, step)
+            merged = jax.jit(lambda b, a: lora.merge(model, b, a))(base, adapters)
+            return dataclasses.replace(model, lora=None), merged
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.eval_shape(model.init, jax.random.key(0))
+        shardings = jax.tree_util.tree_map(lambda _: one, abstract)
         return model, restore_params(checkpoints, model, prefix, shardings, step)
     except DamagedLatestStepError as error:
         raise error.naming("load_checkpoint(..., step=N)") from None
@@ -131,7 +132,8 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None):
 def load_lora(run_dir: str | os.PathLike, step: int | None = None):
     """``(model, base, adapters)`` of a LoRA run's checkpoint, on one device: its model (with
     ``lora`` set), the frozen base it names (``metadata["lora_base"]``: read again from its path,
-    or drawn from the run's key when it had none, and checked against the recorded checksum) and
+    a Dew checkpoint's at the step recorded, or drawn from the run's key when it had none, and
+    checked against the recorded checksum) and
     the adapters (``{"lora": ...}``, float32). ``lora.combine(model, base, adapters)`` runs them
     joined; ``lora.merge`` folds the adapters into the base. ``ValueError`` for a checkpoint of no
     LoRA run, and ``CheckpointMismatchError`` when the base found is not the one recorded."""
@@ -164,7 +166,7 @@ def load_lora(run_dir: str | os.PathLike, step: int | None = None):
         lambda _: one,
         jax.eval_shape(lambda k: lora.frozen_of(model, model.init(k)), jax.random.key(0)),
     )
-    base = lora_base.read(model, recorded.get("path"), shardings, key)
+    base = lora_base.read(model, recorded.get("path"), shardings, key, recorded.get("step"))
     checksum = lora.base_checksum(model, base)
     if recorded.get("checksum") != checksum:
         raise CheckpointMismatchError(

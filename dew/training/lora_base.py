@@ -3,11 +3,16 @@ checked when the run resumes.
 
 A checkpoint of a LoRA run holds the adapters and their optimizer state (``TrainState.frozen`` is
 left out: it is the base, which may be 16 GB and is on disk already). Its metadata names the base
-(``"lora_base"``: ``{"path": ..., "checksum": ...}``, ``path`` ``None`` for a base drawn from the
-run's key), and ``dew.models.lora.base_checksum`` makes the checksum: a CRC-32 of the base's
-configuration and a hash of every bit of its weights as the state holds them (int8 where the base
-is int8), the same in every layout. Resuming reads the base again and refuses to go on when its
-checksum is not the recorded one: adapters trained on one base mean nothing on another.
+(``"lora_base"``: ``{"path": ..., "checksum": ..., "step": ...}``): ``path`` the base's absolute
+path (resolved when the ``Trainer`` is built, so the export and ``load_lora`` find it from any
+working directory; ``None`` for a base drawn from the run's key), ``step`` the step of a Dew
+checkpoint directory the base was read from (its latest when the run started; absent for a
+Hugging Face folder), which resuming and ``load_lora`` read again, so a base run that writes
+another step later changes nothing; ``dew.models.lora.base_checksum`` makes the checksum: a CRC-32
+of the base's configuration and a hash of every bit of its weights as the state holds them (int8
+where the base is int8), the same in every layout. Resuming reads the base again and refuses to go
+on when its checksum is not the recorded one: adapters trained on one base mean nothing on
+another.
 """
 
 from __future__ import annotations
@@ -34,18 +39,49 @@ def float_shardings(shardings):
     )
 
 
-def load(trainer) -> dict:
+def resolved(base) -> str | None:
+    """``Trainer(base=...)`` as the run keeps it: the absolute path, symlinks resolved (``None``
+    stays ``None``)."""
+    return None if base is None else str(Path(base).resolve())
+
+
+def load(trainer, recorded: dict | None = None) -> dict:
     """The frozen base of ``trainer``'s LoRA model, laid out by its ``state_shardings.frozen``:
-    ``read`` of ``trainer.base``."""
-    return read(trainer.objective.model, trainer.base, trainer.state_shardings.frozen, trainer.key)
+    ``read`` of ``trainer.base``; for a Dew checkpoint directory, the step ``recorded`` (the
+    ``"lora_base"`` of the checkpoint a run resumes from) names, else its latest. The step read
+    is what ``describe`` records."""
+    step = None
+    if trainer.base is not None and _is_dew_checkpoint(trainer.base):
+        step = (recorded or {}).get("step")
+        if step is None:
+            step = _latest_step(trainer.base)
+    trainer._lora_base_step = step
+    model, shardings = trainer.objective.model, trainer.state_shardings.frozen
+    return read(model, trainer.base, shardings, trainer.key, step)
 
 
-def read(model, path, shardings, key) -> dict:
+def _is_dew_checkpoint(path) -> bool:
+    from dew.models import hf
+
+    return Path(path).is_dir() and not hf.is_hf_folder(path)
+
+
+def _latest_step(path) -> int | None:
+    from dew.checkpoints import Checkpoints
+    from dew.models.checkpoint import checkpoint_directory
+
+    return Checkpoints(checkpoint_directory(path)).latest
+
+
+def read(model, path, shardings, key, step: int | None = None) -> dict:
     """The frozen base of the LoRA ``model`` laid out by ``shardings``: read from ``path`` (a
     Hugging Face Llama folder, quantized as it is read when the base is int8:
-    ``dew.models.hf.load``; or a Dew checkpoint directory of the same model, quantized on the
-    devices), or, with ``path`` ``None``, the model's initial weights from ``key``.
-    ``ValueError`` naming the difference when the source is another model."""
+    ``dew.models.hf.load``; or a Dew checkpoint directory of the same model, its step ``step``
+    (default: the latest), quantized on the devices), or, with ``path`` ``None``, the model's
+    initial weights from ``key``. ``ValueError`` naming the difference when the source is another
+    model, or naming the steps there are when the checkpoint has no step ``step``; a damaged step
+    is a ``CorruptCheckpointError`` naming the base (never another step read in its place)."""
+    from dew.checkpoints import CorruptCheckpointError, DamagedLatestStepError
     from dew.models import hf
 
     if path is None:
@@ -58,7 +94,7 @@ def read(model, path, shardings, key) -> dict:
         return params
     from dew.models.checkpoint import checkpoint_directory, checkpoint_model, restore_params
 
-    checkpoints, saved, prefix = checkpoint_model(checkpoint_directory(path))
+    checkpoints, saved, prefix = checkpoint_model(checkpoint_directory(path), step)
     if saved.lora is not None:
         raise ValueError(
             f"base {path} is a LoRA run (its checkpoint holds adapters, not a model's weights): "
@@ -66,7 +102,12 @@ def read(model, path, shardings, key) -> dict:
         )
     if hf.architecture(saved) != hf.architecture(plain):
         raise ValueError(f"base {path}: the checkpoint is not the model being trained")
-    params = restore_params(checkpoints, plain, prefix, float_shardings(shardings))
+    try:
+        params = restore_params(checkpoints, plain, prefix, float_shardings(shardings), step)
+    except DamagedLatestStepError as error:
+        # Not the caller's latest step (the adapters'): a step of the base, which no flag of
+        # the caller names. Said as the base's damage.
+        raise CorruptCheckpointError(f"the LoRA base {path}: {error.message}") from None
     if not int8:
         return params
     return jax.jit(lambda p: lora.frozen_of(model, p), out_shardings=shardings)(params)
@@ -81,9 +122,13 @@ def _checksum(trainer, frozen) -> str:
 
 
 def describe(trainer, frozen) -> dict:
-    """The checkpoint metadata's ``"lora_base"``: ``{"path", "checksum"}``."""
-    path = None if trainer.base is None else str(Path(trainer.base))
-    return {"path": path, "checksum": _checksum(trainer, frozen)}
+    """The checkpoint metadata's ``"lora_base"``: ``{"path", "checksum"}``, and ``"step"`` for a
+    base read from a Dew checkpoint directory (the step ``load`` read)."""
+    described = {"path": resolved(trainer.base), "checksum": _checksum(trainer, frozen)}
+    step = getattr(trainer, "_lora_base_step", None)
+    if step is not None:
+        described["step"] = step
+    return described
 
 
 def check_resumed(trainer, frozen, metadata: dict) -> None:

@@ -113,10 +113,11 @@ class Trainer:
         it (``dew.training.remat_choice.choose_remat``, a compile per policy tried). Default:
         what the device reports (TPUs and GPUs do; CPU devices do not, so give it there).
       base: for a model with ``lora`` set (``dew.models.lora``), where its frozen base comes
-        from: a Hugging Face Llama folder or a Dew checkpoint directory of the same model, read
-        when the state is placed (fresh or resumed); ``None``: the model's initial weights from
-        ``key``. A checkpoint of the run names it, with a checksum that resuming checks
-        (``dew.training.lora_base``).
+        from: a Hugging Face Llama folder or a Dew checkpoint directory of the same model (its
+        latest step when the run starts; the step the run's checkpoint records when it resumes),
+        read when the state is placed; ``None``: the model's initial weights from ``key``. Kept
+        as an absolute path (``trainer.base``); a checkpoint of the run names it, with the step
+        and a checksum that resuming checks (``dew.training.lora_base``).
     """
 
     def __init__(
@@ -182,6 +183,10 @@ class Trainer:
                 f"base={base!r} is the frozen base of a LoRA model; this model has no lora "
                 "(build it with lora=dew.models.lora.Lora(rank=R))"
             )
+        if base is not None:  # absolute, so that a checkpoint names it from anywhere
+            from dew.training import lora_base
+
+            base = lora_base.resolved(base)
         self.base = base
         # Pipeline microbatches per accumulation microbatch (1 without a stage axis).
         self.microbatches = mesh.microbatches or 1
@@ -318,7 +323,8 @@ class Trainer:
         if self.lora is not None:  # the base the adapters were trained on, checked
             from dew.training import lora_base
 
-            frozen = lora_base.load(self)
+            recorded = metadata.get("lora_base")
+            frozen = lora_base.load(self, recorded if isinstance(recorded, dict) else None)
             lora_base.check_resumed(self, frozen, metadata)
             tree = tree.replace(frozen=frozen)
         return tree, metadata
