@@ -117,6 +117,40 @@ def test_the_formula_by_hand():
     assert model_flops_per_token(model, seq, causal_halved=True) == 6 * n + causal_attention
 
 
+def visible_pairs(seq: int, window: int) -> int:
+    """Brute force: the (query, key) pairs a causal window of ``window`` keys lets through on a
+    row of ``seq`` positions (key ``j`` of query ``i``: ``i - window < j <= i``)."""
+    return sum(1 for i in range(seq) for j in range(seq) if i - window < j <= i)
+
+
+@pytest.mark.parametrize("window", [1, 5, 15, 16, 40])
+def test_a_sliding_window_counts_the_keys_a_query_sees(window):
+    # PaLM's count, a window W: 12 L H Q min(W, T), every query against the W' = min(W, T) keys
+    # it may see. Causal: the area under min(t, W') over the row, per query W' - W'^2 / (2 T),
+    # which is MaxText's T / 2 at W' = T and is the brute-force count of the mask less W' / 2
+    # a row (the exact mean is W' - (W'^2 - W') / (2 T)).
+    d, layers, vocab, seq = 32, 2, 64, 16
+    model = models.build(
+        "causal_transformer",
+        vocab_size=vocab,
+        emb_features=d,
+        num_layers=layers,
+        num_heads=4,
+        max_seq_len=seq,
+        attention_window=window,
+    )
+    per_layer = 4 * d * d + 3 * d * 4 * d + 2 * d
+    n = layers * per_layer + d + vocab * d
+    shown = min(window, seq)
+    assert model_flops_per_token(model, seq) == 6 * n + 12 * layers * d * shown
+    causal_keys = shown - shown**2 / (2 * seq)
+    halved = model_flops_per_token(model, seq, causal_halved=True)
+    assert halved == pytest.approx(6 * n + 12 * layers * d * causal_keys, rel=1e-12)
+    assert causal_keys * seq == visible_pairs(seq, window) - shown / 2
+    if window >= seq:  # a window that hides nothing: the plain counts
+        assert causal_keys == seq / 2
+
+
 def test_moe_counts_the_k_active_experts_of_e():
     def count(k, experts=4):
         model = models.build(

@@ -21,6 +21,20 @@ appendix B, https://arxiv.org/abs/2204.02311): a training step costs, per token,
   ``4 B T^2 H Q`` forward FLOPs per layer "/ 2" for the causal mask, times 3 for forward and
   backward). Every MFU Dew prints comes with both: PaLM's (``mfu``) and this one
   (``mfu_causal``), which compares with MaxText's figures.
+- Sliding-window attention (the model's ``attention_window`` ``W``): attention's term counts the
+  keys ``K`` a query sees, ``12 L H Q K``. PaLM's way (every query against all the keys it may
+  see, no causal discount): ``K = W' = min(W, T)``. Causal, halved: a query at position ``t`` sees
+  ``min(t, W')`` keys, and the count is the area under that over the row, per query::
+
+      K = (1 / T) * integral_0^T min(t, W') dt = W' - W'^2 / (2 T)
+
+  which is ``T / 2`` at ``W' = T`` (MaxText's halved count above, unchanged for a window that
+  hides nothing) and near ``W`` for ``W`` far below ``T``. The exact mean of the keys visible in
+  the ``T x T`` mask, ``sum_{i=1..T} min(i, W') / T = W' - (W'^2 - W') / (2 T)``, is larger by
+  ``W' / (2 T)`` of a key, as the exact causal mean ``(T + 1) / 2`` is larger than MaxText's
+  ``T / 2``: the continuous count keeps the windowed and the plain counts one formula. (MaxText's
+  Gemma 2 count halves the window too, ``min(W, T) / 2`` keys a query: for ``W`` far below ``T``
+  half the keys a query sees.)
 - Mixture of experts: each token runs ``k`` of an MoE layer's ``E`` experts, so ``N`` counts the
   experts' weights times ``k / E`` (the active weights; the router counts whole). Copies a capacity
   drops are not taken off: the count is the model's, not the run's luck.
@@ -101,12 +115,23 @@ def _size(tree) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree))
 
 
+def attention_keys(seq_len: int, window: int | None, *, causal_halved: bool = False) -> float:
+    """The keys ``K`` attention's FLOPs count per query on rows of ``T = seq_len`` positions with
+    the sliding window ``window`` (``None``: none): ``W' = min(window, T)`` (``T`` without a
+    window), or with ``causal_halved`` ``W' - W'^2 / (2 T)`` (``T / 2`` without a window; the
+    module's docstring derives it)."""
+    keys = seq_len if window is None else min(window, seq_len)
+    return keys - keys**2 / (2 * seq_len) if causal_halved else float(keys)
+
+
 def model_flops_per_token(model, seq_len: int, *, causal_halved: bool = False) -> float | None:
     """PaLM's ``6 N + 12 L H Q T`` for a ``CausalTransformer`` training on rows of ``seq_len``
     positions (see the module's docstring for what ``N`` counts, the experts' ``k / E`` and the
     causal mask); with ``causal_halved``, MaxText's ``6 N + 6 L H Q T`` (attention's term halved
     for the causal mask); for a LoRA model ``4 N + 12 L H Q T + 6 N_lora`` (the module's
-    docstring; attention halved alike). ``None`` for a model whose shapes this does not know.
+    docstring; attention halved alike). With the model's ``attention_window``, ``T`` in the
+    attention term is the keys a query sees, ``attention_keys``. ``None`` for a model whose
+    shapes this does not know.
     """
     try:
         layers, heads, head_dim = model.num_layers, model.num_heads, model.head_dim
@@ -122,8 +147,9 @@ def model_flops_per_token(model, seq_len: int, *, causal_halved: bool = False) -
     if experts:
         expert_weights = _size(params["moe_layers"]["moe"]["experts"])
         weights -= expert_weights * (experts - k) / experts
-    attention = 12.0 * layers * heads * head_dim * seq_len
-    attention = attention / 2 if causal_halved else attention
+    window = getattr(model, "attention_window", None)
+    keys = attention_keys(seq_len, window, causal_halved=causal_halved)
+    attention = 12.0 * layers * heads * head_dim * keys
     if getattr(model, "lora", None) is not None:
         from dew.models import lora
 
