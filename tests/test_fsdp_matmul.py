@@ -198,9 +198,11 @@ def test_the_rings_are_refused_inside_a_pipeline():
 def test_a_search_asks_for_the_rings_only_where_they_can_run():
     from dew import planning
 
+    # (No tensor axis: the tensor scheme, "auto" as asked, is the plain pairs' in every step.)
     asked = StepOptions(fsdp_scheme="ring", gradient_sum_dtype="bfloat16")
     shape = dict(data=1, expert=1, fsdp=8, tensor=1, sequence=1, stage=1)
-    assert planning._options_for(asked, shape) == asked
+    plain = dict(gradient_sum_dtype="bfloat16", tensor_scheme="plain")
+    assert planning._options_for(asked, shape) == StepOptions(fsdp_scheme="ring", **plain)
     for other in (dict(fsdp=64), dict(fsdp=4, stage=2), dict(fsdp=1)):
         given = planning._options_for(asked, {**shape, **other})
-        assert given == StepOptions(fsdp_scheme="gather", gradient_sum_dtype="bfloat16"), other
+        assert given == StepOptions(fsdp_scheme="gather", **plain), other
