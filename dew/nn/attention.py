@@ -41,7 +41,7 @@ OUT_NAME = "attention_out"
 LSE_NAME = "attention_lse"
 # The model's attention layout: the kernels' own (``dew.kernels``' ``layout="bhsd"``).
 LAYOUT = "bhsd"
-LAYOUTS = ("bshd", "bhsd")
+LAYOUTS = rotary.LAYOUTS  # what xla_attention takes: the layouts rotary rotates
 
 
 def segment_pair(segment_ids):

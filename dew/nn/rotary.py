@@ -103,6 +103,8 @@ def frequencies(
     return jnp.where(medium, smoothed, scaled)
 
 
+# The layouts of q and k (and of attention's arrays: ``dew.nn.attention`` takes these). The
+# kernels keep their own copy (``dew.kernels.attention.LAYOUTS``): they import nothing of Dew's.
 LAYOUTS = ("bshd", "bhsd")
 
 

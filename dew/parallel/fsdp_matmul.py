@@ -37,13 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dew.nn.param import spec_labels
-from dew.parallel.ring import AXIS, ring_gather, ring_pairs
-
-
-def _block(a: jax.Array, axis: int, b, n: int) -> jax.Array:
-    """Block ``b`` (traced, taken mod ``n``) of ``n`` of ``a`` along ``axis``."""
-    k = a.shape[axis] // n
-    return lax.dynamic_slice_in_dim(a, (b % n) * k, k, axis=axis)
+from dew.parallel.ring import AXIS, block, ring_gather, scatter_ring
 
 
 def _weight_gradient_block(spec, x, d_out, w_dim: int, b, n: int, dtype):
@@ -53,9 +47,9 @@ def _weight_gradient_block(spec, x, d_out, w_dim: int, b, n: int, dtype):
     x_labels, w_labels, out_labels = spec_labels(spec)
     label = w_labels[w_dim]
     if label in x_labels:
-        x = _block(x, x_labels.index(label), b, n)
+        x = block(x, x_labels.index(label), b, n)
     else:
-        d_out = _block(d_out, out_labels.index(label), b, n)
+        d_out = block(d_out, out_labels.index(label), b, n)
     grad = jnp.einsum(
         f"{x_labels},{out_labels}->{w_labels}", x, d_out, preferred_element_type=jnp.float32
     )
@@ -89,13 +83,11 @@ def ring_weight_gradient(spec, x, d_out, dim, n, also_sum, sum_dtype, weight_dty
     device's whole operands (``dew.parallel.tensor_ring`` passes the positions its tensor ring
     gathered)."""
     dtype = jnp.dtype(sum_dtype)
-    i = lax.axis_index(AXIS)
     # The running sum of block b starts on device b + 1 and reaches device b after n - 1 steps;
     # each step moves one block, 1 / n of the weight, in ``dtype``.
-    total = _weight_gradient_block(spec, x, d_out, dim, i - 1, n, dtype)
-    for s in range(1, n):
-        total = lax.ppermute(total, AXIS, ring_pairs(n))
-        total = total + _weight_gradient_block(spec, x, d_out, dim, i - 1 - s, n, dtype)
+    total = scatter_ring(
+        lambda b: _weight_gradient_block(spec, x, d_out, dim, b, n, dtype), n, AXIS
+    )
     if also_sum:
         # This device's block, 1 / n of the gradient, summed over the other devices holding it.
         total = lax.psum(total, also_sum)

@@ -1,9 +1,16 @@
-"""Rings over the ``fsdp`` axis: ``ppermute`` s that pass one block at a time round the group.
+"""Rings of ``ppermute`` s that pass one block at a time round a group of devices on a named
+axis, and the rings over ``fsdp``.
 
-``ring_gather`` is an all-gather and ``ring_scatter`` a reduce-scatter, written as ``n - 1``
-``ppermute`` s each, the same bytes, ``(n - 1) / n`` of the whole (``StepOptions(fsdp_scheme=
-"ring")``, docs in ``dew.parallel.fsdp``). ``dew.parallel.fsdp`` and ``dew.parallel.fsdp_matmul``
-both build on them; neither imports the other for them.
+Any axis's ring: ``ring_pairs`` (who sends to whom), ``block`` (block ``b`` of ``n`` of an array)
+and ``scatter_ring`` (a reduce-scatter as a running sum passed round the ring, each device adding
+its part of the block that reaches it), each collective on the axis its caller names:
+``dew.parallel.fsdp_matmul``'s weight-gradient ring runs on ``fsdp``, ``dew.parallel.tensor_ring``'s
+collective matmuls on ``tensor``.
+
+Over ``fsdp``: ``ring_gather`` is an all-gather and ``ring_scatter`` a reduce-scatter, written as
+``n - 1`` ``ppermute`` s each, the same bytes, ``(n - 1) / n`` of the whole
+(``StepOptions(fsdp_scheme="ring")``, docs in ``dew.parallel.fsdp``). ``dew.parallel.fsdp`` and
+``dew.parallel.fsdp_matmul`` both build on them; neither imports the other for them.
 """
 
 from __future__ import annotations
@@ -16,8 +23,30 @@ AXIS = "fsdp"
 
 
 def ring_pairs(n: int) -> list[tuple[int, int]]:
-    """The ``ppermute`` pairs of a ring over fsdp: index ``i`` sends to ``i + 1``."""
+    """The ``ppermute`` pairs of a ring of ``n`` devices (on whichever axis the ``ppermute``
+    names): index ``i`` sends to ``i + 1``."""
     return [(i, (i + 1) % n) for i in range(n)]
+
+
+def block(a: jax.Array, dim: int, b, n: int) -> jax.Array:
+    """Block ``b`` (traced, taken mod ``n``) of ``n`` of ``a`` along ``dim``."""
+    k = a.shape[dim] // n
+    return lax.dynamic_slice_in_dim(a, (b % n) * k, k, axis=dim)
+
+
+def scatter_ring(partial_block, n: int, axis: str) -> jax.Array:
+    """``psum_scatter`` over ``axis`` (``n`` devices) of ``partial_block(b)``, this device's part
+    of block ``b`` (traced, any integer: taken mod ``n`` by ``block``), as ``n - 1`` ``ppermute``
+    s round the ring: the running sum of block ``b`` starts on device ``b + 1``; each device
+    adds its own part of the block that reaches it and passes the sum on, the next part computed
+    while the sum travels, until it reaches device ``b`` from ``b - 1``. Each step moves one
+    block: a ring reduce-scatter's bytes. (The blocks are summed in another order than
+    ``psum_scatter``'s: float rounding only.)"""
+    i = lax.axis_index(axis)
+    total = partial_block(i - 1)
+    for s in range(1, n):
+        total = lax.ppermute(total, axis, ring_pairs(n)) + partial_block(i - 1 - s)
+    return total
 
 
 def ring_gather(x: jax.Array, dim: int, n: int) -> jax.Array:
@@ -41,17 +70,6 @@ def ring_gather(x: jax.Array, dim: int, n: int) -> jax.Array:
 
 def ring_scatter(x: jax.Array, dim: int, n: int) -> jax.Array:
     """``psum_scatter(x, "fsdp", scatter_dimension=dim, tiled=True)`` as ``n - 1`` ``ppermute`` s
-    round the ring: the running sum of block ``b`` starts on device ``b + 1``, and each device
-    adds its own block ``b`` and passes it on, until it reaches device ``b`` from ``b - 1``.
-    Each step moves one block, ``1 / n`` of ``x``: a ring reduce-scatter's bytes. (The blocks
-    are summed in another order than ``psum_scatter``'s: float rounding only.)"""
-    i = lax.axis_index(AXIS)
-    k = x.shape[dim] // n
-
-    def block(b):
-        return lax.dynamic_slice_in_dim(x, (b % n) * k, k, axis=dim)
-
-    total = block(i - 1)
-    for s in range(1, n):
-        total = lax.ppermute(total, AXIS, ring_pairs(n)) + block(i - 1 - s)
-    return total
+    round the ring (``scatter_ring`` of ``x``'s own blocks): each step moves one block, ``1 / n``
+    of ``x``."""
+    return scatter_ring(lambda b: block(x, dim, b, n), n, AXIS)

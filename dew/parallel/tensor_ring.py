@@ -78,6 +78,8 @@ from jax import lax
 from dew.nn.param import Projections, project, spec_labels
 from dew.parallel import tensor
 from dew.parallel.fsdp_matmul import RingSplit
+from dew.parallel.ring import block as _block
+from dew.parallel.ring import ring_pairs, scatter_ring
 
 AXIS = tensor.AXIS
 
@@ -89,11 +91,6 @@ AXIS = tensor.AXIS
 BLOCK_LABELS = ("s", "t")
 
 
-def ring_pairs(n: int) -> list[tuple[int, int]]:
-    """The ``ppermute`` pairs of a ring over tensor: index ``i`` sends to ``i + 1``."""
-    return [(i, (i + 1) % n) for i in range(n)]
-
-
 def _block_label(spec: str) -> str:
     x_labels = spec_labels(spec)[0]
     for label in BLOCK_LABELS:
@@ -103,12 +100,6 @@ def _block_label(spec: str) -> str:
         f"einsum {spec!r}: a tensor ring cuts its input into blocks along positions or tokens, "
         f"labelled {' or '.join(map(repr, BLOCK_LABELS))}, which its input does not name"
     )
-
-
-def _block(a: jax.Array, dim: int, b, n: int) -> jax.Array:
-    """Block ``b`` (traced, taken mod ``n``) of ``n`` of ``a`` along ``dim``."""
-    k = a.shape[dim] // n
-    return lax.dynamic_slice_in_dim(a, (b % n) * k, k, axis=dim)
 
 
 def _put(whole: jax.Array | None, piece: jax.Array, dim: int, b, n: int) -> jax.Array:
@@ -157,15 +148,10 @@ def _gather_ring(block: jax.Array, dim: int, n: int, each):
 
 
 def _scatter_ring(partial_block, n: int) -> jax.Array:
-    """``psum_scatter`` of ``partial_block(b)`` over its ``n`` blocks: the running sum of block
-    ``b`` starts on device ``b + 1``; each device adds its own part of the block that reaches it
-    and passes the sum on, computing the next part while the sum travels. Device ``i`` ends with
-    block ``i`` summed over the group: ``n - 1`` ``ppermute`` s of a block."""
-    i = lax.axis_index(AXIS)
-    total = partial_block(i - 1)
-    for s in range(1, n):
-        total = lax.ppermute(total, AXIS, ring_pairs(n)) + partial_block(i - 1 - s)
-    return total
+    """``psum_scatter`` over tensor of ``partial_block(b)`` over its ``n`` blocks, round the
+    ring (``ring.scatter_ring``): device ``i`` ends with block ``i`` summed over the group,
+    ``n - 1`` ``ppermute`` s of a block, each part computed while the sum travels."""
+    return scatter_ring(partial_block, n, AXIS)
 
 
 def _dx_block(spec, d_outs, wholes, out_dim, b, n):
