@@ -11,6 +11,9 @@ the ``CausalTransformer``'s fields) and holds the whole training state, whose ``
 weights; a checkpoint of ``dew convert`` holds the weights alone (metadata ``"contents":
 "params"``). Either loads. ``dew convert --to hf`` and ``dew train --init-from`` read checkpoints
 through the same two functions, ``checkpoint_model`` and ``restore_params``.
+
+A LoRA run's checkpoint holds its adapters and names its frozen base: ``load_lora`` gives both,
+and ``read_lora_base`` reads a base (for it and for a ``Trainer``, ``dew.training.lora_base``).
 """
 
 from __future__ import annotations
@@ -141,7 +144,6 @@ def load_lora(run_dir: str | os.PathLike, step: int | None = None):
 
     from dew.checkpoints.errors import CheckpointMismatchError
     from dew.models import lora
-    from dew.training import lora_base
 
     directory = checkpoint_directory(run_dir)
     checkpoints, model, prefix = checkpoint_model(directory, step)
@@ -166,7 +168,7 @@ def load_lora(run_dir: str | os.PathLike, step: int | None = None):
         lambda _: one,
         jax.eval_shape(lambda k: lora.frozen_of(model, model.init(k)), jax.random.key(0)),
     )
-    base = lora_base.read(model, recorded.get("path"), shardings, key, recorded.get("step"))
+    base = read_lora_base(model, recorded.get("path"), shardings, key, recorded.get("step"))
     checksum = lora.base_checksum(model, base)
     if recorded.get("checksum") != checksum:
         raise CheckpointMismatchError(
@@ -175,3 +177,63 @@ def load_lora(run_dir: str | os.PathLike, step: int | None = None):
             f"{checksum}: it is another base"
         )
     return model, base, adapters
+
+
+# --- A LoRA run's frozen base ---------------------------------------------------------------
+
+
+def float_shardings(shardings):
+    """The frozen base's shardings with each ``Quantized`` replaced by its ``values``' sharding:
+    those of the weights before they are quantized (the same shapes)."""
+    import jax
+
+    from dew.nn.int8 import Quantized
+
+    def quantized(x) -> bool:
+        return isinstance(x, Quantized)
+
+    return jax.tree_util.tree_map(
+        lambda x: x.values if quantized(x) else x, shardings, is_leaf=quantized
+    )
+
+
+def read_lora_base(model, path, shardings, key, step: int | None = None) -> dict:
+    """The frozen base of the LoRA ``model`` laid out by ``shardings``: read from ``path`` (a
+    Hugging Face Llama folder, quantized as it is read when the base is int8:
+    ``dew.models.hf.load``; or a Dew checkpoint directory of the same model, its step ``step``
+    (default: the latest), quantized on the devices), or, with ``path`` ``None``, the model's
+    initial weights from ``key``. ``ValueError`` naming the difference when the source is another
+    model, or naming the steps there are when the checkpoint has no step ``step``; a damaged step
+    is a ``CorruptCheckpointError`` naming the base (never another step read in its place)."""
+    import dataclasses
+
+    import jax
+
+    from dew.checkpoints import CorruptCheckpointError, DamagedLatestStepError
+    from dew.models import hf, lora
+
+    if path is None:
+        init = jax.jit(lambda k: lora.frozen_of(model, model.init(k)), out_shardings=shardings)
+        return init(key)
+    plain = dataclasses.replace(model, lora=None)
+    int8 = model.lora.base_dtype == "int8"
+    if hf.is_hf_folder(path):  # an int8 base quantized box by box as it is read
+        _, params = hf.load(path, model=plain, shardings=shardings)
+        return params
+    checkpoints, saved, prefix = checkpoint_model(checkpoint_directory(path), step)
+    if saved.lora is not None:
+        raise ValueError(
+            f"base {path} is a LoRA run (its checkpoint holds adapters, not a model's weights): "
+            "export it merged (dew convert RUN OUT --to hf) and give that folder as the base"
+        )
+    if hf.architecture(saved) != hf.architecture(plain):
+        raise ValueError(f"base {path}: the checkpoint is not the model being trained")
+    try:
+        params = restore_params(checkpoints, plain, prefix, float_shardings(shardings), step)
+    except DamagedLatestStepError as error:
+        # Not the caller's latest step (the adapters'): a step of the base, which no flag of
+        # the caller names. Said as the base's damage.
+        raise CorruptCheckpointError(f"the LoRA base {path}: {error.message}") from None
+    if not int8:
+        return params
+    return jax.jit(lambda p: lora.frozen_of(model, p), out_shardings=shardings)(params)

@@ -17,26 +17,11 @@ another.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-
-import jax
 
 from dew.checkpoints.errors import CheckpointMismatchError
 from dew.models import lora
-from dew.nn.int8 import Quantized
-
-
-def _is_quantized(x) -> bool:
-    return isinstance(x, Quantized)
-
-
-def float_shardings(shardings):
-    """The frozen base's shardings with each ``Quantized`` replaced by its ``values``' sharding:
-    those of the weights before they are quantized (the same shapes)."""
-    return jax.tree_util.tree_map(
-        lambda x: x.values if _is_quantized(x) else x, shardings, is_leaf=_is_quantized
-    )
+from dew.models.checkpoint import checkpoint_directory, read_lora_base
 
 
 def resolved(base) -> str | None:
@@ -47,9 +32,9 @@ def resolved(base) -> str | None:
 
 def load(trainer, recorded: dict | None = None) -> dict:
     """The frozen base of ``trainer``'s LoRA model, laid out by its ``state_shardings.frozen``:
-    ``read`` of ``trainer.base``; for a Dew checkpoint directory, the step ``recorded`` (the
-    ``"lora_base"`` of the checkpoint a run resumes from) names, else its latest. The step read
-    is what ``describe`` records."""
+    ``dew.models.checkpoint.read_lora_base`` of ``trainer.base``; for a Dew checkpoint
+    directory, the step ``recorded`` (the ``"lora_base"`` of the checkpoint a run resumes from)
+    names, else its latest. The step read is what ``describe`` records."""
     step = None
     if trainer.base is not None and _is_dew_checkpoint(trainer.base):
         step = (recorded or {}).get("step")
@@ -57,7 +42,7 @@ def load(trainer, recorded: dict | None = None) -> dict:
             step = _latest_step(trainer.base)
     trainer._lora_base_step = step
     model, shardings = trainer.objective.model, trainer.state_shardings.frozen
-    return read(model, trainer.base, shardings, trainer.key, step)
+    return read_lora_base(model, trainer.base, shardings, trainer.key, step)
 
 
 def _is_dew_checkpoint(path) -> bool:
@@ -68,49 +53,8 @@ def _is_dew_checkpoint(path) -> bool:
 
 def _latest_step(path) -> int | None:
     from dew.checkpoints import Checkpoints
-    from dew.models.checkpoint import checkpoint_directory
 
     return Checkpoints(checkpoint_directory(path)).latest
-
-
-def read(model, path, shardings, key, step: int | None = None) -> dict:
-    """The frozen base of the LoRA ``model`` laid out by ``shardings``: read from ``path`` (a
-    Hugging Face Llama folder, quantized as it is read when the base is int8:
-    ``dew.models.hf.load``; or a Dew checkpoint directory of the same model, its step ``step``
-    (default: the latest), quantized on the devices), or, with ``path`` ``None``, the model's
-    initial weights from ``key``. ``ValueError`` naming the difference when the source is another
-    model, or naming the steps there are when the checkpoint has no step ``step``; a damaged step
-    is a ``CorruptCheckpointError`` naming the base (never another step read in its place)."""
-    from dew.checkpoints import CorruptCheckpointError, DamagedLatestStepError
-    from dew.models import hf
-
-    if path is None:
-        init = jax.jit(lambda k: lora.frozen_of(model, model.init(k)), out_shardings=shardings)
-        return init(key)
-    plain = dataclasses.replace(model, lora=None)
-    int8 = model.lora.base_dtype == "int8"
-    if hf.is_hf_folder(path):  # an int8 base quantized box by box as it is read
-        _, params = hf.load(path, model=plain, shardings=shardings)
-        return params
-    from dew.models.checkpoint import checkpoint_directory, checkpoint_model, restore_params
-
-    checkpoints, saved, prefix = checkpoint_model(checkpoint_directory(path), step)
-    if saved.lora is not None:
-        raise ValueError(
-            f"base {path} is a LoRA run (its checkpoint holds adapters, not a model's weights): "
-            "export it merged (dew convert RUN OUT --to hf) and give that folder as the base"
-        )
-    if hf.architecture(saved) != hf.architecture(plain):
-        raise ValueError(f"base {path}: the checkpoint is not the model being trained")
-    try:
-        params = restore_params(checkpoints, plain, prefix, float_shardings(shardings), step)
-    except DamagedLatestStepError as error:
-        # Not the caller's latest step (the adapters'): a step of the base, which no flag of
-        # the caller names. Said as the base's damage.
-        raise CorruptCheckpointError(f"the LoRA base {path}: {error.message}") from None
-    if not int8:
-        return params
-    return jax.jit(lambda p: lora.frozen_of(model, p), out_shardings=shardings)(params)
 
 
 def _checksum(trainer, frozen) -> str:
