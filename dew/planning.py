@@ -53,6 +53,7 @@ import optax
 from dew.collectives.report import format_bytes
 from dew.layout import Layout
 from dew.mesh import AXES, MeshSpec
+from dew.models import lora
 from dew.parallel import fsdp
 from dew.parallel.options import AUTO as SCHEME_AUTO
 from dew.parallel.options import StepOptions
@@ -294,7 +295,7 @@ def plan_layout(
         if engine == "shard_map":
             # What the step runs: "auto" made its choice for the target's chips, as the
             # Trainer makes it.
-            resolved = options.resolve(row["axis_sizes"], "tpu", objective.seq_len)
+            resolved = options.resolve(row["axis_sizes"], "tpu", *_ring_facts(objective))
             row["options"] = options_text(resolved, row["axis_sizes"])
         trainer = _trainer(
             target,
@@ -522,15 +523,22 @@ def plan(
 SUM_DTYPE_ORDER = (None, "bfloat16")
 
 
-def scheme_variants(
-    options: StepOptions, axis_sizes: dict, seq_len: int | None = None
-) -> list[StepOptions]:
+def _ring_facts(objective) -> tuple[int | None, bool]:
+    """``(seq_len, tensor_ringable)`` of ``objective`` for ``StepOptions.resolve``, as the
+    ``Trainer`` gives them: a LoRA model whose adapters (or int8 base) cover every region keeps
+    the tensor pairs."""
+    config = getattr(getattr(objective, "model", None), "lora", None)
+    ringable = config is None or lora.some_region_unadapted(config)
+    return getattr(objective, "seq_len", None), ringable
+
+
+def scheme_variants(options: StepOptions, axis_sizes: dict, objective=None) -> list[StepOptions]:
     """The steps a search compiles for the communication ``options`` leave open on a TPU slice's
-    mesh of ``axis_sizes`` (rows of ``seq_len`` positions): the rule's choice
-    (``StepOptions.resolve``) first, then, for each scheme left ``"auto"`` whose rule chose its
-    rings, the same step with that one scheme's plain collectives instead (the fsdp gathers, the
-    tensor pairs). A scheme the user named is kept in every variant."""
-    resolved = options.resolve(axis_sizes, "tpu", seq_len)
+    mesh of ``axis_sizes`` for ``objective``: the rule's choice (``StepOptions.resolve``) first,
+    then, for each scheme left ``"auto"`` whose rule chose its rings, the same step with that one
+    scheme's plain collectives instead (the fsdp gathers, the tensor pairs). A scheme the user
+    named is kept in every variant."""
+    resolved = options.resolve(axis_sizes, "tpu", *_ring_facts(objective))
     variants = [resolved]
     alternatives = (("fsdp_scheme", "gather"), ("tensor_scheme", "plain"))
     for name, plain in alternatives:
@@ -612,7 +620,7 @@ def plan_schemes(
     baseline = [e for e in engines if e != "shard_map"]
     for sum_dtype in sum_dtypes or (options.gradient_sum_dtype,):
         asked = dataclasses.replace(options, gradient_sum_dtype=sum_dtype)
-        for variant in scheme_variants(asked, axis_sizes, getattr(objective, "seq_len", None)):
+        for variant in scheme_variants(asked, axis_sizes, objective):
             run = [e for e in engines if e == "shard_map" or e in baseline]
             baseline = []  # the GSPMD rows once a layout: they take no options
             compiled = plan(

@@ -63,14 +63,15 @@ def test_auto_is_the_tensor_rings_on_tpu_wherever_they_run(sizes, platform, seq_
 
 
 def test_a_search_compiles_the_rule_s_choice_then_each_scheme_plain_alone():
-    variants = planning.scheme_variants(AUTO, {"fsdp": 2, "tensor": 4}, 512)
+    objective = tiny_objective()  # rows of 8 positions: two blocks of tensor 4
+    variants = planning.scheme_variants(AUTO, {"fsdp": 2, "tensor": 4}, objective)
     assert [(v.fsdp_scheme, v.tensor_scheme) for v in variants] == [
         ("ring", "ring"),
         ("gather", "ring"),
         ("ring", "plain"),
     ]
     named = StepOptions(tensor_scheme="plain")
-    variants = planning.scheme_variants(named, {"fsdp": 2, "tensor": 4}, 512)
+    variants = planning.scheme_variants(named, {"fsdp": 2, "tensor": 4}, objective)
     assert [(v.fsdp_scheme, v.tensor_scheme) for v in variants] == [
         ("ring", "plain"),
         ("gather", "plain"),
@@ -275,3 +276,18 @@ def test_plan_search_of_the_layouts_given_weighs_their_schemes(monkeypatch, caps
     out = capsys.readouterr().out
     assert "  chose fsdp=8: fsdp ring, the least exposed communication of the steps" in out
     assert "search chose fsdp=8 (shard_map, fsdp_scheme=ring)" in out
+
+
+def test_lora_keeps_the_tensor_pairs_where_adapters_cover_every_region():
+    from dew.models.lora import Lora, some_region_unadapted
+
+    # The tensor ring runs only plain weights: an adapted or int8 projection keeps its pair.
+    assert not some_region_unadapted(Lora(rank=4))  # the seven projections: no region left
+    assert not some_region_unadapted(Lora(rank=4, targets=("q_proj",), base_dtype="int8"))
+    assert some_region_unadapted(Lora(rank=4, targets=("q_proj", "v_proj")))  # o, the MLP
+    tpu = {"fsdp": 2, "tensor": 4}
+    assert AUTO.resolve(tpu, "tpu", 512, tensor_ringable=False).tensor_scheme == "plain"
+    assert AUTO.resolve(tpu, "tpu", 512, tensor_ringable=False).fsdp_scheme == "ring"
+    # A scheme the user names is theirs (the ring then keeps the pairs weight by weight).
+    named = StepOptions(tensor_scheme="ring").resolve(tpu, "tpu", 512, tensor_ringable=False)
+    assert named.tensor_scheme == "ring"

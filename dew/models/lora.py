@@ -58,6 +58,8 @@ DEFAULT_TARGETS = tuple(TARGETS)
 # The output of these is split over tensor (Megatron's column-parallel matmuls); o and down take
 # their input split (row-parallel).
 ROW_PARALLEL = ("o_proj", "down_proj")
+# The Megatron regions' projections, an entry's (column-parallel) or an exit's (row-parallel).
+REGIONS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 # The layer stacks a model may have (``CausalTransformer.declare``).
 STACKS = ("layers", "moe_layers")
 BASE_DTYPES = ("int8",)
@@ -352,6 +354,15 @@ def partial_over_tensor(model, adapters_shape: Any, shards) -> dict:
         return t > 1 and (half == "b") == (weight in row)
 
     return jax.tree_util.tree_map_with_path(partial, adapters_shape)
+
+
+def some_region_unadapted(lora: Lora) -> bool:
+    """Whether some region's projections are all plain weights (no adapter, no int8 base): only
+    there can a tensor ring run, ``dew.parallel.tensor_ring`` keeping the plain pair for a weight
+    with an einsum of its own (``Adapted``, ``Quantized``)."""
+    if lora.base_dtype == "int8":
+        return False
+    return any(not set(region) & set(lora.targets) for region in REGIONS)
 
 
 def check(model, axis_sizes: dict) -> None:

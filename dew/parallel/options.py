@@ -215,17 +215,27 @@ class StepOptions:
                 "tensor_scheme='plain' with a stage axis"
             )
 
-    def resolve(self, axis_sizes: dict, platform: str, seq_len: int | None = None) -> StepOptions:
+    def resolve(
+        self,
+        axis_sizes: dict,
+        platform: str,
+        seq_len: int | None = None,
+        tensor_ringable: bool = True,
+    ) -> StepOptions:
         """These options with every ``"auto"`` made a choice, for a step on a mesh of
         ``axis_sizes`` whose devices are ``platform``'s (``"cpu"``, ``"gpu"``, ``"tpu"``), on
         rows of ``seq_len`` positions (``None``: any that split): what the ``Trainer`` builds
-        its step with. A rule, not a compile (docs/distributed.md, "Schemes chosen by
-        default"): the table it stands on is docs/benchmarks.md's."""
+        its step with. ``tensor_ringable``: whether some Megatron region of the model has plain
+        weights for a tensor ring to run (a LoRA model whose adapters, or int8 base, cover every
+        region has none: ``dew.models.lora.some_region_unadapted``). A rule, not a compile
+        (docs/distributed.md, "Schemes chosen by default"): the table it stands on is
+        docs/benchmarks.md's."""
         chosen = {}
         if self.fsdp_scheme == AUTO:
             chosen["fsdp_scheme"] = auto_fsdp_scheme(axis_sizes, platform)
         if self.tensor_scheme == AUTO:
-            chosen["tensor_scheme"] = auto_tensor_scheme(axis_sizes, platform, seq_len)
+            ring = tensor_ringable and auto_tensor_scheme(axis_sizes, platform, seq_len) == "ring"
+            chosen["tensor_scheme"] = "ring" if ring else "plain"
         return dataclasses.replace(self, **chosen)
 
     def in_effect(self, axis_sizes: dict) -> dict:

@@ -170,14 +170,19 @@ class Trainer:
         self.accumulation = accumulation
         self.engine = engine
         self.platform = platform = self.mesh.devices.flat[0].platform
-        # "auto" (the fsdp scheme's default) made a choice for these devices: the options the
-        # shard_map step is built with, and what ``options`` reads back.
-        self.options = options.resolve(dict(self.mesh.shape), platform, objective.seq_len)
-        if engine != "shard_map":
-            self.options = options
         self.memory_limit_bytes = memory_limit_bytes
         # A LoRA model trains its adapters on a frozen base (``TrainState.frozen``).
         self.lora = getattr(objective.model, "lora", None)
+        # "auto" (the schemes' default) made a choice for these devices: the options the
+        # shard_map step is built with, and what ``options`` reads back; and what no options
+        # given resolve to (checkpoint metadata names options that differ from it).
+        ringable = self.lora is None or lora.some_region_unadapted(self.lora)
+        self.options, self._default_options = (
+            asked.resolve(dict(self.mesh.shape), platform, objective.seq_len, ringable)
+            for asked in (options, StepOptions())
+        )
+        if engine != "shard_map":
+            self.options = options
         if base is not None and self.lora is None:
             raise ValueError(
                 f"base={base!r} is the frozen base of a LoRA model; this model has no lora "
@@ -368,9 +373,7 @@ class Trainer:
             from dew.training import lora_base
 
             metadata["lora_base"] = lora_base.describe(self, state.frozen)
-        if self.options != StepOptions().resolve(
-            dict(self.mesh.shape), self.platform, self.objective.seq_len
-        ):
+        if self.options != self._default_options:
             metadata["options"] = self.options.describe()
         if self.mesh.shape["stage"] > 1:
             metadata["pipeline"] = {
