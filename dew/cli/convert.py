@@ -372,7 +372,7 @@ def check_size_flags(args, model, path) -> None:
     """``ValueError`` naming both values when a flag that sets the model's sizes (``--model``,
     ``--layers``, ``--width``, ``--heads``, ``--experts``) disagrees with the model of
     ``--init-from`` ``path``: that model is the one trained."""
-    from dew.models.hf_config import ARCHITECTURE_FIELDS
+    from dew.models.causal_transformer import ARCHITECTURE_FIELDS
     from dew.models.presets import preset
 
     differ = []

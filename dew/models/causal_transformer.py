@@ -61,6 +61,21 @@ from dew.parallel import (
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
+# The fields that decide the weights and what they compute (a Llama config.json's); the others
+# (max_seq_len aside) are how Dew runs them.
+ARCHITECTURE_FIELDS = (
+    "vocab_size",
+    "emb_features",
+    "num_layers",
+    "num_heads",
+    "kv_heads",
+    "hidden",
+    "tie_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rms_norm_eps",
+)
+
 # The MLP's normalized input (before a tensor group gathers it), which "attention" saves too.
 MLP_INPUT = "mlp_input"
 
@@ -274,6 +289,10 @@ class CausalTransformer:
         for name in ("router_aux_weight", "router_z_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)!r}")
+
+    def architecture(self) -> dict:
+        """The ``ARCHITECTURE_FIELDS`` of this model, by name (for comparing two models)."""
+        return {field: getattr(self, field) for field in ARCHITECTURE_FIELDS}
 
     @property
     def head_dim(self) -> int:

@@ -49,10 +49,9 @@ import numpy as np
 from dew.checkpoints import reader
 from dew.checkpoints.memory import aligned_empty
 from dew.models import safetensors
-from dew.models.causal_transformer import CausalTransformer, resolve_dtype
+from dew.models.causal_transformer import ARCHITECTURE_FIELDS, CausalTransformer, resolve_dtype
 from dew.models.hf_config import (
     ARCHITECTURE,
-    ARCHITECTURE_FIELDS,
     CARRIED_FIELDS,
     CONFIG,
     architecture,

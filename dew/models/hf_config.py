@@ -16,20 +16,6 @@ from dew.nn import rotary
 CONFIG = "config.json"
 ARCHITECTURE = "LlamaForCausalLM"
 
-# The Dew fields a config.json decides; the others (max_seq_len aside) are how Dew runs it.
-ARCHITECTURE_FIELDS = (
-    "vocab_size",
-    "emb_features",
-    "num_layers",
-    "num_heads",
-    "kv_heads",
-    "hidden",
-    "tie_embeddings",
-    "rope_theta",
-    "rope_scaling",
-    "rms_norm_eps",
-)
-
 
 # config.json fields Dew does not model that an export (``dew convert --to hf``) carries over from
 # the Hugging Face folder its weights came from: the special tokens' ids, which transformers'
@@ -147,7 +133,7 @@ def model_from_config(config: dict, where: str = CONFIG, **overrides) -> CausalT
 
 def architecture(model: CausalTransformer) -> dict:
     """The fields of ``model`` a Llama checkpoint decides (for comparing two models)."""
-    return {field: getattr(model, field) for field in ARCHITECTURE_FIELDS}
+    return model.architecture()
 
 
 def read_config(folder: str | os.PathLike) -> dict:

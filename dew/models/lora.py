@@ -314,9 +314,7 @@ def merge(model, frozen: dict, adapters: dict, dtype=None) -> dict:
     adapted weight, an int8 base dequantized first; in ``dtype`` (default the model's
     ``param_dtype``). ``model.apply(merge(...), tokens)`` is the adapted model without its
     adapters."""
-    from dew.models.causal_transformer import resolve_dtype
-
-    dtype = resolve_dtype(model.param_dtype) if dtype is None else dtype
+    dtype = jnp.dtype(model.param_dtype) if dtype is None else dtype
     params = jax.tree_util.tree_map(lambda x: x, frozen["params"])
     for stack, group, weight, _ in _matrices(model, model.declare()):
         w = params[stack][group][weight]
@@ -403,9 +401,7 @@ def base_checksum(model, frozen) -> str:
     """``"CONFIG-WEIGHTS"``: the CRC-32 of the base's configuration (the model's fields that
     shape its weights and what they compute, and the base's dtype) and ``_fingerprint`` of its
     weights as the state holds them, 8 hex digits each."""
-    from dew.models.hf_config import ARCHITECTURE_FIELDS
-
-    config = {field: getattr(model, field) for field in ARCHITECTURE_FIELDS}
+    config = model.architecture()
     config["base_dtype"] = model.lora.base_dtype or model.param_dtype
     text = json.dumps(config, sort_keys=True, default=str)
     crc = zlib.crc32(text.encode()) & 0xFFFFFFFF
