@@ -215,7 +215,9 @@ def test_a_bfloat16_sum_holds_the_whole_gradient_in_half_the_bytes_on_tpu():
             mesh=dew.MeshSpec(data=2, fsdp=4),
             layout=dew.Layout(min_shard=4096),
             devices=target("v5e:2x4").devices(),
-            options=StepOptions(gradient_sum_dtype=sum_dtype),
+            # The gathers, whose reduce-scatter takes the whole gradient ("auto" would run the
+            # rings on TPU, which sum it block by block: tests/test_fsdp_matmul.py).
+            options=StepOptions(fsdp_scheme="gather", gradient_sum_dtype=sum_dtype),
         )
         return trainer.compiled_step(16).memory_analysis().temp_size_in_bytes
 

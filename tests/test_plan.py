@@ -208,7 +208,6 @@ def test_search_compiles_only_layouts_the_trainer_accepts():
     "argv, says",
     [
         (["--target", "v5e-8"], "which layouts? give --mesh"),
-        (["--target", "v5e-8", "--mesh", "fsdp=8", "--search"], "--mesh and --search: give one"),
         (["--target", "v5p-24", "--mesh", "fsdp=8"], "'v5p-24' is not a v5p slice"),
         (["--target", "v5e-8", "--search", "--max-layouts", "0"], "--max-layouts must be"),
     ],
@@ -259,8 +258,11 @@ def test_search_compiles_on_until_enough_layouts_fit(monkeypatch):
 
     seen = []
     monkeypatch.setattr(planning, "plan", fake_plan)
+    # The schemes named: one step a layout (with "auto", each scheme a layout's rings could be
+    # replaced by is a compile too: tests/test_schemes_auto.py).
+    named = dew.StepOptions(fsdp_scheme="gather", tensor_scheme="plain")
     rows = planning.search(
-        v5e, objective, 16, max_layouts=1, layout=LAYOUT, on_candidates=seen.append
+        v5e, objective, 16, max_layouts=1, layout=LAYOUT, on_candidates=seen.append, options=named
     )
     (candidates,) = seen
     assert compiled == [c.mesh for c in candidates[:3]]
@@ -281,7 +283,7 @@ def test_search_compiles_on_until_enough_layouts_fit(monkeypatch):
             ]
         ),
     )
-    rows = planning.search(v5e, objective, 16, max_layouts=1, layout=LAYOUT)
+    rows = planning.search(v5e, objective, 16, max_layouts=1, layout=LAYOUT, options=named)
     assert len(compiled) == min(4, len(candidates)) and not any(r.fits for r in rows)
 
 
