@@ -151,7 +151,8 @@ def packed_ids(rng):
     """The four rows of the module docstring."""
     head = random_lengths(rng, int(rng.integers(30, 80)), 2, 30)
     head.insert(int(rng.integers(len(head) + 1)), 1)  # a document of one token
-    long = int(rng.integers(BLOCK + 20, BLOCK + 60))  # from before position 128 to past it
+    # From before position 128 to past it, leaving the rest of the row at least 2 tokens.
+    long = int(rng.integers(BLOCK + 20, min(BLOCK + 60, SEQ - sum(head) - 1)))
     lengths = head + [long] + random_lengths(rng, SEQ - sum(head) - long, 2, 40)
     ordered = np.repeat(np.arange(len(lengths)), lengths)
     order = rng.permutation(len(lengths))
