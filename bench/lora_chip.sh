@@ -9,6 +9,11 @@
 # count, 4 N + 12 L H Q T + 6 N_lora per token (dew.training.flops).
 #
 #   bash bench/lora_chip.sh            # OUT=/tmp/lora-out: lora.log and the metrics files
+#   LORA_RUNS=llama-3.2-3b:bf16:4:2048 LORA_PLAN=0 bash bench/lora_chip.sh   # one run, no plan
+#
+# LORA_RUNS picks runs (MODEL:BASE:BATCH:SEQ, space-separated), LORA_STEPS the steps (30), and
+# LORA_PLAN=0 skips the plan (it compiles the step once more; `dew plan --target v5e-1` gives the
+# same verdict on a machine with no chip). Each run appends to the log.
 #
 # Dew from the repository copy (pip install -e . where the machine allows it), or the wheel and
 # optax as bench/finetune_chip.sh installs them. About 20 GB of /tmp for the two folders; each
@@ -36,6 +41,9 @@ else
   STEPS=30
   PLAN_TARGET=(--target v5e-1)
 fi
+[ -n "${LORA_RUNS:-}" ] && read -r -a RUNS <<<"$LORA_RUNS"
+STEPS=${LORA_STEPS:-$STEPS}
+[ "${LORA_PLAN:-1}" = 0 ] && PLAN_TARGET=()
 
 {
   echo "== $(date -u +%FT%TZ) $(python -c 'import dew, jax; print("dew from", dew.__file__, "| jax", jax.__version__, jax.devices())')"
@@ -64,4 +72,4 @@ fi
     timeout 120 dew convert "$WORK/run-$model-$base" "$WORK/peft-$model-$base" --to peft
     ls -l "$WORK/peft-$model-$base"
   done
-} 2>&1 | tee "$LOG"
+} 2>&1 | tee -a "$LOG"

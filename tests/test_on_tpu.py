@@ -2,7 +2,8 @@
 so CI, on CPUs, stays green):
 
 - Dew's Mosaic kernels, compiled for the chip, match a float64 reference at real sizes (grouped
-  queries, odd lengths, causal and not), output and gradients;
+  queries, odd lengths, causal and not), output and gradients, and with segment ids of packed
+  documents and sliding windows at 2048 and 4096 positions;
 - ``attention_impl="auto"`` runs Dew's Mosaic kernels on the chip, and its step gives the loss XLA's
   attention gives;
 - the shard_map step equals the GSPMD step on the chip;
@@ -15,6 +16,14 @@ Run them on a machine with a TPU, in one process (only one process can hold the 
 addopts=`` drops the suite's ``-n 3`` workers):
 
     DEW_TEST_TPU=1 python -m pytest -o addopts= -ra -m tpu tests/test_on_tpu.py
+
+With Dew installed from a wheel over the machine's JAX (docs/benchmarks.md, "One TPU chip"), the
+clone's ``dew/`` folder must not come first (it holds no ``kernels/``) while ``tests`` must still
+import: run Python with ``-P`` and give it a folder that holds only a link to ``tests/``:
+
+    mkdir -p /tmp/troot && ln -sfn "$PWD/tests" /tmp/troot/tests
+    DEW_TEST_TPU=1 PYTHONPATH=$PYTHONPATH:/tmp/troot python -P -m pytest -o addopts= -ra -m tpu \
+        tests/test_on_tpu.py
 
 ``DEW_TEST_TPU=1`` makes tests/conftest.py leave JAX's platform alone and skip every test not
 marked ``tpu``. The sizes are small (a few MiB of weights; one v5e chip has 16 GiB), nothing is
