@@ -46,7 +46,7 @@ STEPS=${LORA_STEPS:-$STEPS}
 [ "${LORA_PLAN:-1}" = 0 ] && PLAN_TARGET=()
 
 {
-  echo "== $(date -u +%FT%TZ) $(python -c 'import dew, jax; print("dew from", dew.__file__, "| jax", jax.__version__, jax.devices())')"
+  echo "== $(date -u +%FT%TZ) $(python -P -c 'import dew, jax; print("dew from", dew.__file__, "| jax", jax.__version__, jax.devices())')"
   echo "== real text: docs/ and README.md as bytes"
   rm -rf "$WORK/tokens"
   timeout 120 dew tokenize "$REPO/docs" "$REPO/README.md" --tokenizer bytes --out "$WORK/tokens"

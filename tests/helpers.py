@@ -196,6 +196,32 @@ def width_objective(width, dtype="float32", **overrides):
     return LMObjective(dew.models.build("causal_transformer", **config), WIDE_SEQ)
 
 
+def tpu_width_step(slice_, width, mesh, fsdp_scheme="gather", gradient_sum_dtype=None):
+    """``(trainer, compiled)``: ``width_objective(width, "bfloat16")`` on the TPU slice ``slice_``
+    (compile only), mesh ``mesh`` (a tuple of ``(axis, size)``), ``min_shard=4096``, and its step
+    on 16 rows compiled for that slice. Cached: the TPU compile tests of several files read the
+    same few steps, and they run in one worker (xdist group ``tpu``), where a step compiled for a
+    TPU is not read back from the compilation cache but compiled again (4 to 10 s each)."""
+    return _tpu_width_step(slice_, width, tuple(mesh), fsdp_scheme, gradient_sum_dtype)
+
+
+@functools.cache  # every argument given, so that a defaulted one keys the same step
+def _tpu_width_step(slice_, width, mesh, fsdp_scheme, gradient_sum_dtype):
+    from dew.parallel.options import StepOptions
+    from dew.targets import target
+
+    trainer = dew.Trainer(
+        width_objective(width, "bfloat16"),
+        optax.adamw(1e-3),
+        jax.random.key(0),
+        mesh=dew.MeshSpec(**dict(mesh)),
+        layout=dew.Layout(min_shard=4096),
+        devices=target(slice_).devices(),
+        options=StepOptions(fsdp_scheme=fsdp_scheme, gradient_sum_dtype=gradient_sum_dtype),
+    )
+    return trainer, trainer.compiled_step(16)
+
+
 def width_batch(seed, rows=16) -> jax.Array:
     """``[rows, WIDE_SEQ + 1]`` random tokens of ``width_objective``'s vocabulary, drawn from
     ``seed``."""

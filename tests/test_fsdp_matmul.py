@@ -23,7 +23,12 @@ from dew.collectives import collectives
 from dew.parallel import fsdp
 from dew.parallel.fsdp_matmul import RingSplit
 from dew.parallel.options import StepOptions
-from tests.helpers import one_device_and_mesh_gradients, width_batch, width_objective
+from tests.helpers import (
+    one_device_and_mesh_gradients,
+    tpu_width_step,
+    width_batch,
+    width_objective,
+)
 
 
 @pytest.fixture(scope="module")
@@ -166,19 +171,9 @@ def test_no_device_holds_a_whole_float32_weight_gradient_on_a_3d_torus():
     # transposes sum each MLP matrix's whole float32 gradient, f32[512, 2048] (or its transpose);
     # the ring einsums never form it.
     pytest.importorskip("libtpu")
-    from dew.targets import target
 
-    def hlo(scheme):
-        trainer = dew.Trainer(
-            width_objective(512, "bfloat16"),
-            optax.adamw(1e-3),
-            jax.random.key(0),
-            mesh=dew.MeshSpec(fsdp=8),
-            layout=dew.Layout(min_shard=4096),
-            devices=target("v5p:2x2x2").devices(),
-            options=StepOptions(fsdp_scheme=scheme),
-        )
-        return trainer.compiled_step(16).as_text()
+    def hlo(scheme):  # compiled once per worker (the 3-D torus tests of test_tpu_gradient_sums)
+        return tpu_width_step("v5p:2x2x2", 512, (("fsdp", 8),), scheme)[1].as_text()
 
     whole_gradient = re.compile(r"f32\[(512,2048|2048,512)\]")
     assert whole_gradient.search(hlo("gather"))

@@ -20,7 +20,12 @@ import dew
 from dew.collectives import collectives
 from dew.parallel import Shards, data, fsdp
 from dew.parallel.options import StepOptions
-from tests.helpers import one_device_and_mesh_gradients, width_batch, width_objective
+from tests.helpers import (
+    one_device_and_mesh_gradients,
+    tpu_width_step,
+    width_batch,
+    width_objective,
+)
 
 
 @pytest.fixture(scope="module")
@@ -203,25 +208,16 @@ def test_a_bfloat16_sum_holds_the_whole_gradient_in_half_the_bytes_on_tpu():
     # 8 s): each device computes a matrix's whole gradient before the reduce-scatter; in bfloat16
     # it is half the float32 one, and the step's temporaries fall by at least that half.
     pytest.importorskip("libtpu")
-    from dew.targets import target
-
-    objective = width_objective(1024, "bfloat16")
 
     def temp_bytes(sum_dtype):
-        trainer = dew.Trainer(
-            objective,
-            optax.adamw(1e-3),
-            jax.random.key(0),
-            mesh=dew.MeshSpec(data=2, fsdp=4),
-            layout=dew.Layout(min_shard=4096),
-            devices=target("v5e:2x4").devices(),
-            # The gathers, whose reduce-scatter takes the whole gradient ("auto" would run the
-            # rings on TPU, which sum it block by block: tests/test_fsdp_matmul.py).
-            options=StepOptions(fsdp_scheme="gather", gradient_sum_dtype=sum_dtype),
-        )
-        return trainer.compiled_step(16).memory_analysis().temp_size_in_bytes
+        # The gathers, whose reduce-scatter takes the whole gradient ("auto" would run the rings
+        # on TPU, which sum it block by block: tests/test_fsdp_matmul.py). The float32 step is
+        # test_tpu_gradient_sums' own, compiled once per worker.
+        mesh = (("data", 2), ("fsdp", 4))
+        _, compiled = tpu_width_step("v5e:2x4", 1024, mesh, "gather", sum_dtype)
+        return compiled.memory_analysis().temp_size_in_bytes
 
-    shapes = jax.eval_shape(objective.model.init, jax.random.key(0))
+    shapes = jax.eval_shape(width_objective(1024, "bfloat16").model.init, jax.random.key(0))
     largest = max(
         leaf.size // leaf.shape[0] for leaf in jax.tree_util.tree_leaves(shapes["params"]["layers"])
     )

@@ -117,7 +117,7 @@ def test_dropout_drops_the_updates_input_at_its_rate(seed):
 
 def test_a_dropout_step_draws_its_masks_from_the_step(case):
     """``Lora(dropout=0.2)`` on fsdp=8: the same state and batch give the same loss again (the
-    masks are the step's key's), another step number another loss, and no dropout a third."""
+    masks are the step's key's), and another step number another loss."""
     model = dataclasses_replace(case["objective"].model, lora=lora.Lora(rank=RANK, dropout=0.2))
     trainer = dew.Trainer(
         LMObjective(model, SEQ),
@@ -143,9 +143,10 @@ def test_a_dropout_step_draws_its_masks_from_the_step(case):
     losses = [float(step(copy(state), batch)[1]["loss"]) for _ in range(2)]
     later = float(step(copy(state.replace(step=state.step + 1)), batch)[1]["loss"])
     assert losses[0] == losses[1]
-    # The same weights and batch at the next step: without dropout the same loss, bit for bit;
-    # with it, other masks and another loss. (How much dropout moves the loss depends on the
-    # drawn adapters, down to 1e-5 of it: the rate itself is held to its formula above.)
+    # The same weights and batch at the next step: other masks and another loss (the step number
+    # reaches the loss only through the masks: the learning rate acts after it). How much
+    # dropout moves the loss depends on the drawn adapters, down to 1e-5 of it: the rate itself
+    # is held to its formula above.
     assert later != losses[0], "nothing dropped"
 
 

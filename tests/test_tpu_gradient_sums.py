@@ -29,15 +29,20 @@ import dew
 from dew.collectives import collectives, hlo_collectives
 from dew.parallel import Shards, fsdp
 from dew.parallel.options import StepOptions
-from tests.helpers import one_device_and_mesh_gradients, width_batch, width_objective
+from tests.helpers import (
+    one_device_and_mesh_gradients,
+    tpu_width_step,
+    width_batch,
+    width_objective,
+)
 
 pytestmark = pytest.mark.xdist_group("tpu")
 
 
-def assert_every_reduce_scatter_stays_one(trainer, rows, weight_bytes):
+def assert_every_reduce_scatter_stays_one(trainer, compiled, rows, weight_bytes):
     """Every psum_scatter of ``trainer``'s step (each loop iteration counted) is a reduce-scatter
-    of its TPU HLO, with the bytes the jaxpr's give, and no all-reduce is of a weight's size."""
-    compiled = trainer.compiled_step(rows)
+    of its TPU HLO ``compiled``, with the bytes the jaxpr's give, and no all-reduce is of a
+    weight's size."""
     from_hlo = hlo_collectives(compiled, trainer.mesh)
     from_jaxpr = collectives(trainer.train_step(rows), *trainer.step_arguments(rows))
     assert not any(r.approximate for r in from_hlo.rows), from_hlo
@@ -64,29 +69,20 @@ def assert_every_reduce_scatter_stays_one(trainer, rows, weight_bytes):
     return from_jaxpr, from_hlo
 
 
-def tpu_trainer(slice_, width, mesh, fsdp_scheme="gather"):
+def tpu_step(slice_, width, mesh, fsdp_scheme="gather"):
+    """``(trainer, compiled)``, compiled once per worker (``tests.helpers.tpu_width_step``)."""
     pytest.importorskip("libtpu")
-    from dew.targets import target
-
-    return dew.Trainer(
-        width_objective(width, "bfloat16"),
-        optax.adamw(1e-3),
-        jax.random.key(0),
-        mesh=dew.MeshSpec(**mesh),
-        layout=dew.Layout(min_shard=4096),
-        devices=target(slice_).devices(),
-        options=StepOptions(fsdp_scheme=fsdp_scheme),
-    )
+    return tpu_width_step(slice_, width, tuple(mesh.items()), fsdp_scheme)
 
 
 def test_no_gradient_reduce_scatter_becomes_an_all_reduce_on_a_3d_torus():
     # Width 512: a device's shard of a matrix is 64 rows, and of the MLP's down matrix 64
     # columns, scattered by rows (narrower than a 128-lane tile).
-    trainer = tpu_trainer("v5p:2x2x2", 512, dict(fsdp=8))
+    trainer, compiled = tpu_step("v5p:2x2x2", 512, dict(fsdp=8))
     # fsdp fills the cube: its sum runs over the 4 devices 2 apart, then 2 consecutive ones
     # (rings, a choice, replace both: test_fsdp_rings_on_a_3d_torus_...).
     assert trainer.shards.fsdp_scatter_stages == (4, 2) and not trainer.shards.fsdp_ring
-    from_jaxpr, _ = assert_every_reduce_scatter_stays_one(trainer, 16, 512 * 512 * 4)
+    from_jaxpr, _ = assert_every_reduce_scatter_stays_one(trainer, compiled, 16, 512 * 512 * 4)
     assert from_jaxpr.count("psum_scatter") >= 2 * 2 * 2  # two stages
 
 
@@ -94,9 +90,9 @@ def test_matrices_scattered_by_columns_stay_reduce_scatters_beside_data():
     # v5e:2x4, data=2,fsdp=4, width 1024: a device's shard of a [1024, 4096] matrix is 256 rows,
     # which the TPU compiler all-reduces when scattered by rows and keeps when by columns
     # (scatter_along). The layer loop also sums each shard over data.
-    trainer = tpu_trainer("v5e:2x4", 1024, dict(data=2, fsdp=4))
+    trainer, compiled = tpu_step("v5e:2x4", 1024, dict(data=2, fsdp=4))
     assert trainer.shards.fsdp_scatter_stages == () and trainer.shards.fsdp_tpu_layout
-    _, from_hlo = assert_every_reduce_scatter_stays_one(trainer, 16, 1024 * 1024 * 4)
+    _, from_hlo = assert_every_reduce_scatter_stays_one(trainer, compiled, 16, 1024 * 1024 * 4)
     # The shards' sums over data run in the layer loop: an all-reduce a layer (XLA combines a
     # layer's), and the embedding's after it; summed after the loop, XLA combines them into one.
     (over_data,) = [r for r in from_hlo.rows if r.op == "psum" and r.axes == ("data",)]
@@ -224,9 +220,8 @@ def test_fsdp_rings_on_a_3d_torus_run_beside_compute_with_the_bytes_of_the_ring_
     # beside the layers' matmuls. Two compiles, about 4 s each.
     from dew.collectives import hlo_overlap
 
-    trainer = tpu_trainer("v5p:2x2x2", 512, dict(fsdp=8), fsdp_scheme="ring")
+    trainer, compiled = tpu_step("v5p:2x2x2", 512, dict(fsdp=8), fsdp_scheme="ring")
     assert trainer.shards.fsdp_ring
-    compiled = trainer.compiled_step(16)
     text = compiled.as_text()
     overlap = hlo_overlap(compiled, trainer.mesh)
     from_hlo = hlo_collectives(compiled, trainer.mesh)
@@ -244,8 +239,8 @@ def test_fsdp_rings_on_a_3d_torus_run_beside_compute_with_the_bytes_of_the_ring_
     overlapped = sum(r.wire_bytes for r in overlap.overlapped.rows if r.op == "ppermute")
     assert overlapped > 0.8 * sum(r.wire_bytes for r in rings)
     # The same step with all_gathers and (staged) reduce-scatters.
-    trainer = tpu_trainer("v5p:2x2x2", 512, dict(fsdp=8))
-    without = hlo_overlap(trainer.compiled_step(16), trainer.mesh)
+    trainer, compiled = tpu_step("v5p:2x2x2", 512, dict(fsdp=8))
+    without = hlo_overlap(compiled, trainer.mesh)
     print("collectives: overlapped", without.overlapped_wire_bytes)
     assert without.overlapped_wire_bytes == 0
     # The same bytes as the ring all-gathers and reduce-scatters: in the HLO (where the compiler
