@@ -929,23 +929,9 @@ def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
     assert mosaic_kernels(text) == set(TWO_KERNELS)
 
 
-@pytest.mark.xdist_group("tpu")
-@needs_libtpu
-def test_the_fused_backward_reads_out_itself_and_xla_makes_no_pass_over_it():
-    # The fused backward computes delta = rowsum(dO * O) from the O block each step reads, so the
-    # forward and backward compiled for v5e (layout "bhsd": no transposes) are the two kernels
-    # and nothing between them: no XLA fusion reading O and dO in HBM (the two-kernel backward
-    # still takes delta from one).
-    text = forward_and_backward_for_v5e((1, 4, 2048, 128), layout="bhsd")
-    entry = text[text.index("\nENTRY") :]
-    fusions = [line.strip()[:160] for line in entry.splitlines() if " fusion(" in line]
-    assert mosaic_kernels(text) == set(KERNELS)
-    assert fusions == [], fusions
-
-
 # Compiles Dew's attention forward and backward for one v5e chip with libtpu's overlay log and its
 # final LLO bundles dumped (the last pass only: all of them are about 700 MB), in a process of its
-# own (libtpu reads its flags once, when it loads).
+# own (libtpu reads its flags once, when it loads), and writes the compiled program's HLO.
 _OVERLAY_PROBE = """
 import os, sys
 os.environ["LIBTPU_INIT_ARGS"] = (
@@ -970,13 +956,16 @@ def forward_and_backward(q, k, v, do):
     return out, vjp(do)
 
 with jax.set_mesh(mesh):
-    jax.jit(forward_and_backward).lower(x, x, x, x).compile()
+    compiled = jax.jit(forward_and_backward).lower(x, x, x, x).compile()
+open(os.path.join(sys.argv[1], "program.hlo"), "w").write(compiled.as_text())
 """
 
 
 @needs_libtpu  # no xdist group: each case compiles in a process of its own
 @pytest.mark.parametrize("mask", ["causal", "full"])
-def test_each_kernel_fits_one_instruction_overlay_on_v5e(tmp_path, mask):
+def test_each_kernel_fits_one_instruction_overlay_on_v5e_and_xla_makes_no_pass_between(
+    tmp_path, mask
+):
     # A TPU core runs a program larger than its instruction memory in overlays, loaded from HBM
     # when control moves between them (libtpu's overlay partitioner; its largest, "jumbo", overlay
     # holds 65,232 bundles on v5e in this libtpu). A kernel whose grid step crosses overlays
@@ -985,7 +974,10 @@ def test_each_kernel_fits_one_instruction_overlay_on_v5e(tmp_path, mask):
     # (docs/kernels.md). So each of Dew's kernels, at v5e's blocks, heads a step and pieces (the
     # unrolled work that sets its size), must fit the largest overlay: causal (512 x 2048, the
     # masked branches) and not (1024 x 2048). The count is from libtpu's final bundles; the limit
-    # from its log.
+    # from its log. And the same program is the two kernels and nothing between them: the fused
+    # backward computes delta = rowsum(dO * O) from the O block each step reads, so no XLA fusion
+    # reads O and dO in HBM (the two-kernel backward still takes delta from one), and layout
+    # "bhsd" leaves no transposes around them.
     result = subprocess.run(
         [sys.executable, "-c", _OVERLAY_PROBE, str(tmp_path), mask],
         capture_output=True,
@@ -1006,3 +998,8 @@ def test_each_kernel_fits_one_instruction_overlay_on_v5e(tmp_path, mask):
     assert set(sizes) == {"dew_flash_attention_forward", "dew_flash_attention_backward"}, sizes
     print(f"{mask}: bundles {sizes}, largest overlay {jumbo}")
     assert all(size <= jumbo for size in sizes.values()), (sizes, jumbo)
+    text = (tmp_path / "program.hlo").read_text()
+    entry = text[text.index("\nENTRY") :]
+    fusions = [line.strip()[:160] for line in entry.splitlines() if " fusion(" in line]
+    assert mosaic_kernels(text) == set(KERNELS)
+    assert fusions == [], fusions
