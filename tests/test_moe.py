@@ -54,13 +54,14 @@ def test_router_losses_are_in_the_loss(case, seed):
     # The one-device reference's loss is the cross-entropy plus the weighted router losses: with
     # both weights at 0 it is the cross-entropy alone, and the difference is what the weights add.
     key, batches, _ = case
+    # (Each call one compiled program, not op by op.)
     model = objective_for({}).model
-    params = model.init(key)
+    params = jax.jit(model.init)(key)
     batch = jnp.asarray(batches[0])
-    logits = model.apply(params, batch[:, :-1])
+    logits = jax.jit(model.apply)(params, batch[:, :-1])
     picked = jnp.take_along_axis(logits, batch[:, 1:, None], axis=-1)[..., 0]
     cross_entropy = float(jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked))
-    loss, stats = objective_for({}).loss_sum(params, batch)
+    loss, stats = jax.jit(objective_for({}).loss_sum)(params, batch)
     tokens = batch.shape[0] * SEQ
     balance, z = float(stats.load_balance) / tokens, float(stats.z_loss) / tokens
     # The router losses by value: the reference of tests/test_moe_reference.py, written from the
@@ -73,7 +74,7 @@ def test_router_losses_are_in_the_loss(case, seed):
     np.testing.assert_allclose(float(loss) / tokens, want, rtol=1e-5, err_msg=f"seed {seed}")
     no_aux = objective_for({"router_aux_weight": 0.0, "router_z_weight": 0.0})
     np.testing.assert_allclose(
-        float(no_aux.loss(params, batch)), cross_entropy, rtol=1e-5, err_msg=f"seed {seed}"
+        float(jax.jit(no_aux.loss)(params, batch)), cross_entropy, rtol=1e-5, err_msg=f"seed {seed}"
     )
 
 
@@ -125,14 +126,20 @@ def test_a_skewed_router_trains_like_one_device(case, seed, capacity_factor):
     optimizer = smooth_optimizer()
     params = skewed(objective.model.init(key))
 
-    # One device, from the skewed weights.
-    loss_and_grads = jax.jit(jax.value_and_grad(objective.loss))
+    # One device, from the skewed weights: each step one program (the update run op by op would
+    # compile each of its small ops apart).
+    loss_and_grads = jax.value_and_grad(objective.loss)
+
+    @jax.jit
+    def reference_step(params, opt_state, batch):
+        loss, grads = loss_and_grads(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
     opt_state, want = optimizer.init(params), []
     reference = params
     for batch in batches:
-        loss, grads = loss_and_grads(reference, jnp.asarray(batch))
-        updates, opt_state = optimizer.update(grads, opt_state, reference)
-        reference = optax.apply_updates(reference, updates)
+        reference, opt_state, loss = reference_step(reference, opt_state, jnp.asarray(batch))
         want.append(float(loss))
 
     trainer = dew.Trainer(
