@@ -93,10 +93,10 @@ def test_model_flops_plus_the_recompute_match_the_steps_xla_count(monkeypatch):
     assert 1.0 <= ratio < MARGIN, ratio
 
 
-def test_the_formula_by_hand():
-    # PaLM's 6 N + 12 L H Q T for the tied default: N = the layers' weights, the final norm and
-    # the table once (as the head); the attention term counts all T keys (no causal halving).
-    d, layers, vocab, seq = 32, 2, 64, 16
+def counted_model(d=32, layers=2, vocab=64, seq=16, **overrides):
+    """``(model, n)``: a tied decoder of width ``d`` and 4 heads, and ``N`` by hand: the layers'
+    weights (q k v o, gate up down, two norm scales), the final norm and the table once (as the
+    head)."""
     model = models.build(
         "causal_transformer",
         vocab_size=vocab,
@@ -104,9 +104,17 @@ def test_the_formula_by_hand():
         num_layers=layers,
         num_heads=4,
         max_seq_len=seq,
+        **overrides,
     )
-    per_layer = 4 * d * d + 3 * d * 4 * d + 2 * d  # q k v o, gate up down, two norm scales
-    n = layers * per_layer + d + vocab * d
+    per_layer = 4 * d * d + 3 * d * 4 * d + 2 * d
+    return model, layers * per_layer + d + vocab * d
+
+
+def test_the_formula_by_hand():
+    # PaLM's 6 N + 12 L H Q T for the tied default; the attention term counts all T keys (no
+    # causal halving).
+    d, layers, seq = 32, 2, 16
+    model, n = counted_model(d, layers, seq=seq)
     assert model_flops_per_token(model, seq) == 6 * n + 12 * layers * d * seq
     # MaxText's count since 2025 (maxtext_utils.calculate_tflops_training_per_device): attention
     # forward 4 B T^2 H Q per layer, "/ 2" for the causal mask, x 3 for forward and backward, over
@@ -129,18 +137,8 @@ def test_a_sliding_window_counts_the_keys_a_query_sees(window):
     # it may see. Causal: the area under min(t, W') over the row, per query W' - W'^2 / (2 T),
     # which is MaxText's T / 2 at W' = T and is the brute-force count of the mask less W' / 2
     # a row (the exact mean is W' - (W'^2 - W') / (2 T)).
-    d, layers, vocab, seq = 32, 2, 64, 16
-    model = models.build(
-        "causal_transformer",
-        vocab_size=vocab,
-        emb_features=d,
-        num_layers=layers,
-        num_heads=4,
-        max_seq_len=seq,
-        attention_window=window,
-    )
-    per_layer = 4 * d * d + 3 * d * 4 * d + 2 * d
-    n = layers * per_layer + d + vocab * d
+    d, layers, seq = 32, 2, 16
+    model, n = counted_model(d, layers, seq=seq, attention_window=window)
     shown = min(window, seq)
     assert model_flops_per_token(model, seq) == 6 * n + 12 * layers * d * shown
     causal_keys = shown - shown**2 / (2 * seq)
