@@ -1,9 +1,14 @@
-"""``dew convert``: a Hugging Face Llama folder to a Dew checkpoint and back; and what ``dew train
---init-from`` does with either.
+"""``dew convert``: a Hugging Face Llama folder to a Dew checkpoint and back, a LoRA run's
+adapters to a PEFT adapter folder; and what ``dew train --init-from`` does with either.
 
     dew convert Llama-3.2-1B ckpt/llama                 # HF folder -> Dew checkpoint (step 0)
     dew convert runs/x/checkpoints hf-out --to hf       # a Dew checkpoint -> HF folder
+    dew convert runs/lora adapter --to peft             # a LoRA run -> PEFT adapter folder
     dew train --init-from Llama-3.2-1B --data tokens/   # fine-tune from either
+
+(Past 450 lines: the command's three directions share its checks of the source (a damaged latest
+step, ``--step``, the carried tokenizer and token ids) and read best in one place; the formats
+themselves live in ``dew.models.hf`` and ``dew.models.peft``.)
 
 A converted checkpoint holds the weights alone (``{"params": ...}``, metadata ``contents:
 "params"``) and records its model; a checkpoint of ``dew train`` holds the whole training state,

@@ -7,10 +7,13 @@
     dew launch       start the processes of one multi-process run, here or over ssh
     dew tokenize     turn text files, .jsonl or .parquet into a token folder
     dew plot         draw the curves of metrics files (loss, val loss, tokens/s, MFU)
-    dew convert      a Hugging Face Llama folder to a Dew checkpoint, or back (--to hf)
+    dew convert      a Hugging Face Llama folder to a Dew checkpoint, or back (--to hf); a LoRA
+                     run's adapters to a PEFT folder (--to peft)
 
 JAX is configured (device count, platform) before anything asks it for a device, so this module
-imports nothing of Dew at the top.
+imports nothing of Dew at the top. (Past 450 lines: it holds ``dew train`` and ``dew
+collectives``, their flags (the Trainer's) and their commands, beside the dispatch of every
+subcommand; the other subcommands live in modules of their own.)
 """
 
 from __future__ import annotations

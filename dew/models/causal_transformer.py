@@ -18,7 +18,7 @@ forward, gather again backward, scatter the gradients).
 The model is three parts a layout can run apart, ``embed``, ``blocks`` and ``head``; ``apply`` is
 their composition (tokens -> logits).
 
-The module is one piece of about 690 lines on purpose: the model read top to bottom (nanoGPT's
+The module is one piece of about 760 lines on purpose: the model read top to bottom (nanoGPT's
 rule), with its layers in ``dew.nn`` and every split in ``dew.parallel``; what is here is the
 wiring of those, and where each split meets the model.
 
