@@ -60,12 +60,18 @@ def reference_run(objective, optimizer, key, batches):
     one = jax.devices()[0]
     params = jax.jit(objective.model.init)(jax.device_put(key, one))
     opt_state = optimizer.init(params)
-    loss_and_grads = jax.jit(jax.value_and_grad(objective.loss))
+
+    # The gradient and the update in one program: run op by op, the update compiled a program
+    # for each operation and shape (95 in tests/test_equivalence.py).
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(objective.loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return loss, grads, optax.apply_updates(params, updates), opt_state
+
     run = {"initial": params, "losses": [], "grads": []}
     for batch in batches:
-        loss, grads = loss_and_grads(params, jax.device_put(batch, one))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        loss, grads, params, opt_state = step(params, opt_state, jax.device_put(batch, one))
         run["losses"].append(float(loss))
         run["grads"].append(grads)
     run.update(params=params, opt_state=opt_state)
@@ -90,7 +96,10 @@ def sharded_run(objective, optimizer, key, batches, mesh, initial=None, **traine
         state = dew.TrainState(
             step=np.zeros((), np.int32),
             params=params,
-            opt_state=trainer.optimizer.init(params),
+            # On the host, as the weights: device_put lays host arrays out directly, where one
+            # device's arrays would each be cut by a program of their own (jax's _multi_slice,
+            # compiled per shape and layout: 126 compiles in tests/test_equivalence.py).
+            opt_state=jax.device_get(trainer.optimizer.init(params)),
             ema=None,
             # A copy: the step donates the state, and the trainer's key is the caller's.
             key=jax.random.wrap_key_data(

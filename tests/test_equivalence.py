@@ -396,9 +396,12 @@ def test_validation_loss_matches_one_device(tmp_path, seed):
     )
     state = trainer.init_state()
     state, _ = trainer.train_step(16)(state, trainer.device_batch(fresh_batch(16, seed), 16))
+    # One device's loss, compiled once (run op by op, the model's every operation compiles a
+    # program of its own).
+    loss = jax.jit(objective.loss)
     for which in ("params", "ema"):
         weights = jax.tree_util.tree_map(np.asarray, getattr(state, which))
-        expected = np.mean([float(objective.loss(weights, b)) for b in data.validation()])
+        expected = np.mean([float(loss(weights, b)) for b in data.validation()])
         np.testing.assert_allclose(
             trainer.evaluate(state, data, params=which),
             expected,
@@ -430,15 +433,17 @@ def test_moe_validation_reports_the_language_model_loss_and_the_router_losses_be
     )
     state = trainer.init_state()
     params = jax.tree_util.tree_map(np.asarray, state.params)
-    model = objective.model
+    # One device's logits and router statistics, each compiled once (run op by op, the model's
+    # every operation compiles a program of its own).
+    apply, loss_sum = jax.jit(objective.model.apply), jax.jit(objective.loss_sum)
     want = {"loss": [], "load_balance_loss": [], "router_z_loss": []}
     for batch in data.validation():
-        logits = np.asarray(model.apply(params, batch[:, :-1]), np.float64)
+        logits = np.asarray(apply(params, batch[:, :-1]), np.float64)
         top = logits.max(-1, keepdims=True)
         log_probs = logits - (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))
         picked = np.take_along_axis(log_probs, batch[:, 1:, None], axis=-1)
         want["loss"].append(-picked.mean())
-        _, stats = objective.loss_sum(params, batch)
+        _, stats = loss_sum(params, batch)
         tokens = batch.shape[0] * SEQ
         want["load_balance_loss"].append(float(stats.load_balance) / tokens)
         want["router_z_loss"].append(float(stats.z_loss) / tokens)
@@ -448,5 +453,5 @@ def test_moe_validation_reports_the_language_model_loss_and_the_router_losses_be
     assert got["dropped_fraction"] == 0.0, got  # dropless
     assert trainer.evaluate(state, data) == got["loss"]
     # The training loss folds the weighted router losses in; validation's does not.
-    training = float(objective.loss(params, data.validation()[0]))
+    training = float(jax.jit(objective.loss)(params, data.validation()[0]))
     assert training > want["loss"][0], (training, want["loss"][0], seed)
