@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import optax
@@ -245,6 +246,10 @@ def test_plan_gives_a_row_per_recompute_policy(tmp_path, capsys):
     assert "  full  " in table and "  dots  " in table
 
 
+# A traced step's report with no collective in it (what ``search`` reads: its rows).
+NO_COLLECTIVES = types.SimpleNamespace(rows=())
+
+
 def test_search_compiles_on_until_enough_layouts_fit(monkeypatch):
     # The compiles stood in by rows (no TPU compile): the first layout is refused by the
     # compiler, the second compiles past the memory with the fewest wire bytes of the three, the
@@ -265,6 +270,10 @@ def test_search_compiles_on_until_enough_layouts_fit(monkeypatch):
 
     seen = []
     monkeypatch.setattr(planning, "plan", fake_plan)
+    # The traces stood in too (each layout's traced bytes 0: the candidates in the order of
+    # their state): their real order is test_search_compiles_only_layouts_the_trainer_accepts'
+    # subject; this test's is that the search compiles in the order it announced.
+    monkeypatch.setattr(dew.collectives, "collectives", lambda step, *args: NO_COLLECTIVES)
     # The schemes named: one step a layout (with "auto", each scheme a layout's rings could be
     # replaced by is a compile too: tests/test_schemes_auto.py).
     named = dew.StepOptions(fsdp_scheme="gather", tensor_scheme="plain")
