@@ -49,6 +49,22 @@ def objective():
     return tiny_objective()
 
 
+@pytest.fixture(scope="module")
+def traced(objective):
+    """``traced(name)``: the collectives of the shard_map step of ``LAYOUTS[name]``, as
+    ``trainer.collectives`` reads them from its jaxpr, traced once for the module: the formula
+    tests, the checks' honest reports and the GSPMD comparison read the same three steps (a
+    trainer traces its step again for each report). Tests that patch the step trace their own."""
+    reports = {}
+
+    def report(name):
+        if name not in reports:
+            reports[name] = make_trainer(objective, LAYOUTS[name]).collectives(DATA)
+        return reports[name]
+
+    return report
+
+
 def make_trainer(objective, mesh, engine="shard_map", accumulation=1):
     return dew.Trainer(
         objective,
@@ -214,9 +230,9 @@ def cost_problems(
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_step_collectives_match_the_formula(objective, name):
+def test_step_collectives_match_the_formula(objective, traced, name):
     trainer = make_trainer(objective, LAYOUTS[name])
-    report = trainer.collectives(DATA)
+    report = traced(name)
     expected = expected_collectives(trainer)
     assert expected.rows, "the formula predicts no collective at all"
     problems = cost_problems(report, expected, fewest_calls(trainer))
@@ -224,9 +240,9 @@ def test_step_collectives_match_the_formula(objective, name):
     assert report.wire_bytes() == expected.wire_bytes()
 
 
-def test_data_parallel_step_only_sums_gradients_over_data(objective):
-    trainer = make_trainer(objective, dew.MeshSpec())
-    report = trainer.collectives(DATA)
+def test_data_parallel_step_only_sums_gradients_over_data(objective, traced):
+    trainer = make_trainer(objective, LAYOUTS["data=8"])
+    report = traced("data=8")
     assert report.count("all_gather") == 0 and report.count("psum_scatter") == 0, str(report)
     assert {row.op for row in report.rows} == {"psum"}
     assert {row.axes for row in report.rows} == {("data",)}
@@ -235,9 +251,9 @@ def test_data_parallel_step_only_sums_gradients_over_data(objective):
 
 
 @pytest.mark.parametrize("name", ["fsdp=8", "data=2,fsdp=4"])
-def test_fsdp_step_never_psums_split_gradients_over_fsdp(objective, name):
+def test_fsdp_step_never_psums_split_gradients_over_fsdp(objective, traced, name):
     trainer = make_trainer(objective, LAYOUTS[name])
-    report = trainer.collectives(DATA)
+    report = traced(name)
     split = [nbytes for _, nbytes, _, is_split, _ in weights(trainer) if is_split]
     assert split and whole_bytes(trainer) > 0, (
         "the layout should split some weights, keep some whole"
@@ -307,11 +323,13 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_check_fails_when_a_collective_is_added_dropped_or_moved(objective, monkeypatch, variant):
+def test_check_fails_when_a_collective_is_added_dropped_or_moved(
+    objective, traced, monkeypatch, variant
+):
     loop_sums, split_psums, whole_psums, line = VARIANTS[variant]
-    trainer = make_trainer(objective, dew.MeshSpec(fsdp=4))
+    trainer = make_trainer(objective, LAYOUTS["data=2,fsdp=4"])
     expected, fewest = expected_collectives(trainer), fewest_calls(trainer)
-    honest = trainer.collectives(DATA)
+    honest = traced("data=2,fsdp=4")  # traced before the patches below
     monkeypatch.setattr(fsdp, "loop_sum_axes", lambda shards, accumulation: loop_sums)
     monkeypatch.setattr(
         data_parallel, "sum_gradients", sum_gradients_with(split_psums, whole_psums)
@@ -372,8 +390,8 @@ def test_check_fails_when_the_backward_keeps_gathered_weights(objective, monkeyp
     assert any(p.startswith("all_gather over fsdp:") and "calls" in p for p in problems), problems
 
 
-def test_check_fails_against_another_layouts_formula(objective):
-    fsdp8 = make_trainer(objective, dew.MeshSpec(fsdp=8)).collectives(DATA)
+def test_check_fails_against_another_layouts_formula(objective, traced):
+    fsdp8 = traced("fsdp=8")
     other_formula = expected_collectives(make_trainer(objective, dew.MeshSpec(fsdp=4)))
     problems = cost_problems(fsdp8, other_formula)
     assert "- psum over data: " in "\n".join(problems)
@@ -454,7 +472,7 @@ def changed_rows(changes: tuple[str, ...]) -> set[str]:
 GRADIENT_REDUCTION_FORMS = {"- psum_scatter over fsdp", "+ psum over fsdp"}
 
 
-def test_gspmd_losses_equal_shard_map_and_its_collectives_come_from_hlo(objective, seed):
+def test_gspmd_losses_equal_shard_map_and_its_collectives_come_from_hlo(objective, traced, seed):
     batches = [fresh_batch(BATCH, seed=seed + i) for i in range(3)]
     # Initial weights depend on the key alone: build them once, and give each trainer its own copy,
     # laid out its way (the step donates it).
@@ -469,7 +487,8 @@ def test_gspmd_losses_equal_shard_map_and_its_collectives_come_from_hlo(objectiv
             for rows in batches:
                 state, metrics = step(state, trainer.device_batch(rows, BATCH))
                 losses[engine].append(float(metrics["loss"]))
-            reports[engine] = trainer.collectives(DATA)
+            # The GSPMD step's from its HLO; the shard_map step's jaxpr, traced once a layout.
+            reports[engine] = trainer.collectives(DATA) if engine == "gspmd" else traced(name)
         np.testing.assert_allclose(
             losses["gspmd"],
             losses["shard_map"],

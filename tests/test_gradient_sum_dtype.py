@@ -189,17 +189,16 @@ def test_the_sums_of_the_shards_over_data_move_half_their_float32_bytes():
     # data=2,fsdp=4: each layer's shards summed over data in the loop, the embedding's in the
     # tail; nothing else is summed over data alone.
     objective = width_objective(128, "bfloat16")
-    ((wide,), _), ((narrow,), report) = [
-        ([r for r in rows if r.op == "psum" and r.axes == ("data",)], rep)
-        for rows, rep in (sums_of(dict(data=2, fsdp=4), d, objective) for d in (None, "bfloat16"))
+    (float32_rows, float32_report), (bfloat16_rows, bfloat16_report) = [
+        sums_of(dict(data=2, fsdp=4), d, objective) for d in (None, "bfloat16")
     ]
+    (wide,) = [r for r in float32_rows if r.op == "psum" and r.axes == ("data",)]
+    (narrow,) = [r for r in bfloat16_rows if r.op == "psum" and r.axes == ("data",)]
     assert wide.count == narrow.count >= 3
     assert 2 * narrow.operand_bytes == wide.operand_bytes
     # The gathers are the weights', not the sums': unchanged.
-    gathers = [r for r in report.rows if r.op == "all_gather"]
-    assert gathers and gathers == [
-        r for r in sums_of(dict(data=2, fsdp=4), None, objective)[1].rows if r.op == "all_gather"
-    ]
+    gathers = [r for r in bfloat16_report.rows if r.op == "all_gather"]
+    assert gathers and gathers == [r for r in float32_report.rows if r.op == "all_gather"]
 
 
 @pytest.mark.xdist_group("tpu")
