@@ -54,26 +54,42 @@ def test_dew_bench_runs_and_records_sequence_parallel(tmp_path, dew_here, monkey
 
 
 def test_dew_bench_runs_each_model_choice_as_contestants_of_its_own(tmp_path, dew_here):
-    # --remat full dots --dtype float32 bfloat16: four models, each on fsdp=8 and on one device;
-    # each shard_map row compared with the one-device row of its own model. One engine on the
-    # mesh: a GSPMD contestant is made by the same loop over engines as the shard_map one (4 more
-    # compiles for nothing new), and its pairing by model is checked from known rows in
+    # Every combination of the values given is a model of its own: --remat full dots --dtype
+    # float32 bfloat16 makes four, each named in the header (read from the flags: nothing runs).
+    from dew.benchmark.measure import variant_text
+    from dew.cli import bench
+    from dew.cli.main import build_parser
+    from dew.cli.model_flags import model_variants
+    from dew.mesh import MeshSpec
+
+    four = [
+        f"dtype={dtype}, remat={remat}"
+        for dtype in ("float32", "bfloat16")
+        for remat in ("full", "dots")
+    ]
+    args = build_parser().parse_args(
+        ["bench", "--mesh", "fsdp=8", "--remat", "full", "dots", "--dtype", "float32", "bfloat16"]
+    )
+    config, variants = model_variants(args)
+    assert [variant_text(v) for v in variants] == four, variants
+    header = bench._header(args, config, [MeshSpec(fsdp=8)], variants)
+    assert "models " + " | ".join(four) + ", " in header, header
+
+    # What runs: two models (--dtype float32 bfloat16), each on fsdp=8 and on one device; each
+    # shard_map row compared with the one-device row of its own model. One engine on the mesh: a
+    # GSPMD contestant is made by the same loop over engines as the shard_map one, and its
+    # pairing by model is checked from known rows in
     # test_bench_ratios_compare_each_model_with_its_own_gspmd_and_one_device_rows.
     out = dew_here(
         "bench",
-        *("--mesh", "fsdp=8", "--engines", "shard_map"),
-        *("--remat", "full", "dots", "--dtype", "float32", "bfloat16"),
+        *("--mesh", "fsdp=8", "--engines", "shard_map", "--dtype", "float32", "bfloat16"),
         *("--depth-check", "0", "--repeats", "1", "--warmup", "0"),
         *("--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "8"),
         *("--json", "bench.json"),
         cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    models = [
-        f"dtype={dtype}, remat={remat}"
-        for dtype in ("float32", "bfloat16")
-        for remat in ("full", "dots")
-    ]
+    models = ["dtype=float32", "dtype=bfloat16"]
     assert "models " + " | ".join(models) + ", " in out.stdout.splitlines()[0], out.stdout
     rows = json.loads((tmp_path / "bench.json").read_text())
     ran = sorted((r["variant"], r["engine"]) for r in rows)
