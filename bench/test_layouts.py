@@ -203,27 +203,15 @@ def test_depth_check_compiles_both_depths(objective):
 
 
 def test_cli_writes_one_object_per_layout_and_engine(tmp_path, capsys):
+    # SMALL at MIN_SHARD: the steps test_step compiled, which the run's compilation cache
+    # (tests/conftest.py) holds.
     out = tmp_path / "bench.json"
     args = [
         "bench",
-        "--mesh",
-        "fsdp=8",
-        "--layers",
-        "1",
-        "--width",
-        "32",
-        "--seq-len",
-        "16",
-        "--batch",
-        "8",
-        "--repeats",
-        "1",
-        "--min-shard",
-        "256",
-        "--depth-check",
-        "0",
-        "--json",
-        str(out),
+        *("--mesh", "fsdp=8", "--layers", str(SMALL.layers), "--width", str(SMALL.width)),
+        *("--heads", str(SMALL.heads), "--seq-len", str(SMALL.seq_len)),
+        *("--batch", str(SMALL.batch), "--min-shard", str(MIN_SHARD)),
+        *("--repeats", "1", "--depth-check", "0", "--json", str(out)),
     ]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out

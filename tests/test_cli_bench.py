@@ -54,30 +54,89 @@ def test_dew_bench_runs_and_records_sequence_parallel(tmp_path, dew_here, monkey
 
 
 def test_dew_bench_runs_each_model_choice_as_contestants_of_its_own(tmp_path, dew_here):
-    # --remat full dots --dtype float32 bfloat16: four models, each on fsdp=8 with both engines
-    # and on one device; each shard_map row compared with the rows of its own model.
+    # Every combination of the values given is a model of its own: --remat full dots --dtype
+    # float32 bfloat16 makes four, each named in the header (read from the flags: nothing runs).
+    from dew.benchmark.measure import variant_text
+    from dew.cli import bench
+    from dew.cli.main import build_parser
+    from dew.cli.model_flags import model_variants
+    from dew.mesh import MeshSpec
+
+    four = [
+        f"dtype={dtype}, remat={remat}"
+        for dtype in ("float32", "bfloat16")
+        for remat in ("full", "dots")
+    ]
+    args = build_parser().parse_args(
+        ["bench", "--mesh", "fsdp=8", "--remat", "full", "dots", "--dtype", "float32", "bfloat16"]
+    )
+    config, variants = model_variants(args)
+    assert [variant_text(v) for v in variants] == four, variants
+    header = bench._header(args, config, [MeshSpec(fsdp=8)], variants)
+    assert "models " + " | ".join(four) + ", " in header, header
+
+    # What runs: two models (--dtype float32 bfloat16), each on fsdp=8 and on one device; each
+    # shard_map row compared with the one-device row of its own model. One engine on the mesh: a
+    # GSPMD contestant is made by the same loop over engines as the shard_map one, and its
+    # pairing by model is checked from known rows in
+    # test_bench_ratios_compare_each_model_with_its_own_gspmd_and_one_device_rows.
     out = dew_here(
         "bench",
-        *("--mesh", "fsdp=8", "--remat", "full", "dots", "--dtype", "float32", "bfloat16"),
+        *("--mesh", "fsdp=8", "--engines", "shard_map", "--dtype", "float32", "bfloat16"),
         *("--depth-check", "0", "--repeats", "1", "--warmup", "0"),
         *("--layers", "1", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "8"),
         *("--json", "bench.json"),
         cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    models = [
-        f"dtype={dtype}, remat={remat}"
-        for dtype in ("float32", "bfloat16")
-        for remat in ("full", "dots")
-    ]
+    models = ["dtype=float32", "dtype=bfloat16"]
     assert "models " + " | ".join(models) + ", " in out.stdout.splitlines()[0], out.stdout
     rows = json.loads((tmp_path / "bench.json").read_text())
     ran = sorted((r["variant"], r["engine"]) for r in rows)
-    assert ran == sorted((m, e) for m in models for e in ("shard_map", "gspmd", "one_device"))
-    # One ratios row per model, each against its own GSPMD and one-device rows.
+    assert ran == sorted((m, e) for m in models for e in ("shard_map", "one_device"))
+    # One ratios row per model, each against its own one-device row.
     ratios = [line.split("  ")[0] for line in out.stdout.splitlines() if "]  " in line]
     for m in models:
         assert f"fsdp=8 [{m}]" in ratios, out.stdout
+
+
+def test_bench_ratios_compare_each_model_with_its_own_gspmd_and_one_device_rows():
+    # Two models on one layout, each row's times and bytes its model's own: a shard_map row
+    # paired with the other model's GSPMD or one-device row would give other ratios.
+    from dew import benchmark
+
+    def result(engine, variant, round_ms, wire, layout="fsdp=8"):
+        return dataclasses.replace(
+            _row(layout, engine, wire, round_ms=round_ms, temp=wire), variant=variant
+        )
+
+    results = [
+        result("shard_map", "remat=full", (100, 100, 100), 50),
+        result("gspmd", "remat=full", (200, 200, 200), 100),
+        result("one_device", "remat=full", (400, 400, 400), 0, layout="data=1"),
+        result("shard_map", "remat=dots", (300, 300, 300), 300),
+        result("gspmd", "remat=dots", (100, 100, 100), 100),
+        result("one_device", "remat=dots", (50, 50, 50), 0, layout="data=1"),
+    ]
+    ratios = benchmark.layout_ratios(results)
+    assert ratios == {
+        "fsdp=8 [remat=full]": dict(
+            time_vs_gspmd=0.5,
+            wire=0.5,
+            gspmd_wire=2.0,
+            temp=0.5,
+            time_vs_one_device=0.25,
+            gspmd_vs_one_device=0.5,
+        ),
+        "fsdp=8 [remat=dots]": dict(
+            time_vs_gspmd=3.0,
+            wire=3.0,
+            gspmd_wire=1 / 3,
+            temp=3.0,
+            time_vs_one_device=6.0,
+            gspmd_vs_one_device=2.0,
+        ),
+    }, ratios
 
 
 def test_dew_bench_runs_an_moe_model_on_the_expert_axis_against_gspmd(tmp_path, dew_here):
@@ -151,10 +210,12 @@ def test_dew_bench_defaults_split_over_eight_tensor_devices():
 
 
 def test_dew_bench_runs_each_sequence_scheme_against_one_gspmd_row(tmp_path, dew_here):
-    # A one-step run of a tiny model: what is checked is what ran, not how fast.
+    # A one-step run of a tiny model: what is checked is what ran, not how fast. No one-device
+    # row: the schemes are compared with the layout's GSPMD row, and the one-device row of a
+    # run is checked in the other tests of this file.
     out = dew_here(
         "bench",
-        *("--mesh", "sequence=2", "--sequence-scheme", "ring", "all_to_all"),
+        *("--mesh", "sequence=2", "--sequence-scheme", "ring", "all_to_all", "--no-one-device"),
         *("--layers", "1", "--width", "32", "--heads", "4", "--seq-len", "16", "--batch", "8"),
         *("--steps", "1", "--repeats", "1", "--warmup", "0", "--depth-check", "0"),
         *("--json", "bench.json"),
@@ -169,7 +230,6 @@ def test_dew_bench_runs_each_sequence_scheme_against_one_gspmd_row(tmp_path, dew
         ("data=4,sequence=2", "shard_map", "ring"),
         ("data=4,sequence=2", "shard_map", "all_to_all"),
         ("data=4,sequence=2", "gspmd", None),
-        ("data=1", "one_device", None),
     ], rows
     # Each contestant ran its own scheme: their steps send different bytes.
     assert rows[0]["wire_bytes"] != rows[1]["wire_bytes"], rows
