@@ -127,8 +127,9 @@ def test_the_int8_base_loss_is_within_its_bound_and_its_merge_is_the_adapted_mod
     _, base = hf.load(HF_BASE)
     tokens = np.load(HF_BASE / "tokens.npy")
     batch = jnp.asarray(np.concatenate([tokens, tokens[:, :1]], axis=1))
-    adapters = lora.init_adapters(model, jax.random.key(0))
-    int8 = lora.frozen_of(model, base)
+    # Each one compiled program, not op by op.
+    adapters = jax.jit(lambda key: lora.init_adapters(model, key))(jax.random.key(0))
+    int8 = jax.jit(lambda p: lora.frozen_of(model, p))(base)
     loss = jax.jit(objective.loss)
     float_loss = float(loss(base, batch))
     int8_loss = float(loss(lora.combine(model, int8, adapters), batch))

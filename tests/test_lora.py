@@ -154,8 +154,8 @@ def test_fresh_adapters_give_the_base_logits_exactly(seed):
     """B = 0 at init: the adapted model's logits are the base model's, bit for bit."""
     model = lora_objective().model
     key = seeded_key(seed)
-    base = model.init(key)
-    adapters = lora.init_adapters(model, key)
+    base = jax.jit(model.init)(key)  # one compiled program, not op by op
+    adapters = jax.jit(lambda key: lora.init_adapters(model, key))(key)
     assert all(not np.any(np.asarray(ab["b"])) for ab in _pairs(adapters))
     assert all(np.any(np.asarray(ab["a"])) for ab in _pairs(adapters))
     tokens = jnp.asarray(fresh_batch(2, seed)[:, :-1])
@@ -174,13 +174,11 @@ def _pairs(adapters):
     ]
 
 
-def test_merged_weights_compute_the_adapted_model(seed):
-    """``lora.merge`` (W + alpha / R A B) gives the adapted model's logits (float32)."""
-    model = lora_objective().model
-    key = seeded_key(seed)
-    base = model.init(key)
-    adapters = random_adapters(model, seeded_key(seed, 1))
-    tokens = jnp.asarray(fresh_batch(2, seed)[:, :-1])
+def test_merged_weights_compute_the_adapted_model(case, seed):
+    """``lora.merge`` (W + alpha / R A B) gives the adapted model's logits (float32): the base and
+    drawn adapters of the step's reference (``case``), on two of its rows."""
+    model, base, adapters = case["objective"].model, case["base"], case["adapters"]
+    tokens = jnp.asarray(case["batches"][0][:2, :-1])
     apply = jax.jit(model.apply)
     adapted = apply(lora.combine(model, base, adapters), tokens)
     merged = apply(lora.merge(model, base, adapters), tokens)
@@ -201,8 +199,9 @@ def case(module_seed):
     objective = lora_objective()
     model = objective.model
     key = seeded_key(module_seed)
-    base = model.init(key)
-    adapters = random_adapters(model, seeded_key(module_seed, 1))
+    # Each a compiled program, not op by op.
+    base = jax.jit(model.init)(key)
+    adapters = jax.jit(lambda key: random_adapters(model, key))(seeded_key(module_seed, 1))
     batches = [fresh_batch(ROWS, (module_seed, i)) for i in range(STEPS)]
     optimizer = smooth_optimizer()
 
@@ -210,12 +209,17 @@ def case(module_seed):
         return objective.loss(lora.combine(model, base, adapters), batch)
 
     loss_and_grads = jax.jit(jax.value_and_grad(loss))
+
+    @jax.jit
+    def update(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     params, opt_state = adapters, optimizer.init(adapters)
     reference = {"losses": [], "grads": []}
     for batch in batches:
         value, grads = loss_and_grads(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(grads, opt_state, params)
         reference["losses"].append(float(value))
         reference["grads"].append(grads)
     reference.update(params=params, opt_state=opt_state)
@@ -321,8 +325,8 @@ def test_an_moe_model_adapts_attention_and_dense_mlps_on_expert_2_fsdp_2(seed):
     model = dataclasses_replace(lora_objective().model, num_experts=4, moe_every=2)
     objective = LMObjective(model, SEQ)
     key = seeded_key(seed)
-    base = model.init(key)
-    adapters = random_adapters(model, seeded_key(seed, 1))
+    base = jax.jit(model.init)(key)  # each one compiled program, not op by op
+    adapters = jax.jit(lambda key: random_adapters(model, key))(seeded_key(seed, 1))
     assert set(adapters["lora"]["moe_layers"]) == {"attn"}
     assert set(adapters["lora"]["layers"]) == {"attn", "mlp"}
     batch = fresh_batch(ROWS, seed)

@@ -21,7 +21,7 @@ ROWS = 4
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_apply_is_head_of_blocks_of_embed(tie, seed):
     model = tiny_objective(tie_embeddings=tie).model
-    params = model.init(seeded_key(seed))
+    params = jax.jit(model.init)(seeded_key(seed))  # one compiled program, not op by op
     tokens = jnp.asarray(fresh_batch(ROWS, seed)[:, :-1])
 
     def by_parts(params, tokens):
@@ -38,25 +38,28 @@ def test_apply_is_head_of_blocks_of_embed(tie, seed):
 def test_blocks_rotate_by_the_positions_given(seed):
     """A later sequence split passes its own positions: the blocks must use them."""
     model = tiny_objective().model
-    params = model.init(seeded_key(seed))
-    x = model.embed(params, jnp.asarray(fresh_batch(ROWS, seed)[:, :-1]))
+    # Each one compiled program, not op by op; the blocks' one for every positions.
+    params = jax.jit(model.init)(seeded_key(seed))
+    x = jax.jit(model.embed)(params, jnp.asarray(fresh_batch(ROWS, seed)[:, :-1]))
+    blocks = jax.jit(model.blocks)
     positions = jnp.arange(x.shape[1])
-    here, _ = model.blocks(params, x, positions)
-    shifted, _ = model.blocks(params, x, positions + 5)
+    here, _ = blocks(params, x, positions)
+    shifted, _ = blocks(params, x, positions + 5)
     # Rotary attention sees only differences of positions: a common shift changes rounding only
     # (2.3e-7 to 3.1e-7 of the activations' norm, seeds 1-3).
     error = relative_error(np.asarray(shifted), np.asarray(here))
     assert error < 1e-6, f"a common shift moved the blocks' output by {error:.3g}, seed {seed}"
-    reversed_, _ = model.blocks(params, x, positions[::-1])
+    reversed_, _ = blocks(params, x, positions[::-1])
     assert not np.allclose(reversed_, here, rtol=1e-3, atol=1e-3), f"seed {seed}"
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_loss_sum_is_logsumexp_minus_the_target_logit(tie, seed):
     objective = tiny_objective(tie_embeddings=tie)
-    params = objective.model.init(seeded_key(seed))
+    # Each one compiled program, not op by op.
+    params = jax.jit(objective.model.init)(seeded_key(seed))
     batch = jnp.asarray(fresh_batch(ROWS, seed))
-    logits = objective.model.apply(params, batch[:, :-1])
+    logits = jax.jit(objective.model.apply)(params, batch[:, :-1])
     picked = jnp.take_along_axis(logits, batch[:, 1:, None], axis=-1)[..., 0]
     want = float(jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked))
     got = float(jax.jit(objective.loss_sum)(params, batch)[0])
@@ -147,7 +150,7 @@ def test_pallas_attention_differentiates_through_its_lse(seed):
             out, lse = attend(q, k, v, causal=True)
             return jnp.sum(out * d_out) + jnp.sum(lse * d_lse)
 
-        return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)  # not op by op
 
     for name, got, want in zip("qkv", objective(pallas_attention), objective(model_xla_attention)):
         error = relative_error(got, want)

@@ -93,20 +93,24 @@ def skewed(params):
 def test_capacity_drops_the_later_positions_of_a_skewed_router(seed):
     experts, k, factor = 4, 2, 1.0
     model = tiny_objective(num_experts=experts, experts_per_token=k, capacity_factor=factor).model
-    layer = jax.tree_util.tree_map(lambda w: w[0], skewed(model.init(seeded_key(seed))))
+    # Each call one compiled program, not op by op.
+    params = jax.jit(model.init)(seeded_key(seed))
+    layer = jax.tree_util.tree_map(lambda w: w[0], skewed(params))
     h = jax.random.normal(seeded_key(seed, 1), (3, SEQ, model.emb_features))
     limit = moe.capacity(SEQ, k, experts, factor)
     assert limit == 8  # ceil(1.0 * 16 * 2 / 4)
 
     def run(capacity_factor):
-        return expert.moe_mlp(
-            layer["params"]["moe_layers"]["moe"],
-            h,
-            ONE_DEVICE,
-            num_experts=experts,
-            k=k,
-            capacity_factor=capacity_factor,
-        )
+        return jax.jit(
+            lambda weights, h: expert.moe_mlp(
+                weights,
+                h,
+                ONE_DEVICE,
+                num_experts=experts,
+                k=k,
+                capacity_factor=capacity_factor,
+            )
+        )(layer["params"]["moe_layers"]["moe"], h)
 
     kept, stats = run(factor)
     whole, dropless_stats = run(None)
@@ -124,7 +128,7 @@ def test_a_skewed_router_trains_like_one_device(case, seed, capacity_factor):
     key, batches, _ = case
     objective = tiny_objective(num_experts=4, experts_per_token=2, capacity_factor=capacity_factor)
     optimizer = smooth_optimizer()
-    params = skewed(objective.model.init(key))
+    params = skewed(jax.jit(objective.model.init)(key))  # one compiled program, not op by op
 
     # One device, from the skewed weights: each step one program (the update run op by op would
     # compile each of its small ops apart).

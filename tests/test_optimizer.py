@@ -7,8 +7,6 @@ one on the device."""
 import json
 import math
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +23,6 @@ from dew.training import optimizer as opt
 from dew.training import schedule as lr_schedules
 from tests.helpers import (
     SEQ,
-    child_env,
     fresh_batch,
     random_token_folder,
     tiny_objective,
@@ -610,29 +607,15 @@ def test_the_update_with_the_state_in_host_memory_equals_the_one_on_the_device(s
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed {seed}")
 
 
-def test_dew_train_writes_the_schedules_lr_and_the_grad_norm(tmp_path):
-    """The issue's command, at toy size: every step's lr is the formula's."""
-    env = child_env()
+def test_dew_train_writes_the_schedules_lr_and_the_grad_norm(tmp_path, dew_here):
+    """The issue's command, at toy size: every step's lr is the formula's. (Run by ``main`` in this
+    process, as tests/test_cli.py runs ``dew train``: a child process would import JAX again.)"""
     args = "--warmup-steps 2 --lr-schedule cosine --lr 3e-4 --lr-min 3e-5 --clip-norm 1.0"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dew",
-            "train",
-            "--mesh",
-            "fsdp=8",
-            "--steps",
-            "5",
-            "--log-every",
-            "5",
-        ]
-        + (args + " --weight-decay 0.1 --layers 1 --width 32 --heads 2").split()
-        + ["--metrics", str(tmp_path / "m.jsonl"), "--run-dir", str(tmp_path / "run")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = dew_here(
+        *("train", "--mesh", "fsdp=8", "--steps", "5", "--log-every", "5"),
+        *(args + " --weight-decay 0.1 --layers 1 --width 32 --heads 2").split(),
+        *("--metrics", str(tmp_path / "m.jsonl"), "--run-dir", str(tmp_path / "run")),
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]

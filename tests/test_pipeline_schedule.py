@@ -200,6 +200,7 @@ def layer_run(layers, bias, x, data_axis):
     return x
 
 
+@jax.jit  # one compiled program: op by op, each layer's small ops would run (and compile) apart
 def reference(params, data):
     """The whole network on one device: sum over microbatches of the squared error."""
 

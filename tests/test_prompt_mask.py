@@ -46,7 +46,8 @@ def hand_masked_loss(model, params, batch) -> float:
     (``model.apply``), a float64 log-softmax, and a loop that keeps target ``j`` of a row where
     the mask of token ``j + 1`` is 1."""
     tokens, mask = np.asarray(batch[:, 0]), np.asarray(batch[:, 1])
-    logits = np.asarray(model.apply(params, tokens[:, :-1]), np.float64)
+    # (One compiled program, not op by op.)
+    logits = np.asarray(jax.jit(model.apply)(params, tokens[:, :-1]), np.float64)
     peak = logits.max(axis=-1, keepdims=True)
     log_probs = logits - peak - np.log(np.exp(logits - peak).sum(axis=-1, keepdims=True))
     total, count = 0.0, 0
@@ -60,18 +61,19 @@ def hand_masked_loss(model, params, batch) -> float:
 
 @pytest.fixture(scope="module")
 def dense(module_seed):
-    """The dense case: key, masked batches and the one-device run, shared by its layouts."""
+    """The dense case: key, masked batches, the one-device run, and the hand-masked mean of the
+    first batch from its initial weights, shared by its layouts."""
     objective = tiny_objective()
     key = seeded_key(module_seed)
     batches = [masked_batch(ROWS, (module_seed, i)) for i in range(STEPS)]
     batches.append(wholly_masked_batch(ROWS, (module_seed, STEPS)))
     reference = reference_run(objective, smooth_optimizer(), key, batches)
-    return objective, key, batches, reference
+    hand = hand_masked_loss(objective.model, reference["initial"], batches[0])
+    return objective, key, batches, reference, hand
 
 
 def test_the_one_device_reference_is_the_hand_masked_mean(dense, seed):
-    objective, _, batches, reference = dense
-    expected = hand_masked_loss(objective.model, reference["initial"], batches[0])
+    objective, _, batches, reference, expected = dense
     np.testing.assert_allclose(reference["losses"][0], expected, rtol=TOL, err_msg=f"seed {seed}")
     # A wholly masked batch: no target counts, so the mean over none is taken as 0, and so are
     # the gradients (a divisor of 0 targets would make both NaN).
@@ -82,9 +84,10 @@ def test_the_one_device_reference_is_the_hand_masked_mean(dense, seed):
     # loss that ignored the mask would move with them.
     other = np.array(batches[0])
     other[0, 0] = (other[0, 0] + 1) % VOCAB
-    again = float(objective.loss(reference["initial"], other))
+    loss = jax.jit(objective.loss)
+    again = float(loss(reference["initial"], other))
     np.testing.assert_allclose(again, expected, rtol=TOL, err_msg=f"seed {seed}")
-    plain = [float(objective.loss(reference["initial"], b[:, 0])) for b in (batches[0], other)]
+    plain = [float(loss(reference["initial"], b[:, 0])) for b in (batches[0], other)]
     assert plain[0] != plain[1], f"row 0's tokens changed nothing unmasked, seed {seed}"
 
 
@@ -105,13 +108,12 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_masked_batch_trains_like_one_device_and_the_hand_reference(dense, seed, name):
-    objective, key, batches, reference = dense
+    objective, key, batches, reference, expected = dense
     mesh, trainer_args = LAYOUTS[name]
     run = sharded_run(
         objective, smooth_optimizer(), key, batches, mesh, reference["initial"], **trainer_args
     )
     assert_matches(run, reference, seed, name)
-    expected = hand_masked_loss(objective.model, reference["initial"], batches[0])
     np.testing.assert_allclose(run["losses"][0], expected, rtol=TOL, err_msg=f"{name}, seed {seed}")
     assert run["losses"][STEPS] == 0.0, f"the wholly masked batch, {name}, seed {seed}"
     for leaf in jax.tree_util.tree_leaves(run["grads"][STEPS]):
@@ -130,7 +132,7 @@ def test_an_moe_model_averages_cross_entropy_over_kept_targets_and_router_losses
     )
     assert_matches(run, reference, seed, "expert4_fsdp2")
     params, batch = reference["initial"], batches[0]
-    router = float(objective.loss(params, batch[:, 0])) - hand_masked_loss(
+    router = float(jax.jit(objective.loss)(params, batch[:, 0])) - hand_masked_loss(
         objective.model, params, np.stack([batch[:, 0], np.ones_like(batch[:, 1])], axis=1)
     )
     expected = hand_masked_loss(objective.model, params, batch) + router
