@@ -80,7 +80,7 @@ def test_router_losses_are_in_the_loss(case, seed):
 
 # ------------------------------------------------------------------------------------------------
 # A skewed router: all router weights zero, so every token's probabilities tie and top_k picks
-# experts 0 and 1 for every token.
+# the first k experts for every token.
 
 
 def skewed(params):
@@ -126,7 +126,11 @@ def test_capacity_drops_the_later_positions_of_a_skewed_router(seed):
 @pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "capacity1"])
 def test_a_skewed_router_trains_like_one_device(case, seed, capacity_factor):
     key, batches, _ = case
-    objective = tiny_objective(num_experts=4, experts_per_token=2, capacity_factor=capacity_factor)
+    # Three of four experts a token: the one no token picks at step 1 has no twin. With two of
+    # four, experts 2 and 3 got bit-equal router columns from the first update (neither picked),
+    # and at step 2 float rounding broke their exact tie one way on one device and the other on
+    # the layout (DEW_SEED=1206679465 at 4369278: losses 3.8e-4 apart).
+    objective = tiny_objective(num_experts=4, experts_per_token=3, capacity_factor=capacity_factor)
     optimizer = smooth_optimizer()
     params = skewed(jax.jit(objective.model.init)(key))  # one compiled program, not op by op
 
@@ -169,8 +173,9 @@ def test_a_skewed_router_trains_like_one_device(case, seed, capacity_factor):
     if capacity_factor is None:
         assert dropped == [0.0] * STEPS, (dropped, seed)
     else:
-        # Step 1: each expert of a row's 16 copies keeps 8 (capacity ceil(16 * 2 / 4)): half drop.
-        assert dropped[0] == 0.5, (dropped, seed)
+        # Step 1: experts 0, 1 and 2 each get a row's 16 tokens and keep 12 (capacity
+        # ceil(16 * 3 / 4)): 12 of the 48 copies drop.
+        assert dropped[0] == 0.25, (dropped, seed)
 
 
 # ------------------------------------------------------------------------------------------------
