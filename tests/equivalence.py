@@ -179,6 +179,9 @@ def cached_reference(case, objective, name):
             with routing_margins() as margins:
                 run = reference_run(objective, smooth_optimizer(), key, batches)
                 jax.effects_barrier()
+            # An MoE run that routed nothing through the patched router would leave its draws
+            # unguarded (say, the router called by another name): fail rather than pass blind.
+            assert margins or not objective.model.num_experts, f"{name}: no routing was measured"
             if min(margins, default=ROUTING_MARGIN) >= ROUTING_MARGIN:
                 break
             assert attempt < 4, f"{name}: every draw routes a token within {ROUTING_MARGIN}"
