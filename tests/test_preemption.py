@@ -3,8 +3,8 @@ checkpoint of it is committed, and the run stops (SIGTERM: ``Preempted``, exit c
 
 In this process the signals are sent as a chosen step's batch is read, so the step they arrive in
 is known; ``dew train`` in a subprocess gets SIGTERM from outside once a step has run, and its
-checkpoint resumes to what a straight run computes; two launched processes, one of them signalled,
-stop after the same step.
+checkpoint resumes to what a straight run computes. (Two launched processes, one of them
+signalled, stopping after the same step: tests/test_launch.py, on its launched run.)
 """
 
 import contextlib
@@ -25,7 +25,6 @@ import dew
 from dew.data import Loading, TokenWindows
 from dew.training.preemption import Preempted
 from tests.helpers import SEQ, child_env, random_token_folder, tiny_objective
-from tests.test_launch import Launched
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = 8
@@ -194,30 +193,3 @@ def test_sigterm_to_dew_train_saves_a_checkpoint_that_resumes_like_a_straight_ru
     # The same losses at every step, those after the resume included: the checkpoint held the
     # weights, the optimizer state and the data position of the step it names.
     assert losses(metrics) == losses(straight_metrics), f"seed {seed}"
-
-
-# --------------------------------------------------------------------------- two processes
-
-
-def test_one_signalled_process_stops_every_process_after_the_same_step(tmp_path, seed):
-    """SIGTERM to rank 1 alone: rank 0 learns of it by the per-step all-reduce, and both save the
-    same step and exit 143."""
-    folder = random_token_folder(tmp_path / "tokens", seed, train=3000, val=300)
-    checkpoints = tmp_path / "checkpoints"
-    run = Launched(
-        *("--processes", 2, "--devices-per-process", 4, "--grace", 60, "--"),
-        *(sys.executable, ROOT / "tests" / "launch_train.py", folder, checkpoints, 100000),
-    )
-    # Both ranks are training (each prints every step), then only rank 1 gets the signal.
-    run.wait_for_lines({"[0] step 2:", "[1] step 2:"}, BOUND_S)
-    pid = int(next(line for line in run.stdout if line.startswith("[1] pid ")).split()[-1])
-    os.kill(pid, signal.SIGTERM)
-    code = run.finish(BOUND_S)
-    said = (
-        re.fullmatch(r"\[(\d)\] Preempted at step (\d+); checkpoint saved", x) for x in run.stdout
-    )
-    steps = sorted((int(m[1]), int(m[2])) for m in said if m)
-    assert [rank for rank, _ in steps] == [0, 1], (seed, run.stdout[-10:], run.stderr[-20:])
-    assert steps[0][1] == steps[1][1], (seed, steps)
-    assert code == 143, run.stderr[-20:]
-    assert dew.Checkpoints(checkpoints).latest == steps[0][1], seed
