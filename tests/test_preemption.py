@@ -130,7 +130,7 @@ def losses(path: Path) -> dict[int, float]:
 
 
 def test_sigterm_to_dew_train_saves_a_checkpoint_that_resumes_like_a_straight_run(
-    tmp_path, seed, monkeypatch
+    tmp_path, seed, dew_here
 ):
     args = ("train", *TINY, "--seed", str(seed % 1000), "--log-every", "1000")
     metrics = tmp_path / "metrics.jsonl"
@@ -164,32 +164,23 @@ def test_sigterm_to_dew_train_saves_a_checkpoint_that_resumes_like_a_straight_ru
     last = [line for line in out.splitlines() if line.startswith("step ")][-1]
     assert last.startswith(f"step {stopped}: loss {losses(metrics)[stopped]:.4f}, "), (seed, out)
 
+    # The resume and the straight run in this process (8 CPU devices, as dew train's): main, as
+    # the console script calls it (dew_here). Only the run that takes the signal needs a process
+    # of its own; a second one would import JAX and Dew again for the same step.
     final = stopped + 2
-    resumed = subprocess.run(
-        [sys.executable, "-m", "dew", *args, "--steps", str(final), "--metrics", str(metrics)],
-        cwd=tmp_path,
-        env=dew_env(),
-        capture_output=True,
-        text=True,
-        timeout=BOUND_S,
-    )
+    resumed = dew_here(*args, "--steps", str(final), "--metrics", str(metrics), cwd=tmp_path)
     assert resumed.returncode == 0, (seed, resumed.stderr[-3000:])
     assert resumed.stdout.splitlines()[1].startswith(f"Resumed from step {stopped} in "), (
         resumed.stdout
     )
 
-    # The straight run in this process (8 CPU devices, as dew train's): main, as the console
-    # script calls it.
-    from dew.cli.main import main
-
-    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # main sets up its devices: restored after
-        monkeypatch.setenv(name, os.environ[name])
-    monkeypatch.chdir(tmp_path)
     straight_metrics = tmp_path / "straight.jsonl"
-    code = main(
-        [*args, "--steps", str(final), "--run-dir", "straight", "--metrics", "straight.jsonl"]
+    straight = dew_here(
+        *args,
+        *("--steps", str(final), "--run-dir", "straight", "--metrics", "straight.jsonl"),
+        cwd=tmp_path,
     )
-    assert code == 0, seed
+    assert straight.returncode == 0, (seed, straight.stderr[-3000:])
     # The same losses at every step, those after the resume included: the checkpoint held the
     # weights, the optimizer state and the data position of the step it names.
     assert losses(metrics) == losses(straight_metrics), f"seed {seed}"
