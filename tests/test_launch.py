@@ -1,8 +1,8 @@
 """``dew launch`` and ``prepare_process(multi_host=True)`` from the environment.
 
 One launched run of tests/launch_train.py (2 processes x 4 CPU devices, no arguments to
-``prepare_process``) is shared by the tests of training, rank prefixes and a dying rank; the other
-tests start small Python processes that need no JAX.
+``prepare_process``) is shared by the tests of training, a signalled rank, rank prefixes and a dying
+rank; the other tests start small Python processes that need no JAX.
 """
 
 import json
@@ -27,6 +27,7 @@ from dew.training import runtime
 from tests.helpers import SEQ, child_env, random_token_folder, relative_error, two_process_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
+# The step both ranks print before rank 1 is sent SIGTERM.
 STEPS = 3
 # How long a launched process may take to get where a test waits for it (a loaded machine
 # compiles slowly); passing it fails the test.
@@ -138,21 +139,34 @@ ON_THE_LAUNCHED_RUNS_WORKER = pytest.mark.xdist_group("launched-run")
 
 @pytest.fixture(scope="module")
 def launched_run(tmp_path_factory, module_seed):
-    """Trains STEPS steps in two launched processes, then rank 1 dies (exit code 3) after the last
-    checkpoint and rank 0 blocks until dew launch stops it."""
+    """Two launched processes train (far more steps than they get to) until, once both have
+    printed step STEPS, rank 1 alone gets SIGTERM: both stop after the same step with its
+    checkpoint. Then rank 1 dies (exit code 3) and rank 0 blocks until dew launch stops it.
+
+    One run for the tests of training, preemption and a dying rank: each launched process
+    imports JAX and compiles the step, which is most of what a launched run costs."""
     tmp = tmp_path_factory.mktemp("launched")
     folder = random_token_folder(tmp / "tokens", module_seed, train=3000, val=300)
     checkpoints = tmp / "checkpoints"
     run = Launched(
         *("--processes", 2, "--devices-per-process", 4, "--grace", 2, "--"),
-        *(sys.executable, ROOT / "tests" / "launch_train.py", folder, checkpoints, STEPS, 1),
+        *(sys.executable, ROOT / "tests" / "launch_train.py", folder, checkpoints, 100000, 1),
     )
+    # Both ranks are training (each prints every step), then only rank 1 gets the signal.
+    run.wait_for_lines({f"[0] step {STEPS}:", f"[1] step {STEPS}:"})
+    os.kill(printed_pids(run.stdout)[1], signal.SIGTERM)
     run.wait_for_lines({"[0] blocked"})
     # Rank 1 is gone or going now: the clock for stopping rank 0 starts here.
     code = run.finish(STOP_BOUND_S)
     return dict(
         code=code, stdout=run.stdout, stderr=run.stderr, folder=folder, checkpoints=checkpoints
     )
+
+
+def preempted_steps(lines) -> dict[int, int]:
+    """The step each rank said it was preempted at, by rank."""
+    said = (re.fullmatch(r"\[(\d)\] Preempted at step (\d+); checkpoint saved", x) for x in lines)
+    return {int(m[1]): int(m[2]) for m in said if m}
 
 
 def rank_losses(lines, rank):
@@ -165,12 +179,13 @@ def test_launched_processes_train_like_one_process(launched_run, capsys, seed):
     """Two launched processes (data 2 x fsdp 4 over both, joined from the environment alone)
     print the losses one process of 8 devices prints, and their last checkpoint restores to its
     state."""
+    stopped = preempted_steps(launched_run["stdout"])[0]
     multi = rank_losses(launched_run["stdout"], 0)
-    assert sorted(multi) == list(range(1, STEPS + 1)), launched_run["stdout"]
+    assert sorted(multi) == list(range(1, stopped + 1)), launched_run["stdout"]
     assert rank_losses(launched_run["stdout"], 1) == multi
 
     data = TokenWindows(launched_run["folder"], seq_len=SEQ, seed=7).load(batch=16)
-    state = two_process_trainer(dew.MeshSpec(fsdp=4)).fit(data, steps=STEPS, log_every=1)
+    state = two_process_trainer(dew.MeshSpec(fsdp=4)).fit(data, steps=stopped, log_every=1)
     one = {
         int(s): float(v)
         for s, v in re.findall(r"^step (\d+): loss ([^\s,]+), ", capsys.readouterr().out, re.M)
@@ -182,9 +197,23 @@ def test_launched_processes_train_like_one_process(launched_run, capsys, seed):
     restored, _, position = two_process_trainer(
         dew.MeshSpec(fsdp=8), launched_run["checkpoints"]
     ).place()
-    assert int(restored.step) == STEPS and position["next_batch"] == STEPS, f"seed {seed}"
+    assert int(restored.step) == stopped and position["next_batch"] == stopped, f"seed {seed}"
     assert relative_error(restored.params, state.params) < 1e-5, f"seed {seed}"
     assert relative_error(restored.opt_state, state.opt_state) < 1e-5, f"seed {seed}"
+
+
+@ON_THE_LAUNCHED_RUNS_WORKER
+def test_one_signalled_process_stops_every_process_after_the_same_step(launched_run, seed):
+    """SIGTERM to rank 1 alone (dew.training.preemption): rank 0 learns of it by the per-step
+    all-reduce, and both save the same step, and stop with exit code 143 (``Preempted``'s, which
+    each rank prints). (Moved here from tests/test_preemption.py to share the launched run.)"""
+    out, err = launched_run["stdout"], launched_run["stderr"][-20:]
+    steps = preempted_steps(out)
+    assert sorted(steps) == [0, 1], (seed, out[-10:], err)
+    assert steps[0] == steps[1] >= STEPS, (seed, steps)
+    for rank in (0, 1):
+        assert f"[{rank}] exit code 143" in out, (seed, rank, out[-10:])
+    assert dew.Checkpoints(launched_run["checkpoints"]).latest == steps[0], seed
 
 
 @ON_THE_LAUNCHED_RUNS_WORKER
@@ -199,9 +228,9 @@ def test_every_output_line_carries_its_rank(launched_run):
 
 @ON_THE_LAUNCHED_RUNS_WORKER
 def test_a_dying_rank_stops_the_others(launched_run):
-    """Rank 1 exits with code 3; dew launch stops rank 0 (blocked for good, and deaf to the
-    SIGTERM JAX catches as a preemption notice, so it takes the SIGKILL after --grace) and exits
-    with rank 1's code."""
+    """Rank 1 exits with code 3 (after its checkpoint); dew launch stops rank 0 (blocked for
+    good, and deaf to the SIGTERM JAX catches as a preemption notice, so it takes the SIGKILL
+    after --grace) and exits with rank 1's code."""
     assert launched_run["code"] == 3, launched_run["stderr"][-20:]
     assert "dew launch: process 1 exited with code 3; stopping the others" in launched_run["stderr"]
     survivor = printed_pids(launched_run["stdout"])[0]

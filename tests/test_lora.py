@@ -126,22 +126,25 @@ def test_a_dropout_step_draws_its_masks_from_the_step(case):
         mesh=dew.MeshSpec(fsdp=8),
         layout=dew.Layout(min_shard=1),
     )
-    state = jax.device_put(
-        dew.TrainState(
-            step=np.zeros((), np.int32),
-            params=jax.tree_util.tree_map(np.asarray, case["adapters"]),
-            opt_state=trainer.optimizer.init(case["adapters"]),
-            ema=None,
-            key=jax.random.wrap_key_data(np.asarray(jax.random.key_data(case["key"]))),
-            frozen=jax.tree_util.tree_map(np.asarray, case["base"]),
-        ),
-        trainer.state_shardings,
+    # The state in host memory, laid out afresh for each call (the step donates it): a transfer,
+    # where copying each placed leaf would compile a copy program per shape and layout.
+    state = dew.TrainState(
+        step=np.zeros((), np.int32),
+        params=jax.tree_util.tree_map(np.asarray, case["adapters"]),
+        opt_state=jax.tree_util.tree_map(np.asarray, trainer.optimizer.init(case["adapters"])),
+        ema=None,
+        key=np.asarray(jax.random.key_data(case["key"])),
+        frozen=jax.tree_util.tree_map(np.asarray, case["base"]),
     )
     step = trainer.train_step(ROWS)
     batch = trainer.device_batch(case["batches"][0], ROWS)
-    copy = lambda s: jax.tree_util.tree_map(lambda x: x.copy(), s)  # noqa: E731  (donated)
-    losses = [float(step(copy(state), batch)[1]["loss"]) for _ in range(2)]
-    later = float(step(copy(state.replace(step=state.step + 1)), batch)[1]["loss"])
+
+    def placed(state):
+        state = state.replace(key=jax.random.wrap_key_data(state.key))
+        return jax.device_put(state, trainer.state_shardings)
+
+    losses = [float(step(placed(state), batch)[1]["loss"]) for _ in range(2)]
+    later = float(step(placed(state.replace(step=np.ones((), np.int32))), batch)[1]["loss"])
     assert losses[0] == losses[1]
     # The same weights and batch at the next step: other masks and another loss (the step number
     # reaches the loss only through the masks: the learning rate acts after it). How much

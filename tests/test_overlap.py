@@ -21,6 +21,7 @@ from dew.collectives.overlap import hlo_overlap
 from dew.mesh import build_mesh
 from dew.objectives.lm import LMObjective
 from dew.targets import target
+from tests.helpers import tpu_width_step
 
 GROUP = "replica_groups={{0,1,2,3,4,5,6,7}}"
 GATHER = 112
@@ -233,19 +234,22 @@ def test_a_chained_gather_is_overlapped_by_the_matmuls_that_continue_it(mesh):
     assert split(module(body, params=pieces + CONTINUED), mesh) == (GATHER, GATHER)
 
 
-@pytest.mark.xdist_group("tpu")
-@pytest.mark.parametrize("engine, width", [("shard_map", 512), ("gspmd", 128)])
-def test_a_tpu_step_splits_every_wire_byte_into_overlapped_or_exposed(engine, width):
-    # A tiny model whose step the TPU compiler overlaps in part: v5e-8, fsdp=8, 2 layers, 16 rows
-    # of 32 tokens; seconds to compile. The shard_map step's gathers are chained into matmuls
-    # from width 512 (at 256 it schedules every gather alone), GSPMD's already at 128 (a compile
-    # half as long as at 512).
+def tpu_step(engine):
+    """``(trainer, compiled)``: a tiny model's step that the TPU compiler overlaps in part (2
+    layers, 16 rows of 32 tokens; seconds to compile). The shard_map step is the gathers' step of
+    the gradient-sum tests (v5e:2x4, data=2,fsdp=4, width 1024: tests.helpers.tpu_width_step, so
+    compiled once in the ``tpu`` worker); the compiler chains its gathers into matmuls from width
+    512 (at 256 it schedules every gather alone), and its sums over data add rows of another
+    axis. GSPMD's already at 128 (v5e-8, fsdp=8: a compile half as long as at 512)."""
+    if engine == "shard_map":
+        # The gathers (not "auto"'s rings on TPU): this test reads chained all-gathers.
+        return tpu_width_step("v5e:2x4", 1024, (("data", 2), ("fsdp", 4)), "gather")
     seq = 32
     model = dew.models.build(
         "causal_transformer",
         dtype="bfloat16",
         vocab_size=256,
-        emb_features=width,
+        emb_features=128,
         num_layers=2,
         num_heads=4,
         max_seq_len=seq,
@@ -258,10 +262,14 @@ def test_a_tpu_step_splits_every_wire_byte_into_overlapped_or_exposed(engine, wi
         layout=dew.Layout(min_shard=4096),
         devices=target("v5e-8").devices(),
         engine=engine,
-        # The gathers (not "auto"'s rings on TPU): this test reads chained all-gathers.
-        options=dew.StepOptions(fsdp_scheme="gather" if engine == "shard_map" else "auto"),
     )
-    compiled = trainer.compiled_step(16)
+    return trainer, trainer.compiled_step(16)
+
+
+@pytest.mark.xdist_group("tpu")
+@pytest.mark.parametrize("engine", ["shard_map", "gspmd"])
+def test_a_tpu_step_splits_every_wire_byte_into_overlapped_or_exposed(engine):
+    trainer, compiled = tpu_step(engine)
     overlap = hlo_overlap(compiled, trainer.mesh)
     report = hlo_collectives(compiled, trainer.mesh)
     print(engine, overlap.overlapped_wire_bytes, overlap.exposed_wire_bytes)

@@ -3,8 +3,8 @@ checkpoint of it is committed, and the run stops (SIGTERM: ``Preempted``, exit c
 
 In this process the signals are sent as a chosen step's batch is read, so the step they arrive in
 is known; ``dew train`` in a subprocess gets SIGTERM from outside once a step has run, and its
-checkpoint resumes to what a straight run computes; two launched processes, one of them signalled,
-stop after the same step.
+checkpoint resumes to what a straight run computes. (Two launched processes, one of them
+signalled, stopping after the same step: tests/test_launch.py, on its launched run.)
 """
 
 import contextlib
@@ -25,7 +25,6 @@ import dew
 from dew.data import Loading, TokenWindows
 from dew.training.preemption import Preempted
 from tests.helpers import SEQ, child_env, random_token_folder, tiny_objective
-from tests.test_launch import Launched
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = 8
@@ -131,7 +130,7 @@ def losses(path: Path) -> dict[int, float]:
 
 
 def test_sigterm_to_dew_train_saves_a_checkpoint_that_resumes_like_a_straight_run(
-    tmp_path, seed, monkeypatch
+    tmp_path, seed, dew_here
 ):
     args = ("train", *TINY, "--seed", str(seed % 1000), "--log-every", "1000")
     metrics = tmp_path / "metrics.jsonl"
@@ -165,59 +164,23 @@ def test_sigterm_to_dew_train_saves_a_checkpoint_that_resumes_like_a_straight_ru
     last = [line for line in out.splitlines() if line.startswith("step ")][-1]
     assert last.startswith(f"step {stopped}: loss {losses(metrics)[stopped]:.4f}, "), (seed, out)
 
+    # The resume and the straight run in this process (8 CPU devices, as dew train's): main, as
+    # the console script calls it (dew_here). Only the run that takes the signal needs a process
+    # of its own; a second one would import JAX and Dew again for the same step.
     final = stopped + 2
-    resumed = subprocess.run(
-        [sys.executable, "-m", "dew", *args, "--steps", str(final), "--metrics", str(metrics)],
-        cwd=tmp_path,
-        env=dew_env(),
-        capture_output=True,
-        text=True,
-        timeout=BOUND_S,
-    )
+    resumed = dew_here(*args, "--steps", str(final), "--metrics", str(metrics), cwd=tmp_path)
     assert resumed.returncode == 0, (seed, resumed.stderr[-3000:])
     assert resumed.stdout.splitlines()[1].startswith(f"Resumed from step {stopped} in "), (
         resumed.stdout
     )
 
-    # The straight run in this process (8 CPU devices, as dew train's): main, as the console
-    # script calls it.
-    from dew.cli.main import main
-
-    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # main sets up its devices: restored after
-        monkeypatch.setenv(name, os.environ[name])
-    monkeypatch.chdir(tmp_path)
     straight_metrics = tmp_path / "straight.jsonl"
-    code = main(
-        [*args, "--steps", str(final), "--run-dir", "straight", "--metrics", "straight.jsonl"]
+    straight = dew_here(
+        *args,
+        *("--steps", str(final), "--run-dir", "straight", "--metrics", "straight.jsonl"),
+        cwd=tmp_path,
     )
-    assert code == 0, seed
+    assert straight.returncode == 0, (seed, straight.stderr[-3000:])
     # The same losses at every step, those after the resume included: the checkpoint held the
     # weights, the optimizer state and the data position of the step it names.
     assert losses(metrics) == losses(straight_metrics), f"seed {seed}"
-
-
-# --------------------------------------------------------------------------- two processes
-
-
-def test_one_signalled_process_stops_every_process_after_the_same_step(tmp_path, seed):
-    """SIGTERM to rank 1 alone: rank 0 learns of it by the per-step all-reduce, and both save the
-    same step and exit 143."""
-    folder = random_token_folder(tmp_path / "tokens", seed, train=3000, val=300)
-    checkpoints = tmp_path / "checkpoints"
-    run = Launched(
-        *("--processes", 2, "--devices-per-process", 4, "--grace", 60, "--"),
-        *(sys.executable, ROOT / "tests" / "launch_train.py", folder, checkpoints, 100000),
-    )
-    # Both ranks are training (each prints every step), then only rank 1 gets the signal.
-    run.wait_for_lines({"[0] step 2:", "[1] step 2:"}, BOUND_S)
-    pid = int(next(line for line in run.stdout if line.startswith("[1] pid ")).split()[-1])
-    os.kill(pid, signal.SIGTERM)
-    code = run.finish(BOUND_S)
-    said = (
-        re.fullmatch(r"\[(\d)\] Preempted at step (\d+); checkpoint saved", x) for x in run.stdout
-    )
-    steps = sorted((int(m[1]), int(m[2])) for m in said if m)
-    assert [rank for rank, _ in steps] == [0, 1], (seed, run.stdout[-10:], run.stderr[-20:])
-    assert steps[0][1] == steps[1][1], (seed, steps)
-    assert code == 143, run.stderr[-20:]
-    assert dew.Checkpoints(checkpoints).latest == steps[0][1], seed

@@ -112,7 +112,7 @@ def test_every_policy_gives_the_loss_and_gradients_of_none_with_experts(seed):
     are held to one device's "none" by the fsdp=8 test below, each policy's loss and gradients."""
     extra = MOE
     batch = fresh_batch(ROWS, seed)
-    params = build("none", **extra).init(seeded_key(seed))
+    params = jax.jit(build("none", **extra).init)(seeded_key(seed))  # one program, not op by op
     loss, grads = one_device(LMObjective(build("none", **extra), SEQ), params, batch)
     for policy in ("full", "dots", "attention"):
         got_loss, got_grads = one_device(LMObjective(build(policy, **extra), SEQ), params, batch)
@@ -124,7 +124,7 @@ def test_every_policy_gives_the_loss_and_gradients_of_none_with_experts(seed):
 def test_every_policy_on_fsdp_gives_one_device_gradients(seed):
     batch = fresh_batch(ROWS, seed)
     reference = LMObjective(build("none"), SEQ)
-    params = reference.model.init(seeded_key(seed))
+    params = jax.jit(reference.model.init)(seeded_key(seed))  # one program, not op by op
     loss, grads = one_device(reference, params, batch)
     for policy in REMAT_CHOICES:
         trainer = dew.Trainer(
