@@ -934,9 +934,12 @@ def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
     assert mosaic_kernels(text) == {"dew_flash_attention_dq", "dew_flash_attention_dkdv"}
 
 
-# Compiles Dew's attention forward and backward for one v5e chip with libtpu's overlay log and its
-# final LLO bundles dumped (the last pass only: all of them are about 700 MB), in a process of its
-# own (libtpu reads its flags once, when it loads), and writes the compiled program's HLO.
+# Compiles Dew's attention forward and backward for one v5e chip, causal and not, with libtpu's
+# overlay log and its final LLO bundles dumped (the last pass only: all of them are about 700 MB),
+# in a process of its own (libtpu reads its flags once, when it loads). Both masks in one process
+# (Python, JAX, Dew and libtpu load once): libtpu writes a compile's dump while it compiles, so
+# after each compile the dump is moved into a folder named for the mask, beside the program's
+# HLO, and a line on stderr ends that mask's part of the log.
 _OVERLAY_PROBE = """
 import os, sys
 os.environ["LIBTPU_INIT_ARGS"] = (
@@ -951,25 +954,52 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dew.kernels import flash_attention
 
 mesh = jax.sharding.Mesh(dew.targets.target("v5e-1").devices(), ("x",))
-causal = sys.argv[2] == "causal"
 replicated = NamedSharding(mesh, PartitionSpec())
 x = jax.ShapeDtypeStruct((1, 4, 4096, 128), jnp.bfloat16, sharding=replicated)
 
-def forward_and_backward(q, k, v, do):
-    attend = lambda q, k, v: flash_attention(q, k, v, causal=causal, layout="bhsd")
-    out, vjp = jax.vjp(attend, q, k, v)
-    return out, vjp(do)
+for mask in sys.argv[2:]:
+    def forward_and_backward(q, k, v, do):
+        attend = lambda q, k, v: flash_attention(q, k, v, causal=mask == "causal", layout="bhsd")
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(do)
 
-with jax.set_mesh(mesh):
-    compiled = jax.jit(forward_and_backward).lower(x, x, x, x).compile()
-open(os.path.join(sys.argv[1], "program.hlo"), "w").write(compiled.as_text())
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(forward_and_backward).lower(x, x, x, x).compile()
+    folder = os.path.join(sys.argv[1], mask)
+    os.mkdir(folder)
+    for name in os.listdir(sys.argv[1]):
+        if os.path.isfile(os.path.join(sys.argv[1], name)):
+            os.rename(os.path.join(sys.argv[1], name), os.path.join(folder, name))
+    open(os.path.join(folder, "program.hlo"), "w").write(compiled.as_text())
+    print("OVERLAY PROBE: compiled", mask, file=sys.stderr, flush=True)
 """
+OVERLAY_MASKS = ("causal", "full")
 
 
-@needs_libtpu  # no xdist group: each case compiles in a process of its own
-@pytest.mark.parametrize("mask", ["causal", "full"])
+@pytest.fixture(scope="module")
+def overlay_probe(tmp_path_factory) -> dict:
+    """``{mask: (log, dump)}`` from one run of `_OVERLAY_PROBE` over both masks: libtpu's log
+    while that mask compiled, and the folder of its dump and its program's HLO."""
+    root = tmp_path_factory.mktemp("overlay")
+    result = subprocess.run(
+        [sys.executable, "-c", _OVERLAY_PROBE, str(root), *OVERLAY_MASKS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = re.split(r"OVERLAY PROBE: compiled (\w+)\n", result.stderr)
+    # [log, mask, log, mask, ..., the rest]: each mask follows the log of its compile.
+    assert logs[1::2] == list(OVERLAY_MASKS), logs[1::2]
+    return {mask: (log, root / mask) for log, mask in zip(logs[0::2], logs[1::2])}
+
+
+# Both cases on one worker: each worker that drew one would run the probe (both compiles) again.
+@pytest.mark.xdist_group("overlay_probe")
+@needs_libtpu
+@pytest.mark.parametrize("mask", OVERLAY_MASKS)
 def test_each_kernel_fits_one_instruction_overlay_on_v5e_and_xla_makes_no_pass_between(
-    tmp_path, mask
+    overlay_probe, mask
 ):
     # A TPU core runs a program larger than its instruction memory in overlays, loaded from HBM
     # when control moves between them (libtpu's overlay partitioner; its largest, "jumbo", overlay
@@ -983,27 +1013,22 @@ def test_each_kernel_fits_one_instruction_overlay_on_v5e_and_xla_makes_no_pass_b
     # backward computes delta = rowsum(dO * O) from the O block each step reads, so no XLA fusion
     # reads O and dO in HBM (the two-kernel backward still takes delta from one), and layout
     # "bhsd" leaves no transposes around them.
-    result = subprocess.run(
-        [sys.executable, "-c", _OVERLAY_PROBE, str(tmp_path), mask],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    limits = re.findall(r"overlay size (\d+)/(\d+)/(\d+)", result.stderr)
+    log, dump = overlay_probe[mask]
+    limits = re.findall(r"overlay size (\d+)/(\d+)/(\d+)", log)
     assert limits, "libtpu printed no overlay sizes (a new log format, or no overlays needed)"
     jumbo = int(limits[0][1])
     sizes = {}
-    for path in tmp_path.glob("*dew_flash_attention_*-final_bundles.txt"):
+    for path in dump.glob("*dew_flash_attention_*-final_bundles.txt"):
         if "schedule-analysis" in path.name:
             continue
         kernel = re.search(r"dew_flash_attention_\w+", path.name).group(0)
+        assert kernel not in sizes, f"{mask}: {kernel} dumped twice (the other mask's dump?)"
         lines = path.read_text().splitlines()
         sizes[kernel] = sum(1 for line in lines if re.match(r"\s*0x[0-9a-f]+\s", line))
     assert set(sizes) == {"dew_flash_attention_forward", "dew_flash_attention_backward"}, sizes
     print(f"{mask}: bundles {sizes}, largest overlay {jumbo}")
     assert all(size <= jumbo for size in sizes.values()), (sizes, jumbo)
-    text = (tmp_path / "program.hlo").read_text()
+    text = (dump / "program.hlo").read_text()
     entry = text[text.index("\nENTRY") :]
     fusions = [line.strip()[:160] for line in entry.splitlines() if " fusion(" in line]
     assert mosaic_kernels(text) == set(KERNELS)
