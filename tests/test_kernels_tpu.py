@@ -353,31 +353,57 @@ def test_a_run_started_on_an_unmasked_pair_takes_its_first_pieces_row_maximum(se
 
 
 @pytest.mark.parametrize(
-    "pieces,dtype",
+    "pieces,strips,dtype",
     [
-        pytest.param({"block_k_compute": 16, "backward_block_k_compute": 8}, jnp.float32, id="f32"),
+        # Strips of 32 rows over query blocks of 128 and pieces of 16 keys: the causal diagonal
+        # (offset 32: the queries are the last 200 of 232 positions) crosses strips inside a
+        # piece, and a strip can see none of a masked piece.
         pytest.param(
-            {"block_k_compute": 32, "backward_block_k_compute": 16}, jnp.bfloat16, id="bf16"
+            {"block_k_compute": 16, "backward_block_k_compute": 8},
+            {"block_q_compute": 32, "block_k_compute": 16},
+            jnp.float32,
+            id="f32",
+        ),
+        pytest.param(
+            {"block_k_compute": 32, "backward_block_k_compute": 16},
+            {"block_q_compute": 64},
+            jnp.bfloat16,
+            id="bf16",
         ),
     ],
 )
-def test_keys_computed_a_piece_at_a_time_match_whole_blocks(seed, pieces, dtype):
-    # The forward's and the backward's key blocks of 64 computed 8, 16 or 32 keys at a time (a
-    # masked block pair skips its pieces no row sees) give the whole blocks' results. Two query
-    # heads over one kv head: the pieces are the subject, not the heads (the cases above and
-    # below read several kv heads).
+def test_keys_in_pieces_and_query_rows_in_strips_match_whole_blocks(seed, pieces, strips, dtype):
+    # Pieces: the forward's and the backward's key blocks of 64 computed 8, 16 or 32 keys at a
+    # time (a masked block pair skips its pieces no row sees) give the whole blocks' results.
+    # Strips: the forward computing its query block a strip of rows at a time (256 on v5e) places
+    # each strip's mask, statistics and accumulator rows right: against the float64 reference,
+    # and to the bit against the forward over whole query blocks with the same pieces (a row's
+    # arithmetic does not depend on the rows beside it), which is the whole blocks' run or the
+    # pieces' run here (one compile fewer than a forward of its own). One batch row of two query
+    # heads over one kv head: the pieces and strips are the subject (a second row or more heads
+    # only repeat the same steps; the cases above and below read several kv heads).
     rng = np.random.default_rng(seed)
     q, k, v, do = random_inputs(rng, 1, 200, 232, 2, 1, 16, dtype)
     d_lse = random_d_lse(rng, q)
     blocks = dict(causal=True, block_q=128, block_k=64)
-    with platform.tuned(block_k_compute=None, backward_block_k_compute=None):
+    whole_rows = {"block_q_compute": None}
+    with platform.tuned(block_k_compute=None, backward_block_k_compute=None, **whole_rows):
         whole, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
-    with platform.tuned(**pieces):
+    with platform.tuned(**pieces, **whole_rows):
         pieced, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    with platform.tuned(**strips):
+        stripped, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
     want = reference_with_lse_vjp(q, k, v, do, d_lse, causal=True, sm_scale=0.25)
     assert_matches_reference(whole, want, dtype, f"whole blocks, seed {seed}")
     assert_matches_reference(pieced, want, dtype, f"{pieces}, seed {seed}")
     assert_agree(pieced, whole, dtype, f"{pieces} against whole blocks, seed {seed}")
+    assert_matches_reference(stripped, want, dtype, f"{strips}, seed {seed}")
+    # The forward over whole query blocks computing the strips' pieces.
+    same_pieces = {None: whole, pieces["block_k_compute"]: pieced}[strips.get("block_k_compute")]
+    for name, a, b in zip(("out", "lse"), stripped[:2], same_pieces[:2]):
+        assert np.array_equal(a, b), (
+            f"{name}: {strips} differ from whole query blocks (seed {seed})"
+        )
 
 
 @pytest.mark.parametrize(
@@ -405,37 +431,6 @@ def test_several_heads_a_forward_step_match_one(seed, heads, kv_heads, per_step)
     assert_matches_reference(several, want, jnp.float32, f"{per_step} heads a step, seed {seed}")
     for name, a, b in zip(("out", "lse"), several[:2], one):
         assert np.array_equal(a, b), f"{name}: {per_step} heads a step differ (seed {seed})"
-
-
-@pytest.mark.parametrize(
-    "strips,dtype",
-    [
-        # Strips of 32 rows over query blocks of 128 and pieces of 16 keys: the causal diagonal
-        # (offset 32: the queries are the last 200 of 232 positions) crosses strips inside a
-        # piece, and a strip can see none of a masked piece.
-        pytest.param({"block_q_compute": 32, "block_k_compute": 16}, jnp.float32, id="f32"),
-        pytest.param({"block_q_compute": 64}, jnp.bfloat16, id="bf16"),
-    ],
-)
-def test_query_rows_computed_in_strips_match_whole_blocks(seed, strips, dtype):
-    # The forward computing its query block a strip of rows at a time (256 on v5e) places each
-    # strip's mask, statistics and accumulator rows right. Against the float64 reference, and to
-    # the bit against whole query blocks: a row's arithmetic does not depend on the rows beside it.
-    # One batch row of two query heads over one kv head: the strips are the subject (a second row
-    # or more heads only repeat the same steps; other cases cover them).
-    rng = np.random.default_rng(seed)
-    q, k, v, do = random_inputs(rng, 1, 200, 232, 2, 1, 16, dtype)
-    d_lse = random_d_lse(rng, q)
-    blocks = dict(causal=True, block_q=128, block_k=64)
-    pieces = {"block_k_compute": strips.get("block_k_compute")}
-    with platform.tuned(block_q_compute=None, **pieces):
-        whole = tpu_interpret_forward(q, k, v, **blocks)
-    with platform.tuned(**strips):
-        stripped, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
-    want = reference_with_lse_vjp(q, k, v, do, d_lse, causal=True, sm_scale=0.25)
-    assert_matches_reference(stripped, want, dtype, f"{strips}, seed {seed}")
-    for name, a, b in zip(("out", "lse"), stripped[:2], whole):
-        assert np.array_equal(a, b), f"{name}: {strips} differ from whole blocks (seed {seed})"
 
 
 def test_query_strips_split_the_block_into_whole_16_row_parts():
