@@ -353,31 +353,57 @@ def test_a_run_started_on_an_unmasked_pair_takes_its_first_pieces_row_maximum(se
 
 
 @pytest.mark.parametrize(
-    "pieces,dtype",
+    "pieces,strips,dtype",
     [
-        pytest.param({"block_k_compute": 16, "backward_block_k_compute": 8}, jnp.float32, id="f32"),
+        # Strips of 32 rows over query blocks of 128 and pieces of 16 keys: the causal diagonal
+        # (offset 32: the queries are the last 200 of 232 positions) crosses strips inside a
+        # piece, and a strip can see none of a masked piece.
         pytest.param(
-            {"block_k_compute": 32, "backward_block_k_compute": 16}, jnp.bfloat16, id="bf16"
+            {"block_k_compute": 16, "backward_block_k_compute": 8},
+            {"block_q_compute": 32, "block_k_compute": 16},
+            jnp.float32,
+            id="f32",
+        ),
+        pytest.param(
+            {"block_k_compute": 32, "backward_block_k_compute": 16},
+            {"block_q_compute": 64},
+            jnp.bfloat16,
+            id="bf16",
         ),
     ],
 )
-def test_keys_computed_a_piece_at_a_time_match_whole_blocks(seed, pieces, dtype):
-    # The forward's and the backward's key blocks of 64 computed 8, 16 or 32 keys at a time (a
-    # masked block pair skips its pieces no row sees) give the whole blocks' results. Two query
-    # heads over one kv head: the pieces are the subject, not the heads (the cases above and
-    # below read several kv heads).
+def test_keys_in_pieces_and_query_rows_in_strips_match_whole_blocks(seed, pieces, strips, dtype):
+    # Pieces: the forward's and the backward's key blocks of 64 computed 8, 16 or 32 keys at a
+    # time (a masked block pair skips its pieces no row sees) give the whole blocks' results.
+    # Strips: the forward computing its query block a strip of rows at a time (256 on v5e) places
+    # each strip's mask, statistics and accumulator rows right: against the float64 reference,
+    # and to the bit against the forward over whole query blocks with the same pieces (a row's
+    # arithmetic does not depend on the rows beside it), which is the whole blocks' run or the
+    # pieces' run here (one compile fewer than a forward of its own). One batch row of two query
+    # heads over one kv head: the pieces and strips are the subject (a second row or more heads
+    # only repeat the same steps; the cases above and below read several kv heads).
     rng = np.random.default_rng(seed)
     q, k, v, do = random_inputs(rng, 1, 200, 232, 2, 1, 16, dtype)
     d_lse = random_d_lse(rng, q)
     blocks = dict(causal=True, block_q=128, block_k=64)
-    with platform.tuned(block_k_compute=None, backward_block_k_compute=None):
+    whole_rows = {"block_q_compute": None}
+    with platform.tuned(block_k_compute=None, backward_block_k_compute=None, **whole_rows):
         whole, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
-    with platform.tuned(**pieces):
+    with platform.tuned(**pieces, **whole_rows):
         pieced, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+    with platform.tuned(**strips):
+        stripped, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
     want = reference_with_lse_vjp(q, k, v, do, d_lse, causal=True, sm_scale=0.25)
     assert_matches_reference(whole, want, dtype, f"whole blocks, seed {seed}")
     assert_matches_reference(pieced, want, dtype, f"{pieces}, seed {seed}")
     assert_agree(pieced, whole, dtype, f"{pieces} against whole blocks, seed {seed}")
+    assert_matches_reference(stripped, want, dtype, f"{strips}, seed {seed}")
+    # The forward over whole query blocks computing the strips' pieces.
+    same_pieces = {None: whole, pieces["block_k_compute"]: pieced}[strips.get("block_k_compute")]
+    for name, a, b in zip(("out", "lse"), stripped[:2], same_pieces[:2]):
+        assert np.array_equal(a, b), (
+            f"{name}: {strips} differ from whole query blocks (seed {seed})"
+        )
 
 
 @pytest.mark.parametrize(
@@ -405,37 +431,6 @@ def test_several_heads_a_forward_step_match_one(seed, heads, kv_heads, per_step)
     assert_matches_reference(several, want, jnp.float32, f"{per_step} heads a step, seed {seed}")
     for name, a, b in zip(("out", "lse"), several[:2], one):
         assert np.array_equal(a, b), f"{name}: {per_step} heads a step differ (seed {seed})"
-
-
-@pytest.mark.parametrize(
-    "strips,dtype",
-    [
-        # Strips of 32 rows over query blocks of 128 and pieces of 16 keys: the causal diagonal
-        # (offset 32: the queries are the last 200 of 232 positions) crosses strips inside a
-        # piece, and a strip can see none of a masked piece.
-        pytest.param({"block_q_compute": 32, "block_k_compute": 16}, jnp.float32, id="f32"),
-        pytest.param({"block_q_compute": 64}, jnp.bfloat16, id="bf16"),
-    ],
-)
-def test_query_rows_computed_in_strips_match_whole_blocks(seed, strips, dtype):
-    # The forward computing its query block a strip of rows at a time (256 on v5e) places each
-    # strip's mask, statistics and accumulator rows right. Against the float64 reference, and to
-    # the bit against whole query blocks: a row's arithmetic does not depend on the rows beside it.
-    # One batch row of two query heads over one kv head: the strips are the subject (a second row
-    # or more heads only repeat the same steps; other cases cover them).
-    rng = np.random.default_rng(seed)
-    q, k, v, do = random_inputs(rng, 1, 200, 232, 2, 1, 16, dtype)
-    d_lse = random_d_lse(rng, q)
-    blocks = dict(causal=True, block_q=128, block_k=64)
-    pieces = {"block_k_compute": strips.get("block_k_compute")}
-    with platform.tuned(block_q_compute=None, **pieces):
-        whole = tpu_interpret_forward(q, k, v, **blocks)
-    with platform.tuned(**strips):
-        stripped, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
-    want = reference_with_lse_vjp(q, k, v, do, d_lse, causal=True, sm_scale=0.25)
-    assert_matches_reference(stripped, want, dtype, f"{strips}, seed {seed}")
-    for name, a, b in zip(("out", "lse"), stripped[:2], whole):
-        assert np.array_equal(a, b), f"{name}: {strips} differ from whole blocks (seed {seed})"
 
 
 def test_query_strips_split_the_block_into_whole_16_row_parts():
@@ -934,9 +929,12 @@ def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
     assert mosaic_kernels(text) == {"dew_flash_attention_dq", "dew_flash_attention_dkdv"}
 
 
-# Compiles Dew's attention forward and backward for one v5e chip with libtpu's overlay log and its
-# final LLO bundles dumped (the last pass only: all of them are about 700 MB), in a process of its
-# own (libtpu reads its flags once, when it loads), and writes the compiled program's HLO.
+# Compiles Dew's attention forward and backward for one v5e chip, causal and not, with libtpu's
+# overlay log and its final LLO bundles dumped (the last pass only: all of them are about 700 MB),
+# in a process of its own (libtpu reads its flags once, when it loads). Both masks in one process
+# (Python, JAX, Dew and libtpu load once): libtpu writes a compile's dump while it compiles, so
+# after each compile the dump is moved into a folder named for the mask, beside the program's
+# HLO, and a line on stderr ends that mask's part of the log.
 _OVERLAY_PROBE = """
 import os, sys
 os.environ["LIBTPU_INIT_ARGS"] = (
@@ -951,25 +949,52 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dew.kernels import flash_attention
 
 mesh = jax.sharding.Mesh(dew.targets.target("v5e-1").devices(), ("x",))
-causal = sys.argv[2] == "causal"
 replicated = NamedSharding(mesh, PartitionSpec())
 x = jax.ShapeDtypeStruct((1, 4, 4096, 128), jnp.bfloat16, sharding=replicated)
 
-def forward_and_backward(q, k, v, do):
-    attend = lambda q, k, v: flash_attention(q, k, v, causal=causal, layout="bhsd")
-    out, vjp = jax.vjp(attend, q, k, v)
-    return out, vjp(do)
+for mask in sys.argv[2:]:
+    def forward_and_backward(q, k, v, do):
+        attend = lambda q, k, v: flash_attention(q, k, v, causal=mask == "causal", layout="bhsd")
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(do)
 
-with jax.set_mesh(mesh):
-    compiled = jax.jit(forward_and_backward).lower(x, x, x, x).compile()
-open(os.path.join(sys.argv[1], "program.hlo"), "w").write(compiled.as_text())
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(forward_and_backward).lower(x, x, x, x).compile()
+    folder = os.path.join(sys.argv[1], mask)
+    os.mkdir(folder)
+    for name in os.listdir(sys.argv[1]):
+        if os.path.isfile(os.path.join(sys.argv[1], name)):
+            os.rename(os.path.join(sys.argv[1], name), os.path.join(folder, name))
+    open(os.path.join(folder, "program.hlo"), "w").write(compiled.as_text())
+    print("OVERLAY PROBE: compiled", mask, file=sys.stderr, flush=True)
 """
+OVERLAY_MASKS = ("causal", "full")
 
 
-@needs_libtpu  # no xdist group: each case compiles in a process of its own
-@pytest.mark.parametrize("mask", ["causal", "full"])
+@pytest.fixture(scope="module")
+def overlay_probe(tmp_path_factory) -> dict:
+    """``{mask: (log, dump)}`` from one run of `_OVERLAY_PROBE` over both masks: libtpu's log
+    while that mask compiled, and the folder of its dump and its program's HLO."""
+    root = tmp_path_factory.mktemp("overlay")
+    result = subprocess.run(
+        [sys.executable, "-c", _OVERLAY_PROBE, str(root), *OVERLAY_MASKS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = re.split(r"OVERLAY PROBE: compiled (\w+)\n", result.stderr)
+    # [log, mask, log, mask, ..., the rest]: each mask follows the log of its compile.
+    assert logs[1::2] == list(OVERLAY_MASKS), logs[1::2]
+    return {mask: (log, root / mask) for log, mask in zip(logs[0::2], logs[1::2])}
+
+
+# Both cases on one worker: each worker that drew one would run the probe (both compiles) again.
+@pytest.mark.xdist_group("overlay_probe")
+@needs_libtpu
+@pytest.mark.parametrize("mask", OVERLAY_MASKS)
 def test_each_kernel_fits_one_instruction_overlay_on_v5e_and_xla_makes_no_pass_between(
-    tmp_path, mask
+    overlay_probe, mask
 ):
     # A TPU core runs a program larger than its instruction memory in overlays, loaded from HBM
     # when control moves between them (libtpu's overlay partitioner; its largest, "jumbo", overlay
@@ -983,27 +1008,22 @@ def test_each_kernel_fits_one_instruction_overlay_on_v5e_and_xla_makes_no_pass_b
     # backward computes delta = rowsum(dO * O) from the O block each step reads, so no XLA fusion
     # reads O and dO in HBM (the two-kernel backward still takes delta from one), and layout
     # "bhsd" leaves no transposes around them.
-    result = subprocess.run(
-        [sys.executable, "-c", _OVERLAY_PROBE, str(tmp_path), mask],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    limits = re.findall(r"overlay size (\d+)/(\d+)/(\d+)", result.stderr)
+    log, dump = overlay_probe[mask]
+    limits = re.findall(r"overlay size (\d+)/(\d+)/(\d+)", log)
     assert limits, "libtpu printed no overlay sizes (a new log format, or no overlays needed)"
     jumbo = int(limits[0][1])
     sizes = {}
-    for path in tmp_path.glob("*dew_flash_attention_*-final_bundles.txt"):
+    for path in dump.glob("*dew_flash_attention_*-final_bundles.txt"):
         if "schedule-analysis" in path.name:
             continue
         kernel = re.search(r"dew_flash_attention_\w+", path.name).group(0)
+        assert kernel not in sizes, f"{mask}: {kernel} dumped twice (the other mask's dump?)"
         lines = path.read_text().splitlines()
         sizes[kernel] = sum(1 for line in lines if re.match(r"\s*0x[0-9a-f]+\s", line))
     assert set(sizes) == {"dew_flash_attention_forward", "dew_flash_attention_backward"}, sizes
     print(f"{mask}: bundles {sizes}, largest overlay {jumbo}")
     assert all(size <= jumbo for size in sizes.values()), (sizes, jumbo)
-    text = (tmp_path / "program.hlo").read_text()
+    text = (dump / "program.hlo").read_text()
     entry = text[text.index("\nENTRY") :]
     fusions = [line.strip()[:160] for line in entry.splitlines() if " fusion(" in line]
     assert mosaic_kernels(text) == set(KERNELS)
