@@ -198,7 +198,6 @@ def for_each_piece(
     q_block,
     kv_block,
     piece: int,
-    fresh_first=None,
     piece_seen=None,
     step_seen=None,
 ):
@@ -209,8 +208,6 @@ def for_each_piece(
     ``make_attend()`` is called inside the branch that runs (what it reads up front, it reads
     there only) and returns ``attend(keys=, masked_at=)``: ``keys`` a static slice of the key
     block, ``masked_at`` None or ``(q_block, first_key)`` of the piece for `piece_mask`.
-    ``fresh_first``: None, or a traced bool; where it holds, the unmasked branch's first piece
-    is called with ``fresh=True`` too (the forward's run start: `kernels.mosaic_forward`).
     Segment ids (`kernels.segments`) skip more, while the kernel runs: ``step_seen``, a traced
     bool, computes the step at all; ``piece_seen(n)``, a traced bool, computes its piece ``n``
     (``attend`` applies the ids' mask itself)."""
@@ -219,12 +216,6 @@ def for_each_piece(
         attend = make_attend()
         for n in range(tiling.block_k // piece):
             keys = pl.ds(n * piece, piece)
-            if not masked and n == 0 and fresh_first is not None:
-                pl.when(fresh_first)(
-                    functools.partial(attend, keys=keys, masked_at=None, fresh=True)
-                )
-                pl.when(~fresh_first)(functools.partial(attend, keys=keys, masked_at=None))
-                continue
             ids_seen = None if piece_seen is None else piece_seen(n)
             if not masked:
                 if ids_seen is None:

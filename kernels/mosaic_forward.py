@@ -29,6 +29,16 @@ whose ids cannot meet a piece's is skipped, and every strip computed masks the p
 ids. A window is positions: the step table leaves out the pairs outside it, and a masked pair
 skips the strips of a piece no row of theirs sees.
 
+A strip is the unit of that skipping, and all the step's heads compute it together (`_strip`):
+heads inside strips, not strips inside heads. A branch ends a basic block, and the compiler
+interleaves one head's matmuls with another's softmax only within a block; a strip's skip and its
+mask depend on positions and ids, never on the head, so one branch and one mask serve all the
+heads. Compiled for v5e with a window, a masked strip of four heads took 2,363 bundles where the
+head-by-head order took about 2,717 (each head's strip its own branch, its own mask); on the chip
+the window of 1024 at 8192 keys went from 1.649 to 1.455 ms and segment ids (documents of mean
+300) from 1.283 to 1.120 ms, outputs equal to the bit (docs/kernels.md, "The strip as the unit").
+A causal mask alone skips whole pieces: a piece's strips stay in one block.
+
 Numerics (`kernels.mosaic`): base-2 logits ``s = (q . k) * sm_scale * log2(e)``, ``m`` and ``l``
 kept lane-dense (``[block_q, 128]``, every lane equal), ``lse = m + log2(l)``, ``+inf`` for a row
 that sees no key (its output is 0).
@@ -48,68 +58,47 @@ from .tiling import Tiling, index_div
 from .varying import out_struct
 
 
-def _attend(
-    q,
+def _strip(
+    q_ref,
     k_ref,
     v_ref,
     acc_ref,
     m_ref,
     l_ref,
     *,
-    keys,
-    masked_at,
-    tiling,
-    scale,
+    group,
     rows,
+    keys,
+    scale,
+    visible=None,
     fresh=False,
-    segments=None,
 ):
-    """One piece of keys (``keys``: a static slice of the key block) added to the online softmax
-    of one head's query block, ``rows`` query rows at a time (unrolled). ``masked_at``: None, or
-    ``(q_block, first_key)`` of the piece for its mask; ``scale``: turns ``q . k`` into base-2
-    logits; ``fresh``: the run's first piece, unmasked (`_update`). ``segments``: None, or
-    ``segments(first_row, rows, keys) -> (seen, same_id)`` of a strip (`_forward_kernel`): a
-    strip whose ids cannot meet the piece's is skipped, and ``same_id()`` masks the others. A
-    window skips the strips of a masked piece that no row of theirs sees by position."""
-    for first_row in range(0, q.shape[0], rows):
-        strip = pl.ds(first_row, rows)
-        mask = None if masked_at is None else (masked_at[0], first_row, masked_at[1])
-        update = functools.partial(
-            _update,
-            q[first_row : first_row + rows],
-            k_ref,
-            v_ref,
-            acc_ref.at[strip],
-            m_ref.at[strip],
-            l_ref.at[strip],
+    """One strip of query rows (``rows``: a static slice of the query block) of every head of the
+    step against one piece of keys (``keys``: a slice of the key block). ``visible``: None, or a
+    function giving the bool ``[rows, piece]`` pairs to keep (the position mask and/or the ids'),
+    called once here and applied to every head. The heads sit in one basic block, so their
+    matmuls and softmaxes interleave; the mask is built once for all of them."""
+    mask = None if visible is None else visible()
+    for j in range(q_ref.shape[0]):
+        _update(
+            q_ref[j, rows, :],
+            k_ref.at[j // group],
+            v_ref.at[j // group],
+            acc_ref.at[j, rows],
+            m_ref.at[j, rows],
+            l_ref.at[j, rows],
             keys=keys,
-            mask=mask,
-            tiling=tiling,
             scale=scale,
+            mask=mask,
             fresh=fresh,
         )
-        seen = None
-        if tiling.window is not None and masked_at is not None:
-            q_block, first_key = masked_at
-            seen = mosaic.piece_is_seen(tiling, q_block, first_key, keys.size, first_row, rows)
-        if segments is not None:
-            ids_seen, same_id = segments(first_row, rows, keys)
-            seen = ids_seen if seen is None else jnp.logical_and(seen, ids_seen)
-            update = functools.partial(update, same_id=same_id)
-        if seen is None:
-            update()
-        else:
-            pl.when(seen)(update)
 
 
-def _update(
-    q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, mask, tiling, scale, fresh=False, same_id=None
-):
+def _update(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, scale, mask=None, fresh=False):
     """The online softmax of ``q``'s rows (``[rows, head_dim]``) after one piece of keys;
-    ``mask``: None, or ``(q_block, first_row, first_key)`` placing the rows and keys for
-    `piece_mask`. ``fresh``: the piece starts the run and has no mask, so the statistics and
-    the accumulator are written from it alone, not read (nothing zeroed them). ``same_id``: None,
-    or a function giving bool ``[rows, piece]``, the pairs of equal segment ids."""
+    ``mask``: None, or bool ``[rows, piece]``, the pairs kept. ``fresh``: the piece starts the
+    run and has no mask, so the statistics and the accumulator are written from it alone, not
+    read (nothing zeroed them)."""
     k = k_ref[keys, :]
     s = mosaic.dot(q, k, (1, 1)) * scale  # [rows, piece], float32
     if fresh:  # every row sees every key of an unmasked piece: its maximum is finite
@@ -120,14 +109,8 @@ def _update(
         acc_ref[...] = mosaic.dot(p.astype(v.dtype), v, (1, 0))
         m_ref[...] = m_next
         return
-    if mask is not None or same_id is not None:
-        visible = None
-        if mask is not None:
-            q_block, first_row, first_key = mask
-            visible = mosaic.piece_mask(tiling, q_block, first_key, s.shape, first_row=first_row)
-        if same_id is not None:
-            visible = same_id() if visible is None else jnp.logical_and(visible, same_id())
-        s = jnp.where(visible, s, -jnp.inf)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
     m_prev = m_ref[...]  # [rows, LANES]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     # A row that has seen only masked keys still has m = -inf, and exp2(-inf - (-inf)) is NaN;
@@ -141,6 +124,73 @@ def _update(
         p.astype(v.dtype), v, (1, 0)
     )
     m_ref[...] = m_next
+
+
+def _walk(
+    *,
+    masked: bool,
+    tiling: Tiling,
+    q_block,
+    kv_block,
+    piece: int,
+    rows: int,
+    fresh_start,
+    segments,
+    strip,
+):
+    """One step's work over its key block, ``piece`` keys at a time, each piece ``rows`` query
+    rows at a time (all unrolled). An unmasked pair computes every strip and piece without a
+    position mask; ``fresh_start`` (None, or a traced bool) makes its first piece write the run's
+    statistics (`_update`). A ``masked`` pair (the table marks it ``MASKED``) masks each piece by
+    position and skips a piece no row sees: the whole piece at once under a causal mask alone (its
+    strips and heads in one basic block, so their matmuls interleave), strip by strip with a
+    window or segment ids, which leave more of a piece's strips unseen. ``segments``: None, or
+    ``segments(first_row, rows, keys) -> (seen, same_id)`` of a strip (`_segments`): a strip
+    skips a piece whose ids cannot meet its own, and masks unequal ids. ``strip(**kw)`` computes
+    one strip (`_strip`, its refs bound)."""
+
+    def position_mask(first_row, first_key, same_id=None):
+        keep = mosaic.piece_mask(tiling, q_block, first_key, (rows, piece), first_row=first_row)
+        return keep if same_id is None else jnp.logical_and(keep, same_id())
+
+    strip_by_strip = tiling.window is not None or segments is not None
+    for n in range(tiling.block_k // piece):
+        keys = pl.ds(n * piece, piece)
+        first_key = kv_block * tiling.block_k + n * piece
+        if not masked and n == 0 and fresh_start is not None:
+
+            def first_piece(fresh, keys=keys):
+                for first_row in range(0, tiling.block_q, rows):
+                    strip(rows=pl.ds(first_row, rows), keys=keys, fresh=fresh)
+
+            pl.when(fresh_start)(functools.partial(first_piece, True))
+            pl.when(~fresh_start)(functools.partial(first_piece, False))
+            continue
+        if masked and not strip_by_strip:
+
+            def masked_piece(keys=keys, first_key=first_key):
+                for first_row in range(0, tiling.block_q, rows):
+                    visible = functools.partial(position_mask, first_row, first_key)
+                    strip(rows=pl.ds(first_row, rows), keys=keys, visible=visible)
+
+            pl.when(mosaic.piece_is_seen(tiling, q_block, first_key, piece))(masked_piece)
+            continue
+        for first_row in range(0, tiling.block_q, rows):
+            run = functools.partial(strip, rows=pl.ds(first_row, rows), keys=keys)
+            seen, same_id = None, None
+            if segments is not None:
+                seen, same_id = segments(first_row, rows, keys)
+            if not masked:
+                run = functools.partial(run, visible=same_id)
+                if seen is None:
+                    run()
+                else:
+                    pl.when(seen)(run)
+                continue
+            by_position = mosaic.piece_is_seen(tiling, q_block, first_key, piece, first_row, rows)
+            seen = by_position if seen is None else jnp.logical_and(seen, by_position)
+            visible = functools.partial(position_mask, first_row, first_key, same_id)
+            pl.when(seen)(functools.partial(run, visible=visible))
 
 
 def _forward_kernel(
@@ -180,35 +230,29 @@ def _forward_kernel(
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
-    def make_attend():
-        def attend(**piece):
-            for j in range(heads):
-                _attend(
-                    q_ref[j],
-                    k_ref.at[j // group],
-                    v_ref.at[j // group],
-                    acc_ref.at[j],
-                    m_ref.at[j],
-                    l_ref.at[j],
-                    tiling=tiling,
-                    scale=scale,
-                    rows=rows,
-                    **piece,
-                    **({} if segments is None else {"segments": segments(q_block, kv_block)}),
-                )
-
-        return attend
-
-    mosaic.for_each_piece(
-        make_attend,
-        flags=flags,
-        tiling=tiling,
-        q_block=q_block,
-        kv_block=kv_block,
-        piece=block_k_compute,
-        fresh_first=fresh_start,
-        step_seen=step_seen,
+    strip = functools.partial(
+        _strip, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, group=group, scale=scale
     )
+
+    def walk(masked: bool):
+        _walk(
+            masked=masked,
+            tiling=tiling,
+            q_block=q_block,
+            kv_block=kv_block,
+            piece=block_k_compute,
+            rows=rows,
+            fresh_start=fresh_start,
+            segments=None if segments is None else segments(q_block, kv_block),
+            strip=strip,
+        )
+
+    computes = (flags & EMPTY) == 0
+    if step_seen is not None:
+        computes = jnp.logical_and(computes, step_seen)
+    masked = (flags & MASKED) != 0
+    pl.when(computes & ~masked)(functools.partial(walk, False))
+    pl.when(computes & masked)(functools.partial(walk, True))
 
     @pl.when((flags & LAST) != 0)
     def _finish():
@@ -225,7 +269,7 @@ def _forward_kernel(
 def _segments(tables, ids_refs, tiling: Tiling, rows: int, piece: int):
     """``(step_seen, segments)`` of a forward step with segment ids: whether the step computes
     (its fetch table names itself: `segments.fetch_steps`), and ``segments(q_block, kv_block)``,
-    which gives `_attend` its ``segments(first_row, rows, keys) -> (seen, same_id)``: the strip's
+    which gives `_walk` its ``segments(first_row, rows, keys) -> (seen, same_id)``: the strip's
     and the piece's id ranges meet (SMEM tables), and the strip's pairs of equal ids (read from
     the ids' blocks: the query ids across lanes, the key ids as a row)."""
     fetch, q_lo, q_hi, kv_lo, kv_hi = tables

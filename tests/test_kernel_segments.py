@@ -334,6 +334,43 @@ def test_packed_documents_match_the_reference_and_each_document_alone(
         assert computed == want and want["forward"] < causal_only, (computed, want, seed)
 
 
+def strips_and_pieces_seen(window: int, strip: int, piece: int, by_strip: bool = True) -> int:
+    """The (strip, piece) pairs the Mosaic forward computes per head and row under a window
+    alone: every strip of ``strip`` rows against every piece of ``piece`` keys in a block pair
+    that each row sees whole; in any other block pair holding a visible pair, each strip against
+    the pieces that one of its rows sees (``by_strip=False``: that a row of the block sees)."""
+    position = np.arange(SEQ)
+    ago = position[:, None] - position[None, :]
+    sees = (ago >= 0) & (ago < window)
+    pairs = 0
+    for r in range(0, SEQ, BLOCK):
+        for c in range(0, SEQ, BLOCK):
+            block = sees[r : r + BLOCK, c : c + BLOCK]
+            tiles = block.reshape(BLOCK // strip, strip, BLOCK // piece, piece).any(axis=(1, 3))
+            if block.all() or (block.any() and not by_strip):
+                tiles = np.broadcast_to(tiles.any(axis=0), tiles.shape)
+            pairs += int(tiles.sum())
+    return pairs
+
+
+def test_a_window_alone_computes_only_the_strips_and_pieces_it_shows(packed, computed, seed):
+    # A window of 66 keys (no ids), keys computed 32 at a time in strips of 64 rows: against the
+    # float64 reference, forward and backward, and the forward computing exactly the (strip,
+    # piece) pairs some row of the strip sees, fewer than the pieces some row of the block sees.
+    # Row 128 sees back to key 63, the last of a piece: a skip one key too early would miss it.
+    window = 66
+    KERNELS["mosaic-pieces-of-32"] = ("tpu", dict(PIECES, block_k_compute=32))
+    try:
+        got = run_kernel("mosaic-pieces-of-32", packed[0], None, window)
+    finally:
+        del KERNELS["mosaic-pieces-of-32"]
+    visible = visibility(None, None, SEQ, SEQ, window)
+    assert_matches(got, reference(*packed[0], visible), f"window {window}, seed {seed}")
+    pairs = strips_and_pieces_seen(window, PIECES["block_q_compute"], 32)
+    assert computed["forward"] == BATCH * HEADS * pairs, (computed, pairs, seed)
+    assert pairs < strips_and_pieces_seen(window, PIECES["block_q_compute"], 32, by_strip=False)
+
+
 @pytest.mark.parametrize("kernel", ["mosaic", "triton"])
 def test_a_pair_of_ids_and_rows_that_see_no_key(packed, seed, kernel):
     # segment_ids as a pair (q_ids, kv_ids), the queries the last 136 of the 256 positions

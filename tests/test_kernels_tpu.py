@@ -7,6 +7,7 @@ runs the kernels with TPU semantics (blocks, VMEM scratch, the sequential grid d
 compile. Random inputs come from the ``seed`` fixture (fresh each run; ``DEW_SEED`` replays it).
 """
 
+import dataclasses
 import functools
 import importlib.util
 import re
@@ -79,13 +80,13 @@ def visible_block_pairs(tiling: Tiling) -> int:
 
 @pytest.fixture
 def computed(monkeypatch) -> Counter:
-    """Counts, while the kernels run, each piece of a key block the forward computes against a
-    query block ("forward": `mosaic_forward._attend`), each one the fused backward computes
-    ("backward": `mosaic_fused_backward._attend`), and each block pair the two-kernel backward
-    computes ("two-kernel backward": `mosaic_backward._probabilities`, in its dq and its dk/dv
-    kernel both). JAX's caches are cleared before and after: a trace another test of this process
-    cached (the same shapes and blocks) would not call the patched functions, and one made here
-    would keep calling them."""
+    """Counts, while the kernels run, each (head, strip of query rows, piece of keys) the forward
+    computes ("forward": `mosaic_forward._update`), each piece of a key block the fused backward
+    computes ("backward": `mosaic_fused_backward._attend`), and each block pair the two-kernel
+    backward computes ("two-kernel backward": `mosaic_backward._probabilities`, in its dq and its
+    dk/dv kernel both). JAX's caches are cleared before and after: a trace another test of this
+    process cached (the same shapes and blocks) would not call the patched functions, and one made
+    here would keep calling them."""
     jax.clear_caches()
     counts = Counter()
 
@@ -96,7 +97,7 @@ def computed(monkeypatch) -> Counter:
 
         return wrapper
 
-    monkeypatch.setattr(mosaic_forward, "_attend", counted("forward", mosaic_forward._attend))
+    monkeypatch.setattr(mosaic_forward, "_update", counted("forward", mosaic_forward._update))
     monkeypatch.setattr(
         mosaic_fused_backward, "_attend", counted("backward", mosaic_fused_backward._attend)
     )
@@ -172,23 +173,28 @@ def assert_computes_only_visible_pairs(
     backward's where ``tuning`` asks for it), and ``computed`` (the fixture's counts) holds
     exactly the visible pairs of query blocks and pieces each computed: within a key block
     computed a piece at a time (block_k_compute, backward_block_k_compute), the pieces holding a
-    visible (row, key) pair; the two-kernel backward computes each visible block pair twice, in
-    its dq kernel and its dk/dv kernel."""
+    visible (row, key) pair, each in the forward once a strip of query rows (block_q_compute);
+    the two-kernel backward computes each visible block pair twice, in its dq kernel and its
+    dk/dv kernel."""
     block_q = min(block_q, -(-q_len // 8) * 8)  # one whole block when q_len is shorter
     # Interpret mode's defaults (an unknown TPU) compute whole blocks at these sizes.
     defaults = platform.mosaic_tuning(UNKNOWN_TPU)
     forward_piece = tuning.get("block_k_compute") or defaults.piece(block_k)
     backward_piece = tuning.get("backward_block_k_compute") or defaults.backward_piece(block_k)
+    strips = block_q // dataclasses.replace(defaults, **tuning).rows(block_q)
 
     def pairs(block_k):
         return batch * heads * visible_block_pairs(Tiling(q_len, kv_len, block_q, block_k, causal))
 
     if tuning.get("fused_backward", True):
         assert kernels == set(KERNELS), kernels
-        want_counts = {"forward": pairs(forward_piece), "backward": pairs(backward_piece)}
+        want_counts = {"forward": strips * pairs(forward_piece), "backward": pairs(backward_piece)}
     else:
         assert kernels == set(TWO_KERNELS), kernels
-        want_counts = {"forward": pairs(forward_piece), "two-kernel backward": 2 * pairs(block_k)}
+        want_counts = {
+            "forward": strips * pairs(forward_piece),
+            "two-kernel backward": 2 * pairs(block_k),
+        }
     assert computed == want_counts, (tuning, computed, want_counts)
 
 
