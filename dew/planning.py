@@ -33,10 +33,13 @@ each first, until one fits; ``dew.training.remat_choice.choose_remat`` makes the
 a ``Trainer`` whose model says ``remat="auto"``. A compiled step's memory is read by
 ``dew.training.step_memory``.
 
-One module of about 930 lines: a row, the compile that fills it, the choices and the search that
-decide which rows to compile and the table that prints them are one path a reader follows from
-`dew plan`'s flags to its output; each part is a few functions that make no sense without the
-row.
+Layout: ``PlanRow`` and ``plan_layout``, the compile that fills one row; the choices a compile
+decides (``Dimension``, ``SEARCH_DIMENSIONS``, ``plan_choices``, ``choice_text``) and ``plan``,
+which makes them for every layout and engine; the communication schemes (``scheme_variants``,
+``SchemeChoice``, ``plan_schemes``); the search that decides which layouts to compile
+(``candidate_meshes``, ``search``, ``search_summary``); and the table that prints the rows
+(``row_cells``, ``format_table``). They are one module because they are one path from ``dew plan``'s
+flags to its output, each part a few functions that make or read rows.
 """
 
 from __future__ import annotations

@@ -13,8 +13,13 @@ lengths are multiples of the blocks no copy is made. Segment ids (`kernels.segme
 here, padded with their last id, and travel beside q, k, v through the custom_vjps (no cotangent);
 a window is checked here and becomes part of the static `Tiling`.
 
-(Past 450 lines: the three entry points share the input checks, the block choice and the padding,
-which must agree between a forward and the backward that later reads its residuals.)
+Layout: the checks and the choice of blocks (`check_inputs`, `_choose_block`, `_Config`, `_config`);
+the three entry points; the layout swap and the padding (`_as_bshd`, `_pad_rows`,
+`_padded_attention`); the calls into a target's kernels (`_run_forward`, `_run_backward`); the two
+custom_vjps (`_attention`, `_attention_with_lse`); and the padded forward and backward that the last
+two entry points call (`_padded_forward`, `_padded_backward`). It is one module because the three
+entry points share the input checks, the block choice and the padding, which must agree between a
+forward and the backward that later reads its residuals.
 """
 
 from __future__ import annotations

@@ -27,8 +27,13 @@ what it needed (``needed_bytes``) and what the device has (``device_bytes``).
 
 Which contestants run, and in what order, is ``dew.benchmark.rounds``'s business.
 
-(Past 450 lines: a contestant's build, its compile, its timed rounds and its out-of-memory row
-share one Trainer and its parked state; the rounds' order lives in ``dew.benchmark.rounds``.)
+Layout: the benchmarked model (``ModelSize``); the two kinds of row (``Result``, ``DidNotFit``) and
+the reading of an out-of-memory error (``out_of_memory``, ``figures_in``, ``device_memory``); the
+rows' names (``layout_name``, ``row_name``); two measurements (``state_bytes_per_device``,
+``measured_bubble``); parking a state in host memory (``Parked``, ``park``, ``unpark``, ``free``);
+and ``Contestant``, built on them. It is one module because a contestant's build, its compile, its
+timed rounds and its out-of-memory row share one ``Trainer`` and its parked state; the rounds' order
+lives in ``dew.benchmark.rounds``.
 """
 
 from __future__ import annotations

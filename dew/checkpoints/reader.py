@@ -1,8 +1,5 @@
 """The resharding loader: build each device's slice of every array from the saved pieces.
 
-(Past 450 lines: planning the reads, grouping slices under a host-memory bound and checking every
-chunk are one pass over the same index, kept together so that no byte reaches a slice unchecked.)
-
 For each array, this process works out the distinct slices its devices need (devices holding the
 same slice share one host buffer) and reads every saved piece that overlaps them once: only the byte
 range of the piece that the slices need, widened to whole checksum chunks. When a slice's region is
@@ -16,6 +13,14 @@ Host memory: the slices are split into groups joined by the pieces they share; a
 sent to their devices as soon as their last piece is in, `workers` groups at a time (on threads:
 reads and CRCs release the GIL). Restoring a sharded state thus holds about `workers` pieces' worth
 of buffers at once, never a copy of the whole state.
+
+Layout: the index and the step's files, each checked once (`read_index`, `_Files`); reading one
+piece into the slices that need it, every chunk checked (`_read_exactly`, `_verify`, `_read_piece`);
+the slices this process needs, grouped under the host-memory bound and sent to their devices
+(`_target_slices`, `_assemble`, `_groups`, `_fill_and_place`, `_restore_array`); the target's leaves
+paired with the saved arrays (`_match`); and `restore`, the entry point. It is one module because
+planning the reads, grouping the slices and checking every chunk are one pass over the same index,
+kept together so that no byte reaches a slice unchecked.
 """
 
 import math

@@ -6,10 +6,6 @@ adapters to a PEFT adapter folder; and what ``dew train --init-from`` does with 
     dew convert runs/lora adapter --to peft             # a LoRA run -> PEFT adapter folder
     dew train --init-from Llama-3.2-1B --data tokens/   # fine-tune from either
 
-(Past 450 lines: the command's three directions share its checks of the source (a damaged latest
-step, ``--step``, the carried tokenizer and token ids) and read best in one place; the formats
-themselves live in ``dew.models.hf`` and ``dew.models.peft``.)
-
 A converted checkpoint holds the weights alone (``{"params": ...}``, metadata ``contents:
 "params"``) and records its model; a checkpoint of ``dew train`` holds the whole training state,
 whose ``.params`` are the weights. Either converts back, and either starts ``dew train``.
@@ -26,6 +22,14 @@ The special tokens' ids travel the same way (``CARRIED_FILE``): ``dew convert`` 
 ``config.json`` (or of the Dew checkpoint started from), ``dew train`` the end-of-text id of its
 token folder where the source gave no ``eos_token_id``, and ``--to hf`` writes them into the
 export's ``config.json``, or says that the checkpoint records none.
+
+Layout: the command (``add_parser``, ``check_flags``, ``convert_command``), the tokenizer files
+(``tokenizer_files``, ``keep_tokenizer``), the special tokens' ids (``read_carried``,
+``keep_carried``, ``source_carried``), the three directions (``to_checkpoint``, ``to_hf``,
+``to_peft``), then ``dew train --init-from`` (``init_source``, ``check_size_flags``, ``init_model``,
+``init_from``). It is one module because the three directions and ``--init-from`` handle a source
+alike (a damaged latest step, its tokenizer files and token ids); the formats live in
+``dew.models.hf`` and ``dew.models.peft``.
 """
 
 from __future__ import annotations

@@ -11,9 +11,15 @@
                      run's adapters to a PEFT folder (--to peft)
 
 JAX is configured (device count, platform) before anything asks it for a device, so this module
-imports nothing of Dew at the top. (Past 450 lines: it holds ``dew train`` and ``dew
-collectives``, their flags (the Trainer's) and their commands, beside the dispatch of every
-subcommand; the other subcommands live in modules of their own.)
+imports nothing of Dew at the top.
+
+Layout: the parser (``_common``, the flags ``dew train`` and ``dew collectives`` share, then
+``build_parser``, which adds every subcommand); the helpers both commands use (``_example``,
+``_trainer``, ``_print_header``); ``dew train``'s checks (``_check_train_flags``,
+``_check_validation_windows``, ``_resume_mismatch``); the two commands (``train_command``,
+``collectives_command``); and the dispatch (``user_errors``, ``one_line``, ``main``). It is one
+module because the two commands share the ``Trainer``'s flags and these helpers, beside the dispatch
+of every subcommand; the others live in modules of their own.
 """
 
 from __future__ import annotations

@@ -28,8 +28,12 @@ is False) and is never read as if it had them: where documents come from is not 
 end-of-text id. ``"version"`` is the format's version: absent in version 1 folders, 2 in those
 written now; a larger one is refused (a newer Dew wrote it).
 
-(Past 450 lines: the folder's format, its writer and its checked reader, masks included, are
-one contract; apart, a change to the format could reach one side only.)
+Layout: the format (its file names, ``FORMAT_VERSION``, ``TokenMeta``, ``storage_dtype``,
+``smallest_dtype``), its checked reader (``read_meta``, ``open_tokens``, ``open_mask``,
+``open_document_starts``), then its writer (the checks of what is written, ``TokenFolderWriter``,
+and ``write_token_folder``, which writes a folder through it). It is one module because the format,
+its writer and its checked reader, masks and document starts included, are one contract; apart, a
+change to the format could reach one side only.
 """
 
 from __future__ import annotations

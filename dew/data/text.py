@@ -46,8 +46,13 @@ format version 2), whatever the input and the rows, so that ``dew train`` can ke
 document to itself (``dew.data.windows``' ``documents="separate"``, the default for masked packed
 folders).
 
-(Past 450 lines: reading text, jsonl and parquet, the prompt/chat masks and the pack/pad rows
-are one pass over the documents that writes tokens and mask together.)
+Layout: ``TokenizeReport``; reading documents (``input_files``, ``read_documents``, ``render_chat``,
+and the ``.jsonl`` and ``.parquet`` readers); cutting them into chunks (``_chunks``); tokenizing a
+chunk (``MaskRule``, ``encode_masked``, ``encode_chunk``), here or in worker processes
+(``_encoded``); putting the folder in place (``_check_out``, ``_install``); and ``mask_rule`` and
+``tokenize_files``, which runs them all. It is one module because reading text, jsonl and parquet,
+the prompt/chat masks and the pack/pad rows are one pass over the documents that writes tokens and
+mask together.
 """
 
 from __future__ import annotations

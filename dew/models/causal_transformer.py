@@ -18,10 +18,6 @@ forward, gather again backward, scatter the gradients).
 The model is three parts a layout can run apart, ``embed``, ``blocks`` and ``head``; ``apply`` is
 their composition (tokens -> logits).
 
-The module is one piece of about 760 lines on purpose: the model read top to bottom (nanoGPT's
-rule), with its layers in ``dew.nn`` and every split in ``dew.parallel``; what is here is the
-wiring of those, and where each split meets the model.
-
 Tensor parallelism is written where it happens, and nowhere else: attention and the MLP are
 Megatron regions (``region.enter`` on the way in, ``region.leave`` on the way out:
 ``dew.parallel.tensor``'s pairs, or, under ``tensor_scheme="ring"``, the layers' own projections as
@@ -29,6 +25,14 @@ collective matmuls, ``dew.parallel.tensor_ring``), their first matmuls split by 
 ``k``, ``v`` over heads; ``gate``, ``up`` over the MLP width) and their second by rows (``o``,
 ``down``); the embedding, head and loss split the vocabulary. On one device every one of those is
 the identity or the plain operation.
+
+Layout: the recompute policies (``REMAT_POLICIES``, ``remat_layer``), then one class,
+``CausalTransformer``: its fields and their checks; the weights it declares (``declare``); what a
+mesh asks of it (``attention_for``, ``check_split``, ``partial_over_tensor``, ``in_layer_loop``);
+``init``; the three parts and what they share (``share_embedding``, ``embed``, ``blocks``, ``head``,
+``head_loss_sum``); and ``apply``, their composition. It is one module on purpose: the model read
+top to bottom (nanoGPT's rule), with its layers in ``dew.nn`` and every split in ``dew.parallel``;
+what is here is the wiring of those, and where each split meets the model.
 """
 
 from __future__ import annotations

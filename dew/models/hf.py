@@ -29,9 +29,12 @@ and two scratch-sized buffers (measured in docs/benchmarks.md, "Hugging Face loa
 Everything that can be checked before reading is checked first (the config, the names, shapes and
 dtypes of every tensor, the files' sizes): a ``ValueError`` naming the problem, and no parameters.
 
-(Past 450 lines: loading and saving are one mapping of names and shapes read in both directions,
-and the reader that fills a device's slices belongs to the loading they share a page with; the
-config's side is ``dew.models.hf_config``, the file format ``dew.models.safetensors``.)
+Layout: the mapping of names and shapes (``Mapping``, ``mappings``); ``config_of``; reading a folder
+(``_tensors``, ``_checked``, the ``_Reader`` that fills a device's slices, ``_place``,
+``_place_quantized``, ``load``); writing one (``_to_hf``, ``save``); and the Dew checkpoint's side
+(``describe``, ``model_of_metadata``, ``params_prefix``). It is one module because loading and
+saving are one mapping of names and shapes read in both directions; the config's side is
+``dew.models.hf_config``, the file format ``dew.models.safetensors``.
 """
 
 from __future__ import annotations

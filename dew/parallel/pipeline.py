@@ -1,10 +1,6 @@
 """Pipeline parallelism over the ``stage`` axis: 1F1B schedules of lock-step ticks, run inside the
 caller's ``jax.shard_map`` by one ``lax.scan``.
 
-(Past 450 lines because the schedules, their tables and the runner that executes them are one
-idea: the runner reads the schedule's arrays tick by tick, and split apart each half would need
-the other to be read.)
-
 The schedule. ``S`` stages, ``M`` microbatches. Time runs in ticks, the same on every device; at
 each tick every stage does one of: nothing (``.``), the forward of one microbatch (``F m``) or its
 backward (``B m``). An activation made at tick ``t`` reaches the next stage for tick ``t + 1``,
@@ -64,11 +60,19 @@ and ``2 (S - s) - 1`` under ``schedule_1f1b_phased``; their input rings need ``S
 rings 1, whatever ``M``: a step's temporary memory is flat in ``M``. GPipe's input ring needs
 ``M``.
 
-In the library. ``Trainer(mesh=MeshSpec(stage=S, microbatches=M), pipeline_schedule=...)`` runs
-``pipeline_gradients`` in its step (``dew.training.step.pipelined_gradients``) with one of
+In the library. ``Trainer(mesh=MeshSpec(stage=S, microbatches=M),
+options=StepOptions(pipeline_schedule=...))`` runs ``pipeline_gradients`` in its step
+(``dew.training.step._pipelined_gradients``) with one of
 ``SCHEDULES``, the layers split over ``stage`` by the layout (``check_layout``) and a ``stage_fn``
 from ``LMObjective.stage_loss_sum``; evaluation runs ``pipeline_forward``. docs/distributed.md
 explains the choices.
+
+Layout: the schedules (``Schedule``, ``schedule_1f1b``, ``schedule_1f1b_phased``,
+``schedule_gpipe``, ``SCHEDULES``, ``bubble_formula``), ``check_layout``, ``_schedule``, which
+builds every schedule's tables, then the runner (``pipeline_gradients``, ``pipeline_forward``) and
+its helpers. It is one module because the schedules, their tables and the runner that executes them
+are one idea: the runner reads the schedule's arrays tick by tick, and split apart each half would
+need the other to be read.
 """
 
 from __future__ import annotations
@@ -222,7 +226,7 @@ def schedule_gpipe(stages: int, microbatches: int) -> Schedule:
     return _schedule("gpipe", stages, microbatches, [order] * stages, period=1)
 
 
-# The schedules ``Trainer(pipeline_schedule=...)`` runs, by name. "1f1b" (the default) keeps at
+# The schedules ``StepOptions(pipeline_schedule=...)`` names. "1f1b" (the default) keeps at
 # most S microbatches' inputs on a stage; "1f1b_phased" reaches the formula's bubble in wall time
 # when a backward costs more than a forward, for about twice the inputs held; "gpipe" holds all
 # M, and is there to compare memory with.

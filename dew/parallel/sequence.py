@@ -1,8 +1,5 @@
 """Sequence parallelism (context parallelism): the ``sequence`` group splits each row's positions.
 
-(Past 450 lines: the zigzag order, the ring with its hand-written backward ring, and the all-to-all
-scheme all serve one axis, and the ring's forward and backward must be read side by side.)
-
 Zigzag order. Causal attention gives the last positions the most work, so the ``S`` positions of a
 row are cut into ``2n`` chunks of ``c = S / (2n)`` (``n`` the sequence size) and device ``i`` holds
 chunk ``i`` followed by chunk ``2n-1-i``: its local arrays are ``[batch, 2c, ...]``, and every
@@ -85,6 +82,13 @@ of ``lse``, when there is one, enters as ``D - d_lse``.
 
 On a sequence axis of size 1 both schemes are the plain attention call, without a collective, so
 the same model code runs on one device (``ONE_DEVICE``) without a mesh.
+
+Layout: the zigzag order (``check_seq_len``, ``zigzag_positions``), the argument checks, the block
+computations a ring step runs (``_xla_block_forward`` to ``_pallas_block_backward``), the ring
+(``_ring_forward``, ``_ring_backward``, the ``custom_vjp`` ``_ring``, ``ring_attention``), the
+all-to-all scheme (``all_to_all_attention``, ``SCHEMES``), and what the model asks of the module
+(``check_heads``, ``attention``). It is one module because all of it serves one axis, and the ring's
+forward and its hand-written backward must be read side by side.
 """
 
 from __future__ import annotations

@@ -58,8 +58,12 @@ not needed to differentiate the layer, so its recomputation is dropped): five in
 sequence parallelism each ``enter`` is an all-gather (recomputed too) and each ``leave`` a
 reduce-scatter, and their backwards the other one.
 
-(Past 450 lines: Megatron's pairs, the vocabulary-parallel embedding and loss and the layout checks
-are one technique, each piece calling the pairs above it.)
+Layout: the plain pair (``copy_to_region``, ``reduce_from_region``), the sequence-parallel pair
+(``gather_from_sequence``, ``scatter_to_sequence``), the switch between them (``enter``, ``leave``),
+the vocabulary-parallel embedding, head and loss (``embed_lookup``, ``vocab_logits``,
+``head_loss_sum``), ``shared_kv_heads``, and the layout checks (``check_sizes``, ``check_layout``).
+It is one module because it is one technique: the embedding, the head and the loss reach the pairs
+through ``enter`` and ``leave``, and the checks hold a layout to the splits all of them assume.
 """
 
 from __future__ import annotations

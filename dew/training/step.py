@@ -58,8 +58,13 @@ pipeline schedule do not apply).
 pinning buys: at fsdp it splits the matmuls along the weights' split dimension and all-reduces
 whole-batch activations (docs/benchmarks.md has its bytes).
 
-(Past 450 lines: the three engines share the loss's cut into microbatches, the token split, the
-one tail of gradient sums and the optax update; apart, each would import the others' halves.)
+Layout: the sum over microbatches (``accumulated_gradients``) and the token split
+(``split_tokens``); ``OnBase``, a LoRA model's objective; what one device computes
+(``_plain_gradients``, ``_pipelined_gradients`` and their forwards), summed by ``local_gradients``
+through one tail, ``_summed``; the GSPMD baseline's ``global_gradients``; the optax update
+(``optimizer_metrics``, ``apply_updates``); and the builders (``build_loss``, ``build_gradients``,
+``build_train_step``). It is one module because the three engines share the microbatch sum,
+``OnBase``, the optax update and the builders; apart, each would import the others' halves.
 """
 
 from __future__ import annotations

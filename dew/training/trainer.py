@@ -6,9 +6,13 @@
 The training code is the same for every layout; ``mesh`` and ``layout`` decide where every array
 lives and so which collectives the step runs.
 
-(Past 450 lines: one class whose methods share the mesh, the layout and the compiled steps:
-placing the state, checkpoints, each process's rows of a batch, the step, evaluation and the fit
-loop. Each piece of computation it compiles lives elsewhere, in ``dew.training.step``.)
+Layout: two helpers of the log line (``_router_line``, ``_optimizer_line``), then one class,
+``Trainer``: its constructor, which checks the mesh, the layout and the options against the model;
+the state (``init_state``, ``place``, ``save``); ``check_batch``; the step and evaluation
+(``train_step``, ``gradients``, ``validation_metrics``, ``device_batch``); ``fit``; and inspection
+(``step_arguments``, ``compiled_step``, ``collectives``). It is one module because every method
+shares the mesh, the layout and the compiled steps the constructor sets up; each piece of
+computation it compiles lives elsewhere, in ``dew.training.step``.
 """
 
 from __future__ import annotations
