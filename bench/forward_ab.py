@@ -1,17 +1,18 @@
-"""Dew's Mosaic forward against another version of its kernel file, on one TPU, in one process.
+"""Dew's Mosaic forward against another version of its kernels, on one TPU, in one process.
 
-    git show REV:kernels/mosaic_forward.py > /tmp/before.py
-    python -P bench/forward_ab.py /tmp/before.py [--rows causal8192 window ...] [--calls 20]
+    mkdir -p /tmp/before && git archive REV kernels | tar -x -C /tmp/before
+    python -P bench/forward_ab.py /tmp/before/kernels [--rows causal8192 window ...] [--calls 20]
         [--rounds 5] [--json FILE] [--tiny]
 
-For each row (``ROWS``: causal and windowed calls at 8192 keys, packed documents, GPT-2 small's
-and Llama-3.2-1B's attention shapes), the call is compiled twice: once with the installed
-`kernels.mosaic_forward` and once with the given file loaded in its place (the rest of Dew, the
-blocks and the tuning are the installed ones), on the same bfloat16 inputs in the kernels' own
-layout (``layout="bhsd"``). It prints whether the two outputs are equal to the bit, then the
-milliseconds a call of each: ``--calls`` calls back to back, blocked on the last (the device's
-queue stays full, so this is the device's time plus one dispatch), ``--rounds`` times, the two
-versions taken in turn twice over, and the median. Only the forward is timed.
+For each row (``ROWS``: causal and windowed calls at 8192 keys, packed documents, GPT-2 small's and
+Llama-3.2-1B's attention shapes), the call is compiled twice: once with the installed
+`kernels.mosaic_forward` and once with the other folder's (loaded as a package of its own, so its
+forward runs with its own helpers: `kernels.mosaic`, `kernels.schedule`...) in its place; the entry
+point, the blocks and the tuning are the installed ones. Both run on the same bfloat16 inputs in the
+kernels' own layout (``layout="bhsd"``). It prints whether the two outputs are equal to the bit,
+then the milliseconds a call of each: ``--calls`` calls back to back, blocked on the last (the
+device's queue stays full, so this is the device's time plus one dispatch), ``--rounds`` times, the
+two versions taken in turn twice over, and the median. Only the forward is timed.
 
 ``--tiny``: toy shapes in TPU interpret mode on any backend, to show the script runs (its times
 mean nothing).
@@ -22,9 +23,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -52,24 +55,29 @@ TINY = {
 }
 
 
-def load_other(path: str):
-    """The kernel file at ``path`` as a module of the package (its relative imports resolve to
-    the installed Dew)."""
-    spec = importlib.util.spec_from_file_location("dew.kernels.mosaic_forward_other", path)
+def _attention_bench():
+    """bench/attention.py as a module, for its ``document_ids`` (the same documents its rows
+    use)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.py")
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 
 
-def document_ids(rng, batch: int, seq: int, mean: int):
-    """int32 ``[batch, seq]``: documents of lengths uniform in ``[1, 2 mean)``, ids in order."""
-    rows = []
-    for _ in range(batch):
-        lengths = []
-        while sum(lengths) < seq:
-            lengths.append(int(rng.integers(1, 2 * mean)))
-        rows.append(np.repeat(np.arange(len(lengths)), lengths)[:seq])
-    return jnp.asarray(np.stack(rows), jnp.int32)
+def load_other(folder: str):
+    """The Mosaic forward of the kernels folder ``folder``, imported inside a package of its own,
+    ``kernels_other`` (its relative imports resolve inside that folder; the folder's
+    ``__init__`` is not run: it imports the entry points, which this run takes from Dew)."""
+    if not os.path.isfile(os.path.join(folder, "mosaic_forward.py")):
+        raise SystemExit(f"{folder} is not a kernels folder: it has no mosaic_forward.py")
+    for name in [n for n in sys.modules if n.split(".")[0] == "kernels_other"]:
+        del sys.modules[name]  # another folder's, loaded before in this process
+    package = types.ModuleType("kernels_other")
+    package.__path__ = [os.path.abspath(folder)]
+    sys.modules[package.__name__] = package
+    return importlib.import_module("kernels_other.mosaic_forward")
 
 
 def compile_with(module, row, inputs, interpret):
@@ -109,7 +117,7 @@ def time_calls(compiled, inputs, calls: int, rounds: int) -> list[float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("other", help="another version of kernels/mosaic_forward.py")
+    parser.add_argument("other", help="another version of the kernels/ folder")
     parser.add_argument("--rows", nargs="*", help="row names (default: all of them)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
@@ -131,7 +139,9 @@ def main(argv=None) -> int:
             jnp.asarray(rng.standard_normal((batch, n, seq, head_dim)), jnp.bfloat16)
             for n in (heads, kv_heads, kv_heads)
         )
-        ids = document_ids(rng, batch, seq, documents) if documents else None
+        ids = None
+        if documents:
+            ids = jnp.asarray(_attention_bench().document_ids(1, batch, seq, documents))
         inputs = (q, k, v, ids)
         compiled = {key: compile_with(m, row, inputs, interpret) for key, m in versions.items()}
         equal = bool(jnp.array_equal(compiled["installed"](*inputs), compiled["other"](*inputs)))

@@ -229,6 +229,13 @@ def for_each_piece(
                 seen = jnp.logical_and(seen, ids_seen)
             pl.when(seen)(functools.partial(attend, keys=keys, masked_at=(q_block, first_key)))
 
+    by_mask(run, flags=flags, step_seen=step_seen)
+
+
+def by_mask(run, *, flags, step_seen=None):
+    """``run(masked)`` on a step that computes: ``run(False)`` on a pair the table does not mark
+    ``MASKED``, ``run(True)`` on one it does; nothing on an ``EMPTY`` step, or where
+    ``step_seen`` (None, or a traced bool: segment ids' skip) is false."""
     computes = (flags & EMPTY) == 0
     if step_seen is not None:
         computes = jnp.logical_and(computes, step_seen)

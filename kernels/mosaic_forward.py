@@ -247,12 +247,7 @@ def _forward_kernel(
             strip=strip,
         )
 
-    computes = (flags & EMPTY) == 0
-    if step_seen is not None:
-        computes = jnp.logical_and(computes, step_seen)
-    masked = (flags & MASKED) != 0
-    pl.when(computes & ~masked)(functools.partial(walk, False))
-    pl.when(computes & masked)(functools.partial(walk, True))
+    mosaic.by_mask(walk, flags=flags, step_seen=step_seen)
 
     @pl.when((flags & LAST) != 0)
     def _finish():

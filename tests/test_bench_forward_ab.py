@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import shutil
 
 from dew.kernels import mosaic_forward
 
@@ -17,18 +18,20 @@ spec.loader.exec_module(forward_ab)
 
 
 def test_the_other_version_runs_its_own_kernel(tmp_path):
-    # The installed file against itself is equal to the bit; a copy whose logits are scaled by
-    # 1.001 more is not (in TPU interpret mode, toy sizes, one call each).
-    source = pathlib.Path(mosaic_forward.__file__).read_text()
+    # A copy of the installed kernels folder is equal to the bit; a copy whose forward scales the
+    # logits by 1.001 more is not (in TPU interpret mode, toy sizes, one call each).
+    kernels = pathlib.Path(mosaic_forward.__file__).parent
+    source = (kernels / "mosaic_forward.py").read_text()
     scaled = source.replace(
         "mosaic.dot(q, k, (1, 1)) * scale", "mosaic.dot(q, k, (1, 1)) * scale * 1.001"
     )
     assert scaled != source
     results = {}
     for name, text in (("same", source), ("scaled", scaled)):
-        (tmp_path / f"{name}.py").write_text(text)
+        folder = shutil.copytree(kernels, tmp_path / name, ignore=shutil.ignore_patterns("*.pyc"))
+        (folder / "mosaic_forward.py").write_text(text)
         out = tmp_path / f"{name}.jsonl"
-        args = [str(tmp_path / f"{name}.py"), "--tiny", "--rows", "window", "--calls", "1"]
+        args = [str(folder), "--tiny", "--rows", "window", "--calls", "1"]
         assert forward_ab.main([*args, "--rounds", "1", "--json", str(out)]) == 0
         results[name] = json.loads(out.read_text())
     assert results["same"]["bit_equal"] is True, results
