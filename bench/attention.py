@@ -31,7 +31,11 @@ twice that, forward+backward 3.5 times the forward.
 
 Every contestant gets the inputs in its own layout, made before the clock starts: JAX's TPU
 kernels and Dew's Mosaic kernels ``[batch, heads, seq, head_dim]`` (Dew's ``layout="bhsd"``), XLA
-and cuDNN ``[batch, seq, heads, head_dim]``. Splash attention takes no logit scale: its q is
+and cuDNN ``[batch, seq, heads, head_dim]``. Each program takes and returns its arrays laid out
+in memory as the compiler picks (``Layout.AUTO``), and its inputs are put in those layouts before
+the clock starts: at head_dim 64 the TPU kernels read ``[..., seq, 64]`` tiled to 128 lanes,
+where an array made outside is not, so until 2026-12-06 every d64 cell also timed a copy of each
+input and output. Splash attention takes no logit scale: its q is
 scaled before the clock starts (as a model folds it into the query projection). JAX's flash
 attention takes no grouped K/V: it gets K/V repeated to every query head, inside the clock (what
 a model calling it has to do).
@@ -78,6 +82,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental.layout import Format, Layout  # noqa: E402
 
 from dew.kernels import flash_attention  # noqa: E402
 from dew.kernels import platform as kernel_platform  # noqa: E402
@@ -858,7 +863,7 @@ def time_row(row, contestants, tokens, channels, calls, key, threads, ids=None) 
                     )
                     fn = named(fn, f"bench_cell_{len(jobs)}")
                     with candidate.context():
-                        lowered = jax.jit(fn).lower(*args)
+                        lowered = jax.jit(fn, in_shardings=AUTO, out_shardings=AUTO).lower(*args)
                     jobs.append((cell, lowered, args))
                 except Exception as error:
                     print(
@@ -871,7 +876,7 @@ def time_row(row, contestants, tokens, channels, calls, key, threads, ids=None) 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         compiled = list(pool.map(lambda job: _compile(*job), jobs))
     timed = [
-        (f"jit_bench_cell_{n}", cell, program, args)
+        (f"jit_bench_cell_{n}", cell, program, laid_out(program, args))
         for n, ((cell, _, args), program) in enumerate(zip(jobs, compiled))
         if program is not None
     ]
@@ -891,6 +896,18 @@ def time_row(row, contestants, tokens, channels, calls, key, threads, ids=None) 
         cells = [cell for _, cell, _, _ in timed if cell.seconds]
         count_device_times(cells, device_seconds_round_robin(ran, calls), row.label())
     return [cell for cell, _, _ in jobs]
+
+
+# Every program takes and returns its arrays in the layouts the compiler picks, and its inputs are
+# laid out so before the clock starts: at head_dim 64 a kernel's ``[..., seq, 64]`` arrays are
+# tiled to 128 lanes in HBM, where an array made outside is not, and each program would otherwise
+# time a copy of every input and output (Dew's, JAX flash's and splash's alike).
+AUTO = Format(Layout.AUTO)
+
+
+def laid_out(program, args):
+    """``args`` in the layouts the compiled ``program`` takes them in."""
+    return tuple(jax.device_put(x, f) for x, f in zip(args, program.input_formats[0]))
 
 
 def count_device_times(cells, device_seconds, label: str) -> None:

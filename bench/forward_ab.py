@@ -9,7 +9,9 @@ Llama-3.2-1B's attention shapes), the call is compiled twice: once with the inst
 `kernels.mosaic_forward` and once with the other folder's (loaded as a package of its own, so its
 forward runs with its own helpers: `kernels.mosaic`, `kernels.schedule`...) in its place; the entry
 point, the blocks and the tuning are the installed ones. Both run on the same bfloat16 inputs in the
-kernels' own layout (``layout="bhsd"``). It prints whether the two outputs are equal to the bit,
+kernels' own layout (``layout="bhsd"``), laid out in memory as the compiled program takes them (at
+head_dim 64, tiled to 128 lanes; until 2026-12-06 the d64 rows also timed a copy of each input and
+of the output into and out of that tiling). It prints whether the two outputs are equal to the bit,
 then the milliseconds a call of each: ``--calls`` calls back to back, blocked on the last (the
 device's queue stays full, so this is the device's time plus one dispatch), ``--rounds`` times, the
 two versions taken in turn twice over, and the median. Only the forward is timed.
@@ -32,6 +34,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 
 import dew.kernels.attention as attention_module
 from dew.kernels import flash_attention, mosaic_forward
@@ -83,7 +86,10 @@ def load_other(folder: str):
 def compile_with(module, row, inputs, interpret):
     """The jitted forward with ``module`` as the Mosaic forward. JAX caches traces of
     flash_attention's inner functions, so the caches are cleared first: the other module's trace
-    would be reused otherwise."""
+    would be reused otherwise. The arrays' layouts in memory are the compiler's choice
+    (``Layout.AUTO``), and the inputs are laid out so before they are timed: at head_dim 64 the
+    kernels read ``[..., seq, 64]`` tiled to 128 lanes, where a default array is not, and the
+    program would otherwise time a copy of each input and of the output too."""
     batch, heads, kv_heads, seq, head_dim, window, blocks, documents = row
     q, k, v, ids = inputs
     blocks = {} if blocks is None else dict(block_q=blocks[0], block_k=blocks[1])
@@ -97,10 +103,18 @@ def compile_with(module, row, inputs, interpret):
     jax.clear_caches()
     installed = attention_module._mosaic_forward
     attention_module._mosaic_forward = module
+    auto = Format(Layout.AUTO)
+    formats = (auto, auto, auto, None if ids is None else auto)
     try:
-        return jax.jit(forward).lower(q, k, v, ids).compile()
+        return jax.jit(forward, in_shardings=formats, out_shardings=auto).lower(*inputs).compile()
     finally:
         attention_module._mosaic_forward = installed
+
+
+def laid_out(compiled, inputs):
+    """``inputs`` in the layouts ``compiled`` takes them in."""
+    formats = compiled.input_formats[0]
+    return tuple(x if x is None else jax.device_put(x, f) for x, f in zip(inputs, formats))
 
 
 def time_calls(compiled, inputs, calls: int, rounds: int) -> list[float]:
@@ -144,11 +158,13 @@ def main(argv=None) -> int:
             ids = jnp.asarray(_attention_bench().document_ids(1, batch, seq, documents))
         inputs = (q, k, v, ids)
         compiled = {key: compile_with(m, row, inputs, interpret) for key, m in versions.items()}
-        equal = bool(jnp.array_equal(compiled["installed"](*inputs), compiled["other"](*inputs)))
+        placed = {key: laid_out(c, inputs) for key, c in compiled.items()}
+        outputs = [np.asarray(compiled[key](*placed[key]).astype(jnp.float32)) for key in versions]
+        equal = bool(np.array_equal(*outputs))
         times = {key: [] for key in versions}
         for _ in range(2):
             for key in versions:
-                times[key] += time_calls(compiled[key], inputs, args.calls, args.rounds)
+                times[key] += time_calls(compiled[key], placed[key], args.calls, args.rounds)
         median = {key: statistics.median(t) for key, t in times.items()}
         record = {
             "row": name,

@@ -1,17 +1,20 @@
 """Mosaic TPU forward kernel: an online softmax over the visible block pairs only.
 
 Grid ``(batch, heads / n, steps)``, the last dimension sequential: it walks `kernels.schedule`'s
-table of the (query block, key block) pairs that hold a visible (row, key) pair, each query
-block's key blocks in a run. The step ``(b, h, t)`` holds the ``[n, block_q, head_dim]`` query
-blocks of the ``n`` heads from ``h * n`` (``Tuning.heads_per_step``: up to 4 on v5e) and the
-``[block_k, head_dim]`` key and value blocks of their kv heads (query head ``i`` reads kv head
-``i // group``: grouped queries read the shared K/V in place), and adds the key block to each
-query block's running maximum ``m``, running sum ``l`` and unnormalised float32 accumulator, in
-VMEM scratch; the run's last step writes ``out`` and ``lse``. A run that starts on a pair without a
-mask writes the three from its first piece rather than adding that piece to zeros: on a v5e chip,
-without the zeroing step (768 vector stores a run at two heads of 1024 rows), the forward was 1.2%
-faster at 4096 keys without a mask and 0.7% at 8192 causal keys. Several heads a step make the grid
-shorter and its DMAs longer: on a v5e chip 4 heads of 512 rows were 6-7% faster than one.
+table of the (query block, key block) pairs that hold a visible (row, key) pair, each query block's
+key blocks in a run. The step ``(b, h, t)`` holds the ``[n, block_q, head_dim]`` query blocks of the
+``n`` heads from ``h * n`` (``Tuning.heads_per_step``: up to 4 on v5e) and the ``[block_k,
+head_dim]`` key and value blocks of their kv heads (query head ``i`` reads kv head ``i // group``:
+grouped queries read the shared K/V in place), and adds the key block to each query block's running
+maximum ``m``, running sum ``l`` and unnormalised float32 accumulator, in VMEM scratch; the run's
+last step writes ``out`` and ``lse``. A run that starts on a pair without a mask writes the three
+from its first piece rather than adding that piece to zeros: on a v5e chip, without the zeroing step
+(768 vector stores a run at two heads of 1024 rows), the forward was 1.2% faster at 4096 keys
+without a mask and 0.7% at 8192 causal keys. Where every run is one step (one key block) and every
+row sees key 0, the first piece writes them under its mask too: at GPT-2 small's and Llama-3.2-1B's
+shapes on v5e every step is a masked run of its own (compiled there, the steps of 4 heads run 12.7%
+and 8.7% fewer bundles; not timed on a chip). Several heads a step make the grid shorter and its
+DMAs longer: on a v5e chip 4 heads of 512 rows were 6-7% faster than one.
 
 Inside a step the key block is computed ``block_k_compute`` keys at a time, and each piece
 ``block_q_compute`` query rows at a time (both unrolled): a large block keeps the DMAs long and
@@ -97,11 +100,13 @@ def _strip(
 def _update(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, scale, mask=None, fresh=False):
     """The online softmax of ``q``'s rows (``[rows, head_dim]``) after one piece of keys;
     ``mask``: None, or bool ``[rows, piece]``, the pairs kept. ``fresh``: the piece starts the
-    run and has no mask, so the statistics and the accumulator are written from it alone, not
-    read (nothing zeroed them)."""
+    run and every row sees one of its keys, so the statistics and the accumulator are written
+    from it alone, not read (nothing zeroed them)."""
     k = k_ref[keys, :]
     s = mosaic.dot(q, k, (1, 1)) * scale  # [rows, piece], float32
-    if fresh:  # every row sees every key of an unmasked piece: its maximum is finite
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    if fresh:  # every row sees a key of the piece: its maximum is finite
         m_next = jnp.broadcast_to(jnp.max(s, axis=1, keepdims=True), m_ref.shape)
         p = jnp.exp2(s - mosaic.lanes_to(m_next, s.shape[1]))
         l_ref[...] = jnp.broadcast_to(jnp.sum(p, axis=1, keepdims=True), l_ref.shape)
@@ -109,8 +114,6 @@ def _update(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, scale, mask=None, f
         acc_ref[...] = mosaic.dot(p.astype(v.dtype), v, (1, 0))
         m_ref[...] = m_next
         return
-    if mask is not None:
-        s = jnp.where(mask, s, -jnp.inf)
     m_prev = m_ref[...]  # [rows, LANES]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     # A row that has seen only masked keys still has m = -inf, and exp2(-inf - (-inf)) is NaN;
@@ -138,16 +141,17 @@ def _walk(
     segments,
     strip,
 ):
-    """One step's work over its key block, ``piece`` keys at a time, each piece ``rows`` query
-    rows at a time (all unrolled). An unmasked pair computes every strip and piece without a
-    position mask; ``fresh_start`` (None, or a traced bool) makes its first piece write the run's
-    statistics (`_update`). A ``masked`` pair (the table marks it ``MASKED``) masks each piece by
-    position and skips a piece no row sees: the whole piece at once under a causal mask alone (its
-    strips and heads in one basic block, so their matmuls interleave), strip by strip with a
-    window or segment ids, which leave more of a piece's strips unseen. ``segments``: None, or
-    ``segments(first_row, rows, keys) -> (seen, same_id)`` of a strip (`_segments`): a strip
-    skips a piece whose ids cannot meet its own, and masks unequal ids. ``strip(**kw)`` computes
-    one strip (`_strip`, its refs bound)."""
+    """One step's work over its key block, ``piece`` keys at a time, each piece ``rows`` query rows
+    at a time (all unrolled). An unmasked pair computes every strip and piece without a position
+    mask; ``fresh_start`` (None, or a traced bool) makes its first piece write the run's statistics
+    (`_update`), and ``True`` makes every step's first piece, masked or not, write them (every run
+    is one step and every row sees key 0). A ``masked`` pair (the table marks it ``MASKED``) masks
+    each piece by position and skips a piece no row sees: the whole piece at once under a causal
+    mask alone (its strips and heads in one basic block, so their matmuls interleave), strip by
+    strip with a window or segment ids, which leave more of a piece's strips unseen. ``segments``:
+    None, or ``segments(first_row, rows, keys) -> (seen, same_id)`` of a strip (`_segments`): a
+    strip skips a piece whose ids cannot meet its own, and masks unequal ids. ``strip(**kw)``
+    computes one strip (`_strip`, its refs bound)."""
 
     def position_mask(first_row, first_key, same_id=None):
         keep = mosaic.piece_mask(tiling, q_block, first_key, (rows, piece), first_row=first_row)
@@ -157,6 +161,13 @@ def _walk(
     for n in range(tiling.block_k // piece):
         keys = pl.ds(n * piece, piece)
         first_key = kv_block * tiling.block_k + n * piece
+        if n == 0 and fresh_start is True:  # every step starts its run, seen by every row
+            for first_row in range(0, tiling.block_q, rows):
+                visible = None
+                if masked:
+                    visible = functools.partial(position_mask, first_row, first_key)
+                strip(rows=pl.ds(first_row, rows), keys=keys, visible=visible, fresh=True)
+            continue
         if not masked and n == 0 and fresh_start is not None:
 
             def first_piece(fresh, keys=keys):
@@ -201,6 +212,7 @@ def _forward_kernel(
     rows: int,
     group: int,
     segment_tables: int,
+    one_step_runs: bool,
 ):
     # Scalar prefetch: the step tables (and with segment ids `segments_for_forward`'s), then
     # q, k, v (and the ids' blocks), out, lse, and the scratch.
@@ -217,18 +229,23 @@ def _forward_kernel(
     # A run that starts on an unmasked pair writes its statistics from its first piece
     # (`_update`'s ``fresh``); one that starts masked, or computes nothing, starts from zeros.
     # With segment ids a run's first pair may be skipped while the kernel runs: zeros always.
+    # Where every run is one step whose first piece every row sees (`_runs_are_one_step`), that
+    # piece writes them, masked or not: at GPT-2 small's and Llama-3.2-1B's shapes on v5e every
+    # step would otherwise zero them first.
     if segment_tables:
         fresh_start = None
         step_seen, segments = _segments(tables[4:], ids_refs, tiling, rows, block_k_compute)
     else:
-        fresh_start = first & ((flags & (MASKED | EMPTY)) == 0)
+        fresh_start = True if one_step_runs else first & ((flags & (MASKED | EMPTY)) == 0)
         step_seen = segments = None
 
-    @pl.when(first if fresh_start is None else first & ~fresh_start)
-    def _start():
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if fresh_start is not True:
+
+        @pl.when(first if fresh_start is None else first & ~fresh_start)
+        def _start():
+            acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+            m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
 
     strip = functools.partial(
         _strip, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, group=group, scale=scale
@@ -259,6 +276,18 @@ def _forward_kernel(
             o_ref[j] = (acc_ref[j] * mosaic.lanes_to(inverse, o_ref.shape[-1])).astype(o_ref.dtype)
             lse = jnp.where(sees_nothing, jnp.inf, m_ref[j] + jnp.log2(row_sum))
             lse_ref[j] = lse[:, :1].T  # stored as a row (kernels/mosaic.py)
+
+
+def _runs_are_one_step(tiling: Tiling) -> bool:
+    """Whether each query block's run is one step (a single key block) whose first piece, from
+    key 0, every row sees, padded rows included: no window, and under a causal mask no row before
+    the keys (bottom-right alignment with ``q_len > kv_len`` leaves the first rows seeing
+    nothing). Segment ids are data, not positions: with them no row is known to see a key."""
+    return (
+        tiling.kv_blocks == 1
+        and tiling.window is None
+        and (not tiling.causal or tiling.offset >= 0)
+    )
 
 
 def _segments(tables, ids_refs, tiling: Tiling, rows: int, piece: int):
@@ -393,6 +422,7 @@ def forward(
             rows=rows,
             group=group,
             segment_tables=len(segment_tables),
+            one_step_runs=not segment_tables and _runs_are_one_step(tiling),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4 + len(segment_tables),

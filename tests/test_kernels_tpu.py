@@ -358,6 +358,59 @@ def test_a_run_started_on_an_unmasked_pair_takes_its_first_pieces_row_maximum(se
     assert_lse_close(lse, want_lse, f"lse, seed {seed}")
 
 
+ONE_STEP_RUNS = [
+    # q_len, kv_len, causal, block_q, strip rows, piece keys, whether runs start fresh. One key
+    # block (block_k = 256, shrunk to kv_len rounded up to 8): every query block's run is one
+    # masked step. q200-kv200: the causal diagonal through both query blocks, strips of 32 rows
+    # and pieces of 40 keys. q72-kv200: the queries are the last 72 of 200 positions. q40-kv70:
+    # no causal mask, the 2 padded keys masked. q200-kv150: the first query block's first 50
+    # rows see no key, so runs start from zeros.
+    pytest.param(200, 200, True, 128, 32, 40, True, id="q200-kv200-causal"),
+    pytest.param(72, 200, True, 72, None, 40, True, id="q72-kv200-causal"),
+    pytest.param(40, 70, False, 40, None, None, True, id="q40-kv70-full"),
+    pytest.param(200, 150, True, 128, 32, None, False, id="q200-kv150-rows-see-nothing"),
+]
+
+
+@pytest.mark.parametrize("q_len,kv_len,causal,block_q,strip,piece,fresh", ONE_STEP_RUNS)
+def test_a_run_of_one_step_writes_its_statistics_from_its_first_masked_piece(
+    monkeypatch, seed, q_len, kv_len, causal, block_q, strip, piece, fresh
+):
+    # One key block: each query block's run is one step, and where every row sees key 0 the
+    # step's first piece writes m, l and the accumulator under its mask (no zeroing first: GPT-2
+    # small's and Llama-3.2-1B's shapes on v5e). Large logits (q scaled by 50) need that piece's
+    # masked row maximum subtracted before exp2; rows that see no key (q200-kv150) need the zeros.
+    print(f"seed {seed}")
+    jax.clear_caches()  # a cached trace would not call the patched `_update`
+    counts = Counter()
+    update = mosaic_forward._update
+
+    def counted(*args, fresh=False, mask=None, **kwargs):
+        if fresh and mask is not None:
+            jax.debug.callback(lambda: counts.update(["fresh masked"]))
+        return update(*args, fresh=fresh, mask=mask, **kwargs)
+
+    monkeypatch.setattr(mosaic_forward, "_update", counted)
+    rng = np.random.default_rng(seed)
+    batch, heads = 2, 2
+    q, k, v, _ = random_inputs(rng, batch, q_len, kv_len, heads, 1, 16, jnp.float32)
+    q = 50 * q
+    attend = functools.partial(
+        flash_attention_forward, causal=causal, block_q=block_q, block_k=256, interpret="tpu"
+    )
+    with platform.tuned(block_q_compute=strip, block_k_compute=piece):
+        out, lse = as_float64(run_fast_compiled(attend, q, k, v))
+    jax.clear_caches()
+    with jax.enable_x64(True):
+        as64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
+        want_out, want_lse = reference_attention_with_lse(*as64, causal=causal, sm_scale=0.25)
+    assert_close(out, np.asarray(want_out), jnp.float32, f"output, seed {seed}")
+    assert_lse_close(lse, np.asarray(want_lse), f"lse, seed {seed}")
+    strips = block_q // strip if strip else 1
+    want = batch * heads * -(-q_len // block_q) * strips if fresh else 0
+    assert counts["fresh masked"] == want, (counts, want)
+
+
 @pytest.mark.parametrize(
     "pieces,strips,dtype",
     [
