@@ -363,17 +363,19 @@ ONE_STEP_RUNS = [
     # block (block_k = 256, shrunk to kv_len rounded up to 8): every query block's run is one
     # masked step. q200-kv200: the causal diagonal through both query blocks, strips of 32 rows
     # and pieces of 40 keys. q72-kv200: the queries are the last 72 of 200 positions. q40-kv70:
-    # no causal mask, the 2 padded keys masked. q200-kv150: the first query block's first 50
-    # rows see no key, so runs start from zeros.
+    # no causal mask, the 2 padded keys masked; q40-kv72: no mask at all, 3 pieces of 24 keys
+    # (the step is unmasked: its first piece starts fresh without a mask). q200-kv150: the first
+    # query block's first 50 rows see no key, so runs start from zeros.
     pytest.param(200, 200, True, 128, 32, 40, True, id="q200-kv200-causal"),
     pytest.param(72, 200, True, 72, None, 40, True, id="q72-kv200-causal"),
     pytest.param(40, 70, False, 40, None, None, True, id="q40-kv70-full"),
+    pytest.param(40, 72, False, 40, None, 24, True, id="q40-kv72-full-unmasked"),
     pytest.param(200, 150, True, 128, 32, None, False, id="q200-kv150-rows-see-nothing"),
 ]
 
 
 @pytest.mark.parametrize("q_len,kv_len,causal,block_q,strip,piece,fresh", ONE_STEP_RUNS)
-def test_a_run_of_one_step_writes_its_statistics_from_its_first_masked_piece(
+def test_a_run_of_one_step_writes_its_statistics_from_its_first_piece(
     monkeypatch, seed, q_len, kv_len, causal, block_q, strip, piece, fresh
 ):
     # One key block: each query block's run is one step, and where every row sees key 0 the
@@ -386,8 +388,9 @@ def test_a_run_of_one_step_writes_its_statistics_from_its_first_masked_piece(
     update = mosaic_forward._update
 
     def counted(*args, fresh=False, mask=None, **kwargs):
-        if fresh and mask is not None:
-            jax.debug.callback(lambda: counts.update(["fresh masked"]))
+        if fresh:
+            kind = "fresh" if mask is None else "fresh masked"
+            jax.debug.callback(lambda: counts.update([kind]))
         return update(*args, fresh=fresh, mask=mask, **kwargs)
 
     monkeypatch.setattr(mosaic_forward, "_update", counted)
@@ -406,9 +409,13 @@ def test_a_run_of_one_step_writes_its_statistics_from_its_first_masked_piece(
         want_out, want_lse = reference_attention_with_lse(*as64, causal=causal, sm_scale=0.25)
     assert_close(out, np.asarray(want_out), jnp.float32, f"output, seed {seed}")
     assert_lse_close(lse, np.asarray(want_lse), f"lse, seed {seed}")
+    # Every strip of every step's first piece starts fresh (under a mask but in q40-kv72), or
+    # none does.
     strips = block_q // strip if strip else 1
-    want = batch * heads * -(-q_len // block_q) * strips if fresh else 0
-    assert counts["fresh masked"] == want, (counts, want)
+    first_pieces = batch * heads * -(-q_len // block_q) * strips
+    masked = kv_len % 8 or causal
+    want = {"fresh masked" if masked else "fresh": first_pieces} if fresh else {}
+    assert counts == want, (counts, want)
 
 
 @pytest.mark.parametrize(
