@@ -2,19 +2,20 @@
 
 Grid ``(batch, heads / n, steps)``, the last dimension sequential: it walks `kernels.schedule`'s
 table of the (query block, key block) pairs that hold a visible (row, key) pair, each query block's
-key blocks in a run. The step ``(b, h, t)`` holds the ``[n, block_q, head_dim]`` query blocks of the
-``n`` heads from ``h * n`` (``Tuning.heads_per_step``: up to 4 on v5e) and the ``[block_k,
-head_dim]`` key and value blocks of their kv heads (query head ``i`` reads kv head ``i // group``:
-grouped queries read the shared K/V in place), and adds the key block to each query block's running
-maximum ``m``, running sum ``l`` and unnormalised float32 accumulator, in VMEM scratch; the run's
-last step writes ``out`` and ``lse``. A run that starts on a pair without a mask writes the three
-from its first piece rather than adding that piece to zeros: on a v5e chip, without the zeroing step
-(768 vector stores a run at two heads of 1024 rows), the forward was 1.2% faster at 4096 keys
-without a mask and 0.7% at 8192 causal keys. Where every run is one step (one key block) and every
-row sees key 0, the first piece writes them under its mask too: at GPT-2 small's and Llama-3.2-1B's
-shapes on v5e every step is a masked run of its own (compiled there, the steps of 4 heads run 12.7%
-and 8.7% fewer bundles; not timed on a chip). Several heads a step make the grid shorter and its
-DMAs longer: on a v5e chip 4 heads of 512 rows were 6-7% faster than one.
+key blocks in a run (a causal one from the diagonal back). The step ``(b, h, t)`` holds the ``[n,
+block_q, head_dim]`` query blocks of the ``n`` heads from ``h * n`` (``Tuning.heads_per_step``: up
+to 4 on v5e) and the ``[block_k, head_dim]`` key and value blocks of their kv heads (query head
+``i`` reads kv head ``i // group``: grouped queries read the shared K/V in place), and adds the key
+block to each query block's running maximum ``m``, running sum ``l`` and unnormalised float32
+accumulator, in VMEM scratch; the run's last step writes ``out`` and ``lse``. A run whose first step
+is ``FRESH`` (every row of the block sees its key block's first key) writes the three from its first
+piece, under its mask, rather than adding that piece to zeros: on a v5e chip, without the zeroing
+step (768 vector stores a run at two heads of 1024 rows), the forward was 1.2% faster at 4096 keys
+without a mask and 0.7% at 8192 causal keys, and walking causal runs from the diagonal lets masked
+and windowed runs start so too (compiled for v5e, 8.1% fewer bundles under a window of 1024, 12.8%
+and 8.7% at GPT-2 small's and Llama-3.2-1B's shapes, where every run is one masked step; not timed
+on a chip). Several heads a step make the grid shorter and its DMAs longer: on a v5e chip 4 heads of
+512 rows were 6-7% faster than one.
 
 Inside a step the key block is computed ``block_k_compute`` keys at a time, and each piece
 ``block_q_compute`` query rows at a time (both unrolled): a large block keeps the DMAs long and
@@ -56,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import mosaic, segments
-from .schedule import EMPTY, FIRST, LAST, MASKED, forward_steps
+from .schedule import EMPTY, FIRST, FRESH, LAST, MASKED, forward_steps
 from .tiling import Tiling, index_div
 from .varying import out_struct
 
@@ -137,55 +138,46 @@ def _walk(
     kv_block,
     piece: int,
     rows: int,
-    fresh_start,
+    fresh,
     segments,
     strip,
 ):
     """One step's work over its key block, ``piece`` keys at a time, each piece ``rows`` query rows
     at a time (all unrolled). An unmasked pair computes every strip and piece without a position
-    mask; ``fresh_start`` (None, or a traced bool) makes its first piece write the run's statistics
-    (`_update`), and ``True`` makes every step's first piece, masked or not, write them (every run
-    is one step and every row sees key 0). A ``masked`` pair (the table marks it ``MASKED``) masks
-    each piece by position and skips a piece no row sees: the whole piece at once under a causal
-    mask alone (its strips and heads in one basic block, so their matmuls interleave), strip by
-    strip with a window or segment ids, which leave more of a piece's strips unseen. ``segments``:
-    None, or ``segments(first_row, rows, keys) -> (seen, same_id)`` of a strip (`_segments`): a
-    strip skips a piece whose ids cannot meet its own, and masks unequal ids. ``strip(**kw)``
-    computes one strip (`_strip`, its refs bound)."""
+    mask. A ``masked`` pair (the table marks it ``MASKED``) masks each piece by position and skips
+    a piece no row sees: the whole piece at once under a causal mask alone (its strips and heads
+    in one basic block, so their matmuls interleave), strip by strip with a window or segment ids,
+    which leave more of a piece's strips unseen. ``fresh``: None, True, or a traced bool (the
+    step's ``FRESH`` flag): the first piece writes the run's statistics (`_update`), every strip
+    of it, since every row sees its first key. ``segments``: None, or ``segments(first_row, rows,
+    keys) -> (seen, same_id)`` of a strip (`_segments`): a strip skips a piece whose ids cannot
+    meet its own, and masks unequal ids. ``strip(**kw)`` computes one strip (`_strip`, its refs
+    bound)."""
 
     def position_mask(first_row, first_key, same_id=None):
         keep = mosaic.piece_mask(tiling, q_block, first_key, (rows, piece), first_row=first_row)
         return keep if same_id is None else jnp.logical_and(keep, same_id())
 
     strip_by_strip = tiling.window is not None or segments is not None
-    for n in range(tiling.block_k // piece):
+
+    def fresh_piece():
+        first_key = kv_block * tiling.block_k
+        for first_row in range(0, tiling.block_q, rows):
+            visible = functools.partial(position_mask, first_row, first_key) if masked else None
+            strip(rows=pl.ds(first_row, rows), keys=pl.ds(0, piece), visible=visible, fresh=True)
+
+    def compute_piece(n):
         keys = pl.ds(n * piece, piece)
         first_key = kv_block * tiling.block_k + n * piece
-        if n == 0 and fresh_start is True:  # every step starts its run, seen by every row
-            for first_row in range(0, tiling.block_q, rows):
-                visible = None
-                if masked:
-                    visible = functools.partial(position_mask, first_row, first_key)
-                strip(rows=pl.ds(first_row, rows), keys=keys, visible=visible, fresh=True)
-            continue
-        if not masked and n == 0 and fresh_start is not None:
-
-            def first_piece(fresh, keys=keys):
-                for first_row in range(0, tiling.block_q, rows):
-                    strip(rows=pl.ds(first_row, rows), keys=keys, fresh=fresh)
-
-            pl.when(fresh_start)(functools.partial(first_piece, True))
-            pl.when(~fresh_start)(functools.partial(first_piece, False))
-            continue
         if masked and not strip_by_strip:
 
-            def masked_piece(keys=keys, first_key=first_key):
+            def masked_piece():
                 for first_row in range(0, tiling.block_q, rows):
                     visible = functools.partial(position_mask, first_row, first_key)
                     strip(rows=pl.ds(first_row, rows), keys=keys, visible=visible)
 
             pl.when(mosaic.piece_is_seen(tiling, q_block, first_key, piece))(masked_piece)
-            continue
+            return
         for first_row in range(0, tiling.block_q, rows):
             run = functools.partial(strip, rows=pl.ds(first_row, rows), keys=keys)
             seen, same_id = None, None
@@ -203,6 +195,15 @@ def _walk(
             visible = functools.partial(position_mask, first_row, first_key, same_id)
             pl.when(seen)(functools.partial(run, visible=visible))
 
+    for n in range(tiling.block_k // piece):
+        if n == 0 and fresh is True:
+            fresh_piece()
+        elif n == 0 and fresh is not None:
+            pl.when(fresh)(fresh_piece)
+            pl.when(~fresh)(functools.partial(compute_piece, 0))
+        else:
+            compute_piece(n)
+
 
 def _forward_kernel(
     *refs,
@@ -212,7 +213,7 @@ def _forward_kernel(
     rows: int,
     group: int,
     segment_tables: int,
-    one_step_runs: bool,
+    fresh_starts: tuple,
 ):
     # Scalar prefetch: the step tables (and with segment ids `segments_for_forward`'s), then
     # q, k, v (and the ids' blocks), out, lse, and the scratch.
@@ -226,22 +227,18 @@ def _forward_kernel(
     q_block, kv_block = q_table[t], kv_table[t]
     heads = q_ref.shape[0]  # the step's query heads; query head j reads kv head j // group
     first = (flags & FIRST) != 0
-    # A run that starts on an unmasked pair writes its statistics from its first piece
-    # (`_update`'s ``fresh``); one that starts masked, or computes nothing, starts from zeros.
-    # With segment ids a run's first pair may be skipped while the kernel runs: zeros always.
-    # Where every run is one step whose first piece every row sees (`_runs_are_one_step`), that
-    # piece writes them, masked or not: at GPT-2 small's and Llama-3.2-1B's shapes on v5e every
-    # step would otherwise zero them first.
+    # A run whose first step is FRESH writes its statistics from that step's first piece
+    # (`_update`'s ``fresh``); any other starts from zeros. Which kinds the table holds is known
+    # before compiling (`_fresh_starts`): a kind no step has compiles no code.
+    fresh = (flags & FRESH) != 0
+    unmasked_kind, masked_kind, zeros_kind = fresh_starts
+    step_seen = segments = None
     if segment_tables:
-        fresh_start = None
         step_seen, segments = _segments(tables[4:], ids_refs, tiling, rows, block_k_compute)
-    else:
-        fresh_start = True if one_step_runs else first & ((flags & (MASKED | EMPTY)) == 0)
-        step_seen = segments = None
 
-    if fresh_start is not True:
+    if zeros_kind is not None:
 
-        @pl.when(first if fresh_start is None else first & ~fresh_start)
+        @pl.when(first if zeros_kind is True else first & ~fresh)
         def _start():
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
             m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
@@ -259,7 +256,7 @@ def _forward_kernel(
             kv_block=kv_block,
             piece=block_k_compute,
             rows=rows,
-            fresh_start=fresh_start,
+            fresh=_resolve((masked_kind if masked else unmasked_kind), fresh),
             segments=None if segments is None else segments(q_block, kv_block),
             strip=strip,
         )
@@ -278,16 +275,34 @@ def _forward_kernel(
             lse_ref[j] = lse[:, :1].T  # stored as a row (kernels/mosaic.py)
 
 
-def _runs_are_one_step(tiling: Tiling) -> bool:
-    """Whether each query block's run is one step (a single key block) whose first piece, from
-    key 0, every row sees, padded rows included: no window, and under a causal mask no row before
-    the keys (bottom-right alignment with ``q_len > kv_len`` leaves the first rows seeing
-    nothing). Segment ids are data, not positions: with them no row is known to see a key."""
-    return (
-        tiling.kv_blocks == 1
-        and tiling.window is None
-        and (not tiling.causal or tiling.offset >= 0)
-    )
+def _fresh_starts(steps, segmented: bool) -> tuple:
+    """``(unmasked, masked, zeros)``, each None (no step of the kind), True (every one) or
+    "some": the computing steps, unmasked and masked, whose first piece starts its run fresh
+    (``FRESH``), and the runs that start from zeros (a first step without ``FRESH``, ``EMPTY``
+    ones included). With segment ids a run's first step may be skipped while the kernel runs, so
+    every run starts from zeros."""
+
+    if segmented:
+        return None, None, True
+    flags = steps.flags
+    first = (flags & FIRST) != 0
+    fresh = (flags & FRESH) != 0
+    computing = (flags & EMPTY) == 0
+    masked = (flags & MASKED) != 0
+    kinds = []
+    for chosen in (computing & ~masked, computing & masked):
+        if not (fresh & chosen).any():
+            kinds.append(None)
+        else:
+            kinds.append(True if (fresh | ~chosen).all() else "some")
+    zeros = first & ~fresh
+    zeros_kind = None if not zeros.any() else (True if not (first & fresh).any() else "some")
+    return (*kinds, zeros_kind)
+
+
+def _resolve(kind, fresh):
+    """A walk's ``fresh``: None, True, or the step's traced flag."""
+    return fresh if kind == "some" else kind
 
 
 def _segments(tables, ids_refs, tiling: Tiling, rows: int, piece: int):
@@ -422,7 +437,7 @@ def forward(
             rows=rows,
             group=group,
             segment_tables=len(segment_tables),
-            one_step_runs=not segment_tables and _runs_are_one_step(tiling),
+            fresh_starts=_fresh_starts(steps, bool(segment_tables)),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4 + len(segment_tables),

@@ -14,7 +14,10 @@ dk/dv kernel: one key block's query blocks, over the heads of its group); ``MASK
 holds an invisible (row, key) pair (the causal diagonal, a window's edge, a padded key tail);
 ``EMPTY`` a step that computes nothing and only opens and closes its output block: a query block
 with no visible key (rows before the first key, ``q_len > kv_len``) still writes its zeros and
-``lse``. Segment ids skip more steps while the kernels run (`kernels.segments`), out of these.
+``lse``; ``FRESH`` (the forward) a run's first step whose key block's first key every row of the
+query block sees, padded rows included, so that its first piece can write the run's statistics
+rather than add to zeros. Segment ids skip more steps while the kernels run (`kernels.segments`),
+out of these.
 
 Only real rows and keys decide visibility (rows ``< q_len``, keys ``< kv_len``): padded query
 rows are sliced off, and they compute finite values on the pairs the real rows visit.
@@ -32,6 +35,7 @@ FIRST = 1
 LAST = 2
 MASKED = 4
 EMPTY = 8
+FRESH = 16
 # The most steps a table holds: four int32 tables of this length take 256 KiB of a TensorCore's
 # 1 MiB of SMEM (pltpu.get_tpu_info_for_chip, v4 to v6e). 16k causal pairs is a 180k-token
 # square at 1024-row blocks.
@@ -44,10 +48,7 @@ def visible_blocks(tiling: Tiling) -> tuple[np.ndarray, np.ndarray]:
     padded key tail always needs one)."""
     rows = np.arange(tiling.q_blocks * tiling.block_q)[:, None]
     cols = np.arange(tiling.kv_blocks * tiling.block_k)[None, :]
-    real = (rows < tiling.q_len) & (cols < tiling.kv_len)
-    visible = real & (cols <= rows + tiling.offset) if tiling.causal else real
-    if tiling.window is not None:
-        visible = visible & (cols > rows + tiling.offset - tiling.window)
+    visible = (rows < tiling.q_len) & _visible(tiling, rows, cols)
     shape = (tiling.q_blocks, tiling.block_q, tiling.kv_blocks, tiling.block_k)
     seen = visible.reshape(shape).any(axis=(1, 3))
     # Whole: every real row sees every key of the block, and the block holds no padded key.
@@ -58,11 +59,21 @@ def visible_blocks(tiling: Tiling) -> tuple[np.ndarray, np.ndarray]:
     return seen, whole
 
 
+def _visible(tiling: Tiling, rows, cols):
+    """`Tiling.visible` in numpy: the (row, key) pairs attended by position, padded rows too."""
+    visible = cols < tiling.kv_len
+    if tiling.causal:
+        visible = visible & (cols <= rows + tiling.offset)
+    if tiling.window is not None:
+        visible = visible & (cols > rows + tiling.offset - tiling.window)
+    return visible
+
+
 @dataclasses.dataclass(frozen=True)
 class Steps:
     """One kernel's walk: ``q_block[t]``, ``kv_block[t]``, ``head[t]`` (the query head within a
-    kv head's group; 0 for the forward) and ``flags[t]`` (``FIRST | LAST | MASKED | EMPTY``),
-    int32 arrays of one length, the number of grid steps."""
+    kv head's group; 0 for the forward) and ``flags[t]`` (``FIRST | LAST | MASKED | EMPTY |
+    FRESH``), int32 arrays of one length, the number of grid steps."""
 
     q_block: np.ndarray
     kv_block: np.ndarray
@@ -86,8 +97,13 @@ def _steps(rows: list[tuple[int, int, int, int]]) -> Steps:
 
 
 def forward_steps(tiling: Tiling) -> Steps:
-    """The forward's walk: each query block's visible key blocks in order, query blocks in order
-    (a query block that sees no key gets one ``EMPTY`` step, so it still writes its output)."""
+    """The forward's walk: query blocks in order, each one's visible key blocks in a run (a query
+    block that sees no key gets one ``EMPTY`` step, so it still writes its output). A causal run
+    starts on its diagonal and walks back, so that its first key block holds every row's own
+    key (and, under a window, keys within the window of every row, at a window as long as a
+    block): its first step is ``FRESH`` wherever every row of the block sees that key block's
+    first key. Ascending, a causal run would start on key block 0, which a window leaves
+    unseen."""
     seen, whole = visible_blocks(tiling)
     rows = []
     for i in range(tiling.q_blocks):
@@ -95,9 +111,14 @@ def forward_steps(tiling: Tiling) -> Steps:
         if len(keys) == 0:
             rows.append((i, 0, 0, FIRST | LAST | EMPTY))
             continue
+        if tiling.causal:
+            keys = keys[::-1]
+        block_rows = np.arange(i * tiling.block_q, (i + 1) * tiling.block_q)
+        fresh = np.all(_visible(tiling, block_rows, int(keys[0]) * tiling.block_k))
         for n, j in enumerate(keys):
             flags = (FIRST if n == 0 else 0) | (LAST if n == len(keys) - 1 else 0)
             flags |= 0 if whole[i, j] else MASKED
+            flags |= FRESH if n == 0 and fresh else 0
             rows.append((i, int(j), 0, flags))
     return _steps(rows)
 

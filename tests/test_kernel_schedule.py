@@ -25,6 +25,7 @@ from dew.kernels import segments
 from dew.kernels.schedule import (
     EMPTY,
     FIRST,
+    FRESH,
     LAST,
     MASKED,
     backward_steps,
@@ -40,6 +41,15 @@ def sees(tiling: Tiling, row: int, key: int) -> bool:
         return False
     position = row + tiling.kv_len - tiling.q_len  # the row's own position among the keys
     if tiling.window is not None and position - key >= tiling.window:
+        return False
+    return not tiling.causal or key <= position
+
+
+def sees_by_position(tiling: Tiling, row: int, key: int) -> bool:
+    """`sees` for any row position, a padded row's too (a padded query row is computed, and
+    sliced off after): a real key within the causal limit and the window."""
+    position = row + tiling.kv_len - tiling.q_len
+    if key >= tiling.kv_len or (tiling.window is not None and position - key >= tiling.window):
         return False
     return not tiling.causal or key <= position
 
@@ -71,9 +81,10 @@ def runs(owner) -> dict:
     return steps
 
 
-def check_flags(flags, steps: dict, *, empty: set, masked_steps: set):
+def check_flags(flags, steps: dict, *, empty: set, masked_steps: set, fresh_steps=frozenset()):
     """FIRST exactly on each run's first step, LAST on its last; EMPTY exactly on the runs of the
-    blocks in ``empty``, one step each; MASKED exactly on the computed steps in ``masked_steps``."""
+    blocks in ``empty``, one step each; MASKED exactly on the computed steps in ``masked_steps``,
+    FRESH on those in ``fresh_steps``."""
     for o, ts in steps.items():
         for t in ts:
             assert bool(flags[t] & FIRST) == (t == ts[0]), (o, t, flags[t])
@@ -82,7 +93,8 @@ def check_flags(flags, steps: dict, *, empty: set, masked_steps: set):
         if o in empty:
             assert len(ts) == 1, (o, ts)
     for t, f in enumerate(flags):
-        assert not f & ~(FIRST | LAST | MASKED | EMPTY), (t, f)
+        assert not f & ~(FIRST | LAST | MASKED | EMPTY | FRESH), (t, f)
+        assert bool(f & FRESH) == (t in fresh_steps), (t, f)
         if not f & EMPTY:
             assert bool(f & MASKED) == (t in masked_steps), (t, f)
 
@@ -98,12 +110,27 @@ def check_forward(tiling: Tiling):
     # Each visible pair exactly once; nothing else computed (no pair masked whole).
     assert sorted(computed) == sorted(seen), (sorted(computed), sorted(seen))
     assert steps.computed_pairs() == len(seen)
-    # Every query block has one run (its output is written once), in block order.
+    # Every query block has one run (its output is written once), in block order; a causal run
+    # walks its key blocks from the diagonal back, any other forward.
     by_block = runs(q_block)
     assert list(by_block) == list(range(tiling.q_blocks))
+    for ts in by_block.values():
+        order = [kv_block[t] for t in ts]
+        assert order == sorted(order, reverse=tiling.causal), order
     empty = set(range(tiling.q_blocks)) - {i for i, _ in seen}  # query blocks seeing no key
     masked_steps = {t for t, pair in enumerate(zip(q_block, kv_block)) if pair in masked}
-    check_flags(flags, by_block, empty=empty, masked_steps=masked_steps)
+    # A run starts fresh where every row of its query block, padded ones too, sees the first key
+    # of its first key block.
+    fresh_steps = {
+        ts[0]
+        for i, ts in by_block.items()
+        if i not in empty
+        and all(
+            sees_by_position(tiling, row, kv_block[ts[0]] * tiling.block_k)
+            for row in range(i * tiling.block_q, (i + 1) * tiling.block_q)
+        )
+    }
+    check_flags(flags, by_block, empty=empty, masked_steps=masked_steps, fresh_steps=fresh_steps)
     return steps
 
 

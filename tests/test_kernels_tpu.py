@@ -48,6 +48,7 @@ from dew.kernels.tiling import Tiling
 from dew.objectives.lm import LMObjective
 from dew.parallel import Shards, sequence
 from dew.targets import GENERATIONS, target
+from tests.test_kernel_segments import reference_with, visibility
 from tests.test_kernels import (
     _no_kernel,
     as_float64,
@@ -358,30 +359,67 @@ def test_a_run_started_on_an_unmasked_pair_takes_its_first_pieces_row_maximum(se
     assert_lse_close(lse, want_lse, f"lse, seed {seed}")
 
 
-ONE_STEP_RUNS = [
-    # q_len, kv_len, causal, block_q, strip rows, piece keys, whether runs start fresh. One key
-    # block (block_k = 256, shrunk to kv_len rounded up to 8): every query block's run is one
-    # masked step. q200-kv200: the causal diagonal through both query blocks, strips of 32 rows
-    # and pieces of 40 keys. q72-kv200: the queries are the last 72 of 200 positions. q40-kv70:
-    # no causal mask, the 2 padded keys masked; q40-kv72: no mask at all, 3 pieces of 24 keys
-    # (the step is unmasked: its first piece starts fresh without a mask). q200-kv150: the first
-    # query block's first 50 rows see no key, so runs start from zeros.
-    pytest.param(200, 200, True, 128, 32, 40, True, id="q200-kv200-causal"),
-    pytest.param(72, 200, True, 72, None, 40, True, id="q72-kv200-causal"),
-    pytest.param(40, 70, False, 40, None, None, True, id="q40-kv70-full"),
-    pytest.param(40, 72, False, 40, None, 24, True, id="q40-kv72-full-unmasked"),
-    pytest.param(200, 150, True, 128, 32, None, False, id="q200-kv150-rows-see-nothing"),
+FRESH_STARTS = [
+    # q_len, kv_len, causal, window, block_q, block_k, strip rows, piece keys. One key block:
+    # q200-kv200 (the causal diagonal through both query blocks), q72-kv200 (the queries are the
+    # last 72 of 200 positions), q40-kv70 (no causal mask, 2 padded keys masked), q40-kv72 (no
+    # mask at all: the first piece starts fresh unmasked), q200-kv150 (the first block's first 50
+    # rows see no key: that run starts from zeros, the second fresh). Several key blocks:
+    # q256-kv256 (each run starts on its diagonal, the second then walks back to key block 0),
+    # and windows of 130 (every run fresh: the edge's masked pair is not, so the masked walk
+    # takes both starts) and of 100 (each block's last rows do not reach its diagonal's first
+    # key: every run starts from zeros).
+    pytest.param(200, 200, True, None, 128, 200, 32, 40, id="q200-kv200-causal"),
+    pytest.param(72, 200, True, None, 72, 200, None, 40, id="q72-kv200-causal"),
+    pytest.param(40, 70, False, None, 40, 72, None, None, id="q40-kv70-full"),
+    pytest.param(40, 72, False, None, 40, 72, None, 24, id="q40-kv72-full-unmasked"),
+    pytest.param(200, 150, True, None, 128, 152, 32, None, id="q200-kv150-rows-see-nothing"),
+    pytest.param(256, 256, True, None, 128, 128, 32, 64, id="q256-kv256-causal-runs"),
+    pytest.param(256, 256, True, 130, 128, 128, 32, 64, id="q256-kv256-window130"),
+    pytest.param(256, 256, True, 100, 128, 128, 32, 64, id="q256-kv256-window100"),
 ]
 
 
-@pytest.mark.parametrize("q_len,kv_len,causal,block_q,strip,piece,fresh", ONE_STEP_RUNS)
-def test_a_run_of_one_step_writes_its_statistics_from_its_first_piece(
-    monkeypatch, seed, q_len, kv_len, causal, block_q, strip, piece, fresh
+def fresh_runs(q_len, kv_len, causal, window, block_q, block_k) -> Counter:
+    """The fresh strips' kinds expected, by position: a query block's run starts fresh where
+    every row of the block (its padded rows too: they are computed) sees the first key of the
+    run's first key block, the diagonal's under a causal mask (the run walks back from it), key
+    block 0's otherwise; "fresh masked" where that block pair hides a key from a real row."""
+    offset = kv_len - q_len
+
+    def sees(row, key):
+        position = row + offset
+        inside = window is None or position - key < window
+        return key < kv_len and inside and (not causal or key <= position)
+
+    kinds = Counter()
+    for i in range(-(-q_len // block_q)):
+        rows = range(i * block_q, (i + 1) * block_q)
+        real = [r for r in rows if r < q_len]
+        kv_blocks = [
+            j
+            for j in range(-(-kv_len // block_k))
+            if any(sees(r, k) for r in real for k in range(j * block_k, (j + 1) * block_k))
+        ]
+        if not kv_blocks:
+            continue
+        first = max(kv_blocks) if causal else min(kv_blocks)
+        if all(sees(r, first * block_k) for r in rows):
+            keys = range(first * block_k, (first + 1) * block_k)
+            hidden = any(not sees(r, k) for r in real for k in keys)
+            kinds["fresh masked" if hidden else "fresh"] += 1
+    return kinds
+
+
+@pytest.mark.parametrize("q_len,kv_len,causal,window,block_q,block_k,strip,piece", FRESH_STARTS)
+def test_a_run_starts_fresh_where_every_row_sees_its_first_key(
+    monkeypatch, seed, q_len, kv_len, causal, window, block_q, block_k, strip, piece
 ):
-    # One key block: each query block's run is one step, and where every row sees key 0 the
-    # step's first piece writes m, l and the accumulator under its mask (no zeroing first: GPT-2
-    # small's and Llama-3.2-1B's shapes on v5e). Large logits (q scaled by 50) need that piece's
-    # masked row maximum subtracted before exp2; rows that see no key (q200-kv150) need the zeros.
+    # A run whose first key block's first key every row of the query block sees writes m, l and
+    # the accumulator from that step's first piece, under its mask (no zeroing first: at GPT-2
+    # small's and Llama-3.2-1B's shapes on v5e every run is one such step; a window's runs
+    # start on their diagonal). Large logits (q scaled by 50) need that piece's masked row
+    # maximum subtracted before exp2; rows that see no key of it need the zeros.
     print(f"seed {seed}")
     jax.clear_caches()  # a cached trace would not call the patched `_update`
     counts = Counter()
@@ -399,22 +437,27 @@ def test_a_run_of_one_step_writes_its_statistics_from_its_first_piece(
     q, k, v, _ = random_inputs(rng, batch, q_len, kv_len, heads, 1, 16, jnp.float32)
     q = 50 * q
     attend = functools.partial(
-        flash_attention_forward, causal=causal, block_q=block_q, block_k=256, interpret="tpu"
+        flash_attention_forward,
+        causal=causal,
+        window=window,
+        block_q=block_q,
+        block_k=block_k,
+        interpret="tpu",
     )
     with platform.tuned(block_q_compute=strip, block_k_compute=piece):
         out, lse = as_float64(run_fast_compiled(attend, q, k, v))
     jax.clear_caches()
-    with jax.enable_x64(True):
-        as64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
-        want_out, want_lse = reference_attention_with_lse(*as64, causal=causal, sm_scale=0.25)
-    assert_close(out, np.asarray(want_out), jnp.float32, f"output, seed {seed}")
-    assert_lse_close(lse, np.asarray(want_lse), f"lse, seed {seed}")
-    # Every strip of every step's first piece starts fresh (under a mask but in q40-kv72), or
-    # none does.
+    visible = np.ones((1, q_len, kv_len), bool)
+    if causal:
+        visible = visibility(None, None, q_len, kv_len, window)
+    zeros = np.zeros(q.shape), np.zeros((batch, heads, q_len))
+    want_out, want_lse = reference_with(q, k, v, *zeros, visible, 0.25)[:2]
+    assert_close(out, want_out, jnp.float32, f"output, seed {seed}")
+    assert_lse_close(lse, want_lse, f"lse, seed {seed}")
+    # Every strip of a fresh run's first piece starts fresh, for every head of every row.
     strips = block_q // strip if strip else 1
-    first_pieces = batch * heads * -(-q_len // block_q) * strips
-    masked = kv_len % 8 or causal
-    want = {"fresh masked" if masked else "fresh": first_pieces} if fresh else {}
+    want = fresh_runs(q_len, kv_len, causal, window, block_q, block_k)
+    want = Counter({kind: n * batch * heads * strips for kind, n in want.items()})
     assert counts == want, (counts, want)
 
 
