@@ -281,7 +281,6 @@ def _fresh_starts(steps, segmented: bool) -> tuple:
     (``FRESH``), and the runs that start from zeros (a first step without ``FRESH``, ``EMPTY``
     ones included). With segment ids a run's first step may be skipped while the kernel runs, so
     every run starts from zeros."""
-
     if segmented:
         return None, None, True
     flags = steps.flags

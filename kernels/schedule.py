@@ -98,12 +98,13 @@ def _steps(rows: list[tuple[int, int, int, int]]) -> Steps:
 
 def forward_steps(tiling: Tiling) -> Steps:
     """The forward's walk: query blocks in order, each one's visible key blocks in a run (a query
-    block that sees no key gets one ``EMPTY`` step, so it still writes its output). A causal run
-    starts on its diagonal and walks back, so that its first key block holds every row's own
-    key (and, under a window, keys within the window of every row, at a window as long as a
-    block): its first step is ``FRESH`` wherever every row of the block sees that key block's
-    first key. Ascending, a causal run would start on key block 0, which a window leaves
-    unseen."""
+    block that sees no key gets one ``EMPTY`` step, so it still writes its output). A run's first
+    step is ``FRESH`` where every row of the block sees that key block's first key. A causal run
+    starts on its diagonal and walks back where that start is fresh (the diagonal block holds
+    every row's own key, and under a window as long as a block the keys nearest it), else from
+    key block 0 where that one is (a query block longer than the key blocks, whose first rows do
+    not reach the diagonal's first key); ascending, a windowed run would start on its edge,
+    which the block's last rows do not reach."""
     seen, whole = visible_blocks(tiling)
     rows = []
     for i in range(tiling.q_blocks):
@@ -111,10 +112,14 @@ def forward_steps(tiling: Tiling) -> Steps:
         if len(keys) == 0:
             rows.append((i, 0, 0, FIRST | LAST | EMPTY))
             continue
-        if tiling.causal:
-            keys = keys[::-1]
         block_rows = np.arange(i * tiling.block_q, (i + 1) * tiling.block_q)
-        fresh = np.all(_visible(tiling, block_rows, int(keys[0]) * tiling.block_k))
+
+        def sees_first_key(j):
+            return bool(np.all(_visible(tiling, block_rows, int(j) * tiling.block_k)))
+
+        if tiling.causal and (sees_first_key(keys[-1]) or not sees_first_key(keys[0])):
+            keys = keys[::-1]
+        fresh = sees_first_key(keys[0])
         for n, j in enumerate(keys):
             flags = (FIRST if n == 0 else 0) | (LAST if n == len(keys) - 1 else 0)
             flags |= 0 if whole[i, j] else MASKED

@@ -110,26 +110,32 @@ def check_forward(tiling: Tiling):
     # Each visible pair exactly once; nothing else computed (no pair masked whole).
     assert sorted(computed) == sorted(seen), (sorted(computed), sorted(seen))
     assert steps.computed_pairs() == len(seen)
-    # Every query block has one run (its output is written once), in block order; a causal run
-    # walks its key blocks from the diagonal back, any other forward.
+    # Every query block has one run (its output is written once), in block order. A run starts
+    # fresh where every row of its query block, padded ones too, sees the first key of its first
+    # key block; a causal run walks from its diagonal back where that start is fresh, else
+    # forward from its first key block where that one is, else from the diagonal back; any
+    # other run forward.
     by_block = runs(q_block)
     assert list(by_block) == list(range(tiling.q_blocks))
-    for ts in by_block.values():
-        order = [kv_block[t] for t in ts]
-        assert order == sorted(order, reverse=tiling.causal), order
     empty = set(range(tiling.q_blocks)) - {i for i, _ in seen}  # query blocks seeing no key
-    masked_steps = {t for t, pair in enumerate(zip(q_block, kv_block)) if pair in masked}
-    # A run starts fresh where every row of its query block, padded ones too, sees the first key
-    # of its first key block.
-    fresh_steps = {
-        ts[0]
-        for i, ts in by_block.items()
-        if i not in empty
-        and all(
-            sees_by_position(tiling, row, kv_block[ts[0]] * tiling.block_k)
-            for row in range(i * tiling.block_q, (i + 1) * tiling.block_q)
+
+    def fresh_from(i, j):
+        rows = range(i * tiling.block_q, (i + 1) * tiling.block_q)
+        return all(sees_by_position(tiling, row, j * tiling.block_k) for row in rows)
+
+    fresh_steps = set()
+    for i, ts in by_block.items():
+        if i in empty:
+            continue
+        order = [kv_block[t] for t in ts]
+        ascending = sorted(order)
+        backward = tiling.causal and (
+            fresh_from(i, ascending[-1]) or not fresh_from(i, ascending[0])
         )
-    }
+        assert order == (ascending[::-1] if backward else ascending), (i, order)
+        if fresh_from(i, order[0]):
+            fresh_steps.add(ts[0])
+    masked_steps = {t for t, pair in enumerate(zip(q_block, kv_block)) if pair in masked}
     check_flags(flags, by_block, empty=empty, masked_steps=masked_steps, fresh_steps=fresh_steps)
     return steps
 

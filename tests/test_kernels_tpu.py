@@ -368,7 +368,9 @@ FRESH_STARTS = [
     # q256-kv256 (each run starts on its diagonal, the second then walks back to key block 0),
     # and windows of 130 (every run fresh: the edge's masked pair is not, so the masked walk
     # takes both starts) and of 100 (each block's last rows do not reach its diagonal's first
-    # key: every run starts from zeros).
+    # key: every run starts from zeros). Query blocks longer than the key blocks: the first rows
+    # do not reach the diagonal's first key, so each run walks forward from key block 0 and
+    # starts fresh there.
     pytest.param(200, 200, True, None, 128, 200, 32, 40, id="q200-kv200-causal"),
     pytest.param(72, 200, True, None, 72, 200, None, 40, id="q72-kv200-causal"),
     pytest.param(40, 70, False, None, 40, 72, None, None, id="q40-kv70-full"),
@@ -377,14 +379,16 @@ FRESH_STARTS = [
     pytest.param(256, 256, True, None, 128, 128, 32, 64, id="q256-kv256-causal-runs"),
     pytest.param(256, 256, True, 130, 128, 128, 32, 64, id="q256-kv256-window130"),
     pytest.param(256, 256, True, 100, 128, 128, 32, 64, id="q256-kv256-window100"),
+    pytest.param(256, 256, True, None, 128, 64, 32, None, id="q256-kv256-causal-longer-rows"),
 ]
 
 
 def fresh_runs(q_len, kv_len, causal, window, block_q, block_k) -> Counter:
     """The fresh strips' kinds expected, by position: a query block's run starts fresh where
     every row of the block (its padded rows too: they are computed) sees the first key of the
-    run's first key block, the diagonal's under a causal mask (the run walks back from it), key
-    block 0's otherwise; "fresh masked" where that block pair hides a key from a real row."""
+    run's first key block: the diagonal's under a causal mask (the run walks back from it), else
+    the first visible block's (the run walks forward); "fresh masked" where that block pair hides
+    a key from a real row."""
     offset = kv_len - q_len
 
     def sees(row, key):
@@ -403,8 +407,10 @@ def fresh_runs(q_len, kv_len, causal, window, block_q, block_k) -> Counter:
         ]
         if not kv_blocks:
             continue
-        first = max(kv_blocks) if causal else min(kv_blocks)
-        if all(sees(r, first * block_k) for r in rows):
+        starts = [max(kv_blocks), min(kv_blocks)] if causal else [min(kv_blocks)]
+        fresh = [j for j in starts if all(sees(r, j * block_k) for r in rows)]
+        if fresh:
+            first = fresh[0]
             keys = range(first * block_k, (first + 1) * block_k)
             hidden = any(not sees(r, k) for r in real for k in keys)
             kinds["fresh masked" if hidden else "fresh"] += 1
