@@ -12,7 +12,7 @@ is ``FRESH`` (every row of the block sees its key block's first key) writes the 
 piece, under its mask, rather than adding that piece to zeros: on a v5e chip, without the zeroing
 step (768 vector stores a run at two heads of 1024 rows), the forward was 1.2% faster at 4096 keys
 without a mask and 0.7% at 8192 causal keys, and walking causal runs from the diagonal lets masked
-and windowed runs start so too (compiled for v5e, 8.1% fewer bundles under a window of 1024, 12.8%
+and windowed runs start so too (compiled for v5e, 4.2% fewer bundles under a window of 1024, 12.8%
 and 8.7% at GPT-2 small's and Llama-3.2-1B's shapes, where every run is one masked step; not timed
 on a chip). Several heads a step make the grid shorter and its DMAs longer: on a v5e chip 4 heads of
 512 rows were 6-7% faster than one.
@@ -100,14 +100,16 @@ def _strip(
 
 def _update(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, scale, mask=None, fresh=False):
     """The online softmax of ``q``'s rows (``[rows, head_dim]``) after one piece of keys;
-    ``mask``: None, or bool ``[rows, piece]``, the pairs kept. ``fresh``: the piece starts the
-    run and every row sees one of its keys, so the statistics and the accumulator are written
-    from it alone, not read (nothing zeroed them)."""
+    ``mask``: None, or bool ``[rows, piece]``, the pairs kept. ``fresh``: True where the piece
+    starts the run and every row sees one of its keys, so the statistics and the accumulator are
+    written from it alone, not read (nothing zeroed them); a traced bool where only some steps
+    that run this code start their run so (their statistics are read as zeros, not loaded).
+    False: added to what is there."""
     k = k_ref[keys, :]
     s = mosaic.dot(q, k, (1, 1)) * scale  # [rows, piece], float32
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
-    if fresh:  # every row sees a key of the piece: its maximum is finite
+    if fresh is True:  # every row sees a key of the piece: its maximum is finite
         m_next = jnp.broadcast_to(jnp.max(s, axis=1, keepdims=True), m_ref.shape)
         p = jnp.exp2(s - mosaic.lanes_to(m_next, s.shape[1]))
         l_ref[...] = jnp.broadcast_to(jnp.sum(p, axis=1, keepdims=True), l_ref.shape)
@@ -115,16 +117,20 @@ def _update(q, k_ref, v_ref, acc_ref, m_ref, l_ref, *, keys, scale, mask=None, f
         acc_ref[...] = mosaic.dot(p.astype(v.dtype), v, (1, 0))
         m_ref[...] = m_next
         return
-    m_prev = m_ref[...]  # [rows, LANES]
+    m_prev, l_prev, acc_prev = m_ref[...], l_ref[...], acc_ref[...]  # m, l: [rows, LANES]
+    if fresh is not False:  # the step's FRESH flag: nothing zeroed the scratch
+        m_prev = jnp.where(fresh, -jnp.inf, m_prev)
+        l_prev = jnp.where(fresh, 0.0, l_prev)
+        acc_prev = jnp.where(fresh, 0.0, acc_prev)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     # A row that has seen only masked keys still has m = -inf, and exp2(-inf - (-inf)) is NaN;
     # subtracting 0 for it keeps its p and rescale at exactly 0.
     m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
     p = jnp.exp2(s - mosaic.lanes_to(m_safe, s.shape[1]))
     rescale = jnp.exp2(m_prev - m_safe)
-    l_ref[...] = rescale * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    l_ref[...] = rescale * l_prev + jnp.sum(p, axis=1, keepdims=True)
     v = v_ref[keys, :]
-    acc_ref[...] = mosaic.lanes_to(rescale, acc_ref.shape[1]) * acc_ref[...] + mosaic.dot(
+    acc_ref[...] = mosaic.lanes_to(rescale, acc_ref.shape[1]) * acc_prev + mosaic.dot(
         p.astype(v.dtype), v, (1, 0)
     )
     m_ref[...] = m_next
@@ -166,7 +172,7 @@ def _walk(
             visible = functools.partial(position_mask, first_row, first_key) if masked else None
             strip(rows=pl.ds(first_row, rows), keys=pl.ds(0, piece), visible=visible, fresh=True)
 
-    def compute_piece(n):
+    def compute_piece(n, starts=False):
         keys = pl.ds(n * piece, piece)
         first_key = kv_block * tiling.block_k + n * piece
         if masked and not strip_by_strip:
@@ -174,12 +180,12 @@ def _walk(
             def masked_piece():
                 for first_row in range(0, tiling.block_q, rows):
                     visible = functools.partial(position_mask, first_row, first_key)
-                    strip(rows=pl.ds(first_row, rows), keys=keys, visible=visible)
+                    strip(rows=pl.ds(first_row, rows), keys=keys, visible=visible, fresh=starts)
 
             pl.when(mosaic.piece_is_seen(tiling, q_block, first_key, piece))(masked_piece)
             return
         for first_row in range(0, tiling.block_q, rows):
-            run = functools.partial(strip, rows=pl.ds(first_row, rows), keys=keys)
+            run = functools.partial(strip, rows=pl.ds(first_row, rows), keys=keys, fresh=starts)
             seen, same_id = None, None
             if segments is not None:
                 seen, same_id = segments(first_row, rows, keys)
@@ -198,6 +204,10 @@ def _walk(
     for n in range(tiling.block_k // piece):
         if n == 0 and fresh is True:
             fresh_piece()
+        elif n == 0 and fresh is not None and masked:
+            # One copy of the masked code for both starts (fresh ones read zeros): two would
+            # double the masked walk's first piece.
+            compute_piece(0, starts=fresh)
         elif n == 0 and fresh is not None:
             pl.when(fresh)(fresh_piece)
             pl.when(~fresh)(functools.partial(compute_piece, 0))

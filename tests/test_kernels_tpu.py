@@ -432,9 +432,14 @@ def test_a_run_starts_fresh_where_every_row_sees_its_first_key(
     update = mosaic_forward._update
 
     def counted(*args, fresh=False, mask=None, **kwargs):
-        if fresh:
+        if fresh is not False:  # True, or a step's traced flag (the masked walk's shared code)
             kind = "fresh" if mask is None else "fresh masked"
-            jax.debug.callback(lambda: counts.update([kind]))
+
+            def count(started, kind=kind):
+                if started:
+                    counts.update([kind])
+
+            jax.debug.callback(count, jnp.asarray(fresh))
         return update(*args, fresh=fresh, mask=mask, **kwargs)
 
     monkeypatch.setattr(mosaic_forward, "_update", counted)
