@@ -46,6 +46,14 @@ A causal mask alone skips whole pieces: a piece's strips stay in one block.
 Numerics (`kernels.mosaic`): base-2 logits ``s = (q . k) * sm_scale * log2(e)``, ``m`` and ``l``
 kept lane-dense (``[block_q, 128]``, every lane equal), ``lse = m + log2(l)``, ``+inf`` for a row
 that sees no key (its output is 0).
+
+Layout: the kernel from the inside out (`_strip`, `_update`: a strip of every head against one
+piece; `_walk`: a step's pieces and strips; `_forward_kernel`: a step), the starts a step table
+holds (`_fresh_starts`), the segment ids' tables and in-kernel tests (`_segments`,
+`segments_for_forward`), then the `pallas_call` (`forward`). One module, because each layer takes
+the one inside it as its only caller and their static choices (which starts compile, which walks
+mask, which strips skip) are made once in `forward` and threaded through; split apart, each piece
+would carry the others' arguments across a module boundary for no second user.
 """
 
 from __future__ import annotations
@@ -259,6 +267,9 @@ def _forward_kernel(
     )
 
     def walk(masked: bool):
+        # A start every step of the walk has (or none has) is static; one only some steps have
+        # reads the step's flag.
+        kind = masked_kind if masked else unmasked_kind
         _walk(
             masked=masked,
             tiling=tiling,
@@ -266,7 +277,7 @@ def _forward_kernel(
             kv_block=kv_block,
             piece=block_k_compute,
             rows=rows,
-            fresh=_resolve((masked_kind if masked else unmasked_kind), fresh),
+            fresh=fresh if kind == "some" else kind,
             segments=None if segments is None else segments(q_block, kv_block),
             strip=strip,
         )
@@ -307,11 +318,6 @@ def _fresh_starts(steps, segmented: bool) -> tuple:
     zeros = first & ~fresh
     zeros_kind = None if not zeros.any() else (True if not (first & fresh).any() else "some")
     return (*kinds, zeros_kind)
-
-
-def _resolve(kind, fresh):
-    """A walk's ``fresh``: None, True, or the step's traced flag."""
-    return fresh if kind == "some" else kind
 
 
 def _segments(tables, ids_refs, tiling: Tiling, rows: int, piece: int):
