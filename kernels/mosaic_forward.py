@@ -12,10 +12,12 @@ is ``FRESH`` (every row of the block sees its key block's first key) writes the 
 piece, under its mask, rather than adding that piece to zeros: on a v5e chip, without the zeroing
 step (768 vector stores a run at two heads of 1024 rows), the forward was 1.2% faster at 4096 keys
 without a mask and 0.7% at 8192 causal keys, and walking causal runs from the diagonal lets masked
-and windowed runs start so too (compiled for v5e, 4.2% fewer bundles under a window of 1024, 12.8%
-and 8.7% at GPT-2 small's and Llama-3.2-1B's shapes, where every run is one masked step; not timed
-on a chip). Several heads a step make the grid shorter and its DMAs longer: on a v5e chip 4 heads of
-512 rows were 6-7% faster than one.
+and windowed runs start so too (on a v5e chip, 10.8% and 8.0% faster at GPT-2 small's and
+Llama-3.2-1B's shapes, where every run is one masked step, 3.7% under a window of 1024 at 8192
+keys, 1.7% causal at 8192). With segment ids no run starts fresh (a run's first step may be
+skipped) and runs ascend, as the diagonal-first walk was 3% slower there. Several heads a step
+make the grid shorter and its DMAs longer: on a v5e chip 4 heads of 512 rows were 6-7% faster
+than one.
 
 Inside a step the key block is computed ``block_k_compute`` keys at a time, and each piece
 ``block_q_compute`` query rows at a time (both unrolled): a large block keeps the DMAs long and
@@ -296,14 +298,11 @@ def _forward_kernel(
             lse_ref[j] = lse[:, :1].T  # stored as a row (kernels/mosaic.py)
 
 
-def _fresh_starts(steps, segmented: bool) -> tuple:
+def _fresh_starts(steps) -> tuple:
     """``(unmasked, masked, zeros)``, each None (no step of the kind), True (every one) or
     "some": the computing steps, unmasked and masked, whose first piece starts its run fresh
     (``FRESH``), and the runs that start from zeros (a first step without ``FRESH``, ``EMPTY``
-    ones included). With segment ids a run's first step may be skipped while the kernel runs, so
-    every run starts from zeros."""
-    if segmented:
-        return None, None, True
+    ones included; with segment ids every run, `schedule.forward_steps`)."""
     flags = steps.flags
     first = (flags & FIRST) != 0
     fresh = (flags & FRESH) != 0
@@ -394,7 +393,7 @@ def forward(
     block_q, block_k = tiling.block_q, tiling.block_k
     block_k_compute = tuning.piece(block_k)
     rows = tuning.rows(block_q)
-    steps = forward_steps(tiling)
+    steps = forward_steps(tiling, segmented=segment_ids is not None)
     # A step computes `per_step` query heads over the kv heads they read (one, or per_step //
     # group): fewer, longer steps, whose DMAs and fixed cost serve several heads.
     per_step = tuning.heads_per_step(heads, group, block_q)
@@ -452,7 +451,7 @@ def forward(
             rows=rows,
             group=group,
             segment_tables=len(segment_tables),
-            fresh_starts=_fresh_starts(steps, bool(segment_tables)),
+            fresh_starts=_fresh_starts(steps),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4 + len(segment_tables),

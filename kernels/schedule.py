@@ -96,7 +96,7 @@ def _steps(rows: list[tuple[int, int, int, int]]) -> Steps:
     return Steps(*(np.ascontiguousarray(table[:, c]) for c in range(4)))
 
 
-def forward_steps(tiling: Tiling) -> Steps:
+def forward_steps(tiling: Tiling, segmented: bool = False) -> Steps:
     """The forward's walk: query blocks in order, each one's visible key blocks in a run (a query
     block that sees no key gets one ``EMPTY`` step, so it still writes its output). A run's first
     step is ``FRESH`` where every row of the block sees that key block's first key. A causal run
@@ -104,7 +104,12 @@ def forward_steps(tiling: Tiling) -> Steps:
     every row's own key, and under a window as long as a block the keys nearest it), else from
     key block 0 where that one is (a query block longer than the key blocks, whose first rows do
     not reach the diagonal's first key); ascending, a windowed run would start on its edge,
-    which the block's last rows do not reach."""
+    which the block's last rows do not reach.
+
+    ``segmented`` (the walk of a call with segment ids): every run ascends and none is
+    ``FRESH``, since segment ids may skip a run's first step while the kernel runs, and with
+    nothing to start fresh the descending walk was 3% slower on the chip (documents of mean 300
+    at 8192 keys, 512 x 1024 blocks: 1.160 ms against 1.126)."""
     seen, whole = visible_blocks(tiling)
     rows = []
     for i in range(tiling.q_blocks):
@@ -117,9 +122,12 @@ def forward_steps(tiling: Tiling) -> Steps:
         def sees_first_key(j):
             return bool(np.all(_visible(tiling, block_rows, int(j) * tiling.block_k)))
 
-        if tiling.causal and (sees_first_key(keys[-1]) or not sees_first_key(keys[0])):
-            keys = keys[::-1]
-        fresh = sees_first_key(keys[0])
+        if segmented:
+            fresh = False
+        else:
+            if tiling.causal and (sees_first_key(keys[-1]) or not sees_first_key(keys[0])):
+                keys = keys[::-1]
+            fresh = sees_first_key(keys[0])
         for n, j in enumerate(keys):
             flags = (FIRST if n == 0 else 0) | (LAST if n == len(keys) - 1 else 0)
             flags |= 0 if whole[i, j] else MASKED

@@ -99,9 +99,9 @@ def check_flags(flags, steps: dict, *, empty: set, masked_steps: set, fresh_step
             assert bool(f & MASKED) == (t in masked_steps), (t, f)
 
 
-def check_forward(tiling: Tiling):
+def check_forward(tiling: Tiling, segmented: bool = False):
     seen, masked = brute_force_pairs(tiling)
-    steps = forward_steps(tiling)
+    steps = forward_steps(tiling, segmented=segmented)
     for table in steps.tables():
         assert table.dtype == np.int32 and table.flags["C_CONTIGUOUS"] and len(table) == len(steps)
     q_block, kv_block, head, flags = (np.asarray(t).tolist() for t in steps.tables())
@@ -114,7 +114,7 @@ def check_forward(tiling: Tiling):
     # fresh where every row of its query block, padded ones too, sees the first key of its first
     # key block; a causal run walks from its diagonal back where that start is fresh, else
     # forward from its first key block where that one is, else from the diagonal back; any
-    # other run forward.
+    # other run forward. With segment ids every run walks forward and none starts fresh.
     by_block = runs(q_block)
     assert list(by_block) == list(range(tiling.q_blocks))
     empty = set(range(tiling.q_blocks)) - {i for i, _ in seen}  # query blocks seeing no key
@@ -129,11 +129,13 @@ def check_forward(tiling: Tiling):
             continue
         order = [kv_block[t] for t in ts]
         ascending = sorted(order)
-        backward = tiling.causal and (
-            fresh_from(i, ascending[-1]) or not fresh_from(i, ascending[0])
+        backward = (
+            not segmented
+            and tiling.causal
+            and (fresh_from(i, ascending[-1]) or not fresh_from(i, ascending[0]))
         )
         assert order == (ascending[::-1] if backward else ascending), (i, order)
-        if fresh_from(i, order[0]):
+        if not segmented and fresh_from(i, order[0]):
             fresh_steps.add(ts[0])
     masked_steps = {t for t, pair in enumerate(zip(q_block, kv_block)) if pair in masked}
     check_flags(flags, by_block, empty=empty, masked_steps=masked_steps, fresh_steps=fresh_steps)
@@ -175,9 +177,10 @@ TILINGS = [
 ]
 
 
+@pytest.mark.parametrize("segmented", [False, True], ids=["positions", "segment-ids"])
 @pytest.mark.parametrize("tiling", TILINGS)
-def test_forward_steps_visit_each_visible_pair_once(tiling):
-    check_forward(Tiling(*tiling))
+def test_forward_steps_visit_each_visible_pair_once(tiling, segmented):
+    check_forward(Tiling(*tiling), segmented)
 
 
 @pytest.mark.parametrize("group", [1, 3])
@@ -198,6 +201,7 @@ def test_random_tilings(seed):
         tiling = Tiling(q_len, kv_len, block_q, block_k, causal, window)
         try:
             check_forward(tiling)
+            check_forward(tiling, segmented=True)
             check_backward(tiling, int(rng.integers(1, 4)))
         except AssertionError as error:
             raise AssertionError(f"{tiling} (seed {seed}): {error}") from error
