@@ -670,10 +670,14 @@ def test_dew_bench_says_why_a_depth_check_that_does_not_fit_was_not_measured(mon
     "flags, says",
     [
         # The preset's own choices where no flag gives one.
-        ("--model gpt2-small", "remat attention, attention auto;"),
+        ("--model gpt2-small", "remat attention, attention auto, layers unrolled;"),
         # The case: the example decoder's default attention is xla, the contestant's auto.
         ("--attention auto", "remat full, attention auto;"),
-        ("--model gpt2-small --remat dots --attention xla", "remat dots, attention xla;"),
+        (
+            "--model gpt2-small --remat dots --attention xla --layer-loop scan",
+            "remat dots, attention xla;",
+        ),
+        ("--layer-loop unroll", "remat full, attention xla, layers unrolled;"),
         ("--remat full dots --attention xla pallas", "remat full|dots, attention xla|pallas;"),
     ],
 )

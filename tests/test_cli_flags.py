@@ -106,7 +106,7 @@ def test_a_preset_keeps_its_context_and_refuses_rows_longer_than_it():
 
 def test_precision_recompute_and_attention_reach_the_model_on_every_command():
     flags = ["--dtype", "bfloat16", "--param-dtype", "bfloat16", "--remat", "dots"]
-    flags += ["--attention", "pallas"]
+    flags += ["--attention", "pallas", "--layer-loop", "unroll"]
     for command in COMMANDS:
         # bench's --dtype, --remat and --attention take several values (plan's --remat): each a
         # variant of the model, here one.
@@ -114,9 +114,13 @@ def test_precision_recompute_and_attention_reach_the_model_on_every_command():
         model = dew.models.build("causal_transformer", **{**config, **variant})
         got = (model.dtype, model.param_dtype, model.remat, model.attention_impl)
         assert got == ("bfloat16", "bfloat16", "dots", "pallas"), command
+        assert model.layer_loop == "unroll", command
+        preset = model_config(parse(command, "--model", "gpt2-small", "--layer-loop", "scan"))
+        assert preset["layer_loop"] == "scan", command
     # Not given: the model's own.
     example = dew.models.build("causal_transformer", **model_config(parse("train")))
-    assert (example.dtype, example.attention_impl) == ("float32", "xla")
+    assert (example.dtype, example.attention_impl, example.layer_loop) == ("float32", "xla", "scan")
+    assert model_config(parse("train", "--model", "gpt2-small"))["layer_loop"] == "unroll"
 
 
 def test_the_header_names_every_size_and_choice():

@@ -124,7 +124,7 @@ def test_every_copy_equals_its_original():
     """``dew.cli.choices`` constant by constant, including those no parser test above reads."""
     from dew.benchmark import ModelSize
     from dew.layout import DEFAULT_MIN_SHARD
-    from dew.models.causal_transformer import REMAT_AUTO, REMAT_CHOICES
+    from dew.models.causal_transformer import LAYER_LOOPS, REMAT_AUTO, REMAT_CHOICES
 
     expected = real_choices()
     size = ModelSize()
@@ -137,6 +137,7 @@ def test_every_copy_equals_its_original():
     assert choices.DEFAULT_MIN_SHARD == DEFAULT_MIN_SHARD
     assert choices.DTYPES == expected["dtype"]
     assert (choices.REMAT_CHOICES, choices.REMAT_AUTO) == (REMAT_CHOICES, REMAT_AUTO)
+    assert choices.LAYER_LOOPS == LAYER_LOOPS
     assert choices.ATTENTION_CHOICES == expected["attention"]
     assert choices.PRESET_NAMES == expected["model"]
     assert choices.BENCH_SIZES == {name: getattr(size, name) for name in choices.BENCH_SIZES}

@@ -90,6 +90,41 @@ def test_attention_policy_keeps_the_kernels_residuals(capsys):
     )
 
 
+def test_attention_policy_keeps_q_and_k_rotated(capsys):
+    # The attention call's q and k as it takes them, rotated, where "dots" keeps the projections'
+    # outputs and the backward rotates them again: the same bytes (the count above is the same).
+    from dew.models.causal_transformer import REMAT_POLICIES
+    from dew.nn.attention import self_attention
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    p = {
+        name: jax.random.normal(key, shape)
+        for name, key, shape in zip(
+            "qkvo", keys, [(E, H, D), (E, KV, D), (E, KV, D), (H, D, E)], strict=True
+        )
+    }
+    x = jnp.ones((B, S, E), jnp.float32)
+
+    def saved(policy):
+        layer = jax.checkpoint(
+            lambda p, x: self_attention(p, x, jnp.arange(S)), policy=REMAT_POLICIES[policy]
+        )
+        capsys.readouterr()
+        jax.ad_checkpoint.print_saved_residuals(lambda p, x: layer(p, x).sum(), p, x)
+        lines = capsys.readouterr().out.splitlines()
+        return sorted(
+            (line.split()[0], "rotated" if "'attention_rotated'" in line else "projection")
+            for line in lines
+            if "'attention_rotated'" in line or "output of dot_general" in line
+        )
+
+    # v as its projection writes it, [kv heads, head_dim, rows, seq] before the layout's bitcast.
+    q, k, v = f"f32[{B},{H},{S},{D}]", f"f32[{B},{KV},{S},{D}]", f"f32[{KV},{D},{B},{S}]"
+    assert saved("attention") == sorted([(q, "rotated"), (k, "rotated"), (v, "projection")])
+    dots = saved("dots")
+    assert [kind for _, kind in dots] == ["projection"] * 3, dots
+
+
 def test_unknown_policy_is_refused_naming_the_choices():
     with pytest.raises(
         ValueError, match="unknown remat policy 'some'; expected one of full, dots, attention, none"
@@ -151,7 +186,10 @@ def test_presets_train_in_bfloat16_and_the_example_decoder_in_float32():
         # recomputes everything: "dots" does not fit one v5e chip at 16 x 1024 (presets.py).
         remat = {"gpt2-small": "attention", "llama-3.2-1b": "dots"}.get(name, "full")
         assert got == ("bfloat16", "float32", "auto", remat), name
+        # GPT-2 small unrolls its layers: faster on one v5e chip (presets.py); the rest scan.
+        assert model.layer_loop == ("unroll" if name == "gpt2-small" else "scan"), name
     plain = dew.models.build(
         "causal_transformer", vocab_size=8, emb_features=8, num_layers=1, num_heads=2, max_seq_len=4
     )
     assert (plain.dtype, plain.attention_impl, plain.remat) == ("float32", "xla", "full")
+    assert plain.layer_loop == "scan"

@@ -26,6 +26,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # dew.models.causal_transformer.REMAT_CHOICES and REMAT_AUTO
 REMAT_CHOICES = ("full", "dots", "attention", "none")
 REMAT_AUTO = "auto"
+# dew.models.causal_transformer.LAYER_LOOPS
+LAYER_LOOPS = ("scan", "unroll")
 # dew.nn.attention.CHOICES
 ATTENTION_CHOICES = ("xla", "pallas", "pallas_tpu_interpret", "cudnn", "auto")
 # dew.models.presets.PRESETS' names

@@ -1,8 +1,8 @@
 """The model's flags, defined once for every ``dew`` command that builds one: a ``--model`` preset
 or the example decoder's sizes, the model's choices (``--dtype``, ``--param-dtype``, ``--remat``,
-``--attention``, ``--loss-chunk``, ``--attention-window``), the mixture-of-experts flags, and
-what they make: ``model_config`` (one model), ``model_variants`` (one per value of a choice given
-several), ``sizes_text`` (a command's first line).
+``--attention``, ``--loss-chunk``, ``--attention-window``, ``--layer-loop``), the
+mixture-of-experts flags, and what they make: ``model_config`` (one model), ``model_variants``
+(one per value of a choice given several), ``sizes_text`` (a command's first line).
 
 Like ``dew.cli.flags``, nothing here imports JAX at the top, and building the parser imports none
 (the choices are ``dew.cli.choices``' copies): the parser is built before the device flags are
@@ -125,6 +125,14 @@ def add_model_flags(
         **nargs,
     )
     parser.add_argument(
+        "--layer-loop",
+        default=None,
+        choices=choices.LAYER_LOOPS,
+        help="how the layers run (default: the model's own, unroll for gpt2-small, scan for the "
+        "others): scan (one loop: a compile that does not grow with depth) or unroll (each layer "
+        "compiled on its own: a faster step, a longer compile)",
+    )
+    parser.add_argument(
         "--attention-window",
         type=int,
         default=None,
@@ -154,6 +162,7 @@ _MODEL_CHOICE_FLAGS = {
     "attention": "attention_impl",
     "loss_chunk": "loss_chunk_tokens",
     "attention_window": "attention_window",
+    "layer_loop": "layer_loop",
 }
 
 
@@ -220,7 +229,8 @@ def model_variants(args) -> tuple[dict, list[dict]]:
 def sizes_text(config: dict, args, name: str | None = None) -> str:
     """What a command runs, for its header: ``"llama-3.2-1b: 16 layers, width 2048, 32 heads
     (8 kv), vocab 128256, context 8192; bfloat16 activations, float32 weights, remat full,
-    attention auto; batch 16 x 32 tokens"``, from ``model_config``'s ``config`` (or a model's
+    attention auto; batch 16 x 32 tokens"`` (``", layers unrolled"`` after the attention under
+    ``layer_loop="unroll"``), from ``model_config``'s ``config`` (or a model's
     fields); ``name`` says where the model comes from when it is neither a preset nor the
     example decoder (``--init-from``)."""
     from dew.models.causal_transformer import CausalTransformer
@@ -250,6 +260,7 @@ def sizes_text(config: dict, args, name: str | None = None) -> str:
             if value.get("attention_window") is not None
             else ""
         )
+        + (", layers unrolled" if value.get("layer_loop") == "unroll" else "")
         + f"{adapters}; batch {args.batch} x {args.seq_len} tokens"
     )
 

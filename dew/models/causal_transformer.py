@@ -7,13 +7,15 @@ With ``num_experts`` set, the MLP of every ``moe_every``-th layer is a mixture o
 (``dew.nn.moe``): layer ``i`` (from 0) is an MoE layer when ``(i + 1) % moe_every == 0``.
 
 The layers' weights are stacked on a leading ``layers`` dimension, one stack per kind
-(``layers`` for dense layers, ``moe_layers`` for MoE ones), and run under ``lax.scan``, so
-compile time does not grow with depth. Each layer body runs under ``jax.checkpoint`` with the
-``remat`` policy: by default (``"full"``) saving nothing, so the backward recomputes the layer;
-``"dots"`` keeps the weight matmuls' outputs, ``"attention"`` the attention output (and the kernels'
-lse) too, ``"none"`` everything. In every policy the gathers of fsdp-split weights run again in the
-backward (a gather is never saved), so only one layer's whole weights are ever alive (gather
-forward, gather again backward, scatter the gradients).
+(``layers`` for dense layers, ``moe_layers`` for MoE ones), and run under ``lax.scan``: by default
+(``layer_loop="scan"``) as a loop, so compile time does not grow with depth; ``"unroll"`` compiles
+every layer on its own (``LAYER_LOOPS`` says what each costs). Each layer body runs under
+``jax.checkpoint`` with the ``remat`` policy: by default (``"full"``) saving nothing, so the
+backward recomputes the layer; ``"dots"`` keeps the weight matmuls' outputs, ``"attention"`` the
+attention's inputs and output (and the kernels' lse) too, ``"none"`` everything. In every policy
+the gathers of fsdp-split weights run again in the backward (a gather is never saved), so only
+one layer's whole weights are ever alive (gather forward, gather again backward, scatter the
+gradients).
 
 The model is three parts a layout can run apart, ``embed``, ``blocks`` and ``head``; ``apply`` is
 their composition (tokens -> logits).
@@ -95,11 +97,13 @@ REMAT_POLICIES = {
     # the norm into both the gate's and the up projection's weight gradients under shard_map
     # (not under GSPMD), each reading the residual in float32. On one v5e chip (GPT-2 small, 16 x
     # 1024 tokens) keeping it took shard_map from 1.03x the GSPMD step to 1.00x, for 245 MiB
-    # (docs/benchmarks.md).
+    # (docs/benchmarks.md). It keeps q and k rotated, in place of the projections' outputs "dots"
+    # would keep (the same bytes): the backward's attention call takes them as they are, where it
+    # rotated them again (compiled for v5e, GPT-2 small: no rotation left in the backward).
     "attention": jax.checkpoint_policies.save_from_both_policies(
         _SAVE_DOTS,
         jax.checkpoint_policies.save_only_these_names(
-            attention.OUT_NAME, attention.LSE_NAME, MLP_INPUT
+            attention.OUT_NAME, attention.LSE_NAME, attention.ROTATED_NAME, MLP_INPUT
         ),
     ),
     "none": None,
@@ -108,6 +112,15 @@ REMAT_CHOICES = tuple(REMAT_POLICIES)
 # remat="auto": the least recomputation whose step fits the devices, chosen by compiling it
 # (``dew.training.remat_choice.choose_remat``, which the Trainer calls before it builds a step).
 REMAT_AUTO = "auto"
+
+# How ``blocks`` runs the layers (``layer_loop``). "scan": one loop, whose body is compiled once;
+# what a layer keeps for the backward is written into a stack indexed by the loop, and read back
+# out of it, and a kernel's operand sliced from a stack is a copy of its own (on one v5e chip,
+# GPT-2 small at 16 x 1024 tokens: ops writing into the stacks or copying out of them took 8.8 ms
+# of a profiled 142 ms step). "unroll": every layer compiled on
+# its own, each residual a buffer of its own: 124.8 ms against 139.6 there (56.9% MFU), for a
+# compile 2.2 times as long (67 s against 31) that grows with depth (docs/benchmarks.md).
+LAYER_LOOPS = ("scan", "unroll")
 
 
 def remat_layer(layer, policy: str):
@@ -195,6 +208,9 @@ class CausalTransformer:
       attention_window: ``None`` (every earlier token) or ``W >= 1``: sliding-window attention,
         each token attending to at most the ``W`` most recent tokens, itself included (Mistral's
         and Gemma's local attention; ``window=W`` in ``dew.kernels``), in every layer.
+      layer_loop: ``"scan"`` (one loop over the layers: a compile that does not grow with depth)
+        or ``"unroll"`` (each layer compiled on its own: a faster step, a longer compile;
+        ``LAYER_LOOPS``). The same arithmetic either way.
     """
 
     vocab_size: int
@@ -223,6 +239,7 @@ class CausalTransformer:
     loss_chunk_tokens: int | None = None
     lora: lora.Lora | None = None
     attention_window: int | None = None
+    layer_loop: str = "scan"
 
     def __post_init__(self):
         # A dict (a preset's, a config.json's) becomes the frozen, hashable Llama3Scaling.
@@ -246,6 +263,10 @@ class CausalTransformer:
             raise ValueError(
                 f"unknown attention_impl {self.attention_impl!r}; expected one of "
                 f"{', '.join(attention.CHOICES)}"
+            )
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(
+                f"unknown layer_loop {self.layer_loop!r}; expected one of {', '.join(LAYER_LOOPS)}"
             )
         if self.remat not in REMAT_POLICIES and self.remat != REMAT_AUTO:
             raise ValueError(
@@ -564,7 +585,8 @@ class CausalTransformer:
         (packed documents: each token's position in its document). ``segment_ids``: ``None``,
         or int32 ``[rows, seq]``, each token's document: a token attends only to earlier tokens
         of its own document (and, with ``attention_window``, only the most recent). The layers
-        run under ``lax.scan`` (dense and MoE layers interleaved: a scan over groups of
+        run under ``lax.scan``, unrolled with ``layer_loop="unroll"`` (dense and MoE layers
+        interleaved: a scan over groups of
         ``moe_every`` layers, each ``moe_every - 1`` dense layers then one MoE layer), each under
         ``jax.checkpoint`` with the ``remat`` policy; ``shards.pin`` constrains each layer's input
         and the output (the GSPMD baseline's activation pinning; a no-op otherwise).
@@ -655,9 +677,10 @@ class CausalTransformer:
 
         dense_layer = remat_layer(dense_layer, self.remat)
         moe_layer = remat_layer(moe_layer, self.remat)
+        unroll = self.layer_loop == "unroll"  # lax.scan's True: every iteration inline
         p = params["params"]
         if not self.num_moe_layers:
-            x, _ = lax.scan(dense_layer, x, p["layers"])
+            x, _ = lax.scan(dense_layer, x, p["layers"], unroll=unroll)
             return shards.pin(x), moe.RouterStats.zeros()
 
         # The MoE layers this call runs (all of them, or one pipeline stage's share).
@@ -668,7 +691,7 @@ class CausalTransformer:
             x, stats = carry
             dense_weights, moe_weights = group_weights
             if dense_per_group:
-                x, _ = lax.scan(dense_layer, x, dense_weights)
+                x, _ = lax.scan(dense_layer, x, dense_weights, unroll=unroll)
             x, layer_stats = moe_layer(x, moe_weights)
             return (x, stats + layer_stats), None
 
@@ -678,7 +701,9 @@ class CausalTransformer:
             dense = jax.tree_util.tree_map(
                 lambda w: w.reshape(groups, dense_per_group, *w.shape[1:]), p["layers"]
             )
-        (x, stats), _ = lax.scan(group, (x, moe.RouterStats.zeros()), (dense, p["moe_layers"]))
+        (x, stats), _ = lax.scan(
+            group, (x, moe.RouterStats.zeros()), (dense, p["moe_layers"]), unroll=unroll
+        )
         mean = 1.0 / self.num_moe_layers
         stats = stats._replace(load_balance=stats.load_balance * mean, z_loss=stats.z_loss * mean)
         return shards.pin(x), stats

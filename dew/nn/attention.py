@@ -16,8 +16,8 @@ passed on only when set, so an attention function without them still runs a mode
 ``"auto"``, which ``resolve`` turns into one of them for the devices a step is compiled for.
 
 Each function names its output ``OUT_NAME`` (and the Pallas kernels their lse ``LSE_NAME``) with
-``jax.ad_checkpoint.checkpoint_name``, so that a remat policy can save them (the model's
-``remat="attention"``).
+``jax.ad_checkpoint.checkpoint_name``, and ``self_attention`` names the rotated q and k
+``ROTATED_NAME``, so that a remat policy can save them (the model's ``remat="attention"``).
 
 Weights: ``q`` ``[embed, heads, head_dim]``, ``k`` and ``v`` ``[embed, kv_heads, head_dim]``,
 ``o`` ``[heads, head_dim, embed]``. Heads are a dimension of their own so a layout can split them.
@@ -39,6 +39,7 @@ from dew.nn.param import PLAIN, Param, Projections, normal
 # The residuals' names (the Pallas kernels and the ring use the same strings).
 OUT_NAME = "attention_out"
 LSE_NAME = "attention_lse"
+ROTATED_NAME = "attention_rotated"  # q and k after the rotation: what the attention call takes
 # The model's attention layout: the kernels' own (``dew.kernels``' ``layout="bhsd"``).
 LAYOUT = "bhsd"
 LAYOUTS = rotary.LAYOUTS  # what xla_attention takes: the layouts rotary rotates
@@ -366,7 +367,7 @@ def self_attention(
     """
     rope = dict(base=rope_theta, scaling=rope_scaling, layout=LAYOUT)
     q, k, v = projections.columns("bse,ehd->bhsd", x, (p["q"], p["k"], p["v"]))
-    q = rotary.rotate(q, positions, **rope)
-    k = rotary.rotate(k, positions, **rope)
+    q = checkpoint_name(rotary.rotate(q, positions, **rope), ROTATED_NAME)
+    k = checkpoint_name(rotary.rotate(k, positions, **rope), ROTATED_NAME)
     out, _ = attend(q, k, v, causal=True, **_set(segment_ids=segment_ids, window=window))
     return projections.row("bhsd,hde->bse", out, p["o"])
