@@ -117,9 +117,9 @@ REMAT_AUTO = "auto"
 # what a layer keeps for the backward is written into a stack indexed by the loop, and read back
 # out of it, and a kernel's operand sliced from a stack is a copy of its own (on one v5e chip,
 # GPT-2 small at 16 x 1024 tokens: ops writing into the stacks or copying out of them took 8.8 ms
-# of a profiled 142 ms step). "unroll": every layer compiled on
-# its own, each residual a buffer of its own: 124.8 ms against 139.6 there (56.9% MFU), for a
-# compile 2.2 times as long (67 s against 31) that grows with depth (docs/benchmarks.md).
+# of a profiled 142 ms step). "unroll": every layer compiled on its own, each residual a buffer of
+# its own: 124.8 ms against 139.6 there (56.9% MFU), for a compile 2.2 times as long (67 s
+# against 31) that grows with depth (docs/benchmarks.md).
 LAYER_LOOPS = ("scan", "unroll")
 
 
@@ -586,10 +586,10 @@ class CausalTransformer:
         or int32 ``[rows, seq]``, each token's document: a token attends only to earlier tokens
         of its own document (and, with ``attention_window``, only the most recent). The layers
         run under ``lax.scan``, unrolled with ``layer_loop="unroll"`` (dense and MoE layers
-        interleaved: a scan over groups of
-        ``moe_every`` layers, each ``moe_every - 1`` dense layers then one MoE layer), each under
-        ``jax.checkpoint`` with the ``remat`` policy; ``shards.pin`` constrains each layer's input
-        and the output (the GSPMD baseline's activation pinning; a no-op otherwise).
+        interleaved: a scan over groups of ``moe_every`` layers, each ``moe_every - 1`` dense
+        layers then one MoE layer), each under ``jax.checkpoint`` with the ``remat`` policy;
+        ``shards.pin`` constrains each layer's input and the output (the GSPMD baseline's
+        activation pinning; a no-op otherwise).
         """
 
         shared_kv = self.kv_heads < shards.size(tensor.AXIS)
