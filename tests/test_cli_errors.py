@@ -207,6 +207,18 @@ def test_a_step_that_does_not_fit_the_chip_is_one_line(dew_here, tmp_path, monke
     assert (args.layers, args.batch, args.seq_len, args.remat) == (2, 48, 32, None)
 
 
+def test_an_unrolled_step_that_does_not_fit_is_told_to_scan_first(dew_here, tmp_path, monkeypatch):
+    _first_step_raises(monkeypatch, RUNTIME_ALLOCATION)
+    line = "train --steps 1 --layers 2 --layer-loop unroll --run-dir run"
+    run = dew_here(*line.split(), cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines() == [
+        "dew train: the step ran out of device memory: it could not allocate 9.20 GiB; use "
+        "--layer-loop scan, --remat full, a smaller --batch (--accumulation K keeps the batch) or "
+        "more devices"
+    ]
+
+
 def test_a_failed_allocation_and_any_other_xla_error(dew_here, tmp_path, monkeypatch):
     import jax
 

@@ -130,7 +130,8 @@ def add_model_flags(
         choices=choices.LAYER_LOOPS,
         help="how the layers run (default: the model's own, unroll for gpt2-small, scan for the "
         "others): scan (one loop: a compile that does not grow with depth) or unroll (each layer "
-        "compiled on its own: a faster step, a longer compile)",
+        "compiled on its own: a faster step, a longer compile, and the compiler may keep what "
+        "--remat would recompute: dew plan shows the memory)",
     )
     parser.add_argument(
         "--attention-window",

@@ -119,7 +119,11 @@ REMAT_AUTO = "auto"
 # GPT-2 small at 16 x 1024 tokens: ops writing into the stacks or copying out of them took 8.8 ms
 # of a profiled 142 ms step). "unroll": every layer compiled on its own, each residual a buffer of
 # its own: 124.8 ms against 139.6 there (56.9% MFU), for a compile 2.2 times as long (67 s
-# against 31) that grows with depth (docs/benchmarks.md).
+# against 31) that grows with depth (docs/benchmarks.md). Unrolled, the remat policy says what
+# the backward may recompute, not what XLA keeps: ``remat_layer``'s prevent_cse=False lets XLA
+# merge a recomputation into the forward, which only a loop rules out (GPT-2 small's
+# temporaries, "attention": 6.44 GiB unrolled against 6.71 scanned; Llama-3.2-1B at 4 x 2048,
+# "full": 22.7 GiB against 4.8, `dew plan --target v5e-1`). `dew plan` tells what a choice costs.
 LAYER_LOOPS = ("scan", "unroll")
 
 
@@ -139,7 +143,9 @@ def remat_layer(layer, policy: str):
     if policy == "none":
         return layer
     # prevent_cse=False: the layers run under lax.scan, which already keeps XLA from merging the
-    # recomputation into the forward (jax.checkpoint's documented exception).
+    # recomputation into the forward (jax.checkpoint's documented exception). Unrolled
+    # (layer_loop="unroll") XLA may merge it: LAYER_LOOPS says what that does to memory, and why
+    # it stays so (the step GPT-2 small's preset was timed with).
     return jax.checkpoint(layer, policy=REMAT_POLICIES[policy], prevent_cse=False)
 
 
@@ -209,8 +215,9 @@ class CausalTransformer:
         each token attending to at most the ``W`` most recent tokens, itself included (Mistral's
         and Gemma's local attention; ``window=W`` in ``dew.kernels``), in every layer.
       layer_loop: ``"scan"`` (one loop over the layers: a compile that does not grow with depth)
-        or ``"unroll"`` (each layer compiled on its own: a faster step, a longer compile;
-        ``LAYER_LOOPS``). The same arithmetic either way.
+        or ``"unroll"`` (each layer compiled on its own: a faster step, a longer compile, and
+        XLA may keep what ``remat`` would recompute; ``LAYER_LOOPS``). The same arithmetic
+        either way.
     """
 
     vocab_size: int
