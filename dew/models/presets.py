@@ -135,8 +135,10 @@ PRESETS: dict[str, dict] = {
 #   --remat auto`, 2026-12-05, with the loss over chunks).
 # - layer_loop "unroll" for GPT-2 small: on one v5e chip (2026-12-06) at 16 x 1024 tokens, its
 #   step took 124.8 ms against the scanned layers' 139.6 (56.9% MFU against 50.9%), for a first
-#   step after 67 s against 31 (docs/benchmarks.md, "The layers unrolled"). The others keep
-#   "scan": not timed unrolled, and their compile grows with their 16 to 80 layers.
+#   step after 67 s against 31 (docs/benchmarks.md, "The layers unrolled"); on a GPU not timed.
+#   The others keep "scan": not timed unrolled, their compile grows with their 16 to 80 layers,
+#   and unrolled XLA may keep what their remat would recompute (Llama-3.2-1B at 4 x 2048 under
+#   "full": 22.7 GiB of temporaries against 4.8, over one v5e chip).
 TRAINING_DEFAULTS = dict(dtype="bfloat16", attention_impl="auto")
 REMAT_DEFAULTS = {
     "gpt2-small": "attention",
