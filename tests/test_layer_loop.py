@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import dew
+from dew.collectives.hlo_text import called_computations, parse_module
 from dew.objectives.lm import LMObjective
 from dew.targets import target
 from tests.helpers import SEQ, VOCAB, fresh_batch, relative_error, seeded_key
@@ -76,40 +77,24 @@ def test_an_unknown_layer_loop_is_refused_naming_the_choices():
         build("unrolled")
 
 
-HLO_NAME = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?\s([\w-]+)\((.*)$")
-
-
 def kernel_operands_sliced_from_a_stack(hlo: str) -> dict[str, list[str]]:
     """``{attention kernel call: its operands made by a dynamic-slice}``: a ``dynamic-slice``, or
     a fusion whose computation holds one (a copy out of a loop's stack of residuals)."""
-    computations, current = {}, None
-    for line in hlo.splitlines():
-        header = re.match(r"^(?:ENTRY )?%(\S+) ", line)
-        if header and line.rstrip().endswith("{"):
-            current = computations.setdefault(header.group(1), [])
-        elif current is not None:
-            current.append(line)
-    defined = {}
-    for lines in computations.values():
-        for line in lines:
-            match = HLO_NAME.match(line)
-            if match:
-                defined[match.group(1)] = (match.group(2), line)
+    computations, _ = parse_module(hlo)
+    defined = {i.name: i for c in computations.values() for i in c.instructions}
 
     def sliced(name):
-        opcode, line = defined[name]
-        if opcode == "fusion":
-            callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
-            return any(" dynamic-slice(" in body for body in computations[callee])
-        return opcode == "dynamic-slice"
+        made = defined[name]
+        if made.opcode == "fusion":
+            (body,) = called_computations(made.attrs, is_call=False)
+            return any(i.opcode == "dynamic-slice" for i in computations[body].instructions)
+        return made.opcode == "dynamic-slice"
 
-    found = {}
-    for name, (opcode, line) in defined.items():
-        if opcode == "custom-call" and "dew_flash_attention" in name:
-            operands = re.search(r"custom-call\((.*?)\), custom_call_target", line).group(1)
-            names = [o for o in re.findall(r"%([\w.\-]+)", operands) if o in defined]
-            found[name] = [o for o in names if sliced(o)]
-    return found
+    return {
+        i.name: [o for o in i.operands if o in defined and sliced(o)]
+        for i in defined.values()
+        if i.opcode == "custom-call" and "dew_flash_attention" in i.name
+    }
 
 
 @pytest.mark.xdist_group("tpu")

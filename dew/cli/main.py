@@ -446,16 +446,6 @@ def one_line(error: BaseException) -> str:
     return "; ".join(lines) or type(error).__name__
 
 
-def _unrolled(args) -> bool:
-    """Whether the model ``args`` build runs its layers unrolled (``layer_loop``)."""
-    if not hasattr(args, "example_model"):  # a command that builds no model
-        return False
-    try:
-        return model_config(args).get("layer_loop") == "unroll"
-    except ValueError:
-        return False
-
-
 def main(argv=None) -> int:
     """Runs one ``dew`` command. A user's mistake in any command (``user_errors``), and a step
     that does not fit the device's memory (``dew.cli.out_of_memory``), is one line on stderr,
@@ -474,7 +464,7 @@ def main(argv=None) -> int:
     except Exception as error:  # XLA's out of memory is a user's batch too big, said in one line
         from dew.cli.out_of_memory import out_of_memory_line
 
-        line = out_of_memory_line(error, argv, unrolled=_unrolled(args))
+        line = out_of_memory_line(error, argv, args)
         if line is None:
             raise
     print(f"dew {args.command}: {line}", file=sys.stderr, flush=True)

@@ -70,12 +70,24 @@ def tpu_target_name() -> str | None:
     return None
 
 
-def out_of_memory_line(error: BaseException, argv: list[str], unrolled: bool = False) -> str | None:
+def layers_unrolled(args) -> bool:
+    """Whether the model a command's parsed ``args`` build runs its layers unrolled."""
+    from dew.cli.model_flags import model_config
+
+    if not hasattr(args, "example_model"):  # a command that builds no model
+        return False
+    try:
+        return model_config(args).get("layer_loop") == "unroll"
+    except ValueError:
+        return False
+
+
+def out_of_memory_line(error: BaseException, argv: list[str], args=None) -> str | None:
     """One line for ``error`` when it is XLA saying a step does not fit the device's memory
     (``dew.benchmark.measure.out_of_memory``): what the step needs, what the device has, and
     what would fit (``dew plan --search`` with this command's model flags, on a TPU; the flags
-    that shrink a step, ``--layer-loop scan`` first for a model whose layers are ``unrolled``).
-    ``None`` for any other error."""
+    that shrink a step, ``--layer-loop scan`` first where ``args``, the command's parsed flags,
+    build a model whose layers are unrolled). ``None`` for any other error."""
     import jax
 
     from dew.benchmark.measure import bytes_text, device_memory, figures_in, out_of_memory
@@ -97,7 +109,7 @@ def out_of_memory_line(error: BaseException, argv: list[str], unrolled: bool = F
         )
         what += "" if device is None else f" on a device of {bytes_text(device)}"
     fixes = "use --remat full, a smaller --batch (--accumulation K keeps the batch) or more devices"
-    if unrolled:  # XLA may keep what an unrolled layer would recompute (causal_transformer)
+    if layers_unrolled(args):  # XLA may keep what an unrolled layer would recompute
         fixes = fixes.replace("use ", "use --layer-loop scan, ", 1)
     target = tpu_target_name()
     if target is not None:
