@@ -62,8 +62,11 @@ LAYER_INPUT = B * S * E
 WEIGHT_DOTS = B * S * H * D + 2 * B * S * KV * D + B * S * E + 2 * B * S * F
 ATTENTION_OUT = B * S * H * D
 MLP_INPUT = B * S * E
+ROTATED_QK = B * S * H * D + B * S * KV * D
+GATE = B * S * F
 EXPECTED = {
     "full": L * LAYER_INPUT,
+    "attention_gate": L * (LAYER_INPUT + ATTENTION_OUT + ROTATED_QK + GATE),
     "dots": L * (LAYER_INPUT + WEIGHT_DOTS),
     "attention": L * (LAYER_INPUT + WEIGHT_DOTS + ATTENTION_OUT + MLP_INPUT),
 }
@@ -75,19 +78,19 @@ def test_each_policy_saves_what_it_names(capsys):
         assert saved[policy] == expected, (policy, saved, EXPECTED)
     # "none" keeps every intermediate, the [B, KV, H / KV, S, S] probabilities among them.
     assert saved["none"] >= EXPECTED["attention"] + L * B * H * S * S, saved
-    assert saved["none"] > saved["attention"] > saved["dots"] > saved["full"], saved
+    order = ("none", "attention", "dots", "attention_gate", "full")
+    assert [saved[p] for p in order] == sorted(saved.values(), reverse=True), saved
 
 
 def test_attention_policy_keeps_the_kernels_residuals(capsys):
-    # The Pallas kernel's backward reads its forward's out and lse: "attention" keeps both (the
-    # kernel names them), so the backward does not run the forward kernel again; "dots" keeps
-    # neither.
+    # The Pallas kernel's backward reads its forward's out and lse: "attention" and
+    # "attention_gate" keep both (the kernel names them), so the backward does not run the
+    # forward kernel again; "dots" keeps neither.
     lse = B * H * S
     assert saved_floats(build("dots", attention_impl="pallas"), capsys) == EXPECTED["dots"]
-    assert (
-        saved_floats(build("attention", attention_impl="pallas"), capsys)
-        == EXPECTED["attention"] + L * lse
-    )
+    for policy in ("attention", "attention_gate"):
+        model = build(policy, attention_impl="pallas")
+        assert saved_floats(model, capsys) == EXPECTED[policy] + L * lse, policy
 
 
 def test_attention_policy_keeps_q_and_k_rotated(capsys):
@@ -125,9 +128,36 @@ def test_attention_policy_keeps_q_and_k_rotated(capsys):
     assert [kind for _, kind in dots] == ["projection"] * 3, dots
 
 
+def test_the_gate_is_kept_by_name(capsys):
+    # "attention_gate" keeps the MLP's gate projection by its name; the up projection, the same
+    # shape, is recomputed.
+    from dew.nn import mlp
+
+    keys = jax.random.split(jax.random.key(1), 3)
+    p = {
+        name: jax.random.normal(key, shape)
+        for name, key, shape in zip(
+            ("gate", "up", "down"), keys, [(E, F), (E, F), (F, E)], strict=True
+        )
+    }
+    layer = jax.checkpoint(
+        mlp.swiglu, policy=jax.checkpoint_policies.save_only_these_names(mlp.GATE_NAME)
+    )
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda p, x: layer(p, x).sum(), p, jnp.ones((B, S, E), jnp.float32)
+    )
+    kept = [
+        line for line in capsys.readouterr().out.splitlines() if "from the argument" not in line
+    ]
+    assert len(kept) == 1 and kept[0].startswith(f"f32[{B * S},{F}] named 'mlp_gate'"), kept
+
+
 def test_unknown_policy_is_refused_naming_the_choices():
     with pytest.raises(
-        ValueError, match="unknown remat policy 'some'; expected one of full, dots, attention, none"
+        ValueError,
+        match="unknown remat policy 'some'; expected one of "
+        "full, attention_gate, dots, attention, none",
     ):
         build("some")
 
@@ -149,7 +179,7 @@ def test_every_policy_gives_the_loss_and_gradients_of_none_with_experts(seed):
     batch = fresh_batch(ROWS, seed)
     params = jax.jit(build("none", **extra).init)(seeded_key(seed))  # one program, not op by op
     loss, grads = one_device(LMObjective(build("none", **extra), SEQ), params, batch)
-    for policy in ("full", "dots", "attention"):
+    for policy in ("full", "attention_gate", "dots", "attention"):
         got_loss, got_grads = one_device(LMObjective(build(policy, **extra), SEQ), params, batch)
         np.testing.assert_allclose(got_loss, loss, rtol=TOL, err_msg=f"{policy}, seed {seed}")
         error = relative_error(got_grads, grads)

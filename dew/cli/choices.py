@@ -24,7 +24,7 @@ DEFAULT_MIN_SHARD = 4096
 # dew.models.causal_transformer.DTYPES' names
 DTYPES = ("float32", "bfloat16", "float16")
 # dew.models.causal_transformer.REMAT_CHOICES and REMAT_AUTO
-REMAT_CHOICES = ("full", "dots", "attention", "none")
+REMAT_CHOICES = ("full", "attention_gate", "dots", "attention", "none")
 REMAT_AUTO = "auto"
 # dew.models.causal_transformer.LAYER_LOOPS
 LAYER_LOOPS = ("scan", "unroll")

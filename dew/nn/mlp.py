@@ -3,8 +3,12 @@
 import math
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from dew.nn.param import PLAIN, Param, Projections, normal
+
+# The gate projection's output, by name for a remat policy (the model's "attention_gate" keeps it).
+GATE_NAME = "mlp_gate"
 
 
 def mlp_params(features: int, hidden: int, out_scale: float) -> dict:
@@ -24,4 +28,5 @@ def swiglu(p: dict, x: jax.Array, projections: Projections = PLAIN) -> jax.Array
     # fast fused kernels (measured: docs/benchmarks.md, "Choices in the model").
     rows = x.reshape(-1, x.shape[-1])
     gate, up = projections.columns("te,ef->tf", rows, (p["gate"], p["up"]))
+    gate = checkpoint_name(gate, GATE_NAME)
     return projections.row("tf,fe->te", jax.nn.silu(gate) * up, p["down"]).reshape(x.shape)
