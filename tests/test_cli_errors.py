@@ -198,7 +198,8 @@ def test_a_step_that_does_not_fit_the_chip_is_one_line(dew_here, tmp_path, monke
         "--search --layers 2 --batch 48 --seq-len 32` compiles the layouts and recompute policies"
     ), message
     assert message.endswith(
-        "or use --remat full, a smaller --batch (--accumulation K keeps the batch) or more devices"
+        "or use --remat auto (the least recomputation that fits), a smaller --batch "
+        "(--accumulation K keeps the batch) or more devices"
     ), message
     # The command it suggests is one dew takes, with this run's sizes and none of train's own.
     plan = message.split("`")[1].split()[1:]
@@ -214,8 +215,8 @@ def test_an_unrolled_step_that_does_not_fit_is_told_to_scan_first(dew_here, tmp_
     assert run.returncode == 2, run.stderr
     assert run.stderr.splitlines() == [
         "dew train: the step ran out of device memory: it could not allocate 9.20 GiB; use "
-        "--layer-loop scan, --remat full, a smaller --batch (--accumulation K keeps the batch) or "
-        "more devices"
+        "--layer-loop scan, --remat auto (the least recomputation that fits), a smaller --batch "
+        "(--accumulation K keeps the batch) or more devices"
     ]
 
 
@@ -228,7 +229,8 @@ def test_a_failed_allocation_and_any_other_xla_error(dew_here, tmp_path, monkeyp
     # On CPU devices: no figure of the device's memory and no TPU target to plan for.
     assert run.stderr.splitlines() == [
         "dew train: the step ran out of device memory: it could not allocate 9.20 GiB; use "
-        "--remat full, a smaller --batch (--accumulation K keeps the batch) or more devices"
+        "--remat auto (the least recomputation that fits), a smaller --batch (--accumulation K "
+        "keeps the batch) or more devices"
     ]
     # An XLA error that is not about memory stays a traceback: Dew's bug, not the user's batch.
     _first_step_raises(monkeypatch, "INTERNAL: something broke")

@@ -57,16 +57,15 @@ def saved_floats(model, capsys) -> int:
 # Per layer, from the shapes: the layer's input; the weight matmuls' outputs (q, k, v, attention's
 # output projection, the MLP's gate and up; the down projection's output is the layer's output, the
 # next layer's input, which its backward does not read); attention's output [B, S, H, D]; the
-# MLP's normalized input [B, S, E].
+# MLP's normalized input [B, S, E]; the gate projection's output alone [B * S, F].
 LAYER_INPUT = B * S * E
 WEIGHT_DOTS = B * S * H * D + 2 * B * S * KV * D + B * S * E + 2 * B * S * F
 ATTENTION_OUT = B * S * H * D
 MLP_INPUT = B * S * E
-ROTATED_QK = B * S * H * D + B * S * KV * D
 GATE = B * S * F
 EXPECTED = {
     "full": L * LAYER_INPUT,
-    "attention_gate": L * (LAYER_INPUT + ATTENTION_OUT + ROTATED_QK + GATE),
+    "attention_gate": L * (LAYER_INPUT + ATTENTION_OUT + GATE),
     "dots": L * (LAYER_INPUT + WEIGHT_DOTS),
     "attention": L * (LAYER_INPUT + WEIGHT_DOTS + ATTENTION_OUT + MLP_INPUT),
 }

@@ -97,8 +97,8 @@ def add_model_flags(
         choices=(*choices.REMAT_CHOICES, choices.REMAT_AUTO),
         metavar="POLICY",
         help="what each layer keeps for the backward (default: the model's own): full "
-        "(nothing: the layer is recomputed), attention_gate (what the attention kernel's "
-        "backward reads and the MLP's gate), dots (the matmul outputs), attention (those and "
+        "(nothing: the layer is recomputed), attention_gate (attention's output and the "
+        "MLP's gate), dots (the matmul outputs), attention (those and "
         "the attention output), none (everything), auto (the least recomputation whose step "
         "fits the device, a compile per policy tried)" + more,
         **nargs,

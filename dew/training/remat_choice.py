@@ -21,8 +21,8 @@ __all__ = ["REMAT_ORDER", "RematChoice", "choose_remat"]
 
 # The recompute policies (``dew.models.causal_transformer.REMAT_CHOICES``), least recomputation
 # first: "none" keeps everything, "attention" the weight matmuls' outputs, attention's and the
-# MLP's normalized input, "dots" the weight matmuls' outputs, "attention_gate" attention's and the
-# MLP's gate projection, "full" nothing. Memory mostly falls in the same order
+# MLP's normalized input, "dots" the weight matmuls' outputs, "attention_gate" attention's
+# output and the MLP's gate projection, "full" nothing. Memory mostly falls in the same order
 # ("attention" can need less than "dots"): each is compiled until one fits.
 REMAT_ORDER = ("none", "attention", "dots", "attention_gate", "full")
 
