@@ -108,7 +108,10 @@ def out_of_memory_line(error: BaseException, argv: list[str], args=None) -> str 
             "" if needed is None else f": it could not allocate {bytes_text(needed)}"
         )
         what += "" if device is None else f" on a device of {bytes_text(device)}"
-    fixes = "use --remat auto (the least recomputation that fits), a smaller --batch (--accumulation K keeps the batch) or more devices"
+    fixes = (
+        "use --remat auto (the least recomputation that fits), a smaller --batch "
+        "(--accumulation K keeps the batch) or more devices"
+    )
     if layers_unrolled(args):  # XLA may keep what an unrolled layer would recompute
         fixes = fixes.replace("use ", "use --layer-loop scan, ", 1)
     target = tpu_target_name()
