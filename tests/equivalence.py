@@ -89,6 +89,30 @@ def reference_run(objective, optimizer, key, batches):
     return run
 
 
+def host_state(trainer, params, opt_state=None) -> dew.TrainState:
+    """``trainer``'s state at step 0 from ``params`` (the weights another run started from), laid
+    out by ``trainer``: no initialisation program of its own to compile, for a test that checks
+    the trainer's initial weights elsewhere (``test_initial_weights_do_not_depend_on_the_layout``).
+    ``opt_state``: the optimizer's state on the host; by default ``trainer.optimizer.init``'s."""
+    params = jax.tree_util.tree_map(np.asarray, params)
+    if opt_state is None:
+        opt_state = jax.device_get(trainer.optimizer.init(params))
+    state = dew.TrainState(
+        step=np.zeros((), np.int32),
+        # On the host: device_put lays host arrays out directly, where one device's arrays would
+        # each be cut by a program of their own (jax's _multi_slice, compiled per shape and
+        # layout: 126 compiles in tests/test_equivalence.py).
+        params=params,
+        opt_state=opt_state,
+        ema=None,
+        # A copy: the step donates the state, and the trainer's key is the caller's.
+        key=jax.random.wrap_key_data(
+            np.asarray(jax.random.key_data(trainer.key)), impl=jax.random.key_impl(trainer.key)
+        ),
+    )
+    return jax.device_put(state, trainer.state_shardings)
+
+
 def sharded_run(objective, optimizer, key, batches, mesh, initial=None, **trainer_args):
     """The same through a ``Trainer`` on ``mesh`` (``Layout(min_shard=1)`` unless given): its
     initial weights, each step's loss, metrics and gradients, and the final weights and optimizer
@@ -100,24 +124,7 @@ def sharded_run(objective, optimizer, key, batches, mesh, initial=None, **traine
     """
     trainer_args.setdefault("layout", dew.Layout(min_shard=1))
     trainer = dew.Trainer(objective, recording(optimizer), key, mesh=mesh, **trainer_args)
-    if initial is None:
-        state = trainer.init_state()
-    else:
-        params = jax.tree_util.tree_map(np.asarray, initial)
-        state = dew.TrainState(
-            step=np.zeros((), np.int32),
-            params=params,
-            # On the host, as the weights: device_put lays host arrays out directly, where one
-            # device's arrays would each be cut by a program of their own (jax's _multi_slice,
-            # compiled per shape and layout: 126 compiles in tests/test_equivalence.py).
-            opt_state=jax.device_get(trainer.optimizer.init(params)),
-            ema=None,
-            # A copy: the step donates the state, and the trainer's key is the caller's.
-            key=jax.random.wrap_key_data(
-                np.asarray(jax.random.key_data(trainer.key)), impl=jax.random.key_impl(trainer.key)
-            ),
-        )
-        state = jax.device_put(state, trainer.state_shardings)
+    state = trainer.init_state() if initial is None else host_state(trainer, initial)
     run = {"initial": jax.tree_util.tree_map(np.asarray, state.params), "losses": [], "grads": []}
     run["metrics"] = []
     step = trainer.train_step(ROWS)

@@ -7,8 +7,6 @@ Parsing only (no compile), except the header checks, which run ``dew collectives
 model."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -67,20 +65,13 @@ def test_repeats_of_other_flags_add_up_or_are_refused(capsys):
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
-def test_a_repeated_axis_in_one_mesh_is_refused(command):
+def test_a_repeated_axis_in_one_mesh_is_refused(command, tmp_path, dew_here):
     with pytest.raises(ValueError, match=r"mesh 'fsdp=4,fsdp=2' gives fsdp twice"):
         MeshSpec.parse("fsdp=4,fsdp=2")
-    # Through the command: exit 2, the message on stderr, before any compile.
-    argv = ["dew", command, *COMMANDS[command], "--mesh", "fsdp=4,fsdp=2", "--cpu-devices", "8"]
-    if command == "plan":
-        argv.remove("--cpu-devices")
-        argv.remove("8")
-    done = subprocess.run(
-        [sys.executable, "-c", "import sys; from dew.cli.main import main; sys.exit(main())"]
-        + argv[1:],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    # Through the command (`main`, in this process): exit 2, the message on stderr.
+    flags = [*COMMANDS[command], "--mesh", "fsdp=4,fsdp=2"]
+    done = dew_here(
+        command, *flags, *([] if command == "plan" else ["--cpu-devices", "8"]), cwd=tmp_path
     )
     assert done.returncode == 2, done.stderr
     assert "gives fsdp twice (fsdp=4 and fsdp=2)" in done.stderr

@@ -143,8 +143,9 @@ class PlainHead:
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_the_models_loss_matches_its_plain_head(seed, tied):
-    """In chunks of 7 tokens (the last one short) and in the automatic chunk, against one compile
-    of the plain head (which computes the whole logits whatever the chunk)."""
+    """In chunks of 7 tokens (the last one short) and in the automatic chunk, against the plain
+    head (which computes the whole logits whatever the chunk): the three losses and gradients
+    in one compiled program."""
     objectives = {
         what: tiny_objective(tie_embeddings=tied, loss_chunk_tokens=chunk)
         for what, chunk in (("chunks of 7", 7), ("the automatic chunk", None))
@@ -152,9 +153,12 @@ def test_the_models_loss_matches_its_plain_head(seed, tied):
     plain = next(iter(objectives.values()))
     params = jax.jit(plain.model.init)(seeded_key(seed))
     batch = fresh_batch(4, seed)
-    want, grads_want = jax.jit(jax.value_and_grad(PlainHead(plain).loss))(params, batch)
-    for what, objective in objectives.items():
-        got, grads = jax.jit(jax.value_and_grad(objective.loss))(params, batch)
+    losses = {"plain": PlainHead(plain).loss, **{w: o.loss for w, o in objectives.items()}}
+    results = jax.jit(
+        lambda params, batch: {w: jax.value_and_grad(f)(params, batch) for w, f in losses.items()}
+    )(params, batch)
+    want, grads_want = results.pop("plain")
+    for what, (got, grads) in results.items():
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{what}, seed {seed}")
         for path, g in jax.tree_util.tree_leaves_with_path(grads):
             w = grads_want

@@ -2,9 +2,11 @@
 sample output of docs/getting-started.md went stale while the code moved on).
 
 docs/getting-started.md trains with ``dew train --mesh fsdp=8``, then resumes the run in another
-layout, and shows what each command printed. Both run here as a user runs them: a fresh
-``python -m dew`` process each, in an empty folder, the command line read from the guide. Every
-line the guide shows is compared with the line printed, in order:
+layout, and shows what each command printed. Both run here as a user runs them, in an empty
+folder, the command line read from the guide: the first by ``main`` in this process (its 8 CPU
+devices are the command's; a child process would import JAX again), the resume in a fresh
+``python -m dew`` process, so that it has only what the first run left on disk. Every line the
+guide shows is compared with the line printed, in order:
 
 - the losses, gradient norms and learning rates to the printed digit: they are deterministic, the
   same on any machine and in any layout (the guide says so);
@@ -75,8 +77,8 @@ def test_getting_started_prints_what_it_says_and_metrics_md_agrees(tmp_path, dew
         "dew train --mesh data=2,fsdp=4 --steps 40",
     ], runs
     printed = {}  # step -> its log line's numbers, over both runs
-    for command, documented in runs:
-        run = dew(*shlex.split(command)[1:], cwd=tmp_path)
+    for (command, documented), how in zip(runs, (dew_here, dew)):
+        run = how(*shlex.split(command)[1:], cwd=tmp_path)
         assert run.returncode == 0, run.stderr[-3000:]
         lines = run.stdout.splitlines()
         assert_printed_as_documented(documented, lines)

@@ -75,13 +75,17 @@ def test_an_int8_lora_step_on_data_4_tensor_2_matches_one_device(seed):
     objective = int8_objective()
     model = objective.model
     key = seeded_key(seed)
-    plain = jax.jit(model.init)(key)
-    frozen = jax.jit(lambda p: lora.frozen_of(model, p))(plain)
-    adapters = lora.init_adapters(model, key)
-    adapters = jax.tree_util.tree_map_with_path(
-        lambda path, x: 0.05 * jax.random.normal(key, x.shape) if path[-1].key == "b" else x,
-        adapters,
-    )
+
+    @jax.jit  # one compiled program, not op by op
+    def weights(key):
+        frozen = lora.frozen_of(model, model.init(key))
+        adapters = jax.tree_util.tree_map_with_path(
+            lambda path, x: 0.05 * jax.random.normal(key, x.shape) if path[-1].key == "b" else x,
+            lora.init_adapters(model, key),
+        )
+        return frozen, adapters
+
+    frozen, adapters = weights(key)
     batch = fresh_batch(8, seed, vocab=model.vocab_size, seq=40)
 
     def loss(adapters):
@@ -99,7 +103,8 @@ def test_an_int8_lora_step_on_data_4_tensor_2_matches_one_device(seed):
     state = dew.TrainState(
         step=np.zeros((), np.int32),
         params=params,
-        opt_state=trainer.optimizer.init(params),
+        # On the host, as the weights: placed from there, not cut by a program per shape.
+        opt_state=jax.device_get(trainer.optimizer.init(params)),
         ema=None,
         key=jax.random.key_data(key),
         frozen=jax.tree_util.tree_map(np.asarray, frozen),

@@ -236,8 +236,9 @@ CASES = [
         id="q200-kv72-empty-rows-bf16-pieces",
     ),
     # An offset of 1 and pieces of 8: in each query block, only the last row sees the first key
-    # of the piece that starts just past it (keys 128-135 for rows 0-127): a piece that one
-    # row's one key puts in the walk.
+    # of the piece that starts just past it (keys 128-135 for rows 0-127, the first piece of key
+    # block 4, of which that row's one key puts the block pair and the piece in the walk).
+    # Blocks of 32 keys, 4 pieces each: 8 (at blocks of 64) took half as much CPU again.
     pytest.param(
         1,
         200,
@@ -248,7 +249,7 @@ CASES = [
         True,
         jnp.float32,
         128,
-        64,
+        32,
         {"block_k_compute": 8, "backward_block_k_compute": 8},
         id="q200-kv201-pieces-seen-by-one-row",
     ),
@@ -499,9 +500,12 @@ def test_keys_in_pieces_and_query_rows_in_strips_match_whole_blocks(seed, pieces
     # each strip's mask, statistics and accumulator rows right: against the float64 reference,
     # and to the bit against the forward over whole query blocks with the same pieces (a row's
     # arithmetic does not depend on the rows beside it), which is the whole blocks' run or the
-    # pieces' run here (one compile fewer than a forward of its own). One batch row of two query
-    # heads over one kv head: the pieces and strips are the subject (a second row or more heads
-    # only repeat the same steps; the cases above and below read several kv heads).
+    # pieces' run here (one compile fewer than a forward of its own). Strips are the forward's
+    # alone (the backward computes whole query blocks), so the strips' run is the forward alone:
+    # its backward, at the default backward pieces, would be the whole blocks' backward taking
+    # an out and lse equal to the bit to the run it is compared with. One batch row of two
+    # query heads over one kv head: the pieces and strips are the subject (a second row or more
+    # heads only repeat the same steps; the cases above and below read several kv heads).
     rng = np.random.default_rng(seed)
     q, k, v, do = random_inputs(rng, 1, 200, 232, 2, 1, 16, dtype)
     d_lse = random_d_lse(rng, q)
@@ -512,12 +516,13 @@ def test_keys_in_pieces_and_query_rows_in_strips_match_whole_blocks(seed, pieces
     with platform.tuned(**pieces, **whole_rows):
         pieced, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
     with platform.tuned(**strips):
-        stripped, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+        stripped = tpu_interpret_forward(q, k, v, **blocks)
     want = reference_with_lse_vjp(q, k, v, do, d_lse, causal=True, sm_scale=0.25)
     assert_matches_reference(whole, want, dtype, f"whole blocks, seed {seed}")
     assert_matches_reference(pieced, want, dtype, f"{pieces}, seed {seed}")
     assert_agree(pieced, whole, dtype, f"{pieces} against whole blocks, seed {seed}")
-    assert_matches_reference(stripped, want, dtype, f"{strips}, seed {seed}")
+    assert_close(stripped[0], want[0], dtype, f"output ({strips}, seed {seed})")
+    assert_lse_close(stripped[1], want[1], f"lse ({strips}, seed {seed})")
     # The forward over whole query blocks computing the strips' pieces.
     same_pieces = {None: whole, pieces["block_k_compute"]: pieced}[strips.get("block_k_compute")]
     for name, a, b in zip(("out", "lse"), stripped[:2], same_pieces[:2]):
@@ -527,17 +532,20 @@ def test_keys_in_pieces_and_query_rows_in_strips_match_whole_blocks(seed, pieces
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,per_step",
+    "heads,kv_heads,per_step,backward",
     [
-        pytest.param(8, 1, 4, id="4-of-a-kv-head's-8"),
-        pytest.param(8, 4, 4, id="4-over-2-kv-heads"),
-        pytest.param(6, 3, 2, id="2-of-6-over-3-kv-heads"),
+        pytest.param(8, 1, 4, True, id="4-of-a-kv-head's-8"),
+        pytest.param(8, 4, 4, False, id="4-over-2-kv-heads"),
+        pytest.param(6, 3, 2, False, id="2-of-6-over-3-kv-heads"),
     ],
 )
-def test_several_heads_a_forward_step_match_one(seed, heads, kv_heads, per_step):
+def test_several_heads_a_forward_step_match_one(seed, heads, kv_heads, per_step, backward):
     # The forward computing several query heads a step (4 on v5e) reads their kv heads right:
     # several query heads of one kv head, or several kv heads' groups whole. Against the float64
-    # reference, and to the bit against one head a step (the same arithmetic per head).
+    # reference, and to the bit against one head a step (the same arithmetic per head). Heads a
+    # step are the forward's alone; the backward runs beside in the first case only, for its
+    # group of 8 query heads over one kv head (the fused backward's dq for all 8 in VMEM), which
+    # no other case of this file has: groups of 2, as the others', are the cases above's.
     rng = np.random.default_rng(seed)
     q, k, v, do = random_inputs(rng, 1, 200, 232, heads, kv_heads, 16, jnp.float32)
     d_lse = random_d_lse(rng, q)
@@ -546,9 +554,17 @@ def test_several_heads_a_forward_step_match_one(seed, heads, kv_heads, per_step)
     with platform.tuned(forward_heads=1):
         one = tpu_interpret_forward(q, k, v, **blocks)
     with platform.tuned(forward_heads=4):
-        several, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+        if backward:
+            several, _ = tpu_interpret(q, k, v, do, d_lse, **blocks)
+        else:
+            several = tpu_interpret_forward(q, k, v, **blocks)
     want = reference_with_lse_vjp(q, k, v, do, d_lse, causal=True, sm_scale=0.25)
-    assert_matches_reference(several, want, jnp.float32, f"{per_step} heads a step, seed {seed}")
+    what = f"{per_step} heads a step, seed {seed}"
+    if backward:
+        assert_matches_reference(several, want, jnp.float32, what)
+    else:
+        assert_close(several[0], want[0], jnp.float32, f"output ({what})")
+        assert_lse_close(several[1], want[1], f"lse ({what})")
     for name, a, b in zip(("out", "lse"), several[:2], one):
         assert np.array_equal(a, b), f"{name}: {per_step} heads a step differ (seed {seed})"
 
@@ -1038,11 +1054,13 @@ def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
     # needs 23.9 MiB: at 128 both kernels now fit the default (dq 11.5, dk/dv 14.4 MiB), and a
     # backward that dropped the limit compiled there all the same. The backward alone is
     # compiled, from `flash_attention_backward`: the forward at these blocks is not the subject,
-    # and compiling it too would nearly treble the time.
+    # and compiling it too would nearly treble the time. 2048 positions, one key block whole and
+    # two query blocks: a kernel's VMEM is its blocks', whatever the length (8192 positions took
+    # this test 22 s of CPU against 16 s, and needed the limit all the same).
     mesh = jax.sharding.Mesh(target("v5e-1").devices(), ("x",))
     replicated = jax.sharding.NamedSharding(mesh, P())
-    x = jax.ShapeDtypeStruct((1, 8192, 8, 256), jnp.bfloat16, sharding=replicated)
-    lse = jax.ShapeDtypeStruct((1, 8, 8192), jnp.float32, sharding=replicated)
+    x = jax.ShapeDtypeStruct((1, 2048, 8, 256), jnp.bfloat16, sharding=replicated)
+    lse = jax.ShapeDtypeStruct((1, 8, 2048), jnp.float32, sharding=replicated)
     backward = functools.partial(flash_attention_backward, causal=True)
     with platform.tuned(fused_backward=False, block_q=1024), jax.set_mesh(mesh):
         text = jax.jit(backward).lower(x, x, x, x, lse, x).compile().as_text()

@@ -103,12 +103,15 @@ def kernel_operands_sliced_from_a_stack(hlo: str) -> dict[str, list[str]]:
     reason="compiling for a TPU slice needs libtpu (pip install -e '.[tpu]')",
 )
 def test_unrolled_layers_hand_the_kernels_their_own_buffers_for_v5e():
+    # Width 128 in 2 heads of 64 (head_dim as at width 256 in 4, which compiles twice as long):
+    # what is read is where each kernel call's operands come from, not their size.
     hlo = {}
     for loop in ("scan", "unroll"):
         model = build(
             loop,
             vocab_size=128,
-            emb_features=256,
+            emb_features=128,
+            num_heads=2,
             num_layers=2,
             max_seq_len=128,
             num_kv_heads=None,

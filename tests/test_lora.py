@@ -38,6 +38,14 @@ def lora_objective(**lora_fields):
     return LMObjective(model, SEQ)
 
 
+def base_and_adapters(model, base_key, adapters_key):
+    """The model's initial weights from ``base_key`` and ``random_adapters`` from
+    ``adapters_key``, in one compiled program (not op by op, nor two)."""
+    return jax.jit(lambda k0, k1: (model.init(k0), random_adapters(model, k1)))(
+        base_key, adapters_key
+    )
+
+
 def random_adapters(model, key):
     """Adapters as after some training: A as drawn at init, B drawn too (a fresh B is zero, and
     so then is A's gradient), at 0.05 standard deviation."""
@@ -202,27 +210,24 @@ def case(module_seed):
     objective = lora_objective()
     model = objective.model
     key = seeded_key(module_seed)
-    # Each a compiled program, not op by op.
-    base = jax.jit(model.init)(key)
-    adapters = jax.jit(lambda key: random_adapters(model, key))(seeded_key(module_seed, 1))
+    base, adapters = base_and_adapters(model, key, seeded_key(module_seed, 1))
     batches = [fresh_batch(ROWS, (module_seed, i)) for i in range(STEPS)]
     optimizer = smooth_optimizer()
 
     def loss(adapters, batch):
         return objective.loss(lora.combine(model, base, adapters), batch)
 
-    loss_and_grads = jax.jit(jax.value_and_grad(loss))
-
+    # The gradient and the update in one program.
     @jax.jit
-    def update(grads, opt_state, params):
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return value, grads, optax.apply_updates(params, updates), opt_state
 
     params, opt_state = adapters, optimizer.init(adapters)
     reference = {"losses": [], "grads": []}
     for batch in batches:
-        value, grads = loss_and_grads(params, batch)
-        params, opt_state = update(grads, opt_state, params)
+        value, grads, params, opt_state = step(params, opt_state, batch)
         reference["losses"].append(float(value))
         reference["grads"].append(grads)
     reference.update(params=params, opt_state=opt_state)
@@ -244,7 +249,9 @@ def _lora_run(case, mesh, **trainer_args):
     state = dew.TrainState(
         step=np.zeros((), np.int32),
         params=params,
-        opt_state=trainer.optimizer.init(params),
+        # On the host, as the weights: device_put lays host arrays out directly, where one
+        # device's arrays would each be cut by a program of their own (jax's _multi_slice).
+        opt_state=jax.device_get(trainer.optimizer.init(params)),
         ema=None,
         key=jax.random.wrap_key_data(
             np.asarray(jax.random.key_data(trainer.key)), impl=jax.random.key_impl(trainer.key)
@@ -328,8 +335,7 @@ def test_an_moe_model_adapts_attention_and_dense_mlps_on_expert_2_fsdp_2(seed):
     model = dataclasses_replace(lora_objective().model, num_experts=4, moe_every=2)
     objective = LMObjective(model, SEQ)
     key = seeded_key(seed)
-    base = jax.jit(model.init)(key)  # each one compiled program, not op by op
-    adapters = jax.jit(lambda key: random_adapters(model, key))(seeded_key(seed, 1))
+    base, adapters = base_and_adapters(model, key, seeded_key(seed, 1))
     assert set(adapters["lora"]["moe_layers"]) == {"attn"}
     assert set(adapters["lora"]["layers"]) == {"attn", "mlp"}
     batch = fresh_batch(ROWS, seed)

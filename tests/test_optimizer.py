@@ -21,6 +21,7 @@ from dew.cli.main import build_parser
 from dew.data import TokenWindows
 from dew.training import optimizer as opt
 from dew.training import schedule as lr_schedules
+from tests.equivalence import host_state
 from tests.helpers import (
     SEQ,
     fresh_batch,
@@ -458,18 +459,19 @@ def test_stochastic_rounding_is_the_same_on_fsdp8_as_on_one_device(seed):
     print(f"seed {seed}")
     t = trainer(dew.MeshSpec(fsdp=8), opt.adamw(), param_dtype="bfloat16")
     optimizer = opt.adamw(1e-2, clip_norm=None, rounding_seed=seed)
-    params = jax.jit(t.objective.model.init)(jax.random.key(seed))
+    # On the host, weights and gradients: placed from there, where one device's arrays would each
+    # be cut by a program of their own (jax's _multi_slice, per shape).
+    params = jax.device_get(jax.jit(t.objective.model.init)(jax.random.key(seed)))
     rng = np.random.default_rng(seed)
     grads = [
         jax.tree_util.tree_map(
-            lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.bfloat16), params
+            lambda p: rng.standard_normal(p.shape).astype(ml_dtypes.bfloat16), params
         )
         for _ in range(3)
     ]
     one = jax.devices()[0]
     split = t.state_shardings.params
 
-    @jax.jit
     def update(p, state, g):
         updates, state = optimizer.update(g, state, p)
         return optax.apply_updates(p, updates), state
@@ -477,9 +479,13 @@ def test_stochastic_rounding_is_the_same_on_fsdp8_as_on_one_device(seed):
     runs = []
     for place in (lambda tree: jax.device_put(tree, one), lambda tree: jax.device_put(tree, split)):
         p = place(params)
-        state = optimizer.init(p)
+        state = jax.jit(optimizer.init)(p)  # one program, not op by op
+        # The weights and state leave each update laid out as they came: one compile of it for
+        # each placement, where the partitioner's own layout of the state would compile it again.
+        layout = jax.tree_util.tree_map(lambda x: x.sharding, (p, state))
+        step = jax.jit(update, out_shardings=layout)
         for g in grads:
-            p, state = update(p, state, place(g))
+            p, state = step(p, state, place(g))
         runs.append(p)
     sharded = [x.sharding for x in jax.tree_util.tree_leaves(runs[1])]
     assert any(not s.is_fully_replicated for s in sharded), "some weight split over fsdp"
@@ -504,18 +510,31 @@ def trainer(mesh, optimizer, checkpoints=None, **model):
     )
 
 
+@pytest.fixture(scope="module")
+def one_device_norm(module_seed):
+    """A batch, the initial weights of ``trainer``'s model (key 3) on one device, on the host, and
+    the norm of their gradients there (float64 on the host), shared by the layouts."""
+    objective = tiny_objective()
+    batch = fresh_batch(ROWS, module_seed)
+    one = jax.devices()[0]
+    params = jax.jit(objective.model.init)(jax.device_put(jax.random.key(3), one))
+    grads = jax.jit(jax.grad(objective.loss))(params, jax.device_put(batch, one))
+    squares = [
+        np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree_util.tree_leaves(grads)
+    ]
+    return batch, jax.device_get(params), math.sqrt(sum(squares))
+
+
 @pytest.mark.parametrize(
     "mesh", [dew.MeshSpec(fsdp=8), dew.MeshSpec(data=2, tensor=4)], ids=["fsdp8", "data2_tensor4"]
 )
-def test_grad_norm_is_the_one_device_gradients_norm(mesh, seed):
+def test_grad_norm_is_the_one_device_gradients_norm(one_device_norm, mesh, seed):
     optimizer = opt.adamw(1e-3, steps=4, warmup_steps=2, lr_schedule="cosine", lr_min=1e-4)
     t = trainer(mesh, optimizer)
-    batch = fresh_batch(ROWS, seed)
-    one = jax.devices()[0]
-    params = jax.jit(t.objective.model.init)(jax.device_put(jax.random.key(3), one))
-    grads = jax.jit(jax.grad(t.objective.loss))(params, jax.device_put(batch, one))
-    want = math.sqrt(sum(float(jnp.sum(jnp.square(g))) for g in jax.tree_util.tree_leaves(grads)))
-    state = t.init_state()
+    batch, params, want = one_device_norm
+    # The trainer's initial state from the one-device weights (the same as its own initialisation
+    # makes: tests/test_equivalence.py), on the host: the step is the one program compiled.
+    state = host_state(t, params, jax.device_get(jax.jit(t.optimizer.init)(params)))
     _, metrics = t.train_step(ROWS)(state, t.device_batch(batch, ROWS))
     assert float(metrics["grad_norm"]) == pytest.approx(want, rel=1e-5), f"seed {seed}"
     assert want > 1.0, "above the clip: the metric is the norm before clipping"
@@ -587,12 +606,19 @@ def test_the_update_with_the_state_in_host_memory_equals_the_one_on_the_device(s
     """bfloat16 weights and moments (master copies too) on fsdp=8, three steps: the state in
     host memory gives the same weights and state, bit for bit, and stays in host memory."""
     choice = dict(moments_dtype="bfloat16", steps=3, warmup_steps=1, lr_schedule="cosine")
-    runs = []
+    runs, initial = [], None
     for offload in (False, True):
         t = trainer(
             dew.MeshSpec(fsdp=8), opt.adamw(1e-2, offload=offload, **choice), param_dtype="bfloat16"
         )
-        state, step = t.init_state(), t.train_step(ROWS)
+        if initial is None:
+            # One initial state for both, on the host (its key as data, which device_get takes):
+            # the same values either way (the placement is the trainer's), one program fewer.
+            state = t.init_state()
+            initial = jax.device_get(state.replace(key=jax.random.key_data(state.key)))
+        key = jax.random.wrap_key_data(initial.key, impl=jax.random.key_impl(t.key))
+        state = jax.device_put(initial.replace(key=key), t.state_shardings)
+        step = t.train_step(ROWS)
         for i in range(3):
             state, _ = step(state, t.device_batch(fresh_batch(ROWS, (seed, i)), ROWS))
         runs.append(state)

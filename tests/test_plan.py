@@ -340,12 +340,14 @@ def test_a_plan_s_temporaries_are_the_heap_libtpu_s_log_reports(tmp_path):
 
 
 def test_search_chooses_the_recompute_policy_and_says_why(tmp_path, capsys):
-    # The example decoder on one v5e chip (16 x 64 tokens: the choice, not the size, is the
-    # subject): without --remat the search chooses it, least recomputation first, and "none"
-    # fits (a compile); the output names the choice and why.
+    # The example decoder on one v5e chip (4 x 64 tokens, a compile two thirds as long as at
+    # 16 x 64: the choice, not the size, is the subject): without --remat the search chooses
+    # it, least recomputation first, and "none" fits (a compile); the output names the choice
+    # and why.
     out = tmp_path / "plan.json"
     args = build_parser().parse_args(
-        ["plan", "--target", "v5e-1", "--seq-len", "64", "--search", "--json", str(out)]
+        ["plan", "--target", "v5e-1", "--seq-len", "64", "--batch", "4", "--search"]
+        + ["--json", str(out)]
     )
     assert plan_command.run(args) == 0
     printed = capsys.readouterr().out
