@@ -92,15 +92,15 @@ MLP_INPUT = "mlp_input"
 _SAVE_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    # "attention_gate" keeps the attention kernel's output and lse and the MLP's gate projection,
-    # no other matmul's: the backward recomputes q, k, v, o and up (and the norms and rotation),
-    # not attention's forward kernel nor the gate, where "full" reruns all of the layer but its
-    # down projection. For a model whose "dots" does not fit: Llama-3.2-1B on one v5e chip at 4 x
-    # 2048 tokens (bfloat16 weights and moments) needs 16.8 GiB with "dots", 13.4 with this,
-    # 10.5 with "full", and recomputes 447 of the 790 GFLOP a layer "full" does: 561.0 ms a step
-    # against 590.7, 60.9% MFU (docs/benchmarks.md). Keeping q and k rotated too (as "attention"
-    # does) took it to 15.1 GiB and 592.2 ms, no faster than "full"; keeping them without the
-    # gate, 568.0 ms.
+    # "attention_gate" keeps the attention kernel's output and lse and the MLP's gate projection
+    # (a dense layer's: an MoE layer's experts recompute theirs), no other matmul's: the backward
+    # recomputes q, k, v, o and up (and the norms and rotation), not attention's forward kernel
+    # nor the gate, where "full" reruns all of the layer but its down projection. For a model
+    # whose "dots" does not fit: Llama-3.2-1B on one v5e chip at 4 x 2048 tokens (bfloat16
+    # weights and moments) needs 16.8 GiB with "dots", 13.4 with this, 10.5 with "full", and
+    # recomputes 447 of the 790 GFLOP a layer "full" does: 561.0 ms a step against 590.7, 60.9%
+    # MFU (docs/benchmarks.md). Keeping q and k rotated too (as "attention" does) took it to 15.1
+    # GiB and 592.2 ms, no faster than "full"; keeping them without the gate, 568.0 ms.
     "attention_gate": jax.checkpoint_policies.save_only_these_names(
         attention.OUT_NAME, attention.LSE_NAME, mlp.GATE_NAME
     ),
@@ -188,7 +188,7 @@ class CausalTransformer:
         matmuls, ``"attention"`` those, attention's output (and the Pallas kernels' and the
         ring's lse, so the backward does not rerun the forward kernel) and the MLP's normalized
         input, ``"none"`` everything (no ``jax.checkpoint``). ``"attention_gate"``, between
-        ``"full"`` and ``"dots"``: attention's output and lse and the MLP's gate projection
+        ``"full"`` and ``"dots"``: attention's output and lse and the dense MLP's gate projection
         (the backward recomputes q, k, v, o and up, not the attention kernel nor the gate).
         Recompute shrinks from ``"full"`` to ``"none"``, and memory mostly grows
         (``"attention"`` may need less than ``"dots"``). ``"auto"``: the
