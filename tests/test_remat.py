@@ -77,8 +77,8 @@ def test_each_policy_saves_what_it_names(capsys):
         assert saved[policy] == expected, (policy, saved, EXPECTED)
     # "none" keeps every intermediate, the [B, KV, H / KV, S, S] probabilities among them.
     assert saved["none"] >= EXPECTED["attention"] + L * B * H * S * S, saved
-    order = ("none", "attention", "dots", "attention_gate", "full")
-    assert [saved[p] for p in order] == sorted(saved.values(), reverse=True), saved
+    order = [saved[p] for p in ("none", "attention", "dots", "attention_gate", "full")]
+    assert all(more > less for more, less in zip(order, order[1:])), saved
 
 
 def test_attention_policy_keeps_the_kernels_residuals(capsys):
