@@ -70,24 +70,27 @@ def tpu_target_name() -> str | None:
     return None
 
 
-def layers_unrolled(args) -> bool:
-    """Whether the model a command's parsed ``args`` build runs its layers unrolled."""
+def model_field(args, name: str):
+    """The field ``name`` of the model a command's parsed ``args`` build (the model's own default
+    where the flags and preset leave it); ``None`` for a command that builds no model."""
     from dew.cli.model_flags import model_config
+    from dew.models.causal_transformer import CausalTransformer
 
-    if not hasattr(args, "example_model"):  # a command that builds no model
-        return False
+    if not hasattr(args, "example_model"):  # a command that builds no model (or no args)
+        return None
     try:
-        return model_config(args).get("layer_loop") == "unroll"
+        return model_config(args).get(name, getattr(CausalTransformer, name))
     except ValueError:
-        return False
+        return None
 
 
 def out_of_memory_line(error: BaseException, argv: list[str], args=None) -> str | None:
     """One line for ``error`` when it is XLA saying a step does not fit the device's memory
     (``dew.benchmark.measure.out_of_memory``): what the step needs, what the device has, and
     what would fit (``dew plan --search`` with this command's model flags, on a TPU; the flags
-    that shrink a step, ``--layer-loop scan`` first where ``args``, the command's parsed flags,
-    build a model whose layers are unrolled). ``None`` for any other error."""
+    that shrink a step: ``--layer-loop scan`` first where ``args``, the command's parsed flags,
+    build a model whose layers are unrolled, and ``--remat auto`` unless its policy is already
+    ``full`` or ``auto``). ``None`` for any other error."""
     import jax
 
     from dew.benchmark.measure import bytes_text, device_memory, figures_in, out_of_memory
@@ -108,12 +111,12 @@ def out_of_memory_line(error: BaseException, argv: list[str], args=None) -> str 
             "" if needed is None else f": it could not allocate {bytes_text(needed)}"
         )
         what += "" if device is None else f" on a device of {bytes_text(device)}"
-    fixes = (
-        "use --remat auto (the least recomputation that fits), a smaller --batch "
-        "(--accumulation K keeps the batch) or more devices"
-    )
-    if layers_unrolled(args):  # XLA may keep what an unrolled layer would recompute
-        fixes = fixes.replace("use ", "use --layer-loop scan, ", 1)
+    fixes = ["a smaller --batch (--accumulation K keeps the batch)", "more devices"]
+    if model_field(args, "remat") not in ("full", "auto"):  # "full" already keeps the least
+        fixes.insert(0, "--remat auto (the least recomputation that fits)")
+    if model_field(args, "layer_loop") == "unroll":  # XLA may keep what remat would recompute
+        fixes.insert(0, "--layer-loop scan")
+    fixes = "use " + ", ".join(fixes[:-1]) + " or " + fixes[-1]
     target = tpu_target_name()
     if target is not None:
         plan = " ".join(["dew plan --target", target, "--search", *plan_flags(argv)])
