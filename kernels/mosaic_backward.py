@@ -127,7 +127,7 @@ def visited_kv_block(tiling: Tiling, q_block, kv_block):
     if not tiling.causal:
         return kv_block
     _, n_visit = tiling.kv_range(q_block)
-    return jnp.where(kv_block < n_visit, kv_block, 0)
+    return jnp.where(kv_block < n_visit, kv_block, as_index(0))
 
 
 def _split_step(tiling: Tiling, step):

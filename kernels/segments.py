@@ -28,6 +28,8 @@ from jax import lax
 
 LANES = 128
 SUBLANES = 8
+# The ids' tables' dtype. Their constants are typed too (``ID_DTYPE.type(n)``): a bare Python int
+# in ``jnp.where`` enters the program as an int64 under ``jax_enable_x64`` (tests/test_x64.py).
 ID_DTYPE = np.dtype(np.int32)
 # The most entries a kernel's per-row segment tables (fetch steps and id ranges, all batch rows)
 # may take: 128 KiB of SMEM, beside the step tables' 256 KiB at most (`kernels.schedule`), of the
@@ -110,8 +112,8 @@ def fetch_steps(computes):
     next computed step reads."""
     steps = computes.shape[1]
     index = jnp.arange(steps, dtype=ID_DTYPE)
-    following = lax.cummin(jnp.where(computes, index, steps), axis=1, reverse=True)
-    preceding = lax.cummax(jnp.where(computes, index, -1), axis=1)
+    following = lax.cummin(jnp.where(computes, index, ID_DTYPE.type(steps)), axis=1, reverse=True)
+    preceding = lax.cummax(jnp.where(computes, index, ID_DTYPE.type(-1)), axis=1)
     fallback = jnp.maximum(preceding, 0)
     return jnp.where(following < steps, following, fallback).astype(ID_DTYPE)
 
@@ -142,6 +144,6 @@ def block_bounds(q_lo, q_hi, kv_lo, kv_hi):
     meet = overlaps(q_lo[:, :, None], q_hi[:, :, None], kv_lo[:, None, :], kv_hi[:, None, :])
     tiles = meet.shape[2]
     index = jnp.arange(tiles, dtype=ID_DTYPE)
-    lo = jnp.min(jnp.where(meet, index, tiles), axis=2)
-    hi = jnp.max(jnp.where(meet, index + 1, 0), axis=2)
+    lo = jnp.min(jnp.where(meet, index, ID_DTYPE.type(tiles)), axis=2)
+    hi = jnp.max(jnp.where(meet, index + 1, ID_DTYPE.type(0)), axis=2)
     return jnp.minimum(lo, hi).astype(ID_DTYPE), hi.astype(ID_DTYPE)

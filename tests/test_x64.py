@@ -56,15 +56,16 @@ KERNEL_CASES = {
     ),
     "mosaic-causal-gqa-two-kernel": (1, 136, 152, 2, 1, 16, True, None, {"fused_backward": False}),
 }
-# Cases whose program is known to hold a 64-bit value: the two-kernel backward's dq index maps
-# (kernels/mosaic_backward.py, visited_kv_block) return jnp.where(..., kv_block, 0), whose literal
-# 0 is an int64 under x64, converted to int32 (harmless: it still lowers for TPU; as_index(0)
-# would remove it). Its numbers are checked all the same; the test xfails on the 64-bit values.
-KNOWN_WIDE = {
-    "mosaic-causal-gqa-two-kernel": (
-        "the dq kernel's index maps hold an int64 literal 0",
-        {"jit int64", "input int64", "convert_element_type int64"},
-    ),
+# Segment ids and a window add index arithmetic of their own: per-tile minimum and maximum ids in
+# the step tables, window bounds in the index maps, masks built from positions. Traced only (no
+# run: the cases above check the numbers; a 64-bit value shows in the program before it runs),
+# each forward and backward with ids (a pair of them, unequal lengths, for the two-kernel Mosaic
+# backward) and a window, at the cases' query blocks and tunings. name: (kernel, q_len, kv_len,
+# window, platform.tuned overrides).
+MASKED_KERNEL_CASES = {
+    "generic-ids-window": ("generic", 40, 40, 9, {}),
+    "mosaic-ids-window-pieces": ("mosaic", 136, 136, 40, {"block_k_compute": 8}),
+    "mosaic-ids-pair-window-two-kernel": ("mosaic", 136, 152, 40, {"fused_backward": False}),
 }
 MODEL_IMPLS = ("xla", "pallas")
 
@@ -166,6 +167,38 @@ def _kernel_case(rng, batch, q_len, kv_len, heads, kv_heads, dim, causal, sm_sca
     }
 
 
+def _masked_kernel_case(kernel, q_len, kv_len, window, tuning) -> list[str]:
+    """The 64-bit values of the forward and backward of a call with segment ids and a window
+    (ids a traced int32 input, as a step passes them)."""
+    from dew.kernels import flash_attention, platform
+
+    q, do = (jax.ShapeDtypeStruct((1, q_len, 2, 16), jnp.float32) for _ in "qo")
+    k, v = (jax.ShapeDtypeStruct((1, kv_len, 1, 16), jnp.float32) for _ in "kv")
+    ids = [jax.ShapeDtypeStruct((1, n), jnp.int32) for n in (q_len, kv_len)]
+    if kernel == "generic":
+        blocks = dict(block_q=16, block_k=16)
+    else:  # key blocks of whole lanes: Mosaic reads the key ids as [8, block_k] blocks
+        blocks = dict(block_q=128, block_k=128, interpret="tpu")
+
+    def run(q, k, v, do, q_ids, kv_ids):
+        segment_ids = q_ids if q_len == kv_len else (q_ids, kv_ids)
+
+        def attend(q, k, v):
+            return flash_attention(
+                q, k, v, causal=True, segment_ids=segment_ids, window=window, **blocks
+            )
+
+        return _forward_backward(attend)(q, k, v, do)
+
+    with platform.tuned(**tuning):
+        return _wide_values(jax.make_jaxpr(run)(q, k, v, do, *ids).jaxpr)
+
+
+def _masked_kernel_results(seed: int) -> dict:
+    """Per case: the 64-bit values of its program (nothing runs: `seed` is not used)."""
+    return {name: _masked_kernel_case(*case) for name, case in MASKED_KERNEL_CASES.items()}
+
+
 def _kernel_results(seed: int) -> dict:
     """Per case: the kernel's (out, dq, dk, dv), the float64 reference's, their dtypes, and the
     64-bit values of the kernel's program. Runs under x64 only (float64 is the reference)."""
@@ -265,6 +298,7 @@ def run_worker(x64: bool, seed: int, out: Path) -> None:
         parts[f"trainer-{layout}"] = functools.partial(_trainer_results, layout=layout)
     if x64:
         parts["kernel"] = _kernel_results
+        parts["masked-kernel"] = _masked_kernel_results
     results = {"default_int": str(jnp.asarray(1).dtype), "devices": jax.device_count()}
     for name, part in parts.items():
         try:
@@ -367,14 +401,12 @@ def test_flash_attention_under_x64_matches_float64_reference(runs, seed, case):
         error = _relative_error(got, want)
         assert error < TOLERANCE, f"{case} {name} (seed {seed}): relative error {error:.3g}"
     # Index math stays int32 and nothing is widened: no 64-bit value in the program at all.
-    wide = set(result["wide"])
-    if case in KNOWN_WIDE:
-        reason, known = KNOWN_WIDE[case]
-        if not wide:
-            pytest.fail(f"{case}: no 64-bit values any more: remove it from KNOWN_WIDE")
-        if wide <= known:
-            pytest.xfail(f"{reason}: {sorted(wide)}")
-        wide -= known
+    assert not result["wide"], f"{case} (seed {seed}): 64-bit values {sorted(result['wide'])}"
+
+
+@pytest.mark.parametrize("case", MASKED_KERNEL_CASES)
+def test_flash_attention_with_ids_and_a_window_holds_no_64_bit_value_under_x64(runs, seed, case):
+    wide = _part(runs, True, "masked-kernel", seed)[case]
     assert not wide, f"{case} (seed {seed}): 64-bit values {sorted(wide)}"
 
 
