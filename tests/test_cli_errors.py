@@ -93,6 +93,7 @@ BAD_INPUTS = [
         "--seq-len 32, and val.bin in {tmp}/run/corpus holds 60: give --eval-batches 3 or fewer",
     ),
     ("train --attention-window 0", "--attention-window must be an integer >= 1, got 0"),
+    ("plan --target v5e-1 --attention-window 0", "--attention-window must be an integer >= 1"),
     ("collectives --mesh bogus=2", "mesh entry 'bogus=2' is not AXIS=SIZE"),
     ("bench --mesh fsdp=3", "fsdp 3 = 3 devices does not divide the 8 devices"),
     ("plan --target v9z-8", "unknown TPU generation 'v9z'"),

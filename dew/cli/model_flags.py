@@ -210,6 +210,8 @@ def model_variants(args) -> tuple[dict, list[dict]]:
     (``--remat full dots --attention xla pallas``: four), ``[{}]`` when none was given."""
     import itertools
 
+    # Named as typed here too: model_config below sees the choice flags as not given.
+    check_counts(args, "attention_window")
     several = {
         field: values
         for flag, field in _MODEL_CHOICE_FLAGS.items()
