@@ -231,15 +231,21 @@ def run_kernel(kernel, inputs, segment_ids, window, q_len=SEQ, also=None):
 
 @pytest.fixture
 def computed(monkeypatch):
-    """Counts the (strip, piece) pairs the Mosaic forward computes (`mosaic_forward._update`),
-    the pieces its fused backward computes (`mosaic_fused_backward._attend`) and the block pairs
-    the two-kernel backward computes (`mosaic_backward._probabilities`, in dq and in dk/dv)."""
+    """Counts the (strip, piece) pairs the Mosaic forward computes (`mosaic_forward._update`)
+    and the keys of those pieces ("forward keys": a strip may compute half a piece), the pieces
+    its fused backward computes (`mosaic_fused_backward._attend`) and the block pairs the
+    two-kernel backward computes (`mosaic_backward._probabilities`, in dq and in dk/dv)."""
     jax.clear_caches()
-    counts = {"forward": 0, "backward": 0, "two-kernel backward": 0}
+    counts = {"forward": 0, "forward keys": 0, "backward": 0, "two-kernel backward": 0}
+
+    def add(name, n):
+        jax.debug.callback(lambda: counts.__setitem__(name, counts[name] + n))
 
     def counted(name, compute):
         def wrapper(*args, **kwargs):
-            jax.debug.callback(lambda: counts.__setitem__(name, counts[name] + 1))
+            add(name, 1)
+            if name == "forward":
+                add("forward keys", kwargs["keys"].size)
             return compute(*args, **kwargs)
 
         return wrapper
@@ -325,8 +331,10 @@ def test_packed_documents_match_the_reference_and_each_document_alone(
             error = relative_error(g, w)
             assert error < TOLERANCE, f"flash_attention's {name} ({kernel}, {seed}): {error:.3g}"
     if kernel == "mosaic":
+        forward = HEADS * tiles_meeting(ids, 64, 64, window)
         want = {
-            "forward": HEADS * tiles_meeting(ids, 64, 64, window),
+            "forward": forward,
+            "forward keys": 64 * forward,  # with ids, whole pieces only
             "backward": HEADS * tiles_meeting(ids, BLOCK, 64, window),
             "two-kernel backward": 0,
         }
@@ -356,10 +364,11 @@ def strips_and_pieces_seen(window: int, strip: int, piece: int, by_strip: bool =
 def test_a_window_alone_computes_only_the_strips_and_pieces_it_shows(packed, computed, seed):
     # A window of 66 keys (no ids), keys computed 32 at a time in strips of 64 rows: against the
     # float64 reference, forward and backward, and the forward computing exactly the (strip,
-    # piece) pairs some row of the strip sees, fewer than the pieces some row of the block sees.
-    # Row 128 sees back to key 63, the last of a piece: a skip one key too early would miss it.
-    # The first batch row alone: without ids every row walks the same strips and pieces (the
-    # others would only repeat its steps).
+    # piece) pairs some row of the strip sees, fewer than the pieces some row of the block sees,
+    # and of each masked piece only the halves of 16 keys the strip sees. Row 128 sees back to
+    # key 63, the last of a piece: a skip one key too early would miss it. The first batch row
+    # alone: without ids every row walks the same strips and pieces (the others would only
+    # repeat its steps).
     window = 66
     inputs = tuple(x[:1] for x in packed[0])
     KERNELS["mosaic-pieces-of-32"] = ("tpu", dict(PIECES, block_k_compute=32))
@@ -372,6 +381,10 @@ def test_a_window_alone_computes_only_the_strips_and_pieces_it_shows(packed, com
     pairs = strips_and_pieces_seen(window, PIECES["block_q_compute"], 32)
     assert computed["forward"] == HEADS * pairs, (computed, pairs, seed)
     assert pairs < strips_and_pieces_seen(window, PIECES["block_q_compute"], 32, by_strip=False)
+    # In a whole block pair every strip takes every piece whole, which is every half too.
+    keys = 16 * strips_and_pieces_seen(window, PIECES["block_q_compute"], 16)
+    assert computed["forward keys"] == HEADS * keys, (computed, keys, seed)
+    assert keys < 32 * pairs
 
 
 @pytest.mark.parametrize("kernel", ["mosaic", "triton"])

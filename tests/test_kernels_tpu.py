@@ -1067,9 +1067,10 @@ def test_the_two_kernel_backward_compiles_at_the_long_blocks_for_v5e():
     assert mosaic_kernels(text) == {"dew_flash_attention_dq", "dew_flash_attention_dkdv"}
 
 
-# Compiles Dew's attention forward and backward for one v5e chip, causal and not, with libtpu's
-# overlay log and its final LLO bundles dumped (the last pass only: all of them are about 700 MB),
-# in a process of its own (libtpu reads its flags once, when it loads). Both masks in one process
+# Compiles Dew's attention forward and backward for one v5e chip, causal, not and under a window,
+# with libtpu's overlay log and its final LLO bundles dumped (the last pass only: all of them are
+# about 700 MB), in a process of its own (libtpu reads its flags once, when it loads). The masks in
+# one process
 # (Python, JAX, Dew and libtpu load once): libtpu writes a compile's dump while it compiles, so
 # after each compile the dump is moved into a folder named for the mask, beside the program's
 # HLO, and a line on stderr ends that mask's part of the log.
@@ -1089,10 +1090,13 @@ from dew.kernels import flash_attention
 mesh = jax.sharding.Mesh(dew.targets.target("v5e-1").devices(), ("x",))
 replicated = NamedSharding(mesh, PartitionSpec())
 x = jax.ShapeDtypeStruct((1, 4, 4096, 128), jnp.bfloat16, sharding=replicated)
+WINDOWS = {"window": 1024}
 
 for mask in sys.argv[2:]:
     def forward_and_backward(q, k, v, do):
-        attend = lambda q, k, v: flash_attention(q, k, v, causal=mask == "causal", layout="bhsd")
+        attend = lambda q, k, v: flash_attention(
+            q, k, v, causal=mask != "full", window=WINDOWS.get(mask), layout="bhsd"
+        )
         out, vjp = jax.vjp(attend, q, k, v)
         return out, vjp(do)
 
@@ -1106,7 +1110,7 @@ for mask in sys.argv[2:]:
     open(os.path.join(folder, "program.hlo"), "w").write(compiled.as_text())
     print("OVERLAY PROBE: compiled", mask, file=sys.stderr, flush=True)
 """
-OVERLAY_MASKS = ("causal", "full")
+OVERLAY_MASKS = ("causal", "full", "window")
 
 
 @pytest.fixture(scope="module")
@@ -1127,7 +1131,7 @@ def overlay_probe(tmp_path_factory) -> dict:
     return {mask: (log, root / mask) for log, mask in zip(logs[0::2], logs[1::2])}
 
 
-# Both cases on one worker: each worker that drew one would run the probe (both compiles) again.
+# The cases on one worker: each worker that drew one would run the probe (every compile) again.
 @pytest.mark.xdist_group("overlay_probe")
 @needs_libtpu
 @pytest.mark.parametrize("mask", OVERLAY_MASKS)
@@ -1141,8 +1145,10 @@ def test_each_kernel_fits_one_instruction_overlay_on_v5e_and_xla_makes_no_pass_b
     # the code (79,389 bundles), was split over four overlays, and ran 2.35x slower on a v5e chip
     # (docs/kernels.md). So each of Dew's kernels, at v5e's blocks, heads a step and pieces (the
     # unrolled work that sets its size), must fit the largest overlay: causal (512 x 2048, the
-    # masked branches) and not (1024 x 2048). The count is from libtpu's final bundles; the limit
-    # from its log. And the same program is the two kernels and nothing between them: the fused
+    # masked branches), not (1024 x 2048), and a window of 1024 (512 x 2048, the largest: each
+    # masked piece's strips by position, whole or one half; 51,581 bundles on 2026-12-07). The
+    # count is from libtpu's final bundles; the limit from its log. And the same program is the
+    # two kernels and nothing between them: the fused
     # backward computes delta = rowsum(dO * O) from the O block each step reads, so no XLA fusion
     # reads O and dO in HBM (the two-kernel backward still takes delta from one), and layout
     # "bhsd" leaves no transposes around them.

@@ -57,15 +57,29 @@ KERNEL_CASES = {
     "mosaic-causal-gqa-two-kernel": (1, 136, 152, 2, 1, 16, True, None, {"fused_backward": False}),
 }
 # Segment ids and a window add index arithmetic of their own: per-tile minimum and maximum ids in
-# the step tables, window bounds in the index maps, masks built from positions. Traced only (no
-# run: the cases above check the numbers; a 64-bit value shows in the program before it runs),
-# each forward and backward with ids (a pair of them, unequal lengths, for the two-kernel Mosaic
-# backward) and a window, at the cases' query blocks and tunings. name: (kernel, q_len, kv_len,
-# window, platform.tuned overrides).
+# the step tables, window bounds in the index maps, masks built from positions, and without ids
+# the traced offset of the half of a masked piece a strip computes. Traced only (no run: the
+# cases above check the numbers; a 64-bit value shows in the program before it runs), each
+# forward and backward with a window, with ids (a pair of them, unequal lengths, for the
+# two-kernel Mosaic backward) or without, at the cases' query blocks and tunings.
+# name: (kernel, q_len, kv_len, ids, window, platform.tuned overrides).
 MASKED_KERNEL_CASES = {
-    "generic-ids-window": ("generic", 40, 40, 9, {}),
-    "mosaic-ids-window-pieces": ("mosaic", 136, 136, 40, {"block_k_compute": 8}),
-    "mosaic-ids-pair-window-two-kernel": ("mosaic", 136, 152, 40, {"fused_backward": False}),
+    "generic-ids-window": ("generic", 40, 40, True, 9, {}),
+    "mosaic-ids-window-pieces": ("mosaic", 136, 136, True, 40, {"block_k_compute": 8}),
+    "mosaic-window-half-pieces": ("mosaic", 136, 136, False, 40, {"block_k_compute": 32}),
+    "mosaic-ids-pair-window-two-kernel": ("mosaic", 136, 152, True, 40, {"fused_backward": False}),
+}
+# The Mosaic kernels compiled for a v5e chip under x64 (libtpu, compile only): a kernel's body
+# is not in `_wide_values`' walk (its static ref indices and constants are Python scalars, 64-bit
+# under x64, which Mosaic folds), but a traced 64-bit scalar inside one fails Mosaic's lowering
+# ("Only i1 and i32 scalars are supported"). Forward and backward, bfloat16, 512 tokens of 4
+# heads of 128 over 2 kv heads, blocks of 256 (small kernels: short compiles).
+# name: (window, segment ids, platform.tuned overrides).
+TPU_COMPILE_CASES = {
+    "causal": (None, False, {}),
+    # Keys 128 at a time: a strip computes the half of a masked piece it sees.
+    "window-half-pieces": (300, False, {"block_k_compute": 128}),
+    "ids-window-two-kernel": (300, True, {"fused_backward": False}),
 }
 MODEL_IMPLS = ("xla", "pallas")
 
@@ -105,8 +119,9 @@ TRAINER_ROWS = 8
 
 def _wide_values(jaxpr) -> list[str]:
     """'where dtype' for every 64-bit value of `jaxpr`: its inputs and outputs (literals too: an
-    index map may return a bare 0), every equation's, and those of its sub-jaxprs (pallas
-    kernels, loops, custom_vjp) and of the index maps of its BlockSpecs."""
+    index map may return a bare 0), every equation's, and those of its closed sub-jaxprs (loops,
+    custom_vjp, the calls around the kernels) and of the index maps of its BlockSpecs. Not a
+    kernel's body (an open jaxpr): `TPU_COMPILE_CASES` compile those."""
 
     def wide(where, variables):
         for var in variables:
@@ -167,21 +182,23 @@ def _kernel_case(rng, batch, q_len, kv_len, heads, kv_heads, dim, causal, sm_sca
     }
 
 
-def _masked_kernel_case(kernel, q_len, kv_len, window, tuning) -> list[str]:
-    """The 64-bit values of the forward and backward of a call with segment ids and a window
-    (ids a traced int32 input, as a step passes them)."""
+def _masked_kernel_case(kernel, q_len, kv_len, ids, window, tuning) -> list[str]:
+    """The 64-bit values of the forward and backward of a call with a window, and segment ids
+    where ``ids`` (a traced int32 input, as a step passes them)."""
     from dew.kernels import flash_attention, platform
 
     q, do = (jax.ShapeDtypeStruct((1, q_len, 2, 16), jnp.float32) for _ in "qo")
     k, v = (jax.ShapeDtypeStruct((1, kv_len, 1, 16), jnp.float32) for _ in "kv")
-    ids = [jax.ShapeDtypeStruct((1, n), jnp.int32) for n in (q_len, kv_len)]
+    id_inputs = [jax.ShapeDtypeStruct((1, n), jnp.int32) for n in (q_len, kv_len)]
     if kernel == "generic":
         blocks = dict(block_q=16, block_k=16)
     else:  # key blocks of whole lanes: Mosaic reads the key ids as [8, block_k] blocks
         blocks = dict(block_q=128, block_k=128, interpret="tpu")
 
     def run(q, k, v, do, q_ids, kv_ids):
-        segment_ids = q_ids if q_len == kv_len else (q_ids, kv_ids)
+        segment_ids = None
+        if ids:
+            segment_ids = q_ids if q_len == kv_len else (q_ids, kv_ids)
 
         def attend(q, k, v):
             return flash_attention(
@@ -191,12 +208,47 @@ def _masked_kernel_case(kernel, q_len, kv_len, window, tuning) -> list[str]:
         return _forward_backward(attend)(q, k, v, do)
 
     with platform.tuned(**tuning):
-        return _wide_values(jax.make_jaxpr(run)(q, k, v, do, *ids).jaxpr)
+        return _wide_values(jax.make_jaxpr(run)(q, k, v, do, *id_inputs).jaxpr)
 
 
 def _masked_kernel_results(seed: int) -> dict:
     """Per case: the 64-bit values of its program (nothing runs: `seed` is not used)."""
     return {name: _masked_kernel_case(*case) for name, case in MASKED_KERNEL_CASES.items()}
+
+
+def _tpu_compile_results(seed: int) -> dict:
+    """Per case: None where the kernels compiled for v5e under x64, else the error; no case
+    when libtpu is not installed (nothing runs: `seed` is not used)."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        return {}
+    from dew.kernels import flash_attention, platform
+    from dew.targets import target
+
+    mesh = jax.sharding.Mesh(target("v5e-1").devices(), ("x",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16, sharding=replicated)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16, sharding=replicated)
+    ids = jax.ShapeDtypeStruct((1, 512), jnp.int32, sharding=replicated)
+    results = {}
+    for name, (window, segmented, tuning) in TPU_COMPILE_CASES.items():
+
+        def run(q, k, v, do, ids):
+            segment_ids = ids if segmented else None
+
+            def attend(q, k, v):
+                return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, window=window)
+
+            return _forward_backward(attend)(q, k, v, do)
+
+        try:
+            with jax.set_mesh(mesh), platform.tuned(block_q=256, block_k=256, **tuning):
+                jax.jit(run).lower(q, kv, kv, q, ids).compile()
+            results[name] = None
+        except Exception as error:  # noqa: BLE001 - the test reports it
+            results[name] = f"{type(error).__name__}: {str(error)[:2000]}"
+    return results
 
 
 def _kernel_results(seed: int) -> dict:
@@ -299,6 +351,7 @@ def run_worker(x64: bool, seed: int, out: Path) -> None:
     if x64:
         parts["kernel"] = _kernel_results
         parts["masked-kernel"] = _masked_kernel_results
+        parts["tpu-compile"] = _tpu_compile_results
     results = {"default_int": str(jnp.asarray(1).dtype), "devices": jax.device_count()}
     for name, part in parts.items():
         try:
@@ -405,9 +458,17 @@ def test_flash_attention_under_x64_matches_float64_reference(runs, seed, case):
 
 
 @pytest.mark.parametrize("case", MASKED_KERNEL_CASES)
-def test_flash_attention_with_ids_and_a_window_holds_no_64_bit_value_under_x64(runs, seed, case):
+def test_flash_attention_with_a_window_and_ids_holds_no_64_bit_value_under_x64(runs, seed, case):
     wide = _part(runs, True, "masked-kernel", seed)[case]
     assert not wide, f"{case} (seed {seed}): 64-bit values {sorted(wide)}"
+
+
+@pytest.mark.parametrize("case", TPU_COMPILE_CASES)
+def test_the_mosaic_kernels_compile_for_tpu_under_x64(runs, seed, case):
+    compiled = _part(runs, True, "tpu-compile", seed)
+    if not compiled:
+        pytest.skip("libtpu is not installed (the test extra brings it)")
+    assert compiled[case] is None, f"{case}: {compiled[case]}"
 
 
 @pytest.mark.parametrize("impl", MODEL_IMPLS)
