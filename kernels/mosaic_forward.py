@@ -182,7 +182,7 @@ def _walk(
     # Under a window (without ids) a strip computes only the half of a masked piece its rows
     # see, where they see one half: the window's edge leaves the first half of a piece unseen by
     # a block's later strips, the diagonal the second half by its earlier ones. A half is a
-    # piece (keys a multiple of 8) of its own (docs/kernels.md, "Where 0.3x sits").
+    # piece (keys a multiple of 8) of its own (docs/kernels.md, "Half pieces under a window").
     half = piece // 2 if tiling.window is not None and segments is None and piece % 16 == 0 else 0
 
     def by_halves(n, first_row, starts):
