@@ -453,7 +453,7 @@ def test_flash_attention_under_x64_matches_float64_reference(runs, seed, case):
         assert np.all(np.isfinite(got)), f"{case} {name} (seed {seed}): non-finite values"
         error = _relative_error(got, want)
         assert error < TOLERANCE, f"{case} {name} (seed {seed}): relative error {error:.3g}"
-    # Index math stays int32 and nothing is widened: no 64-bit value in the program at all.
+    # Index math stays int32 and nothing is widened: no 64-bit value outside the kernels' bodies.
     assert not result["wide"], f"{case} (seed {seed}): 64-bit values {sorted(result['wide'])}"
 
 
