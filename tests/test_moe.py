@@ -176,7 +176,7 @@ def test_a_skewed_router_trains_like_one_device(case, seed, capacity_factor):
         return losses, reference, min(margins)
 
     # From step 2 the trained router can route a token next to a tie, which rounding breaks one
-    # way on one device and the other on the layout (DEW_SEED=910515154 at db7cde7: a margin of
+    # way on one device and the other on the layout (DEW_SEED=910515154 at 57e4a18: a margin of
     # 1.1e-8, losses 1.5e-4 apart): such batches are drawn again from the seed, as the
     # equivalence table does, at a margin of this router's scale (SKEWED_ROUTING_MARGIN).
     for attempt in range(8):
