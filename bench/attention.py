@@ -443,6 +443,7 @@ DEW_SWEEP = (
     dict(block_q=2048, block_k=2048, block_k_compute=512, backward_block_k_compute=512),
     dict(fused_backward=False),
     dict(forward_heads=1),
+    dict(forward_heads=4),  # the most a step took before 2026-12-07
     dict(block_q_compute=None),
 )
 

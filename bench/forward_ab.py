@@ -8,13 +8,16 @@ For each row (``ROWS``: causal and windowed calls at 8192 keys, packed documents
 Llama-3.2-1B's attention shapes), the call is compiled twice: once with the installed
 `kernels.mosaic_forward` and once with the other folder's (loaded as a package of its own, so its
 forward runs with its own helpers: `kernels.mosaic`, `kernels.schedule`...) in its place; the entry
-point, the blocks and the tuning are the installed ones. Both run on the same bfloat16 inputs in the
-kernels' own layout (``layout="bhsd"``), laid out in memory as the compiled program takes them (at
-head_dim 64, tiled to 128 lanes; until 2026-12-06 the d64 rows also timed a copy of each input and
-of the output into and out of that tiling). It prints whether the two outputs are equal to the bit,
-then the milliseconds a call of each: ``--calls`` calls back to back, blocked on the last (the
-device's queue stays full, so this is the device's time plus one dispatch), ``--rounds`` times, the
-two versions taken in turn twice over, and the median. Only the forward is timed.
+point, the blocks and the tuning are the installed ones (so the other folder's forward must call
+the installed `Tuning` as it is called now: folders whose forward passes ``Tuning.heads_per_step``
+the key block and head_dim, since ``kernels.mosaic.FORWARD_LOGITS``; an older folder needs the Dew
+of its own revision installed). Both run on the same bfloat16 inputs in the kernels' own layout
+(``layout="bhsd"``), laid out in memory as the compiled program takes them (at head_dim 64, tiled
+to 128 lanes; until 2026-12-06 the d64 rows also timed a copy of each input and of the output into
+and out of that tiling). It prints whether the two outputs are equal to the bit, then the
+milliseconds a call of each: ``--calls`` calls back to back, blocked on the last (the device's
+queue stays full, so this is the device's time plus one dispatch), ``--rounds`` times, the two
+versions taken in turn twice over, and the median. Only the forward is timed.
 
 ``--tiny``: toy shapes in TPU interpret mode on any backend, to show the script runs (its times
 mean nothing).

@@ -224,7 +224,7 @@ def _config(
             f"flash_attention: sm_scale must be a finite Python number, got {sm_scale!r}"
         )
     q_len, kv_len = int(q.shape[1]), int(k.shape[1])
-    defaults = default_blocks(target, head_dim, q.dtype, causal)
+    defaults = default_blocks(target, head_dim, q.dtype, causal, window)
     tiling = Tiling(
         q_len=q_len,
         kv_len=kv_len,

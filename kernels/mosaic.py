@@ -32,11 +32,16 @@ from .schedule import EMPTY, MASKED
 from .tiling import INDEX_DTYPE, Tiling, as_index
 
 LANES = 128
-# The most query rows a forward step computes over several heads (`Tuning.heads_per_step`). On a
-# v5e chip 4 heads of 512 rows a step were 6-7% faster than one on causal calls (8192, 2048 keys
-# at d128; 1024 at d64) and 2 heads of 1024 rows no different without a mask, where 4 heads of
-# 1024 rows ran at two thirds of the speed (docs/kernels.md, "TPU performance").
-FORWARD_ROWS = 2048
+# The most logits a forward step computes over its heads (`Tuning.heads_per_step`): heads x
+# block_q x block_k, each 128 lanes of head_dim past the first counted again. The step's code is
+# unrolled over its heads, strips and pieces, so its size goes as this product: compiled for v5e,
+# 4 heads at 512 x 2048, 8 at 512 x 1024 and 16 at 512 x 512 (causal, 8192 keys, d128) are
+# 36,502, 37,126 and 38,886 bundles, twice the product 71,979 (8 heads at 512 x 2048) and 73,371
+# (16 at 512 x 1024), past the 65,232 of v5e's largest instruction overlay: a kernel split across
+# overlays reloads its code every step (4 heads of 1024 x 2048 without a mask ran at two thirds of
+# the speed on a v5e chip). Within it more heads a step are faster on a v5e chip: a window of 1024
+# at 8192 keys, 512 x 512, 1.290 ms at 4 heads, 1.161 at 8, 1.101 at 16 (docs/kernels.md).
+FORWARD_LOGITS = 4 * 512 * 2048
 
 
 def heads_major(x):
@@ -168,16 +173,19 @@ class Tuning:
             return block_q
         return rows
 
-    def heads_per_step(self, heads: int, group: int, block_q: int) -> int:
+    def heads_per_step(
+        self, heads: int, group: int, block_q: int, block_k: int, head_dim: int
+    ) -> int:
         """Query heads one forward step computes: the most, up to ``forward_heads``, that divide
-        ``heads``, keep the step within ``FORWARD_ROWS`` query rows, and share their kv heads
-        whole (the count divides the ``group`` of query heads a kv head serves, or ``group``
-        divides it)."""
+        ``heads``, keep the step within ``FORWARD_LOGITS`` (heads x block_q x block_k x
+        ceil(head_dim / 128)), and share their kv heads whole (the count divides the ``group``
+        of query heads a kv head serves, or ``group`` divides it)."""
+        lanes = -(-head_dim // LANES)
         fits = [
             n
             for n in range(1, min(self.forward_heads, heads) + 1)
             if heads % n == 0
-            and (n == 1 or n * block_q <= FORWARD_ROWS)
+            and (n == 1 or n * block_q * block_k * lanes <= FORWARD_LOGITS)
             and (group % n == 0 or n % group == 0)
         ]
         return max(fits)

@@ -4,20 +4,21 @@ Grid ``(batch, heads / n, steps)``, the last dimension sequential: it walks `ker
 table of the (query block, key block) pairs that hold a visible (row, key) pair, each query block's
 key blocks in a run (a causal one from the diagonal back). The step ``(b, h, t)`` holds the ``[n,
 block_q, head_dim]`` query blocks of the ``n`` heads from ``h * n`` (``Tuning.heads_per_step``: up
-to 4 on v5e) and the ``[block_k, head_dim]`` key and value blocks of their kv heads (query head
-``i`` reads kv head ``i // group``: grouped queries read the shared K/V in place), and adds the key
-block to each query block's running maximum ``m``, running sum ``l`` and unnormalised float32
-accumulator, in VMEM scratch; the run's last step writes ``out`` and ``lse``. A run whose first step
-is ``FRESH`` (every row of the block sees its key block's first key) writes the three from its first
-piece, under its mask, rather than adding that piece to zeros: on a v5e chip, without the zeroing
-step (768 vector stores a run at two heads of 1024 rows), the forward was 1.2% faster at 4096 keys
-without a mask and 0.7% at 8192 causal keys, and walking causal runs from the diagonal lets masked
-and windowed runs start so too (on a v5e chip, 10.8% and 8.0% faster at GPT-2 small's and
-Llama-3.2-1B's shapes, where every run is one masked step, 3.7% under a window of 1024 at 8192
-keys, 1.7% causal at 8192). With segment ids no run starts fresh (a run's first step may be
-skipped) and runs ascend, as the diagonal-first walk was 3% slower there. Several heads a step
-make the grid shorter and its DMAs longer: on a v5e chip 4 heads of 512 rows were 6-7% faster
-than one.
+to 16 on v5e, within ``mosaic.FORWARD_LOGITS``) and the ``[block_k, head_dim]`` key and value
+blocks of their kv heads (query head ``i`` reads kv head ``i // group``: grouped queries read the
+shared K/V in place), and adds the key block to each query block's running maximum ``m``, running
+sum ``l`` and unnormalised float32 accumulator, in VMEM scratch; the run's last step writes ``out``
+and ``lse``. A run whose first step is ``FRESH`` (every row of the block sees its key block's first
+key) writes the three from its first piece, under its mask, rather than adding that piece to zeros:
+on a v5e chip, without the zeroing step (768 vector stores a run at two heads of 1024 rows), the
+forward was 1.2% faster at 4096 keys without a mask and 0.7% at 8192 causal keys, and walking
+causal runs from the diagonal lets masked and windowed runs start so too (on a v5e chip, 10.8% and
+8.0% faster at GPT-2 small's and Llama-3.2-1B's shapes, where every run is one masked step, 3.7%
+under a window of 1024 at 8192 keys, 1.7% causal at 8192). With segment ids no run starts fresh (a
+run's first step may be skipped) and runs ascend, as the diagonal-first walk was 3% slower there.
+Several heads a step make the grid shorter and its DMAs longer, and give the compiler more
+independent matmuls to overlap with each head's softmax: on a v5e chip 4 heads of 512 rows were
+6-7% faster than one, and 16 heads at 512 x 512 under a window 15% faster than 4.
 
 Inside a step the key block is computed ``block_k_compute`` keys at a time, and each piece
 ``block_q_compute`` query rows at a time (both unrolled): a large block keeps the DMAs long and
@@ -35,8 +36,8 @@ whose ids cannot meet a piece's is skipped, and every strip computed masks the p
 ids. A window is positions: the step table leaves out the pairs outside it, and a masked pair
 skips the strips of a piece no row of theirs sees and computes only the half of a piece a strip
 sees where it sees one half (the window's edge, the diagonal): compiled for v5e, a run under a
-window of 1024 at 512 x 512 blocks went from 15,281 to 13,751 bundles (docs/kernels.md, "Half
-pieces under a window"; not yet timed).
+window of 1024 at 512 x 512 blocks went from 15,281 to 13,751 bundles, and the call from 1.401
+to 1.289 ms on a v5e chip (docs/kernels.md, "Half pieces under a window").
 
 A strip is the unit of that skipping, and all the step's heads compute it together (`_strip`):
 heads inside strips, not strips inside heads. A branch ends a basic block, and the compiler
@@ -429,7 +430,7 @@ def forward(
     steps = forward_steps(tiling, segmented=segment_ids is not None)
     # A step computes `per_step` query heads over the kv heads they read (one, or per_step //
     # group): fewer, longer steps, whose DMAs and fixed cost serve several heads.
-    per_step = tuning.heads_per_step(heads, group, block_q)
+    per_step = tuning.heads_per_step(heads, group, block_q, block_k, head_dim)
     kv_per_step = max(1, per_step // group)
     segment_tables, id_blocks = [], []
     if segment_ids is not None:

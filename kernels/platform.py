@@ -120,6 +120,14 @@ TPU_BLOCKS = {
 # keys, d128; +5% and +4% at 2048, d64; +2.5% and +3% at 1024, d64 (docs/kernels.md). Without a
 # mask the long query block stays: 512 rows were 5% slower at 4096 keys, d128.
 CAUSAL_BLOCK_Q = 512
+# Under a window of W keys, key blocks of at most W / 2, in multiples of WINDOW_BLOCK_K (and at
+# least that): a query block's rows see block_q + W - 1 keys, and a key block as long as the window
+# computes mostly pairs its rows mask, where shorter ones also let a forward step take more heads
+# (`kernels.mosaic.FORWARD_LOGITS`). On a v5e chip, a window of 1024 at 8192 keys, d128: 512 x 512
+# (16 heads a forward step) took 1.099 ms forward and 4.739 forward+backward, against 1.510 and
+# 4.881 at the causal 512 x 2048 (4 heads); docs/kernels.md. Measured at a window of 1024 only;
+# from a window of 4096 the blocks are the causal ones.
+WINDOW_BLOCK_K = 512
 # Scoped VMEM the Mosaic kernels may ask for, per generation: most of a TensorCore's VMEM
 # (pltpu.get_tpu_info_for_chip: v4 16 MiB, v5e 128, v5p 64, v6e 128), leaving room for what the
 # compiler keeps there itself. None: the compiler's default limit (v4's is its whole VMEM).
@@ -152,13 +160,15 @@ TPU_FORWARD_ROWS = {
     "v6e": 256,
 }
 # The most query heads a forward step computes (`kernels.mosaic.Tuning.forward_heads`, within
-# `kernels.mosaic.FORWARD_ROWS` query rows a step). v5e's was measured on the chip; v5p's and
-# v6e's follow it and are not measured; v4 (16 MiB of VMEM) keeps one.
+# `kernels.mosaic.FORWARD_LOGITS` a step, which sets how many the default blocks take: 4 causal,
+# 2 without a mask, 16 under a window of 1024). v5e's was measured on the chip (16 heads of 512 x
+# 512 a step about 28 MiB of VMEM at d128); v5p's and v6e's follow it and are not measured; v4
+# (16 MiB of VMEM) keeps one.
 TPU_FORWARD_HEADS = {
     "v4": 1,
-    "v5e": 4,
-    "v5p": 4,
-    "v6e": 4,
+    "v5e": 16,
+    "v5p": 16,
+    "v6e": 16,
 }
 
 # Device kinds as JAX reports them (dew.targets.GENERATIONS), lower case, most specific first.
@@ -211,7 +221,9 @@ def triton_float32_blocks(head_dim: int) -> BlockConfig:
     return BlockConfig(block, block, num_warps=FLOAT32_WARPS, num_stages=1)
 
 
-def default_blocks(target: str, head_dim: int, dtype, causal: bool = False) -> BlockConfig:
+def default_blocks(
+    target: str, head_dim: int, dtype, causal: bool = False, window: int | None = None
+) -> BlockConfig:
     """Default block sizes of ``target`` (a name in ``TARGETS``).
 
     Triton, bfloat16: a query block of at most 32 KiB (128 rows up to head_dim 128, 64 at 256)
@@ -221,8 +233,9 @@ def default_blocks(target: str, head_dim: int, dtype, causal: bool = False) -> B
     yet tuned on a GPU of ours.
     Triton, float32: ``triton_float32_blocks`` (the matmuls run on CUDA cores, not tensor cores).
     Mosaic (and TPU interpret mode): ``TPU_BLOCKS`` of the compiled-for device's generation,
-    block_q at most ``CAUSAL_BLOCK_Q`` when ``causal``, then halved above head_dim 128 (a block
-    longer than its length is shrunk to it by the caller).
+    block_q at most ``CAUSAL_BLOCK_Q`` when ``causal``, block_k at most half a ``window`` in
+    multiples of ``WINDOW_BLOCK_K`` (at least one), then block_q halved above head_dim 128 (a
+    block longer than its length is shrunk to it by the caller).
     Interpret mode: 64 x 64, small enough to exercise several blocks on test-sized inputs, large
     enough to keep the emulated loops short.
     """
@@ -240,6 +253,9 @@ def default_blocks(target: str, head_dim: int, dtype, causal: bool = False) -> B
         block_q, block_k = TPU_BLOCKS[tpu_generation(compile_device().device_kind)]
         if causal:
             block_q = min(block_q, CAUSAL_BLOCK_Q)
+        if window is not None:
+            half = window // 2 // WINDOW_BLOCK_K * WINDOW_BLOCK_K
+            block_k = min(block_k, max(WINDOW_BLOCK_K, half))
         if head_dim > 128:
             block_q //= 2
         block_q, block_k = _overrides.get("block_q", block_q), _overrides.get("block_k", block_k)

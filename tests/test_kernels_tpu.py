@@ -551,7 +551,7 @@ def test_several_heads_a_forward_step_match_one(seed, heads, kv_heads, per_step,
     q, k, v, do = random_inputs(rng, 1, 200, 232, heads, kv_heads, 16, jnp.float32)
     d_lse = random_d_lse(rng, q)
     blocks = dict(causal=True, block_q=128, block_k=64)
-    assert Tuning(forward_heads=4).heads_per_step(heads, heads // kv_heads, 128) == per_step
+    assert Tuning(forward_heads=4).heads_per_step(heads, heads // kv_heads, 128, 64, 16) == per_step
     with platform.tuned(forward_heads=1):
         one = tpu_interpret_forward(q, k, v, **blocks)
     with platform.tuned(forward_heads=4):
@@ -583,15 +583,28 @@ def test_query_strips_split_the_block_into_whole_16_row_parts():
 
 
 def test_heads_a_forward_step_divide_the_heads_and_share_kv_heads_whole():
+    # Within 4 x 512 x 2048 logits a step (FORWARD_LOGITS: the size of the step's unrolled code),
+    # each 128 lanes of head_dim past the first counted again.
     tuning = Tuning(forward_heads=4)
-    assert tuning.heads_per_step(12, 1, 512) == 4  # GPT-2 small: 12 heads, 4 a step
-    assert tuning.heads_per_step(12, 1, 1024) == 2  # at most FORWARD_ROWS (2048) rows a step
-    assert tuning.heads_per_step(12, 1, 2048) == 1
-    assert tuning.heads_per_step(5, 1, 512) == 1  # no divisor of 5 from 2 to 4
-    assert tuning.heads_per_step(6, 3, 128) == 3  # one kv head's 3 query heads
-    assert tuning.heads_per_step(12, 3, 128) == 3  # 4 would split kv heads' groups
-    assert tuning.heads_per_step(32, 4, 512) == 4  # Llama 3: one kv head's 4
-    assert Tuning().heads_per_step(12, 1, 512) == 1  # one unless a generation asks for more
+    assert tuning.heads_per_step(12, 1, 512, 2048, 128) == 4  # 12 heads, 4 a step
+    assert tuning.heads_per_step(12, 1, 1024, 2048, 128) == 2  # 4 would be twice the logits
+    assert tuning.heads_per_step(12, 1, 2048, 2048, 128) == 1
+    assert tuning.heads_per_step(12, 1, 512, 2048, 256) == 2  # head_dim 256 counts twice
+    assert tuning.heads_per_step(12, 1, 512, 2048, 64) == 4  # 64 lanes take a register's 128
+    assert tuning.heads_per_step(5, 1, 512, 512, 128) == 1  # no divisor of 5 from 2 to 4
+    assert tuning.heads_per_step(6, 3, 128, 128, 128) == 3  # one kv head's 3 query heads
+    assert tuning.heads_per_step(12, 3, 128, 128, 128) == 3  # 4 would split kv heads' groups
+    assert tuning.heads_per_step(32, 4, 512, 2048, 128) == 4  # Llama 3: one kv head's 4
+    assert Tuning().heads_per_step(12, 1, 512, 512, 128) == 1  # one unless a generation asks
+    # v5e's 16: all 16 heads of 512 x 512 (a window's blocks), 12 of GPT-2 small at 512 x 512,
+    # 6 of them at 512 x 1024 (its causal blocks at 1024 tokens), 8 of Llama 3's 32 over 8 kv
+    # heads at 512 x 1024 (two kv heads' groups), and never more than 16.
+    v5e = platform.mosaic_tuning("v5e")
+    assert v5e.heads_per_step(16, 1, 512, 512, 128) == 16
+    assert v5e.heads_per_step(12, 1, 512, 512, 64) == 12
+    assert v5e.heads_per_step(12, 1, 512, 1024, 64) == 6
+    assert v5e.heads_per_step(32, 4, 512, 1024, 128) == 8
+    assert v5e.heads_per_step(32, 1, 128, 128, 128) == 16
 
 
 def test_a_piece_is_a_divisor_of_its_block_in_whole_sublanes():
@@ -747,13 +760,13 @@ def test_the_target_follows_the_mesh_devices_not_the_default_backend():
     assert (blocks.block_q, blocks.block_k) == TPU_BLOCKS[UNKNOWN_TPU]
 
 
-def call_blocks(q_len, kv_len, head_dim=128, causal=True, **blocks):
+def call_blocks(q_len, kv_len, head_dim=128, causal=True, window=None, **blocks):
     """(block_q, block_k) of a Mosaic call (traced for the mesh's devices, if any)."""
     q = jax.ShapeDtypeStruct((1, q_len, 2, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, kv_len, 1, head_dim), jnp.bfloat16)
     blocks = {"block_q": None, "block_k": None, **blocks}
     config, _ = attention_module._config(
-        q, k, k, causal=causal, sm_scale=None, interpret=None, **blocks
+        q, k, k, causal=causal, sm_scale=None, interpret=None, window=window, **blocks
     )
     assert config.target == "mosaic"
     return config.tiling.block_q, config.tiling.block_k
@@ -762,8 +775,9 @@ def call_blocks(q_len, kv_len, head_dim=128, causal=True, **blocks):
 @pytest.mark.parametrize("generation", sorted(GENERATIONS))
 def test_default_mosaic_blocks_follow_the_generation_mask_and_head_dim(generation):
     # A generation's TPU_BLOCKS without a mask; causal calls' query blocks at most CAUSAL_BLOCK_Q;
-    # block_q then halved above head_dim 128; a block longer than its length shrunk to it. Read
-    # through a call's own block choice.
+    # under a window key blocks at most half of it in multiples of 512 (at least 512); block_q
+    # then halved above head_dim 128; a block longer than its length shrunk to it. Read through a
+    # call's own block choice.
     kind = GENERATIONS[generation].device_kind
     block_q, block_k = TPU_BLOCKS[GENERATIONS[generation].name]
     causal_q = min(block_q, CAUSAL_BLOCK_Q)
@@ -775,6 +789,9 @@ def test_default_mosaic_blocks_follow_the_generation_mask_and_head_dim(generatio
         assert call_blocks(long, long, head_dim=256) == (causal_q // 2, block_k)
         short = block_k // 2 + 8  # fewer keys than a block: the block is their length
         assert call_blocks(long, short) == (causal_q, short)
+        for window, at_most in [(100, 512), (1024, 512), (1535, 512), (3000, 1024), (4096, 2048)]:
+            assert call_blocks(long, long, window=window) == (causal_q, min(block_k, at_most))
+        assert call_blocks(long, long, head_dim=256, window=1024) == (causal_q // 2, 512)
         # platform.tuned overrides the defaults; a call's own blocks win over both.
         with platform.tuned(block_q=256, block_k=128):
             assert call_blocks(2048, long) == call_blocks(2048, long, causal=False) == (256, 128)
@@ -1090,7 +1107,7 @@ from dew.kernels import flash_attention
 
 mesh = jax.sharding.Mesh(dew.targets.target("v5e-1").devices(), ("x",))
 replicated = NamedSharding(mesh, PartitionSpec())
-x = jax.ShapeDtypeStruct((1, 4, 4096, 128), jnp.bfloat16, sharding=replicated)
+x = jax.ShapeDtypeStruct((1, 16, 4096, 128), jnp.bfloat16, sharding=replicated)
 WINDOWS = {"window": 1024}
 
 for mask in sys.argv[2:]:
@@ -1145,10 +1162,12 @@ def test_each_kernel_fits_one_instruction_overlay_on_v5e_and_xla_makes_no_pass_b
     # reloads code every step: a forward that computed the causal diagonal as triangles had twice
     # the code (79,389 bundles), was split over four overlays, and ran 2.35x slower on a v5e chip
     # (docs/kernels.md). So each of Dew's kernels, at v5e's blocks, heads a step and pieces (the
-    # unrolled work that sets its size), must fit the largest overlay: causal (512 x 2048, the
-    # masked branches), not (1024 x 2048), and a window of 1024 (512 x 2048, the largest: each
-    # masked piece's strips by position, whole or one half; 51,581 bundles on 2026-12-07). The
-    # count is from libtpu's final bundles; the limit from its log. And the same program is the
+    # unrolled work that sets its size), must fit the largest overlay: causal (512 x 2048, 4
+    # heads a step, the masked branches), not (1024 x 2048, 2 heads), and a window of 1024 (512
+    # x 512, 16 heads, the largest: each masked piece's strips by position, whole or one half;
+    # 50,250 bundles on 2026-12-07). 16 heads, so that each mask's step takes as many as
+    # kernels.mosaic.FORWARD_LOGITS allows. The count is from libtpu's final bundles; the limit
+    # from its log. And the same program is the
     # two kernels and nothing between them: the fused
     # backward computes delta = rowsum(dO * O) from the O block each step reads, so no XLA fusion
     # reads O and dO in HBM (the two-kernel backward still takes delta from one), and layout
