@@ -161,9 +161,9 @@ TPU_FORWARD_ROWS = {
 }
 # The most query heads a forward step computes (`kernels.mosaic.Tuning.forward_heads`, within
 # `kernels.mosaic.FORWARD_LOGITS` a step, which sets how many the default blocks take: 4 causal,
-# 2 without a mask, 16 under a window of 1024). v5e's was measured on the chip (16 heads of 512 x
-# 512 a step about 28 MiB of VMEM at d128); v5p's and v6e's follow it and are not measured; v4
-# (16 MiB of VMEM) keeps one.
+# 2 without a mask, 16 under a window of 1024). v5e's was measured on the chip, where a step of 16
+# heads of 512 x 512 takes about 28 MiB of VMEM at d128; v5p's and v6e's follow it and are not
+# measured; v4 (16 MiB of VMEM) keeps one.
 TPU_FORWARD_HEADS = {
     "v4": 1,
     "v5e": 16,

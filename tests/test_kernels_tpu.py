@@ -1162,16 +1162,15 @@ def test_each_kernel_fits_one_instruction_overlay_on_v5e_and_xla_makes_no_pass_b
     # reloads code every step: a forward that computed the causal diagonal as triangles had twice
     # the code (79,389 bundles), was split over four overlays, and ran 2.35x slower on a v5e chip
     # (docs/kernels.md). So each of Dew's kernels, at v5e's blocks, heads a step and pieces (the
-    # unrolled work that sets its size), must fit the largest overlay: causal (512 x 2048, 4
-    # heads a step, the masked branches), not (1024 x 2048, 2 heads), and a window of 1024 (512
-    # x 512, 16 heads, the largest: each masked piece's strips by position, whole or one half;
-    # 50,250 bundles on 2026-12-07). 16 heads, so that each mask's step takes as many as
+    # unrolled work that sets its size), must fit the largest overlay: causal (512 x 2048, 4 heads
+    # a step, the masked branches), not (1024 x 2048, 2 heads), and a window of 1024 (512 x 512, 16
+    # heads, the largest: each masked piece's strips by position, whole or one half; 50,250 bundles
+    # on 2026-12-07). 16 heads, so that each mask's step takes as many as
     # kernels.mosaic.FORWARD_LOGITS allows. The count is from libtpu's final bundles; the limit
-    # from its log. And the same program is the
-    # two kernels and nothing between them: the fused
+    # from its log. And the same program is the two kernels and nothing between them: the fused
     # backward computes delta = rowsum(dO * O) from the O block each step reads, so no XLA fusion
-    # reads O and dO in HBM (the two-kernel backward still takes delta from one), and layout
-    # "bhsd" leaves no transposes around them.
+    # reads O and dO in HBM (the two-kernel backward still takes delta from one), and layout "bhsd"
+    # leaves no transposes around them.
     log, dump = overlay_probe[mask]
     limits = re.findall(r"overlay size (\d+)/(\d+)/(\d+)", log)
     assert limits, "libtpu printed no overlay sizes (a new log format, or no overlays needed)"
