@@ -32,15 +32,16 @@ from .schedule import EMPTY, MASKED
 from .tiling import INDEX_DTYPE, Tiling, as_index
 
 LANES = 128
-# The most logits a forward step computes over its heads (`Tuning.heads_per_step`): heads x
-# block_q x block_k, each 128 lanes of head_dim past the first counted again. The step's code is
-# unrolled over its heads, strips and pieces, so its size goes as this product: compiled for v5e,
-# 4 heads at 512 x 2048, 8 at 512 x 1024 and 16 at 512 x 512 (causal, 8192 keys, d128) are
-# 36,502, 37,126 and 38,886 bundles, twice the product 71,979 (8 heads at 512 x 2048) and 73,371
-# (16 at 512 x 1024), past the 65,232 of v5e's largest instruction overlay: a kernel split across
-# overlays reloads its code every step (4 heads of 1024 x 2048 without a mask ran at two thirds of
-# the speed on a v5e chip). Within it more heads a step are faster on a v5e chip: a window of 1024
-# at 8192 keys, 512 x 512, 1.290 ms at 4 heads, 1.161 at 8, 1.101 at 16 (docs/kernels.md).
+# The most logits a forward step computes over its heads (`Tuning.heads_per_step`): heads x block_q
+# x block_k, each 128 lanes of head_dim past the first counted again. The step's code is unrolled
+# over its heads, strips and pieces, so its size goes as this product: compiled for v5e, 4 heads at
+# 512 x 2048, 8 at 512 x 1024 and 16 at 512 x 512 (causal, 8192 keys, d128) are 36,502, 37,126 and
+# 38,886 bundles, twice the product 71,979 (8 heads at 512 x 2048) and 73,371 (16 at 512 x 1024),
+# past the 65,232 of v5e's largest instruction overlay: a kernel split across overlays reloads its
+# code every step (4 heads of 1024 x 2048 without a mask, 79,477 bundles as the kernel is today,
+# ran at two thirds of the speed on a v5e chip). Within it more heads a step are faster on a v5e
+# chip: a window of 1024 at 8192 keys, 512 x 512, 1.290 ms at 4 heads, 1.161 at 8, 1.101 at 16
+# (docs/kernels.md).
 FORWARD_LOGITS = 4 * 512 * 2048
 
 
