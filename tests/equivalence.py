@@ -173,31 +173,44 @@ def routing_margins():
         moe.route = route
 
 
+def reference_away_from_ties(objective, key, draw, what: str):
+    """The one-device run of ``objective`` from ``key`` on the batches ``draw(0)`` gives, or, where
+    that run routed a token within ``ROUTING_MARGIN`` of a tie (which rounding may break one way
+    on one device and the other on a layout), on ``draw(1)``, ``draw(2)``... Its ``"batches"``
+    are those it used."""
+    for attempt in itertools.count():
+        batches = draw(attempt)
+        with routing_margins() as margins:
+            run = reference_run(objective, smooth_optimizer(), key, batches)
+            jax.effects_barrier()
+        # An MoE run that routed nothing through the patched router would leave its draws
+        # unguarded (say, the router called by another name): fail rather than pass blind.
+        assert margins or not objective.model.num_experts, f"{what}: no routing was measured"
+        if min(margins, default=ROUTING_MARGIN) >= ROUTING_MARGIN:
+            break
+        assert attempt < 4, f"{what}: every draw routes a token within {ROUTING_MARGIN}"
+        print(
+            f"{what}: a token routed {min(margins):.2g} from a tie on one device; "
+            f"batches drawn again (draw {attempt + 1})"
+        )
+    run["batches"] = batches
+    return run
+
+
 def cached_reference(case, objective, name):
     """The one-device run of ``objective`` on ``case``'s key and batches, run once per ``name``
     (a hashable description of the model and of how its batch is cut). Its ``"batches"`` are
     those the run used: the case's, unless it routed a token within ``ROUTING_MARGIN`` of a tie,
-    then batches drawn again from the case's seed (the run is repeated on them)."""
+    then batches drawn again from the case's seed (`reference_away_from_ties`)."""
     key, batches, cache = case
+
+    def draw(attempt):
+        if not attempt:
+            return batches
+        return [fresh_batch(ROWS, (cache.seed, i, attempt)) for i in range(STEPS)]
+
     if name not in cache:
-        for attempt in itertools.count():
-            if attempt:
-                batches = [fresh_batch(ROWS, (cache.seed, i, attempt)) for i in range(STEPS)]
-            with routing_margins() as margins:
-                run = reference_run(objective, smooth_optimizer(), key, batches)
-                jax.effects_barrier()
-            # An MoE run that routed nothing through the patched router would leave its draws
-            # unguarded (say, the router called by another name): fail rather than pass blind.
-            assert margins or not objective.model.num_experts, f"{name}: no routing was measured"
-            if min(margins, default=ROUTING_MARGIN) >= ROUTING_MARGIN:
-                break
-            assert attempt < 4, f"{name}: every draw routes a token within {ROUTING_MARGIN}"
-            print(
-                f"{name}: a token routed {min(margins):.2g} from a tie on one device; "
-                f"batches drawn again (seed {cache.seed}, draw {attempt + 1})"
-            )
-        run["batches"] = batches
-        cache[name] = run
+        cache[name] = reference_away_from_ties(objective, key, draw, f"{name}, seed {cache.seed}")
     return cache[name]
 
 

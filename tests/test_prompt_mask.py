@@ -16,7 +16,13 @@ import pytest
 
 import dew
 from dew.data import Loading, TokenWindows, write_token_folder
-from tests.equivalence import ROWS, assert_matches, reference_run, sharded_run
+from tests.equivalence import (
+    ROWS,
+    assert_matches,
+    reference_away_from_ties,
+    reference_run,
+    sharded_run,
+)
 from tests.helpers import SEQ, VOCAB, fresh_batch, seeded_key, smooth_optimizer, tiny_objective
 
 STEPS = 2  # masked batches, then one wholly masked
@@ -125,8 +131,14 @@ def test_an_moe_model_averages_cross_entropy_over_kept_targets_and_router_losses
     losses stay means over every token (prompt tokens are routed too)."""
     objective = tiny_objective(num_experts=4, experts_per_token=2)
     key = seeded_key(seed)
-    batches = [masked_batch(ROWS, (seed, 0))]
-    reference = reference_run(objective, smooth_optimizer(), key, batches)
+
+    # A draw that routes a token next to a tie is drawn again (DEW_SEED=1792944756 at 78477ee: a
+    # margin of 2.1e-7, losses 2.7e-4 apart on expert=4,fsdp=2).
+    def draw(attempt):
+        return [masked_batch(ROWS, (seed, 0, attempt) if attempt else (seed, 0))]
+
+    reference = reference_away_from_ties(objective, key, draw, f"seed {seed}")
+    batches = reference["batches"]
     run = sharded_run(
         objective, smooth_optimizer(), key, batches, M(expert=4, fsdp=2), reference["initial"]
     )
