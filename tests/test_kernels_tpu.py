@@ -1164,7 +1164,7 @@ def test_each_kernel_fits_one_instruction_overlay_on_v5e_and_xla_makes_no_pass_b
     # (docs/kernels.md). So each of Dew's kernels, at v5e's blocks, heads a step and pieces (the
     # unrolled work that sets its size), must fit the largest overlay: causal (512 x 2048, 4 heads
     # a step, the masked branches), not (1024 x 2048, 2 heads), and a window of 1024 (512 x 512, 16
-    # heads, the largest: each masked piece's strips by position, whole or one half; 50,250 bundles
+    # heads, the largest: each masked piece's strips by position, whole or one half; 47,601 bundles
     # on 2026-12-07). 16 heads, so that each mask's step takes as many as
     # kernels.mosaic.FORWARD_LOGITS allows. The count is from libtpu's final bundles; the limit
     # from its log. And the same program is the two kernels and nothing between them: the fused
@@ -1175,17 +1175,24 @@ def test_each_kernel_fits_one_instruction_overlay_on_v5e_and_xla_makes_no_pass_b
     limits = re.findall(r"overlay size (\d+)/(\d+)/(\d+)", log)
     assert limits, "libtpu printed no overlay sizes (a new log format, or no overlays needed)"
     jumbo = int(limits[0][1])
-    sizes = {}
+    sizes, texts = {}, {}
     for path in dump.glob("*dew_flash_attention_*-final_bundles.txt"):
         if "schedule-analysis" in path.name:
             continue
         kernel = re.search(r"dew_flash_attention_\w+", path.name).group(0)
         assert kernel not in sizes, f"{mask}: {kernel} dumped twice (the other mask's dump?)"
-        lines = path.read_text().splitlines()
+        texts[kernel] = path.read_text()
+        lines = texts[kernel].splitlines()
         sizes[kernel] = sum(1 for line in lines if re.match(r"\s*0x[0-9a-f]+\s", line))
     assert set(sizes) == {"dew_flash_attention_forward", "dew_flash_attention_backward"}, sizes
     print(f"{mask}: bundles {sizes}, largest overlay {jumbo}")
     assert all(size <= jumbo for size in sizes.values()), (sizes, jumbo)
+    # The forward's end of a run takes the lse's log2 on one row of block_q values a head
+    # (docs/kernels.md, "A shorter end of a run"): block_q / 128 vector registers, 4 heads x 512
+    # / 128 = 16 causal, 2 x 1024 / 128 = 16 without a mask, 16 x 512 / 128 = 64 under the
+    # window, where the lane-dense log it replaced took 16 x 512 / 8 = 1,024 (libtpu's vlog2).
+    logs = re.findall(r"= vlog2", texts["dew_flash_attention_forward"])
+    assert len(logs) == {"causal": 16, "full": 16, "window": 64}[mask], len(logs)
     text = (dump / "program.hlo").read_text()
     entry = text[text.index("\nENTRY") :]
     fusions = [line.strip()[:160] for line in entry.splitlines() if " fusion(" in line]
