@@ -173,28 +173,58 @@ def routing_margins():
         moe.route = route
 
 
-def reference_away_from_ties(objective, key, draw, what: str):
-    """The one-device run of ``objective`` from ``key`` on the batches ``draw(0)`` gives, or, where
-    that run routed a token within ``ROUTING_MARGIN`` of a tie (which rounding may break one way
-    on one device and the other on a layout), on ``draw(1)``, ``draw(2)``... Its ``"batches"``
-    are those it used."""
+def away_from_ties(run, draw, what: str, routes: bool = True):
+    """``(drawn, run(drawn))`` for ``drawn = draw(0)``, or, where that one-device run routed a
+    token within ``ROUTING_MARGIN`` of a tie (which rounding may break one way on one device and
+    the other on a layout, or in another program of the same model), for ``draw(1)``,
+    ``draw(2)``... ``run`` must trace its MoE program afresh (its router is measured while it
+    traces); ``routes``: whether it must route at all (False for a dense model)."""
     for attempt in itertools.count():
-        batches = draw(attempt)
+        drawn = draw(attempt)
         with routing_margins() as margins:
-            run = reference_run(objective, smooth_optimizer(), key, batches)
+            result = run(drawn)
             jax.effects_barrier()
         # An MoE run that routed nothing through the patched router would leave its draws
-        # unguarded (say, the router called by another name): fail rather than pass blind.
-        assert margins or not objective.model.num_experts, f"{what}: no routing was measured"
+        # unguarded (say, the router called by another name, or a trace cached before the
+        # patch): fail rather than pass blind.
+        assert margins or not routes, f"{what}: no routing was measured"
         if min(margins, default=ROUTING_MARGIN) >= ROUTING_MARGIN:
-            break
+            return drawn, result
         assert attempt < 4, f"{what}: every draw routes a token within {ROUTING_MARGIN}"
         print(
             f"{what}: a token routed {min(margins):.2g} from a tie on one device; "
-            f"batches drawn again (draw {attempt + 1})"
+            f"drawn again (draw {attempt + 1})"
         )
-    run["batches"] = batches
-    return run
+
+
+def reference_away_from_ties(objective, key, draw, what: str):
+    """The one-device run of ``objective`` from ``key`` on the batches ``draw(0)`` gives, or on
+    ``draw(1)``, ``draw(2)``... (`away_from_ties`). Its ``"batches"`` are those it used."""
+
+    def run(batches):
+        return reference_run(objective, smooth_optimizer(), key, batches)
+
+    batches, result = away_from_ties(run, draw, what, routes=bool(objective.model.num_experts))
+    result["batches"] = batches
+    return result
+
+
+def tie_draws(seed, rows, **batch):
+    """``draw(attempt)`` for `batch_away_from_ties`: ``fresh_batch(rows, seed)`` first (so a seed
+    that routes clear of ties replays as before), then batches drawn from ``(seed, attempt)``."""
+    return lambda attempt: fresh_batch(rows, (seed, attempt) if attempt else seed, **batch)
+
+
+def batch_away_from_ties(objective, params, draw, what: str):
+    """``draw(0)``, or ``draw(1)``, ``draw(2)``... where ``objective``'s one-device loss from
+    ``params`` on the draw before routed a token within ``ROUTING_MARGIN`` of a tie
+    (`away_from_ties`): the batch of a test that compares an MoE model's runs across layouts or
+    programs."""
+
+    def loss(batch):  # a new function each call: traced afresh, under the measured router
+        return jax.jit(lambda params, batch: objective.loss(params, batch))(params, batch)
+
+    return away_from_ties(loss, draw, what)[0]
 
 
 def cached_reference(case, objective, name):

@@ -222,7 +222,10 @@ def _tpu_width_step(slice_, width, mesh, fsdp_scheme, gradient_sum_dtype):
     return trainer, trainer.compiled_step(16)
 
 
-def width_batch(seed, rows=16) -> jax.Array:
+def width_batch(seed, rows=16, attempt=0) -> jax.Array:
     """``[rows, WIDE_SEQ + 1]`` random tokens of ``width_objective``'s vocabulary, drawn from
-    ``seed``."""
-    return jax.random.randint(jax.random.key(seed), (rows, WIDE_SEQ + 1), 0, WIDE_VOCAB)
+    ``seed`` (and, past the first, from ``attempt``: an MoE test's draw away from routing ties,
+    tests/equivalence.away_from_ties)."""
+    key = jax.random.key(seed)
+    key = jax.random.fold_in(key, attempt) if attempt else key
+    return jax.random.randint(key, (rows, WIDE_SEQ + 1), 0, WIDE_VOCAB)
