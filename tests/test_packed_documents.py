@@ -371,10 +371,19 @@ def test_the_models_window_reaches_its_attention(seed):
     assert changed == {(3, 2): True, (3, 3): False, (None, 2): True, (None, 3): True}, seed
 
 
-def test_a_window_on_a_ring_of_the_kernels_is_refused_before_tracing():
+def test_a_window_on_a_ring_of_the_kernels_is_refused_before_tracing_and_auto_takes_xla():
     model = tiny_objective(attention_window=4, attention_impl="pallas").model
     message = "attention window 4 on a sequence ring of 4 runs with attention 'xla' only"
     with pytest.raises(ValueError, match=message):
         dew.Trainer(LMObjective(model, SEQ), smooth_optimizer(), seeded_key(0), mesh=M(sequence=4))
     # The all-to-all scheme hands each device the whole sequence: the kernels take the window.
     assert model.attention_for("tpu", {"sequence": 4}, "all_to_all") == "pallas"
+    # "auto" runs what runs: XLA's blocks on the windowed ring, the kernels everywhere else.
+    # (head_dim 16: one the Triton kernels take.)
+    auto = tiny_objective(attention_window=4, attention_impl="auto", emb_features=64).model
+    for platform in ("tpu", "gpu"):
+        assert auto.attention_for(platform, {"sequence": 4}, "ring") == "xla"
+        assert auto.attention_for(platform, {"sequence": 4}, "all_to_all") == "pallas"
+        assert auto.attention_for(platform, {"sequence": 1}, "ring") == "pallas"
+    dense = tiny_objective(attention_impl="auto", emb_features=64).model
+    assert dense.attention_for("tpu", {"sequence": 4}, "ring") == "pallas"

@@ -181,7 +181,8 @@ class CausalTransformer:
         compiled for), ``"pallas_tpu_interpret"`` (its Mosaic kernels in TPU interpret mode, on
         any backend: for tests), ``"cudnn"`` (cuDNN's fused attention: GPU, bfloat16 or float16;
         refused on a ring) or ``"auto"``: Mosaic on TPU, cuDNN on GPU where it takes the shapes
-        (else Triton), XLA on CPU, by the devices the step is compiled for
+        (else Triton), XLA on CPU and on a sequence ring with an ``attention_window`` (the
+        kernels take no window there), by the devices the step is compiled for
         (``dew.nn.attention.resolve``; ``attention_for`` tells ahead of compiling).
       remat: what each layer saves for the backward (``REMAT_CHOICES``): ``"full"`` nothing (the
         backward recomputes the layer; least memory), ``"dots"`` the outputs of its weight
@@ -415,11 +416,13 @@ class CausalTransformer:
         (``dew.nn.attention.resolve``) for this model's dtype and head_dim, and for a ring when
         the ``sequence`` axis is above 1 under the ring scheme. ``ValueError`` for ``"cudnn"``
         where cuDNN cannot run (not a GPU, float32, a ring), and for an ``attention_window`` on
-        a ring of the Pallas kernels (``dew.parallel.sequence.window_refusal``): what the step
+        a ring of the Pallas kernels asked by name (``dew.parallel.sequence.window_refusal``;
+        ``"auto"`` takes XLA's blocks there): what the step
         raises while tracing, for callers that want to say so before building anything.
         ``segmented``: the batch packs documents (segment ids), which cuDNN does not take."""
         n = (axis_sizes or {}).get(sequence.AXIS, 1)
         ring = n > 1 and sequence_scheme == "ring"
+        windowed_ring = ring and self.attention_window is not None
         impl = attention.resolve(
             self.attention_impl,
             platform,
@@ -427,8 +430,9 @@ class CausalTransformer:
             self.head_dim,
             ring,
             segmented,
+            windowed_ring,
         )
-        if ring and self.attention_window is not None and impl != "xla":
+        if windowed_ring and impl != "xla":
             raise ValueError(sequence.window_refusal(impl, n, self.attention_window))
         return impl
 

@@ -287,6 +287,7 @@ def resolve(
     head_dim: int,
     needs_lse: bool = False,
     segmented: bool = False,
+    windowed_ring: bool = False,
 ) -> str:
     """The implementation (a key of ``IMPLEMENTATIONS``) a choice runs as; pure, for tests.
 
@@ -298,13 +299,15 @@ def resolve(
       needs_lse: the call merges blocks by their log-sum-exp (ring attention over a sequence
         axis above 1).
       segmented: the call takes segment ids (packed documents), which cuDNN does not.
+      windowed_ring: the call is a ring's with a sliding window, whose blocks only XLA's take
+        (``dew.parallel.sequence.window_refusal``).
 
     ``"auto"``: on TPU the Mosaic Pallas kernels; on GPU cuDNN where it takes the call
     (``cudnn_refusal`` is ``None``), else the Triton Pallas kernels where they take it (float32 or
-    bfloat16, head_dim a power of two from 16 to 256), else XLA; XLA on CPU (and wherever the
-    kernels do not take the dtype). Any other name is returned as is, except ``"cudnn"`` where
-    cuDNN cannot run the call: a ``ValueError`` saying why, raised while tracing, before anything
-    is compiled.
+    bfloat16, head_dim a power of two from 16 to 256), else XLA; XLA on CPU, wherever the kernels
+    do not take the dtype, and on a ring with a window. Any other name is returned as is, except
+    ``"cudnn"`` where cuDNN cannot run the call: a ``ValueError`` saying why, raised while
+    tracing, before anything is compiled.
     """
     if impl not in CHOICES:
         raise ValueError(f"unknown attention_impl {impl!r}; expected one of {', '.join(CHOICES)}")
@@ -313,6 +316,8 @@ def resolve(
         raise ValueError(f"attention_impl 'cudnn' cannot run this step: {refusal}")
     if impl != "auto":
         return impl
+    if windowed_ring:
+        return "xla"
     if platform == "gpu" and refusal is None:
         return "cudnn"
     if platform in ("gpu", "tpu") and _pallas_fits(platform, dtype, head_dim):

@@ -603,7 +603,8 @@ def window_refusal(impl: str, n: int, window: int) -> str:
     return (
         f"attention window {window} on a sequence ring of {n} runs with attention 'xla' only: "
         f"the {impl!r} kernels count a window from each call's own last key, which a ring block's "
-        "offset does not fit; use sequence_scheme 'all_to_all' (any attention) or attention 'xla'"
+        "offset does not fit; use sequence_scheme 'all_to_all' (any attention) or attention 'xla' "
+        "(which 'auto' takes there)"
     )
 
 
