@@ -371,19 +371,46 @@ def test_the_models_window_reaches_its_attention(seed):
     assert changed == {(3, 2): True, (3, 3): False, (None, 2): True, (None, 3): True}, seed
 
 
-def test_a_window_on_a_ring_of_the_kernels_is_refused_before_tracing_and_auto_takes_xla():
+def test_a_window_past_a_chunk_on_a_ring_of_the_kernels_is_refused_and_auto_takes_xla():
+    # SEQ 16 on sequence 4: zigzag chunks of 2 positions, shorter than the window of 4.
     model = tiny_objective(attention_window=4, attention_impl="pallas").model
-    message = "attention window 4 on a sequence ring of 4 runs with attention 'xla' only"
+    message = (
+        r"attention window 4 on a sequence ring of 4 is longer than a zigzag chunk "
+        r"\(seq_len / 8 = 2 positions\), so the ring runs it with attention 'xla' only"
+    )
     with pytest.raises(ValueError, match=message):
         dew.Trainer(LMObjective(model, SEQ), smooth_optimizer(), seeded_key(0), mesh=M(sequence=4))
+    # On sequence 2 the chunks are 4 positions: the window fits one, and the ring's halo exchange
+    # runs the kernels with it.
+    dew.Trainer(LMObjective(model, SEQ), smooth_optimizer(), seeded_key(0), mesh=M(sequence=2))
     # The all-to-all scheme hands each device the whole sequence: the kernels take the window.
     assert model.attention_for("tpu", {"sequence": 4}, "all_to_all") == "pallas"
-    # "auto" runs what runs: XLA's blocks on the windowed ring, the kernels everywhere else.
-    # (head_dim 16: one the Triton kernels take.)
+    # "auto" runs what runs: XLA's blocks on a ring whose chunks are shorter than the window (or
+    # whose length it is not told), the kernels everywhere else. (head_dim 16: one the Triton
+    # kernels take.)
     auto = tiny_objective(attention_window=4, attention_impl="auto", emb_features=64).model
     for platform in ("tpu", "gpu"):
+        assert auto.attention_for(platform, {"sequence": 4}, "ring", seq_len=SEQ) == "xla"
         assert auto.attention_for(platform, {"sequence": 4}, "ring") == "xla"
+        assert auto.attention_for(platform, {"sequence": 2}, "ring", seq_len=SEQ) == "pallas"
         assert auto.attention_for(platform, {"sequence": 4}, "all_to_all") == "pallas"
         assert auto.attention_for(platform, {"sequence": 1}, "ring") == "pallas"
     dense = tiny_objective(attention_impl="auto", emb_features=64).model
     assert dense.attention_for("tpu", {"sequence": 4}, "ring") == "pallas"
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_a_windowed_model_trains_on_a_sequence_ring_as_on_one_device(seed, impl):
+    """A window of 3 on sequence 2 (chunks of 4 positions): the ring's halo exchange, with XLA's
+    attention and with the Pallas kernels (the interpreter on CPU): the loss, every gradient and
+    the updated weights of one device (float32, 1e-5)."""
+    from tests.helpers import fresh_batch
+
+    objective = tiny_objective(attention_window=3, attention_impl=impl)
+    key = seeded_key(seed)
+    batches = [fresh_batch(ROWS, (seed, 2))]
+    reference = reference_run(objective, smooth_optimizer(), key, batches)
+    run = sharded_run(
+        objective, smooth_optimizer(), key, batches, M(sequence=2), reference["initial"]
+    )
+    assert_matches(run, reference, seed, f"sequence2, window 3, {impl}")

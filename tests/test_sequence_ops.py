@@ -252,6 +252,31 @@ def test_segment_ids_and_windows_over_the_sequence_axis_equal_one_device(
     check_against_one_device(scheme, n, seed, kv_heads=2, impl=impl, ids=ids, window=window)
 
 
+@pytest.mark.parametrize(
+    "n, seq_len, impl, with_ids, window",
+    [
+        (4, 32, "xla", False, 4),  # chunks of 4: the halo is the whole chunk before
+        (4, 32, "xla", True, 3),
+        (2, 16, "pallas", True, 4),
+        (2, 16, "pallas_tpu_interpret", False, 3),
+        # chunks of 256: a halo of 128 keys, the 29 first of which no query's window reaches
+        (4, 2048, "xla", True, 100),
+        (2, 16, "xla", False, 1),  # each query sees itself: the local call
+    ],
+)
+def test_a_window_within_a_chunk_runs_the_ring_as_a_halo_exchange_equal_to_one_device(
+    seed, n, seq_len, impl, with_ids, window
+):
+    """A window of at most a zigzag chunk: each chunk takes the last keys of the chunk before it
+    from the device that holds it (device n - 1's second chunk from its own first; device 0's
+    first chunk from none) and attends once, with any attention, the kernels included. Unsorted
+    ids, so that the halo's ids are read, not assumed equal."""
+    ids = document_ids(np.random.default_rng((seed, 1)), seq_len, False) if with_ids else None
+    check_against_one_device(
+        "ring", n, seed, seq_len=seq_len, kv_heads=2, impl=impl, ids=ids, window=window
+    )
+
+
 @pytest.mark.parametrize("n, heads, kv_heads, with_lse", [(2, 4, 2, True), (4, 8, 4, False)])
 def test_all_to_all_attention_equals_one_device(seed, n, heads, kv_heads, with_lse):
     check_against_one_device(
@@ -273,19 +298,24 @@ def test_sequence_size_one_is_the_plain_call(seed, scheme):
 # --- Collectives, from formulas -------------------------------------------------------------------
 
 
-def traced_collectives(scheme, n, seq_len, heads, kv_heads, dtype, grad, with_lse=False):
+def traced_collectives(
+    scheme, n, seq_len, heads, kv_heads, dtype, grad, with_lse=False, window=None
+):
     """The jaxpr's and the compiled program's collectives of one attention call (or of it and its
     gradient) in a shard_map over a sequence axis of ``n``."""
     shards = shards_of(n)
 
+    def attend(q, k, v):
+        return sequence.SCHEMES[scheme](q, k, v, shards, window=window)
+
     def body(q, k, v):
         def loss(q, k, v):
-            out, lse = sequence.SCHEMES[scheme](q, k, v, shards)
+            out, lse = attend(q, k, v)
             return jnp.sum(jnp.sin(out.astype(jnp.float32))) + (jnp.sum(lse) if with_lse else 0)
 
         if grad:
             return jax.grad(loss, (0, 1, 2))(q, k, v)
-        return sequence.SCHEMES[scheme](q, k, v, shards)[0], k, v
+        return attend(q, k, v)[0], k, v
 
     mesh = sequence_mesh(n)
     fn = jax.shard_map(
@@ -322,6 +352,29 @@ def test_ring_sends_kv_blocks_and_their_gradients_round_the_ring(n, kv_heads, dt
             assert rows_of(hlo) == want, (grad, hlo.rows)
         else:  # XLA:CPU sends bfloat16 collective-permutes as float32: count only.
             assert {k: c for k, (c, _) in rows_of(hlo).items()} == {key: want[key][0]}, hlo.rows
+
+
+@pytest.mark.parametrize(
+    "n, seq_len, window, halo",
+    [(2, 16, 3, 4), (4, 2048, 129, 128), (4, 2048, 200, 256), (2, 1024, 100, 128)],
+)
+def test_a_window_within_a_chunk_sends_each_chunk_its_halo_and_the_halos_gradients_back(
+    n, seq_len, window, halo
+):
+    """Forward: two ppermute of the stacked K/V tails (the last ``halo`` positions of each chunk:
+    ``window - 1`` rounded up to whole 128s, at most the chunk), one each way along the ring's
+    line. Backward: their transposes, the halos' dK/dV, the same bytes. Nothing else: no hop round
+    the ring, nothing gathered."""
+    heads, kv_heads = 8, 2
+    assert sequence.halo_length(window, seq_len // (2 * n)) == halo, (window, seq_len)
+    tails = 2 * ROWS * kv_heads * halo * HEAD_DIM * 4  # the stacked K/V tails, float32
+    key = ("ppermute", (S_AXIS,))
+    for grad, want in ((False, {key: (2, 2 * tails)}), (True, {key: (4, 4 * tails)})):
+        jaxpr, hlo = traced_collectives(
+            "ring", n, seq_len, heads, kv_heads, jnp.float32, grad, window=window
+        )
+        assert rows_of(jaxpr) == want, (grad, jaxpr.rows)
+        assert rows_of(hlo) == want, (grad, hlo.rows)
 
 
 @pytest.mark.parametrize("n", (2, 4))

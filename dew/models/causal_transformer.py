@@ -181,8 +181,9 @@ class CausalTransformer:
         compiled for), ``"pallas_tpu_interpret"`` (its Mosaic kernels in TPU interpret mode, on
         any backend: for tests), ``"cudnn"`` (cuDNN's fused attention: GPU, bfloat16 or float16;
         refused on a ring) or ``"auto"``: Mosaic on TPU, cuDNN on GPU where it takes the shapes
-        (else Triton), XLA on CPU and on a sequence ring with an ``attention_window`` (the
-        kernels take no window there), by the devices the step is compiled for
+        (else Triton), XLA on CPU and on a sequence ring with an ``attention_window`` longer
+        than a zigzag chunk (the kernels take no window there), by the devices the step is
+        compiled for
         (``dew.nn.attention.resolve``; ``attention_for`` tells ahead of compiling).
       remat: what each layer saves for the backward (``REMAT_CHOICES``): ``"full"`` nothing (the
         backward recomputes the layer; least memory), ``"dots"`` the outputs of its weight
@@ -410,19 +411,24 @@ class CausalTransformer:
         axis_sizes: dict | None = None,
         sequence_scheme: str = "ring",
         segmented: bool = False,
+        seq_len: int | None = None,
     ) -> str:
         """The attention implementation a step compiled for ``platform`` devices (``"cpu"``,
         ``"gpu"``, ``"tpu"``) on a mesh of ``axis_sizes`` runs: ``attention_impl`` resolved
         (``dew.nn.attention.resolve``) for this model's dtype and head_dim, and for a ring when
         the ``sequence`` axis is above 1 under the ring scheme. ``ValueError`` for ``"cudnn"``
-        where cuDNN cannot run (not a GPU, float32, a ring), and for an ``attention_window`` on
-        a ring of the Pallas kernels asked by name (``dew.parallel.sequence.window_refusal``;
-        ``"auto"`` takes XLA's blocks there): what the step
-        raises while tracing, for callers that want to say so before building anything.
-        ``segmented``: the batch packs documents (segment ids), which cuDNN does not take."""
+        where cuDNN cannot run (not a GPU, float32, a ring), and for an ``attention_window``
+        longer than a zigzag chunk (``seq_len / (2 x sequence)``; any window where ``seq_len``
+        is not given) on a ring of the Pallas kernels asked by name
+        (``dew.parallel.sequence.window_refusal``; ``"auto"`` takes XLA's blocks there; a window
+        within a chunk runs as a halo exchange with any attention): what the step raises while
+        tracing, for callers that want to say so before building anything. ``segmented``: the
+        batch packs documents (segment ids), which cuDNN does not take."""
         n = (axis_sizes or {}).get(sequence.AXIS, 1)
         ring = n > 1 and sequence_scheme == "ring"
-        windowed_ring = ring and self.attention_window is not None
+        chunk = None if seq_len is None else seq_len // (2 * n)
+        window = self.attention_window
+        windowed_ring = ring and window is not None and (chunk is None or window > chunk)
         impl = attention.resolve(
             self.attention_impl,
             platform,
@@ -433,7 +439,7 @@ class CausalTransformer:
             windowed_ring,
         )
         if windowed_ring and impl != "xla":
-            raise ValueError(sequence.window_refusal(impl, n, self.attention_window))
+            raise ValueError(sequence.window_refusal(impl, n, window, chunk))
         return impl
 
     def check_split(self, axis_sizes: dict, sequence_scheme: str = "ring") -> None:
@@ -632,6 +638,7 @@ class CausalTransformer:
             {sequence.AXIS: shards.size(sequence.AXIS)},
             shards.options.sequence_scheme,
             segmented=segment_ids is not None,
+            seq_len=positions.shape[-1] * shards.size(sequence.AXIS),
         )
         # Over a sequence axis, attention spans every device's positions (ring or all-to-all);
         # elsewhere it is the plain call.

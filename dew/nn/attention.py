@@ -299,15 +299,16 @@ def resolve(
       needs_lse: the call merges blocks by their log-sum-exp (ring attention over a sequence
         axis above 1).
       segmented: the call takes segment ids (packed documents), which cuDNN does not.
-      windowed_ring: the call is a ring's with a sliding window, whose blocks only XLA's take
-        (``dew.parallel.sequence.window_refusal``).
+      windowed_ring: the call is a ring's with a sliding window longer than a zigzag chunk,
+        whose blocks only XLA's take (``dew.parallel.sequence.window_refusal``; a window within
+        a chunk runs as a halo exchange, with any attention).
 
     ``"auto"``: on TPU the Mosaic Pallas kernels; on GPU cuDNN where it takes the call
     (``cudnn_refusal`` is ``None``), else the Triton Pallas kernels where they take it (float32 or
     bfloat16, head_dim a power of two from 16 to 256), else XLA; XLA on CPU, wherever the kernels
-    do not take the dtype, and on a ring with a window. Any other name is returned as is, except
-    ``"cudnn"`` where cuDNN cannot run the call: a ``ValueError`` saying why, raised while
-    tracing, before anything is compiled.
+    do not take the dtype, and on a ring with a window beyond a chunk. Any other name is returned
+    as is, except ``"cudnn"`` where cuDNN cannot run the call: a ``ValueError`` saying why, raised
+    while tracing, before anything is compiled.
     """
     if impl not in CHOICES:
         raise ValueError(f"unknown attention_impl {impl!r}; expected one of {', '.join(CHOICES)}")

@@ -16,6 +16,9 @@ signature as ``dew.nn.attention``'s functions plus the ``Shards`` (``SCHEMES`` p
   blocks' ``(out, lse)`` pairs by online softmax. Memory holds the device's own block, the
   visiting one and the next one in flight; only kv heads travel, and each hop can hide behind a
   block's ``O(c^2)`` attention, which grows with the context.
+  With a sliding window of at most a chunk, the ring scheme is a halo exchange instead
+  (``_halo_attention``): each chunk takes the last keys of the chunk before it, two ``ppermute``
+  in all, and attends once, with any attention.
 - ``all_to_all_attention`` (DeepSpeed-Ulysses): ``all_to_all`` trades positions for heads, each
   device attends over the whole sequence with ``heads / n`` heads, and ``all_to_all`` trades back.
   It needs ``heads`` and ``kv_heads`` to divide by ``n`` and holds the whole sequence's q, k, v
@@ -85,7 +88,8 @@ the same model code runs on one device (``ONE_DEVICE``) without a mesh.
 
 Layout: the zigzag order (``check_seq_len``, ``zigzag_positions``), the argument checks, the block
 computations a ring step runs (``_xla_block_forward`` to ``_pallas_block_backward``), the ring
-(``_ring_forward``, ``_ring_backward``, the ``custom_vjp`` ``_ring``, ``ring_attention``), the
+(``_ring_forward``, ``_ring_backward``, the ``custom_vjp`` ``_ring``), a window within a chunk
+(``halo_length``, ``_halo_attention``), ``ring_attention``, the
 all-to-all scheme (``all_to_all_attention``, ``SCHEMES``), and what the model asks of the module
 (``check_heads``, ``attention``). It is one module because all of it serves one axis, and the ring's
 forward and its hand-written backward must be read side by side.
@@ -554,6 +558,81 @@ def _plain(impl: str, q, k, v, segment_ids, window):
     )
 
 
+# --- A window within a chunk: the halo ---------------------------------------------------------
+#
+# A query sees at most the ``window`` most recent keys. When ``window <= c``, each chunk's queries
+# see only their own chunk and the chunk before it, and of that one at most its last ``window - 1``
+# keys: each device takes those keys from the one device that holds them (a halo exchange), and
+# attends each of its chunks once, over the halo and the chunk, with the window as the kernels
+# count it (from the call's own last key: the queries are the last ``c`` of ``halo + c`` keys).
+
+
+def halo_length(window: int, c: int) -> int:
+    """The keys a chunk takes from the chunk before it under ``window`` (``<= c``): the ``window -
+    1`` its first query can see, rounded up to a multiple of 128 (whole lanes and sublane tiles
+    for the kernels, no padded tail to copy) but at most the chunk; the keys past ``window - 1``
+    are outside every query's window, and masked."""
+    return min(c, -(-(window - 1) // 128) * 128)
+
+
+def _halo_attention(q, k, v, ids, n: int, impl: str, window: int):
+    """``ring_attention``'s result for ``window <= c``, by a halo exchange instead of a ring.
+
+    Device ``i``'s chunk ``i`` follows chunk ``i - 1`` (device ``i - 1``'s first) and its chunk
+    ``2n-1-i`` follows chunk ``2n-2-i`` (device ``i + 1``'s second; on device ``n - 1``, its own
+    first). So two ``ppermute`` over ``sequence`` bring the last ``H = halo_length(window, c)``
+    keys and values of each: ``2 x 2 batch kv_heads H d`` elements of the input dtype sent per
+    device (and the ids' ``2 batch H`` int32 with segment ids); autodiff's transposes send the
+    halos' dK/dV back the same size (exact under ``check_vma=False``: no ``psum``). Each chunk is
+    then one call of ``impl`` over ``H + c`` keys, causal with the window: the Pallas kernels skip
+    the blocks outside it. Chunk 0 (device 0's first) has no chunk before it: that device
+    attends it over its own keys alone (a ``lax.cond`` on the device index)."""
+    c = q.shape[2] // 2
+    h = halo_length(window, c)
+    i = lax.axis_index(AXIS)
+    kv = jnp.stack([k, v])  # [2, b, kv_heads, 2c, d]: one exchange for both
+
+    def chunks(x, axis):
+        return lax.slice_in_dim(x, 0, c, axis=axis), lax.slice_in_dim(x, c, 2 * c, axis=axis)
+
+    def tail(x, axis):
+        return lax.slice_in_dim(x, c - h, c, axis=axis)
+
+    def halos(x, axis):
+        """The last ``h`` positions of the chunk before each of this device's two chunks (zeros
+        before chunk 0: unused)."""
+        first, second = chunks(x, axis)
+        # chunk j's tail to device j + 1 (its chunk j + 1); chunk 2n-2-j's (device j + 1's
+        # second) to device j (its chunk 2n-1-j); device n - 1 holds both n - 1 and n.
+        before_first = lax.ppermute(tail(first, axis), AXIS, [(j, j + 1) for j in range(n - 1)])
+        before_second = lax.ppermute(tail(second, axis), AXIS, [(j + 1, j) for j in range(n - 1)])
+        return before_first, jnp.where(i == n - 1, tail(first, axis), before_second)
+
+    (q1, q2), (kv1, kv2) = chunks(q, 2), chunks(kv, 3)
+    halo1, halo2 = halos(kv, 3)
+    pairs = [None, None]
+    own_pair = None
+    if ids is not None:
+        (ids1, ids2), (id_halo1, id_halo2) = chunks(ids, 1), halos(ids, 1)
+        pairs = [
+            (ids1, jnp.concatenate([id_halo1, ids1], axis=1)),
+            (ids2, jnp.concatenate([id_halo2, ids2], axis=1)),
+        ]
+        own_pair = ids1
+
+    def attend(q_chunk, halo, own, pair):
+        keys = jnp.concatenate([halo, own], axis=3)
+        return _plain(impl, q_chunk, keys[0], keys[1], pair, window)
+
+    out2, lse2 = attend(q2, halo2, kv2, pairs[1])
+    out1, lse1 = lax.cond(
+        i == 0,
+        lambda: _plain(impl, q1, kv1[0], kv1[1], own_pair, window),
+        lambda: attend(q1, halo1, kv1, pairs[0]),
+    )
+    return jnp.concatenate([out1, out2], axis=2), jnp.concatenate([lse1, lse2], axis=2)
+
+
 def ring_attention(q, k, v, shards, impl: str = "xla", *, segment_ids=None, window=None):
     """Causal attention over the whole sequence, for this device's zigzag rows, as a ring.
 
@@ -573,8 +652,9 @@ def ring_attention(q, k, v, shards, impl: str = "xla", *, segment_ids=None, wind
         them; the Pallas blocks take the pair ``(q_ids, kv_ids)`` and skip the block pairs whose
         ids never meet.
       window: ``None`` or ``W``: each query sees at most the ``W`` most recent keys (global
-        positions): XLA blocks only (``ValueError`` for the Pallas blocks on a ring; the
-        all-to-all scheme takes it with any ``impl``).
+        positions). ``W <= c``: a halo exchange, any ``impl`` (``_halo_attention``). ``W > c``:
+        the ring with XLA blocks only (``ValueError`` for the Pallas blocks; the all-to-all
+        scheme takes it with any ``impl``).
 
     Returns:
       ``(out, lse)``: ``out`` ``[batch, heads, 2c, d]`` in q's dtype, ``lse`` float32
@@ -589,22 +669,36 @@ def ring_attention(q, k, v, shards, impl: str = "xla", *, segment_ids=None, wind
             f"{', '.join(_BLOCK_FORWARD)} on a ring (or the all_to_all scheme)"
         )
     check_window(window)
-    if window is not None and n > 1 and impl not in _WINDOWED_BLOCKS:
-        raise ValueError(window_refusal(impl, n, window))
     _check_shapes("ring_attention", q, k, v, n, segment_ids)
+    c = q.shape[2] // 2
+    if window is not None and n > 1 and window > c and impl not in _WINDOWED_BLOCKS:
+        raise ValueError(window_refusal(impl, n, window, c))
     if n == 1:
         return _plain(impl, q, k, v, segment_ids, window)
+    if window == 1:  # each query sees itself alone: the local call, nothing exchanged
+        return _plain(impl, q, k, v, segment_ids, window)
+    if window is not None and window <= c:
+        ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+        return _halo_attention(q, k, v, ids, n, impl, window)
     ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     return _ring(q, k, v, ids, _gather_ids(ids), n, impl, window)
 
 
-def window_refusal(impl: str, n: int, window: int) -> str:
-    """Why a ring of ``n`` cannot run ``impl``'s blocks with a window (a sentence)."""
+def window_refusal(impl: str, n: int, window: int, c: int | None) -> str:
+    """Why a ring of ``n`` with chunks of ``c`` positions (``None``: not known) cannot run
+    ``impl``'s blocks with a window above ``c`` (a sentence)."""
+    if c is None:
+        beyond = f"is not known to fit a zigzag chunk (seq_len / {2 * n}; no seq_len was given)"
+        fits = "a window of at most a chunk"
+    else:
+        beyond = f"is longer than a zigzag chunk (seq_len / {2 * n} = {c} positions)"
+        fits = f"a window of at most {c}"
     return (
-        f"attention window {window} on a sequence ring of {n} runs with attention 'xla' only: "
-        f"the {impl!r} kernels count a window from each call's own last key, which a ring block's "
-        "offset does not fit; use sequence_scheme 'all_to_all' (any attention) or attention 'xla' "
-        "(which 'auto' takes there)"
+        f"attention window {window} on a sequence ring of {n} {beyond}, so the ring runs it "
+        f"with attention 'xla' only: the {impl!r} kernels count a "
+        "window from each call's own last key, which a ring block's offset does not fit; use "
+        "sequence_scheme 'all_to_all' (any attention), attention 'xla' (which 'auto' takes "
+        f"there), or {fits}, which the ring's halo exchange runs with any attention"
     )
 
 

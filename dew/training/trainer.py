@@ -210,7 +210,10 @@ class Trainer:
             # An attention kernel that cannot run on these devices (cuDNN off a GPU, or on a
             # ring) is refused here, before anything is traced, not by the first step.
             objective.model.attention_for(
-                platform, mesh_shape if engine == "shard_map" else None, options.sequence_scheme
+                platform,
+                mesh_shape if engine == "shard_map" else None,
+                options.sequence_scheme,
+                seq_len=objective.seq_len,
             )
         if self.lora is not None:
             lora.check(objective.model, mesh_shape)
