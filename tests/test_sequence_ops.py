@@ -377,6 +377,42 @@ def test_a_window_within_a_chunk_sends_each_chunk_its_halo_and_the_halos_gradien
         assert rows_of(hlo) == want, (grad, hlo.rows)
 
 
+@pytest.mark.xdist_group("tpu")
+def test_a_window_within_a_chunk_holds_less_than_the_ring_on_a_tpu_slice():
+    """Compiled for v5e-4 (libtpu, no TPU), sequence=4, 8192 positions, 8 heads of 128, bfloat16,
+    forward and backward: the halo exchange with the kernels holds under a tenth of the ring's
+    temporaries (the ring's XLA blocks, at a window one key past the chunk), and with XLA's
+    attention less than the ring too (each chunk's logits recomputed in the backward, not kept)."""
+    pytest.importorskip("libtpu")
+    from dew.targets import target
+
+    n, seq_len, heads = 4, 8192, 8
+    mesh = Mesh(np.array(target("v5e-4").devices()), axis_names=(S_AXIS,))
+    shards = shards_of(n)
+    chunk = seq_len // (2 * n)
+
+    def temporaries(impl, window):
+        def body(q, k, v):
+            def loss(q, k, v):
+                out, _ = sequence.ring_attention(q, k, v, shards, impl, window=window)
+                return jnp.sum(out.astype(jnp.float32))
+
+            return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+        fn = jax.shard_map(
+            body, mesh=mesh, in_specs=(POSITIONS,) * 3, out_specs=(POSITIONS,) * 3, check_vma=False
+        )
+        x = jax.ShapeDtypeStruct((1, heads, seq_len, 128), jnp.bfloat16)
+        compiled = jax.jit(fn).lower(x, x, x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    ring = temporaries("xla", chunk + 1)
+    halo_kernels, halo_xla = temporaries("pallas", chunk), temporaries("xla", chunk)
+    print(f"temporaries: ring {ring}, halo with the kernels {halo_kernels}, with XLA {halo_xla}")
+    assert halo_kernels * 10 < ring, (halo_kernels, ring)
+    assert halo_xla < ring, (halo_xla, ring)
+
+
 @pytest.mark.parametrize("n", (2, 4))
 def test_all_to_all_trades_positions_for_heads_and_back(n):
     """Forward: q, k, v in, out and lse back (five all_to_all; XLA drops lse's when it is unused).
