@@ -684,14 +684,11 @@ def ring_attention(q, k, v, shards, impl: str = "xla", *, segment_ids=None, wind
     c = q.shape[2] // 2
     if window is not None and n > 1 and window > c and impl not in _WINDOWED_BLOCKS:
         raise ValueError(window_refusal(impl, n, window, c))
-    if n == 1:
+    if n == 1 or window == 1:  # (a window of 1: each query sees itself, nothing to exchange)
         return _plain(impl, q, k, v, segment_ids, window)
-    if window == 1:  # each query sees itself alone: the local call, nothing exchanged
-        return _plain(impl, q, k, v, segment_ids, window)
-    if window is not None and window <= c:
-        ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-        return _halo_attention(q, k, v, ids, n, impl, window)
     ids = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    if window is not None and window <= c:
+        return _halo_attention(q, k, v, ids, n, impl, window)
     return _ring(q, k, v, ids, _gather_ids(ids), n, impl, window)
 
 
