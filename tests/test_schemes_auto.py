@@ -145,16 +145,21 @@ def row(options: str, *, exposed: int, total: int = 3 * GIB, fits: bool = True, 
 
 
 def fake_plan(outcomes: dict, calls: list):
-    """``planning.plan`` answering each (fsdp scheme, sum dtype) with ``outcomes``' row, and
-    GSPMD's, recording what it was asked to compile."""
+    """``planning.plan`` answering each (fsdp scheme, sum dtype) as a model with ``remat="auto"``
+    does (``planning.plan_choices``): a row for each recompute policy compiled, in order, the
+    first (``remat none``) over the chip and ``outcomes``' row, the last, the one to judge the
+    scheme by; the same for GSPMD. Records what it was asked to compile."""
 
     def plan(target_, objective, meshes, batch, *, engines, options, **settings):
         calls.append((options.fsdp_scheme, options.gradient_sum_dtype, tuple(engines)))
-        out = [outcomes[(options.fsdp_scheme, options.gradient_sum_dtype)]] * (
-            "shard_map" in engines
+        last = outcomes[(options.fsdp_scheme, options.gradient_sum_dtype)]
+        # Less exposed than any outcome, and over the chip: judged by it, a scheme never fits.
+        over = dataclasses.replace(
+            row(last.options, exposed=1, fits=False), choices={"remat": "none"}
         )
+        out = [over, last] * ("shard_map" in engines)
         if "gspmd" in engines:
-            out.append(dataclasses.replace(out[0], engine="gspmd", options=""))
+            out += [dataclasses.replace(r, engine="gspmd", options="") for r in (over, last)]
         return out
 
     return plan
@@ -186,7 +191,7 @@ def test_the_search_takes_the_scheme_that_fits_with_the_least_exposed_bytes(monk
     assert calls == [("ring", None, ("shard_map", "gspmd")), ("gather", None, ("shard_map",))]
     assert choice.chosen is outcomes[("gather", None)]
     assert choice.reason().startswith("fsdp=8: fsdp gather, the least exposed communication of")
-    assert [r.engine for r in rows].count("gspmd") == 1  # the baseline once a layout
+    assert [r.engine for r in rows].count("gspmd") == 2  # the baseline once a layout (2 remats)
     # Both fit: the one that exposes less, whatever the memory.
     outcomes[("ring", None)] = row("fsdp_scheme=ring", exposed=100, total=4 * GIB)
     _, _, (choice,) = choose(monkeypatch, outcomes)

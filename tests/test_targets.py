@@ -67,6 +67,23 @@ def test_a_slice_that_does_not_exist_is_refused_naming_the_valid_ones(name, says
         targets.target(name)
 
 
+# What one chip sends over its inter-chip links a second (GB/s), written here from the vendors'
+# figures, not from dew.targets: half the "bidirectional inter-chip interconnect (ICI) bandwidth
+# (per chip)" of Cloud TPU's system architecture pages (https://cloud.google.com/tpu/docs/v5e:
+# 400 GBps; .../v5p: 1200 GBps; .../v6e: 800 GBps), and for v4, whose page gives no per-chip
+# figure, six links of 400 Gb/s each way ("TPU v4: An Optically Reconfigurable Supercomputer",
+# Jouppi et al., ISCA 2023): 6 x 50 GB/s. A rate doubled (the bidirectional figure taken for
+# what one chip sends) halves `dew plan`'s exposed time.
+SENT_GB_PER_S = {"v4": 6 * 50, "v5e": 400 / 2, "v5p": 1200 / 2, "v6e": 800 / 2}
+
+
+@pytest.mark.parametrize("generation", sorted(targets.GENERATIONS))
+def test_each_generation_sends_half_its_published_bidirectional_link_bandwidth(generation):
+    assert set(SENT_GB_PER_S) == set(targets.GENERATIONS), "a generation without its figure"
+    slice_ = targets.target(targets.valid_types(generation)[0])
+    assert slice_.ici_send_bytes_per_s == SENT_GB_PER_S[generation] * 1e9, generation
+
+
 def test_without_libtpu_the_error_names_the_extra(monkeypatch):
     real = targets.importlib.util.find_spec
     monkeypatch.setattr(
