@@ -23,7 +23,7 @@ import optax
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from test_tensor_collectives import DATA, outside_layers, sizes_of
+from test_tensor_collectives import BATCH, DATA, outside_layers, sizes_of
 
 import dew
 from dew.collectives import collectives
@@ -33,7 +33,13 @@ from dew.parallel.fsdp_matmul import RingSplit
 from dew.parallel.options import StepOptions
 from dew.parallel.shards import Shards
 from tests.equivalence import assert_matches, cached_reference, layout_case, sharded_run
-from tests.helpers import smooth_optimizer, tiny_objective
+from tests.helpers import (
+    fresh_batch,
+    relative_error,
+    seeded_key,
+    smooth_optimizer,
+    tiny_objective,
+)
 
 T = "tensor"
 
@@ -480,3 +486,43 @@ def test_lora_adapted_weights_keep_the_plain_pairs_under_the_ring(sequence_paral
 
     ring = report("ring")
     assert ring == report("plain") and ("ppermute", (T,)) not in ring, ring
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sequence_parallel", "whole"])
+def test_lora_on_q_and_v_rings_the_plain_weights_and_keeps_the_pair_where_one_is_adapted(
+    sequence_parallel, seed
+):
+    """PEFT's usual targets, q_proj and v_proj: the attention's entry projects q, k and v in one
+    ring, two adapted beside a plain k, so it keeps its plain pair (the ring runs only where
+    every weight can: one adapted of three, or of one, is not all); o_proj and the MLP, plain,
+    ring. Loss and gradients of the adapters equal the plain pairs' step (float32, 1e-5), and
+    the step holds both kinds: ``ppermute`` s and the pair's all-gathers."""
+    from test_lora import lora_objective, random_adapters
+
+    objective = lora_objective(targets=("q_proj", "v_proj"))
+    batch = fresh_batch(BATCH, seed)
+    runs, reports = {}, {}
+    for scheme in ("plain", "ring"):
+        trainer = dew.Trainer(
+            objective,
+            optax.sgd(0.1),
+            seeded_key(seed),
+            mesh=dew.MeshSpec(tensor=4),
+            layout=dew.Layout(min_shard=1),
+            options=StepOptions(sequence_parallel=sequence_parallel, tensor_scheme=scheme),
+        )
+        state = trainer.init_state()
+        # Adapters as after training (a fresh B is zero, and so then is A's gradient).
+        adapters = jax.device_put(
+            random_adapters(objective.model, seeded_key(seed, 1)), trainer.state_shardings.params
+        )
+        grads, loss = trainer.gradients(adapters, trainer.device_batch(batch, BATCH), state.frozen)
+        runs[scheme] = (float(loss), jax.tree.map(np.asarray, grads))
+        reports[scheme] = rows_by_key(trainer.collectives(DATA))
+    (plain_loss, plain_grads), (ring_loss, ring_grads) = runs["plain"], runs["ring"]
+    np.testing.assert_allclose(ring_loss, plain_loss, rtol=1e-5, err_msg=f"seed {seed}")
+    error = relative_error(ring_grads, plain_grads)
+    assert error < 1e-5, f"adapters' gradients differ by {error:.3g}, seed {seed}"
+    gathers = ("all_gather", (T,)) if sequence_parallel else ("psum", (T,))
+    assert ("ppermute", (T,)) in reports["ring"] and gathers in reports["ring"], reports["ring"]
+    assert ("ppermute", (T,)) not in reports["plain"], reports["plain"]
