@@ -142,3 +142,64 @@ def test_every_copy_equals_its_original():
     assert choices.PRESET_NAMES == expected["model"]
     assert choices.BENCH_SIZES == {name: getattr(size, name) for name in choices.BENCH_SIZES}
     assert set(choices.BENCH_SIZES) == {"batch", "seq_len", "layers", "width", "heads"}
+
+
+def help_sections(text: str) -> dict[str, str]:
+    """``{heading: the text under it}`` of an argparse help text (a heading is an unindented line
+    ending with a colon: "options:", "LoRA:")."""
+    sections, heading = {}, None
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.endswith(":"):
+            heading = line[:-1]
+            sections[heading] = ""
+        elif heading is not None:
+            sections[heading] += line + "\n"
+    return sections
+
+
+def flags_under(section: str) -> set[str]:
+    """The flags an argparse help section lists (the first word of each entry)."""
+    return {line.split()[0].rstrip(",") for line in section.splitlines() if line[2:3] == "-"}
+
+
+def test_train_help_is_by_topic():
+    sections = help_sections(subcommands()["train"].format_help())
+    assert list(sections)[1:] == [  # after "options:" (with -h alone)
+        "devices and mesh",
+        "model and --init-from",
+        "LoRA",
+        "data",
+        "precision and memory",
+        "optimizer and schedule",
+        "checkpoints and resume",
+        "logging and evaluation",
+    ], list(sections)
+    assert flags_under(sections["options"]) == {"-h"}
+    lora = {"--lora-rank", "--lora-alpha", "--lora-targets", "--lora-dropout", "--base-dtype"}
+    assert flags_under(sections["LoRA"]) == lora
+    model = flags_under(sections["model and --init-from"])
+    assert {"--init-from", "--extend-context", "--model", "--layers", "--seed"} <= model
+    assert {"--mesh", "--cpu-devices"} <= flags_under(sections["devices and mesh"])
+    assert {"--data", "--batch", "--seq-len"} <= flags_under(sections["data"])
+    assert {"--lr", "--steps"} <= flags_under(sections["optimizer and schedule"])
+    assert {"--run-dir", "--checkpoint-every"} <= flags_under(sections["checkpoints and resume"])
+    assert {"--eval-every", "--metrics"} <= flags_under(sections["logging and evaluation"])
+
+
+def test_every_flag_has_a_topic():
+    """In ``train``, ``collectives``, ``bench``, ``plan`` and ``convert``, no flag is left under
+    argparse's "options:" heading but ``-h``."""
+    for name in ("train", "collectives", "bench", "plan", "convert"):
+        parser = subcommands()[name]
+        flags = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
+        sections = help_sections(parser.format_help())
+        assert flags_under(sections["options"]) == {"-h"}, name
+        shown = set().union(*(flags_under(text) for text in sections.values()))
+        assert flags <= shown, (name, flags - shown)
+
+
+def test_dew_help_says_what_each_command_does():
+    text = " ".join(build_parser().format_help().split())
+    # dew train trains what its flags say, not "the example model" alone (issue 67).
+    assert "train a --model preset, an --init-from model" in text, text
+    assert "the example model" not in text, text

@@ -22,6 +22,11 @@ from pathlib import Path
 
 from dew.cli import choices
 from dew.cli.flags import (
+    DATA,
+    DEVICES,
+    LORA,
+    MODEL,
+    PRECISION,
     add_device_flag,
     add_mesh_flag,
     add_min_shard_flag,
@@ -31,6 +36,7 @@ from dew.cli.flags import (
     add_sequence_scheme_flag,
     default_layouts,
     engine_names,
+    topics,
 )
 from dew.cli.lora_flags import add_lora_flags
 from dew.cli.model_flags import (
@@ -41,6 +47,10 @@ from dew.cli.model_flags import (
     sizes_text,
 )
 
+# dew bench --help's headings of its own, beside dew.cli.flags' topics.
+TIMING = "contestants and timing"
+REPORT = "report"
+
 # ``dew bench --check``'s exit status when a target is missed (2 is a refused input, as for every
 # ``dew`` command).
 TARGET_MISSED = 1
@@ -50,7 +60,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     """Adds ``bench`` to the ``dew`` command's subparsers."""
     parser = commands.add_parser(
         "bench",
-        help="compare layouts and the GSPMD baseline side by side",
+        help="time the training step of a --model preset or the example decoder in several "
+        "layouts (and dtypes, remat policies, attention kernels), shard_map beside the GSPMD "
+        "baseline: step time, MFU, memory, wire bytes",
         description="Trains the same model in every layout asked, with the shard_map engine and "
         "the GSPMD baseline, taking turns (only the contestant whose turn it is holds device "
         "memory; one that does not fit alone gets a one-line row with the memory it needs and "
@@ -60,48 +72,53 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "docs/benchmarks.md. --sequence-parallel, --sequence-scheme and --pipeline-schedule "
         "apply to the shard_map step on the layouts with a tensor, sequence or stage axis.",
     )
-    add_mesh_flag(parser, several=True)
-    parser.add_argument(
+    groups = topics(parser, DEVICES, MODEL, LORA, DATA, PRECISION, TIMING, REPORT)
+    devices, timing, report = groups[DEVICES], groups[TIMING], groups[REPORT]
+    add_mesh_flag(devices, several=True)
+    add_device_flag(devices)
+    add_min_shard_flag(devices)
+    add_sequence_parallel_flag(devices)
+    add_sequence_scheme_flag(devices, several=True)
+    add_pipeline_schedule_flag(devices, several=True)
+    add_model_flags(
+        groups[MODEL],
+        **choices.BENCH_SIZES,  # dew.benchmark.ModelSize()'s
+        several=("dtype", "remat", "attention", "loss_chunk"),
+        data=groups[DATA],
+        precision=groups[PRECISION],
+    )
+    add_moe_flags(groups[MODEL])
+    add_seed_flag(groups[MODEL], "the initial weights and the random batch")
+    add_lora_flags(groups[LORA])
+    timing.add_argument(
         "--engines",
         nargs="+",
         default=["shard_map", "gspmd"],
         choices=engine_names(),
         help="step engines per layout (default: shard_map gspmd)",
     )
-    parser.add_argument(
+    timing.add_argument(
         "--no-one-device",
         dest="one_device",
         action="store_false",
         help="skip the one-device row (the same model and global batch on one device)",
     )
-    add_device_flag(parser)
-    add_model_flags(
-        parser,
-        **choices.BENCH_SIZES,  # dew.benchmark.ModelSize()'s
-        several=("dtype", "remat", "attention", "loss_chunk"),
-    )
-    add_moe_flags(parser)
-    add_lora_flags(parser)
-    parser.add_argument(
+    timing.add_argument(
         "--steps", type=int, default=1, help="steps each contestant runs per turn (default 1)"
     )
-    parser.add_argument(
+    timing.add_argument(
         "--repeats",
         type=int,
         default=3,
         help="timed rounds; the step time is the median (default 3)",
     )
-    parser.add_argument(
+    timing.add_argument(
         "--warmup",
         type=int,
         default=1,
         help="untimed rounds before them (default 1: a step's first run is slower)",
     )
-    add_min_shard_flag(parser)
-    add_sequence_parallel_flag(parser)
-    add_sequence_scheme_flag(parser, several=True)
-    add_pipeline_schedule_flag(parser, several=True)
-    parser.add_argument(
+    timing.add_argument(
         "--depth-check",
         type=int,
         default=16,
@@ -109,15 +126,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="also compare the compile time of a LAYERS-layer model with --layers "
         "(default 16; 0 skips it)",
     )
-    add_seed_flag(parser, "the initial weights and the random batch")
-    parser.add_argument(
+    report.add_argument(
         "--json",
         default=None,
         metavar="FILE",
         help="write one object per layout and engine (per sequence scheme and pipeline schedule "
         "too, for shard_map on a sequence or stage axis; and the one-device row) to FILE",
     )
-    parser.add_argument(
+    report.add_argument(
         "--check",
         action="store_true",
         help=f"exit with status {TARGET_MISSED} when a target (not a stretch goal) is MISSED, "

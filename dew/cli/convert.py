@@ -38,7 +38,10 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from dew.cli.flags import add_device_flag
+from dew.cli.flags import DEVICES, add_device_flag, topics
+
+# dew convert --help's heading of its own, beside dew.cli.flags' devices.
+CONVERSION = "conversion"
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -56,7 +59,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument(
         "dest", help="the Dew checkpoint directory, Hugging Face folder or PEFT folder to write"
     )
-    parser.add_argument(
+    groups = topics(parser, CONVERSION, DEVICES)
+    conversion = groups[CONVERSION]
+    conversion.add_argument(
         "--to",
         choices=("dew", "hf", "peft"),
         default="dew",
@@ -64,20 +69,20 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "LoRA run's: the merged model, base + alpha/R B A); peft: SOURCE is a LoRA run's "
         "checkpoint, written as a PEFT adapter folder",
     )
-    parser.add_argument(
+    conversion.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
         default=None,
         help="the weights' dtype in the Dew checkpoint (default float32); --to dew only",
     )
-    parser.add_argument(
+    conversion.add_argument(
         "--step",
         type=int,
         default=None,
         help="the step to convert (default: the latest, refused when it is damaged); --to hf "
         "and --to peft",
     )
-    parser.add_argument(
+    conversion.add_argument(
         "--max-shard-bytes",
         type=int,
         default=None,
@@ -85,7 +90,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="largest safetensors file (default 5 GB; transformers 5's save_pretrained writes "
         "50 GB); --to hf only",
     )
-    add_device_flag(parser)
+    add_device_flag(groups[DEVICES])
     parser.set_defaults(run=convert_command)
     return parser
 

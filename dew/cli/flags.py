@@ -59,6 +59,23 @@ class Parser(argparse.ArgumentParser):
         self._negative_number_matcher = _NEGATIVE_NUMBER
 
 
+# The headings of dew COMMAND --help, by topic (issue 67: 236 lines under one "options:" heading).
+DEVICES = "devices and mesh"
+MODEL = "model"
+LORA = "LoRA"
+DATA = "data"
+PRECISION = "precision and memory"
+OPTIMIZER = "optimizer and schedule"
+CHECKPOINTS = "checkpoints and resume"
+LOGGING = "logging and evaluation"
+
+
+def topics(parser: argparse.ArgumentParser, *titles: str) -> dict:
+    """``{title: argument group}``, one group per title, shown in this order in ``--help``; the
+    flag helpers take a group where they take a parser."""
+    return {title: parser.add_argument_group(title) for title in titles}
+
+
 def check_counts(args: argparse.Namespace, *dests: str) -> None:
     """``ValueError`` naming the flag (``--eval-every``, not ``eval_every``) for each of ``dests``
     given a value below 1 (``dew.checks.positive_int``); a flag left at ``None`` is not given."""

@@ -1,8 +1,11 @@
 """The ``dew`` command.
 
-    dew train        train the example model (simulated CPU devices by default)
-    dew collectives  print the collectives of the example model's step on a mesh
-    dew bench        compare layouts and the GSPMD baseline side by side
+    dew train        train a --model preset, an --init-from model (a Hugging Face Llama folder or
+                     a Dew checkpoint) or the example decoder on your --data (default: the
+                     example corpus); every weight, or LoRA adapters with --lora-rank
+    dew collectives  print the collectives of one training step of that model on a --mesh
+    dew bench        time the step in several layouts (and dtypes, remat policies, attention
+                     kernels), shard_map beside the GSPMD baseline
     dew plan         compile the step for a TPU slice you don't have: memory, bytes, fit
     dew launch       start the processes of one multi-process run, here or over ssh
     dew tokenize     turn text files, .jsonl or .parquet into a token folder
@@ -10,11 +13,14 @@
     dew convert      a Hugging Face Llama folder to a Dew checkpoint, or back (--to hf); a LoRA
                      run's adapters to a PEFT folder (--to peft)
 
+``dew COMMAND --help`` lists a command's flags under a heading per topic (``dew.cli.flags.topics``:
+devices and mesh, model, LoRA, data, precision and memory, ...).
+
 JAX is configured (device count, platform) before anything asks it for a device, so this module
 imports nothing of Dew at the top.
 
-Layout: the parser (``_common``, the flags ``dew train`` and ``dew collectives`` share, then
-``build_parser``, which adds every subcommand); the helpers both commands use (``_example``,
+Layout: the parser (``_common``, the flags ``dew train`` and ``dew collectives`` share, by topic,
+then ``build_parser``, which adds every subcommand); the helpers both commands use (``_example``,
 ``_trainer``, ``_print_header``); ``dew train``'s checks (``_check_train_flags``,
 ``_check_validation_windows``, ``_resume_mismatch``); the two commands (``train_command``,
 ``collectives_command``); and the dispatch (``user_errors``, ``one_line``, ``main``). It is one
@@ -29,6 +35,14 @@ import sys
 
 from dew.cli import bench, convert, launch, plan, plot, tokenize
 from dew.cli.flags import (
+    CHECKPOINTS,
+    DATA,
+    DEVICES,
+    LOGGING,
+    LORA,
+    MODEL,
+    OPTIMIZER,
+    PRECISION,
     Parser,
     add_accumulation_flag,
     add_device_flag,
@@ -44,6 +58,7 @@ from dew.cli.flags import (
     check_counts,
     engine_names,
     step_options,
+    topics,
 )
 from dew.cli.lora_flags import add_lora_flags
 from dew.cli.model_flags import (
@@ -58,36 +73,77 @@ from dew.cli.optimizer_flags import add_optimizer_flags, optimizer_from
 from dew.targets import MissingExtra
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    add_mesh_flag(parser)
-    add_device_flag(parser)
-    add_model_flags(parser, **EXAMPLE_SIZES)
-    add_moe_flags(parser)
-    add_lora_flags(parser)
-    add_min_shard_flag(parser)
-    add_sequence_parallel_flag(parser)
-    add_sequence_scheme_flag(parser)
-    add_pipeline_schedule_flag(parser)
-    add_fsdp_scheme_flag(parser)
-    add_tensor_scheme_flag(parser)
-    add_gradient_sum_flag(parser)
-    add_accumulation_flag(parser)
+def _common(groups: dict) -> None:
+    """The flags ``dew train`` and ``dew collectives`` share, each under its topic in ``groups``
+    (``dew.cli.flags.topics``)."""
+    devices, model, precision = groups[DEVICES], groups[MODEL], groups[PRECISION]
+    add_mesh_flag(devices)
+    add_device_flag(devices)
+    add_min_shard_flag(devices)
+    add_sequence_parallel_flag(devices)
+    add_sequence_scheme_flag(devices)
+    add_pipeline_schedule_flag(devices)
+    add_fsdp_scheme_flag(devices)
+    add_tensor_scheme_flag(devices)
+    add_model_flags(model, **EXAMPLE_SIZES, data=groups[DATA], precision=precision)
+    add_moe_flags(model)
+    add_lora_flags(groups[LORA])
+    add_gradient_sum_flag(precision)
+    add_accumulation_flag(precision)
+
+
+# What each command does, for dew --help (and the first line of its own --help).
+TRAIN_HELP = (
+    "train a --model preset, an --init-from model (a Hugging Face Llama folder or a Dew "
+    "checkpoint) or the example decoder on your --data (default: the example corpus), every "
+    "weight or LoRA adapters (--lora-rank); a rerun resumes from --run-dir"
+)
+COLLECTIVES_HELP = (
+    "print the collectives of one training step of the model the flags build, on a --mesh"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="dew", description="Dew: train one model across many devices.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(
+        prog="dew",
+        description="Dew: train one model across many devices.",
+        epilog="dew COMMAND --help lists a command's flags by topic.",
+    )
+    commands = parser.add_subparsers(
+        title="commands", dest="command", required=True, metavar="COMMAND"
+    )
 
-    train = commands.add_parser("train", help="train the example model")
-    _common(train)
-    train.add_argument("--steps", type=int, default=20, help="train until this step (default 20)")
-    train.add_argument(
+    train = commands.add_parser(
+        "train", help=TRAIN_HELP, description=TRAIN_HELP[0].upper() + TRAIN_HELP[1:] + "."
+    )
+    groups = topics(train, DEVICES, MODEL, LORA, DATA, PRECISION, OPTIMIZER, CHECKPOINTS, LOGGING)
+    groups[MODEL].title = "model and --init-from"
+    model, data, logging = groups[MODEL], groups[DATA], groups[LOGGING]
+    # --init-from first: the model's other flags are the ones it replaces.
+    model.add_argument(
+        "--init-from",
+        default=None,
+        metavar="PATH",
+        help="start from the weights (and model) of a Hugging Face Llama folder or a Dew "
+        "checkpoint directory, instead of --model and --seed: a size flag that disagrees with "
+        "its model is an error, and --seq-len may not pass its context (see docs/hf.md)",
+    )
+    model.add_argument(
+        "--extend-context",
+        action="store_true",
+        help="with --init-from: a --seq-len above the model's context lengthens the context to "
+        "it (max_seq_len, and max_position_embeddings in an export); the rotary frequencies "
+        "stay as they are",
+    )
+    _common(groups)
+    add_seed_flag(model, "the initial weights")
+    data.add_argument(
         "--data",
         default=None,
         help="a token folder, e.g. from dew tokenize; the example decoder takes its vocabulary "
         "from the folder's meta.json (default: write the example corpus into RUN_DIR/corpus)",
     )
-    train.add_argument(
+    data.add_argument(
         "--documents",
         default="auto",
         choices=("auto", "separate", "joined"),
@@ -97,13 +153,24 @@ def build_parser() -> argparse.ArgumentParser:
         "end-of-text id), auto (default: separate for prompt/completion and chat data packed by "
         "dew tokenize --jsonl-fields, joined otherwise); docs/data.md",
     )
-    train.add_argument(
+    optimizer = groups[OPTIMIZER]
+    optimizer.add_argument(
+        "--steps", type=int, default=20, help="train until this step (default 20)"
+    )
+    add_optimizer_flags(optimizer)
+    checkpoints = groups[CHECKPOINTS]
+    checkpoints.add_argument(
         "--run-dir",
         default="runs/dew-train",
         help="checkpoints go to RUN_DIR/checkpoints; a rerun resumes from them",
     )
-    add_optimizer_flags(train)
-    train.add_argument(
+    checkpoints.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="save every N steps (default: only at the end)",
+    )
+    logging.add_argument(
         "--log-every",
         type=int,
         default=10,
@@ -111,13 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         "PaLM's count and causal attention halved), the gradients' norm and the learning rate "
         "every N steps, the speed that of the steps since the line before (default 10)",
     )
-    train.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=None,
-        help="save every N steps (default: only at the end)",
-    )
-    train.add_argument(
+    logging.add_argument(
         "--metrics",
         default=None,
         metavar="FILE",
@@ -126,21 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
         "mfu_causal (causal attention halved, MaxText's), grad_norm, lr, an MoE model's router "
         "statistics, and with --eval-every val_loss and val_weights (docs/metrics.md)",
     )
-    train.add_argument(
+    logging.add_argument(
         "--tensorboard",
         default=None,
         metavar="DIR",
         help="write every step's metrics as TensorBoard scalars to event files in DIR "
         "(pip install -e '.[tensorboard]'; view with tensorboard --logdir DIR)",
     )
-    train.add_argument(
+    logging.add_argument(
         "--eval-every",
         type=int,
         default=None,
         metavar="N",
         help="print the validation loss every N steps and at the last step (default: never)",
     )
-    train.add_argument(
+    logging.add_argument(
         "--eval-batches",
         type=int,
         default=None,
@@ -148,29 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"validation batches per evaluation, from the folder's val.bin (default "
         f"{EVAL_BATCHES}; with --eval-every)",
     )
-    add_seed_flag(train, "the initial weights")
-    train.add_argument(
-        "--init-from",
-        default=None,
-        metavar="PATH",
-        help="start from the weights (and model) of a Hugging Face Llama folder or a Dew "
-        "checkpoint directory, instead of --model and --seed: a size flag that disagrees with "
-        "its model is an error, and --seq-len may not pass its context (see docs/hf.md)",
-    )
-    train.add_argument(
-        "--extend-context",
-        action="store_true",
-        help="with --init-from: a --seq-len above the model's context lengthens the context to "
-        "it (max_seq_len, and max_position_embeddings in an export); the rotary frequencies "
-        "stay as they are",
-    )
     train.set_defaults(run=train_command)
 
     coll = commands.add_parser(
-        "collectives", help="print the collectives of the example model's step"
+        "collectives",
+        help=COLLECTIVES_HELP,
+        description=COLLECTIVES_HELP[0].upper() + COLLECTIVES_HELP[1:] + ".",
     )
-    _common(coll)
-    coll.add_argument(
+    groups = topics(coll, DEVICES, MODEL, LORA, DATA, PRECISION)
+    _common(groups)
+    groups[DEVICES].add_argument(
         "--engines",
         nargs="+",
         default=["shard_map"],

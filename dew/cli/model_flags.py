@@ -32,6 +32,8 @@ def add_model_flags(
     width: int,
     heads: int,
     several: tuple[str, ...] = (),
+    data: argparse._ActionsContainer | None = None,
+    precision: argparse._ActionsContainer | None = None,
 ) -> None:
     """The decoder, its precision, recompute and attention, and its batch: a ``--model`` preset
     (``dew.models.presets``) or the example decoder (a byte vocabulary) of ``layers``, ``width``
@@ -40,7 +42,11 @@ def add_model_flags(
     bfloat16 activations and the fastest attention for the devices; the example decoder's:
     float32 and XLA attention). ``several`` names those of ``dtype``, ``remat`` and
     ``attention`` that take one or more values, each a contestant of its own (read them with
-    ``model_variants``); read the rest with ``model_config``."""
+    ``model_variants``); read the rest with ``model_config``. ``data`` and ``precision``: the
+    argument groups (``dew.cli.flags.topics``) that take the batch's flags and the dtypes,
+    recompute and loss chunks (default: ``parser``, which takes the rest)."""
+    data = parser if data is None else data
+    precision = parser if precision is None else precision
     parser.add_argument(
         "--model",
         default=None,
@@ -49,10 +55,10 @@ def add_model_flags(
         help="a published model's shapes: " + ", ".join(preset_names()) + " (default: the "
         "example decoder, byte vocabulary); --layers, --width and --heads override its sizes",
     )
-    parser.add_argument(
+    data.add_argument(
         "--batch", type=int, default=batch, help=f"global batch rows (default {batch})"
     )
-    parser.add_argument(
+    data.add_argument(
         "--seq-len",
         type=int,
         default=seq_len,
@@ -76,7 +82,7 @@ def add_model_flags(
         return {}, ""
 
     nargs, more = takes("dtype")
-    parser.add_argument(
+    precision.add_argument(
         "--dtype",
         default=None,
         choices=choices.DTYPES,
@@ -84,14 +90,14 @@ def add_model_flags(
         "for the example decoder); softmax, norms and the loss run in float32 regardless" + more,
         **nargs,
     )
-    parser.add_argument(
+    precision.add_argument(
         "--param-dtype",
         default=None,
         choices=choices.DTYPES,
         help="the weights' dtype (default float32; the optimizer's moments follow it)",
     )
     nargs, more = takes("remat")
-    parser.add_argument(
+    precision.add_argument(
         "--remat",
         default=None,
         choices=(*choices.REMAT_CHOICES, choices.REMAT_AUTO),
@@ -115,7 +121,7 @@ def add_model_flags(
         **nargs,
     )
     nargs, more = takes("loss_chunk")
-    parser.add_argument(
+    precision.add_argument(
         "--loss-chunk",
         type=int,
         default=None,
@@ -125,7 +131,7 @@ def add_model_flags(
         "chunking)" + more,
         **nargs,
     )
-    parser.add_argument(
+    precision.add_argument(
         "--layer-loop",
         default=None,
         choices=choices.LAYER_LOOPS,

@@ -18,6 +18,11 @@ import json
 from pathlib import Path
 
 from dew.cli.flags import (
+    DATA,
+    DEVICES,
+    LORA,
+    MODEL,
+    PRECISION,
     add_accumulation_flag,
     add_fsdp_scheme_flag,
     add_gradient_sum_flag,
@@ -29,6 +34,7 @@ from dew.cli.flags import (
     add_tensor_scheme_flag,
     engine_names,
     step_option_variants,
+    topics,
 )
 from dew.cli.lora_flags import add_lora_flags
 from dew.cli.model_flags import (
@@ -39,6 +45,9 @@ from dew.cli.model_flags import (
     sizes_text,
 )
 
+# dew plan --help's heading of its own, beside dew.cli.flags' topics.
+SEARCH = "search and report"
+
 # dew plan's sizes: a batch and a length at which a real model's step is a realistic question.
 DEFAULT_BATCH = 16
 DEFAULT_SEQ_LEN = 512
@@ -48,43 +57,48 @@ def add_parser(commands) -> argparse.ArgumentParser:
     """Adds ``plan`` to the ``dew`` command's subparsers."""
     parser = commands.add_parser(
         "plan",
-        help="compile the step for a TPU slice you don't have; memory, bytes and fit per layout",
+        help="compile the training step for a TPU slice you don't have (needs libtpu, no TPU): "
+        "memory, wire bytes and fit per layout; --search finds the layouts that fit",
         description="Compiles the training step for a TPU slice (needs libtpu: pip install "
         "-e '.[tpu]'; no TPU needed) in each layout asked and prints, per device: the state, "
         "temporary and total memory, whether it fits the chip, wire bytes and collective counts "
         "per step (from the compiled HLO), and the compile time.",
     )
-    parser.add_argument(
+    groups = topics(parser, DEVICES, MODEL, LORA, DATA, PRECISION, SEARCH)
+    devices, precision, search = groups[DEVICES], groups[PRECISION], groups[SEARCH]
+    devices.add_argument(
         "--target",
         required=True,
         help="a Cloud TPU type (v5e-8, v5litepod-16, v5p-64, v6e-256, v4-32) or a topology "
         "(v5p:4x4x4); in v4-N and v5p-N, N counts TensorCores (two per chip)",
     )
-    add_mesh_flag(parser, several=True)
-    parser.add_argument(
+    add_mesh_flag(devices, several=True)
+    devices.add_argument(
         "--engines",
         nargs="+",
         default=["shard_map"],
         choices=engine_names(),
         help="step engines per layout (default shard_map; add gspmd for the pinned baseline)",
     )
+    add_min_shard_flag(devices)
+    add_sequence_parallel_flag(devices)
+    add_sequence_scheme_flag(devices)
+    add_pipeline_schedule_flag(devices)
+    add_fsdp_scheme_flag(devices, several=True)
+    add_tensor_scheme_flag(devices, several=True)
     # Several recompute policies: one row each, so a user picks by the memory each costs.
     add_model_flags(
-        parser,
+        groups[MODEL],
         **{**EXAMPLE_SIZES, "batch": DEFAULT_BATCH, "seq_len": DEFAULT_SEQ_LEN},
         several=("remat",),
+        data=groups[DATA],
+        precision=precision,
     )
-    add_moe_flags(parser)
-    add_lora_flags(parser)
-    add_min_shard_flag(parser)
-    add_sequence_parallel_flag(parser)
-    add_sequence_scheme_flag(parser)
-    add_pipeline_schedule_flag(parser)
-    add_fsdp_scheme_flag(parser, several=True)
-    add_tensor_scheme_flag(parser, several=True)
-    add_gradient_sum_flag(parser, several=True)
-    add_accumulation_flag(parser)
-    parser.add_argument(
+    add_moe_flags(groups[MODEL])
+    add_lora_flags(groups[LORA])
+    add_gradient_sum_flag(precision, several=True)
+    add_accumulation_flag(precision)
+    precision.add_argument(
         "--moments-dtype",
         default=None,
         choices=("float32", "bfloat16"),
@@ -92,7 +106,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--param-dtype bfloat16 the state is 6 bytes a weight instead of 12. With --search and "
         "neither flag, the search tries float32 weights and moments, then both in bfloat16",
     )
-    parser.add_argument(
+    search.add_argument(
         "--search",
         action="store_true",
         help="enumerate every layout of the six axes the model and slice allow and compile the "
@@ -104,7 +118,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "gradient sums' dtype (without "
         "--gradient-sum-dtype: float32, then bfloat16 where nothing fits)",
     )
-    parser.add_argument(
+    search.add_argument(
         "--max-layouts",
         type=int,
         default=4,
@@ -112,7 +126,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="with --search: compile layouts whose state fits the chip, fewest traced wire bytes "
         "first, until N of them fit (at most 4 N compiles; default 4)",
     )
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the rows to FILE")
+    search.add_argument("--json", default=None, metavar="FILE", help="write the rows to FILE")
     parser.set_defaults(run=run, setup=setup)
     return parser
 
