@@ -5,7 +5,8 @@ and writes nothing; one that names an intact step reads it; resuming a run still
 Steps 1 and 2 hold other weights than step 0 (step 0's plus 1 and 2), so reading the wrong step
 shows; step 1 is damaged too, so the steps named intact are checked, not merely listed. A LoRA
 run's checkpoint (``lora_run``) holds the same for its adapters: ``--to peft`` and
-``load_checkpoint`` refuse its damaged latest step as ``--to hf`` does.
+``load_checkpoint`` refuse its damaged latest step as ``--to hf`` does. A byte flipped in place
+(the size kept, so only its checksum tells) leaves the damaged step out of the intact ones.
 """
 
 import os
@@ -132,6 +133,29 @@ def test_on_object_storage_too(seed):
         np.testing.assert_array_equal(restored["w"], weights)
     finally:
         fs.rm(root, recursive=True)
+
+
+def test_a_flipped_byte_keeps_its_size_and_its_step_is_not_named_intact(tmp_path, seed):
+    # Damage no size check sees: one byte of step 2's weights flipped in place. Its checksum
+    # refuses it, and the steps named intact are the two others, never the damaged one itself
+    # (whose every file has the size its index records).
+    import json
+
+    print(f"seed: {seed}")
+    weights = np.random.default_rng(seed).standard_normal((64, 32)).astype(np.float32)
+    checkpoints = Checkpoints(tmp_path, keep=None)
+    for step in (0, 1, 2):
+        checkpoints.save(step, {"w": weights + step})
+        checkpoints.wait()
+    step_dir = tmp_path / "step_00000002"
+    (piece,) = json.loads((step_dir / "index.json").read_text())["arrays"][0]["pieces"]
+    data = bytearray((step_dir / piece["file"]).read_bytes())
+    data[piece["offset"] + piece["nbytes"] // 2] ^= 0x01
+    (step_dir / piece["file"]).write_bytes(bytes(data))
+    with pytest.raises(DamagedLatestStepError, match="checksum mismatch") as refused:
+        Checkpoints(tmp_path).restore({"w": np.zeros_like(weights)}, fall_back=False)
+    assert (refused.value.step, refused.value.intact) == (2, [0, 1])
+    assert "the intact steps (every file whole) are 0, 1: name one" in str(refused.value)
 
 
 @pytest.fixture(scope="module")

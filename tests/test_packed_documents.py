@@ -19,7 +19,7 @@ import pytest
 
 import dew
 from dew.data import Loading, TokenWindows, tokenize_files, write_token_folder
-from dew.data.folder import DOCS, open_document_starts
+from dew.data.folder import DOCS, open_document_starts, open_tokens
 from dew.data.tokenizer import ByteTokenizer
 from dew.mesh import build_mesh
 from dew.objectives.lm import LMObjective, document_positions, split_batch
@@ -248,6 +248,34 @@ def test_padded_rows_start_each_document_at_a_row(tmp_path):
     np.testing.assert_array_equal(
         open_document_starts(meta, "train"), 8 * np.cumsum([0, *rows[:-1]])
     )
+
+
+def test_document_starts_count_from_the_split_not_the_chunk(tmp_path, seed):
+    """An input of many chunks (``chunk_bytes`` lowered from 1 MiB to 64, so 60 short documents
+    make about 23): each split's starts are its own token indices, counted here from the end-of-
+    text ids in its tokens, not offsets within each chunk."""
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    texts = ["".join(rng.choice(list("abcdef "), int(rng.integers(10, 40)))) for _ in range(60)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    report = tokenize_files(
+        [tmp_path / "docs.jsonl"],
+        tmp_path / "out",
+        tokenizer=ByteWithEnd(),
+        val_fraction=0.3,
+        seed=seed,
+        chunk_bytes=64,
+    )
+    meta, total = report.meta, 0
+    for split in ("train", "val"):
+        ids = np.asarray(open_tokens(meta, split))
+        ends = np.flatnonzero(ids == ByteWithEnd.eos_id)
+        np.testing.assert_array_equal(
+            open_document_starts(meta, split), [0, *(ends[:-1] + 1)], err_msg=f"{split}, {seed}"
+        )
+        total += ends.size
+    assert total == len(texts) and min(meta.train_documents, meta.val_documents) > 1, seed
+    assert report.bytes_read > 10 * 64  # many chunks
 
 
 def test_windows_give_each_token_its_document_within_the_window(tmp_path, seed):
