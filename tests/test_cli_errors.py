@@ -98,6 +98,28 @@ BAD_INPUTS = [
     ("bench --mesh fsdp=3", "fsdp 3 = 3 devices does not divide the 8 devices"),
     ("plan --target v9z-8", "unknown TPU generation 'v9z'"),
     ("tokenize {tmp}/missing.txt --tokenizer bytes --out {tmp}/t", "missing.txt' does not exist"),
+    # dew tokenize's flags, not dew.data.text's arguments (val_fraction, rows='pad', force=True).
+    (
+        "tokenize {tmp}/a.txt --tokenizer bytes --out {tmp}/t --val-fraction 1.5",
+        "--val-fraction must be in [0, 1) (each document's chance of going to val.bin), got 1.5",
+    ),
+    (
+        "tokenize {tmp}/a.txt --tokenizer bytes --out {tmp}/t --rows pad",
+        "--rows pad needs --seq-len S",
+    ),
+    (
+        "tokenize {tmp}/a.txt --tokenizer bytes --out {tmp}/t --seq-len 8",
+        "--seq-len 8 is for --rows pad only (packed rows ignore it)",
+    ),
+    (
+        "tokenize {tmp}/a.txt --tokenizer bytes --out {ckpt}",
+        "--out {ckpt} already exists; give --force to replace it (a token folder only), or "
+        "another --out",
+    ),
+    (
+        "tokenize {tmp}/a.txt --tokenizer bytes --out {ckpt} --force",
+        "--force replaces only a token folder, so it is left alone: give another --out",
+    ),
     ("plot {tmp}/missing.jsonl", "missing.jsonl: no such metrics file"),
     ("launch --processes 0 -- python -c 1", "--processes must be an integer >= 1, got 0"),
 ]

@@ -310,7 +310,7 @@ def test_dew_tokenize_refuses_to_overwrite_without_force(bpe, tmp_path, dew_cli)
     before = (out / "train.bin").read_bytes()
     refused = dew_cli("tokenize", inputs[0], tokenizer=bpe, out=out)
     assert refused.returncode == 2
-    assert f"dew tokenize: '{out}' already exists; pass --force" in refused.stderr
+    assert f"dew tokenize: --out {out} already exists; give --force" in refused.stderr
     assert (out / "train.bin").read_bytes() == before and read_meta(out).train_tokens > 0
     forced = dew_cli("tokenize", inputs[0], tokenizer=bpe, out=out, force=True, val_fraction=0)
     assert forced.returncode == 0, forced.stderr
@@ -404,7 +404,7 @@ def test_dew_tokenize_bad_inputs_are_clear_errors(bpe, tmp_path, dew_cli):
         ((tmp_path / "b.csv",), "unknown kind of input .csv; dew tokenize reads .txt"),
         ((tmp_path / "nothing.txt",), "does not exist"),
         ((tmp_path / "a.jsonl", "--tokenizer", "gpt2"), "unknown tokenizer 'gpt2'"),
-        ((tmp_path / "a.jsonl", "--val-fraction", "1"), "val_fraction must be in [0, 1)"),
+        ((tmp_path / "a.jsonl", "--val-fraction", "1"), "--val-fraction must be in [0, 1)"),
     ]
     try:
         import pyarrow  # noqa: F401
@@ -643,8 +643,8 @@ def test_dew_tokenize_mask_flags_that_do_not_go_together_are_errors(tmp_path, de
     (tmp_path / "a.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
     base = ("tokenize", tmp_path / "a.jsonl", "--tokenizer", "bytes", "--out", tmp_path / "out")
     cases = [
-        (("--rows", "pad"), "rows='pad' needs seq_len, the model's (--seq-len)"),
-        (("--seq-len", "8"), "seq_len 8 is for rows='pad' only"),
+        (("--rows", "pad"), "--rows pad needs --seq-len S"),
+        (("--seq-len", "8"), "--seq-len 8 is for --rows pad only"),
         (("--jsonl-fields", "a,b,c"), "--jsonl-fields takes PROMPT,COMPLETION or MESSAGES"),
         (("--jsonl-fields", "prompt,answer"), "no field 'answer'"),
     ]

@@ -17,8 +17,9 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
-from dew.cli.flags import add_seed_flag
+from dew.cli.flags import add_seed_flag, check_counts
 
 # dew train's example decoder takes the folder's vocabulary rounded up to a multiple of this
 # (Megatron's rule; GPT-2's 50257 becomes 50304), so that a tensor axis up to 128 divides it.
@@ -179,9 +180,50 @@ def jsonl_fields(text: str | None) -> tuple[str, ...] | None:
     return fields
 
 
+def check_flags(args) -> None:
+    """``ValueError`` (``FileExistsError`` for ``--out``) naming the flags and values that
+    ``dew.data.text`` would refuse by its arguments' names (``val_fraction``, ``seq_len``,
+    ``force``), before anything is read."""
+    check_counts(args, "workers", "seq_len")
+    if not 0 <= args.val_fraction < 1:
+        raise ValueError(
+            f"--val-fraction must be in [0, 1) (each document's chance of going to val.bin), "
+            f"got {args.val_fraction:g}"
+        )
+    if args.rows == "pad" and args.seq_len is None:
+        raise ValueError(
+            "--rows pad needs --seq-len S, the --seq-len dew train will read the folder at: each "
+            "document starts a row of S tokens"
+        )
+    if args.rows == "pack" and args.seq_len is not None:
+        raise ValueError(
+            f"--seq-len {args.seq_len} is for --rows pad only (packed rows ignore it): leave it "
+            "out, or give --rows pad"
+        )
+    out = Path(args.out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"--out {args.out} is a file; give a folder to write")
+    if not args.force and any(out.iterdir()):
+        raise FileExistsError(
+            f"--out {args.out} already exists; give --force to replace it (a token folder "
+            "only), or another --out"
+        )
+    from dew.data.text import foreign_files
+
+    others = foreign_files(out)
+    if others:
+        raise FileExistsError(
+            f"--out {args.out} holds files a token folder does not ({', '.join(others[:5])}); "
+            "--force replaces only a token folder, so it is left alone: give another --out"
+        )
+
+
 def tokenize_command(args) -> int:
     from dew.data.text import mask_rule, tokenize_files
 
+    check_flags(args)
     fields = jsonl_fields(args.jsonl_fields)
     mask_rule(fields, args.rows, args.seq_len)  # bad combinations stop before any reading
     progress = Progress()

@@ -444,22 +444,26 @@ def _encoded(
 _FOLDER_FILES = (META, TRAIN, VAL, *MASKS.values(), *DOCS.values())
 
 
+def foreign_files(out: Path) -> list[str]:
+    """The names in the folder ``out`` that a token folder does not hold, sorted: ``force``
+    replaces a folder only where there is none."""
+    return sorted(p.name for p in out.iterdir() if not p.name.startswith(_FOLDER_FILES))
+
+
 def _check_out(out: Path, force: bool) -> None:
-    """Refuses an ``out`` that exists, unless ``force`` and it is a token folder or empty."""
+    """Refuses an ``out`` that exists, unless ``force`` and it is a token folder or empty.
+    (``dew tokenize`` checks its ``--out`` first, in its flags' words.)"""
     if not out.exists():
         return
     if not out.is_dir():
-        raise FileExistsError(f"{str(out)!r} exists and is not a folder; dew tokenize leaves it")
-    names = [p.name for p in out.iterdir()]
-    if names and not force:
-        raise FileExistsError(
-            f"{str(out)!r} already exists; pass --force (force=True) to replace it"
-        )
-    others = [n for n in names if not n.startswith(_FOLDER_FILES)]
+        raise FileExistsError(f"out {str(out)!r} exists and is not a folder; it is left alone")
+    if not force and any(out.iterdir()):
+        raise FileExistsError(f"out {str(out)!r} already exists; force=True replaces it")
+    others = foreign_files(out)
     if others:
         raise FileExistsError(
-            f"{str(out)!r} holds files a token folder does not ({', '.join(sorted(others)[:5])}); "
-            "--force replaces only a token folder, so it is left alone"
+            f"out {str(out)!r} holds files a token folder does not ({', '.join(others[:5])}); "
+            "force=True replaces only a token folder, so it is left alone"
         )
 
 
@@ -496,7 +500,7 @@ def mask_rule(fields: Sequence[str] | None, rows: str, seq_len: int | None) -> M
     if rows == "pad":
         if not (isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1):
             raise ValueError(
-                f"rows='pad' needs seq_len, the model's (--seq-len): documents start at its "
+                f"rows='pad' needs seq_len, the model's: documents start at its "
                 f"multiples; got {seq_len!r}"
             )
         return MaskRule(pad_seq_len=seq_len)
