@@ -239,6 +239,9 @@ def test_ring_pallas_backward_runs_one_kernel_pair_per_block(with_lse):
         ("ring", 4, "xla", True, None),
         ("ring", 2, "pallas", True, None),
         ("ring", 2, "xla", False, 5),
+        # A window longer than a chunk round a ring of 4: step t's keys are device i - t's, not
+        # i + t's (on a ring of 2 the same device).
+        ("ring", 4, "xla", True, 6),
         ("all_to_all", 2, "xla", True, 3),
     ],
 )
