@@ -24,7 +24,7 @@ from dew.data.tokenizer import ByteTokenizer
 from dew.mesh import build_mesh
 from dew.objectives.lm import LMObjective, document_positions, split_batch
 from dew.training.step import split_tokens
-from tests.equivalence import ROWS, assert_matches, reference_run, sharded_run
+from tests.equivalence import ROWS, assert_matches, host_state, reference_run, sharded_run
 from tests.helpers import SEQ, VOCAB, seeded_key, smooth_optimizer, tiny_objective
 
 TOL = 1e-5
@@ -159,6 +159,29 @@ def test_a_packed_row_trains_as_its_documents_apart(case, seed, name):
     assert_matches(run, reference, seed, name)
     # The step's count of the targets whose loss counts: what the documents apart have.
     assert run["metrics"][0]["useful_tokens"] == reference_targets(packed), f"seed {seed}"
+
+
+class Validation:
+    """What ``Trainer.evaluate`` reads of a data set: ``batch`` its one validation batch."""
+
+    def __init__(self, batch):
+        self.batch, self.batch_size, self.seq_len = batch, len(batch), SEQ
+
+    def validation(self, rows=slice(None)):
+        return [self.batch[rows]]
+
+
+@pytest.mark.parametrize("name", ["fsdp8", "sequence4_ring"])
+def test_evaluating_a_packed_row_is_the_documents_apart(case, seed, name):
+    """The evaluation forward (``Trainer.evaluate``, its own program) keeps each document to
+    itself as the step does: the packed rows' validation loss is the documents apart's first loss
+    (before any update)."""
+    objective, key, packed, _, reference = case
+    trainer = dew.Trainer(
+        objective, smooth_optimizer(), key, mesh=LAYOUTS[name][0], layout=dew.Layout(min_shard=1)
+    )
+    loss = trainer.evaluate(host_state(trainer, reference["initial"]), Validation(packed))
+    np.testing.assert_allclose(loss, reference["losses"][0], rtol=TOL, err_msg=f"{name}, {seed}")
 
 
 def reference_targets(packed) -> int:
