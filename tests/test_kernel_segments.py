@@ -342,6 +342,23 @@ def test_packed_documents_match_the_reference_and_each_document_alone(
         assert computed == want and want["forward"] < causal_only, (computed, want, seed)
 
 
+def test_the_two_kernel_backward_skips_on_each_batch_row_s_own_ids(packed, seed):
+    # The dq and dk/dv kernels skip a block pair whose id ranges cannot meet, reading the ranges
+    # of the pair's own batch row. Row 0 here splits at the block boundary (the packed row 3: no
+    # document across position 128, so the pair (query block 1, key block 0) is skipped); row 1's
+    # long document crosses it (the packed row 0: the pair is computed). A kernel reading row 0's
+    # ranges for row 1 would skip the pair there too. Forward and backward against the float64
+    # reference and each document alone.
+    rows = [3, 0]
+    inputs = tuple(x[rows] for x in packed[0])
+    ids = packed[1][rows]
+    got = run_kernel("mosaic-two-kernel-backward", inputs, jnp.asarray(ids), None)
+    visible = visibility(ids, ids, SEQ, SEQ, None)
+    assert not visible[0, BLOCK:, :BLOCK].any() and visible[1, BLOCK:, :BLOCK].any(), seed
+    assert_matches(got, reference(*inputs, visible), f"two-kernel backward, seed {seed}")
+    assert_matches(got, each_document_alone(inputs, ids, None), f"alone, seed {seed}")
+
+
 def strips_and_pieces_seen(window: int, strip: int, piece: int, by_strip: bool = True) -> int:
     """The (strip, piece) pairs the Mosaic forward computes per head and row under a window
     alone: every strip of ``strip`` rows against every piece of ``piece`` keys in a block pair
