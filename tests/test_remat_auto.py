@@ -1,8 +1,9 @@
 """``remat="auto"`` and the compiler's heap (``dew.training.remat_choice``,
 ``dew.training.step_memory``; the search's candidates in ``dew.planning``), on CPU devices: the
 least recomputation whose compiled step fits a memory limit, the Trainer's hook, the heap read
-from a buffer assignment, and how ``plan_choices`` walks the candidates (stood in by rows: no
-compile).
+from a buffer assignment (a choice's figures held to an independent compile's, summed by hand,
+for two trainers that differ only in their options), and how ``plan_choices`` walks the
+candidates (stood in by rows: no compile).
 
 The TPU side (the heap against libtpu's own log, ``dew plan --search`` naming its choices) is in
 tests/test_plan.py.
@@ -42,8 +43,20 @@ def objective(remat: str) -> LMObjective:
 
 
 def trainer(remat: str, **settings) -> dew.Trainer:
-    return dew.Trainer(
-        objective(remat), OPTIMIZER, jax.random.key(0), devices=jax.devices()[:1], **settings
+    settings = {"devices": jax.devices()[:1], **settings}  # one device unless told
+    return dew.Trainer(objective(remat), OPTIMIZER, jax.random.key(0), **settings)
+
+
+def by_hand(memory, temp_bytes: int) -> int:
+    """What a program needs of a device, summed here from its ``memory_analysis()`` (not by
+    ``step_memory``, the code under test): arguments and outputs, less what they share (the
+    donated state), the temporaries ``temp_bytes`` and the code."""
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + temp_bytes
+        + memory.generated_code_size_in_bytes
     )
 
 
@@ -57,9 +70,25 @@ def needs():
     out = {}
     for policy in remat_choice.REMAT_ORDER:
         memory = trainer(policy).compiled_step(ROWS).memory_analysis()
-        out[policy] = step_memory.program_bytes(memory)
+        out[policy] = by_hand(memory, memory.temp_size_in_bytes)
     print("needs:", out)
     return out
+
+
+@pytest.fixture
+def fresh_compiles(monkeypatch):
+    """Every compile of the test compiled here (no persistent cache, nothing kept by an earlier
+    choice), so that the compiler writes the buffer assignment ``choose_remat`` reads its heap
+    from."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    monkeypatch.setattr(remat_choice, "_MEASURED", {})
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
 
 
 def first_fit(needs, limit):
@@ -129,6 +158,36 @@ def test_a_choice_at_another_batch_compiles_that_batch(needs):
     ((_, small),), ((_, large),) = at[ROWS], at[2 * ROWS]
     assert 0 <= small.total_bytes - needs["none"] < 4096, (small, needs)
     assert large.total_bytes > small.total_bytes, (small, large)
+
+
+def test_a_choice_is_kept_per_options_and_counts_the_heap(fresh_compiles):
+    # Two trainers on fsdp=2 that differ only in their options: the fsdp gathers, then the rings
+    # (whose pieces in flight need another heap). Each choice's figures are its own step's, not
+    # those kept for the other: the arguments, outputs and code of an independent compile, and
+    # the compiler's heap, memory_analysis's temporaries and the few hundred bytes of
+    # thread-local scratch the buffer assignment adds on CPU (not memory_analysis's count).
+    totals = {}
+    for scheme in ("gather", "ring"):
+
+        def with_options(remat):
+            return trainer(
+                remat,
+                devices=jax.devices()[:2],
+                mesh=dew.MeshSpec(fsdp=2),
+                options=dew.StepOptions(fsdp_scheme=scheme),
+            )
+
+        choice = remat_choice.choose_remat(
+            with_options("auto"), ROWS, memory_limit_bytes=1 << 40, policies=("full",)
+        )
+        ((_, memory),) = choice.tried
+        analysis = with_options("full").compiled_step(ROWS).memory_analysis()
+        where = (scheme, memory, analysis)
+        assert memory.analysis_temp_bytes == analysis.temp_size_in_bytes, where
+        assert 0 < memory.temp_bytes - analysis.temp_size_in_bytes < 4096, where
+        assert memory.total_bytes == by_hand(analysis, memory.temp_bytes), where
+        totals[scheme] = memory.total_bytes
+    assert totals["ring"] - totals["gather"] > 4096, totals
 
 
 def test_the_trainer_resolves_auto_before_building_its_step(needs, capsys):
