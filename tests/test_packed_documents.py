@@ -275,7 +275,7 @@ def test_padded_rows_start_each_document_at_a_row(tmp_path):
 
 def test_document_starts_count_from_the_split_not_the_chunk(tmp_path, seed):
     """An input of many chunks (``chunk_bytes`` lowered from 1 MiB to 64, so 60 short documents
-    make about 23): each split's starts are its own token indices, counted here from the end-of-
+    make about 20): each split's starts are its own token indices, counted here from the end-of-
     text ids in its tokens, not offsets within each chunk."""
     print(f"seed {seed}")
     rng = np.random.default_rng(seed)
