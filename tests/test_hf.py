@@ -7,6 +7,7 @@ float32 logits on fixed rows of 40 tokens, longer than their ``original_max_posi
 are the reference.
 """
 
+import dataclasses
 import json
 import math
 import shutil
@@ -213,6 +214,37 @@ def special_ids(folder) -> dict:
     return {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
 
 
+def test_a_mistral_folder_keeps_its_sliding_window_both_ways(tmp_path):
+    """transformers' MistralForCausalLM of sliding_window 6 loads as Dew's attention_window 6
+    and gives transformers' logits at every one of 24 positions (without the window only the
+    first 6 agree); written back it is Mistral's config with sliding_window 6, transformers'
+    tensors bit for bit. A config without the field has MistralConfig's default, 4096; null
+    is no window."""
+    folder, tokens, want = reference("mistral_window")
+    assert tokens.shape == (2, 24)
+    model, params = hf.load(folder)
+    assert model.attention_window == 6
+    error = relative_error(np.asarray(jax.jit(model.apply)(params, tokens)), want)
+    assert error < TOL, error
+    plain = dataclasses.replace(model, attention_window=None)
+    unwindowed = np.asarray(jax.jit(plain.apply)(params, tokens))
+    assert relative_error(unwindowed[:, :6], want[:, :6]) < TOL
+    assert relative_error(unwindowed, want) > 0.1, "the window changed nothing"
+    hf.save(model, params, tmp_path / "out")
+    config = hf.read_config(tmp_path / "out")
+    theirs = hf.read_config(folder)
+    for field in ("model_type", "architectures", "sliding_window", "max_position_embeddings"):
+        assert config[field] == theirs[field], field
+    assert tensors_of(tmp_path / "out") == tensors_of(folder)
+    assert hf.model_from_config({**theirs, "sliding_window": None}).attention_window is None
+    del theirs["sliding_window"]
+    longer = {**theirs, "max_position_embeddings": 8192}  # a context the default window fits
+    assert hf.model_from_config(longer).attention_window == 4096
+    # A Llama config's sliding_window is nothing transformers' LlamaForCausalLM reads.
+    llama = hf.read_config(DATA / "llama3_tied")
+    assert hf.model_from_config({**llama, "sliding_window": 6}).attention_window is None
+
+
 def test_export_carries_the_special_tokens_ids_given_and_no_other_field(tmp_path):
     folder, _, _ = reference("llama3_tied")
     model, params = hf.load(folder)
@@ -279,10 +311,15 @@ def edit_config(folder, **changes):
     (folder / hf.CONFIG).write_text(json.dumps(config))
 
 
+MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+
+
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"model_type": "mistral"}, "model_type"),
+        ({"model_type": "qwen2"}, "model_type"),
+        ({"model_type": "mistral"}, "architectures .* has no MistralForCausalLM"),
+        (MISTRAL | {"sliding_window": 0}, "sliding_window 0 is not a number of keys"),
         ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints in and out: ``config.json`` and safetensors weights.
+"""Hugging Face Llama checkpoints in and out: ``config.json`` and safetensors weights (a model with
+an attention window as Mistral's, the Llama with ``sliding_window``: ``dew.models.hf_config``).
 
     from dew.models import hf
 
@@ -7,7 +8,8 @@
     logits = model.apply(params, tokens)
     hf.save(model, params, "out")                      # config.json + model.safetensors
 
-A folder holds ``config.json`` of a ``LlamaForCausalLM`` (``model_type: "llama"``) and its weights,
+A folder holds ``config.json`` of a ``LlamaForCausalLM`` (``model_type: "llama"``; or of a
+``MistralForCausalLM``, ``"mistral"``, the same tensors) and its weights,
 ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``.
 
 Names. Hugging Face's ``model.embed_tokens.weight`` ``[vocab, embed]``,
@@ -57,6 +59,7 @@ from dew.models.hf_config import (
     ARCHITECTURE,
     CARRIED_FIELDS,
     CONFIG,
+    WINDOWED_ARCHITECTURE,
     architecture,
     carried_fields,
     is_hf_folder,
@@ -84,6 +87,7 @@ __all__ = [
     "SINGLE",
     "INDEX",
     "ARCHITECTURE",
+    "WINDOWED_ARCHITECTURE",
 ]
 
 SINGLE = "model.safetensors"
@@ -155,8 +159,19 @@ def _hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def config_of(model: CausalTransformer, dtype: str) -> dict:
     """``config.json`` of ``model`` for transformers' ``LlamaForCausalLM`` (weights in
-    ``dtype``), with ``rope_theta`` and ``rope_scaling`` as Meta's published files spell them."""
+    ``dtype``), with ``rope_theta`` and ``rope_scaling`` as Meta's published files spell them;
+    for a model with an ``attention_window``, ``MistralForCausalLM``'s: the same fields and
+    ``sliding_window``, the window itself (``hf_config``'s docstring: the two windows agree)."""
     mappings(model)  # refuses an MoE model
+    if model.attention_window is not None:
+        config = config_of(dataclasses.replace(model, attention_window=None), dtype)
+        del config["attention_bias"], config["mlp_bias"]  # Mistral has neither field
+        return {
+            **config,
+            "architectures": [WINDOWED_ARCHITECTURE],
+            "model_type": "mistral",
+            "sliding_window": model.attention_window,
+        }
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",

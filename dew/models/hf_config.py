@@ -1,7 +1,12 @@
-"""A Hugging Face Llama ``config.json`` and Dew's ``CausalTransformer``: which model a config
-describes (``model_from_config``, refusing what Dew does not implement, naming the field), the
-folder's config (``read_config``, ``is_hf_folder``), and the fields two models must share to
+"""A Hugging Face Llama or Mistral ``config.json`` and Dew's ``CausalTransformer``: which model a
+config describes (``model_from_config``, refusing what Dew does not implement, naming the field),
+the folder's config (``read_config``, ``is_hf_folder``), and the fields two models must share to
 hold the same weights (``architecture``). ``dew.models.hf`` reads and writes the weights.
+
+Mistral is Llama with a sliding window (``sliding_window``; the same tensors, names and rotary):
+transformers' window, ``kv_idx > q_idx - sliding_window`` (``sliding_window_overlay`` in its
+``masking_utils``), is Dew's ``attention_window`` (the ``W`` most recent keys, the query's own
+included), so a window ``W`` is ``sliding_window`` ``W`` both ways.
 """
 
 from __future__ import annotations
@@ -15,6 +20,17 @@ from dew.nn import rotary
 
 CONFIG = "config.json"
 ARCHITECTURE = "LlamaForCausalLM"
+# A model with an attention window exports as Mistral, the Llama that carries one.
+WINDOWED_ARCHITECTURE = "MistralForCausalLM"
+# model_type -> (its architecture, transformers' defaults of the fields Dew reads where a config
+# leaves them out: LlamaConfig's and MistralConfig's, so that a folder means what it means there).
+MODEL_TYPES = {
+    "llama": (ARCHITECTURE, {"max_position_embeddings": 2048, "sliding_window": None}),
+    "mistral": (
+        WINDOWED_ARCHITECTURE,
+        {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
+    ),
+}
 
 
 # config.json fields Dew does not model that an export (``dew convert --to hf``) carries over from
@@ -70,19 +86,23 @@ def _rope(config: dict, where: str) -> tuple[float, rotary.Llama3Scaling | None]
 
 
 def model_from_config(config: dict, where: str = CONFIG, **overrides) -> CausalTransformer:
-    """The ``CausalTransformer`` of a Hugging Face Llama ``config`` (``config.json``'s dict),
-    with ``overrides`` (``max_seq_len``, ``param_dtype``, ``dtype``, ``attention_impl``, ...).
-    ``ValueError`` naming the field for another architecture or a feature Dew does not have."""
+    """The ``CausalTransformer`` of a Hugging Face Llama or Mistral ``config`` (``config.json``'s
+    dict; Mistral's ``sliding_window`` is the model's ``attention_window``), with ``overrides``
+    (``max_seq_len``, ``param_dtype``, ``dtype``, ``attention_impl``, ...). ``ValueError`` naming
+    the field for another architecture or a feature Dew does not have."""
     if not isinstance(config, dict):
         raise ValueError(f"{where} is not a JSON object")
-    if config.get("model_type") != "llama":
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
         raise ValueError(
-            f"{where}: model_type {config.get('model_type')!r} is not supported; dew.models.hf "
-            "loads Llama models (model_type 'llama', LlamaForCausalLM)"
+            f"{where}: model_type {model_type!r} is not supported; dew.models.hf loads Llama "
+            "models (model_type 'llama', LlamaForCausalLM) and Mistral models (model_type "
+            "'mistral', MistralForCausalLM)"
         )
-    architectures = config.get("architectures") or [ARCHITECTURE]
-    if ARCHITECTURE not in architectures:
-        raise ValueError(f"{where}: architectures {architectures} has no {ARCHITECTURE}")
+    expected, defaults = MODEL_TYPES[model_type]
+    architectures = config.get("architectures") or [expected]
+    if expected not in architectures:
+        raise ValueError(f"{where}: architectures {architectures} has no {expected}")
     unsupported = {
         "hidden_act": ("silu", "SwiGLU with SiLU is Dew's MLP"),
         "attention_bias": (False, "Dew's projections have no bias"),
@@ -112,18 +132,27 @@ def model_from_config(config: dict, where: str = CONFIG, **overrides) -> CausalT
             f"{hidden}; Dew's heads split the width"
         )
     theta, scaling = _rope(config, where)
+    window = config.get("sliding_window", defaults["sliding_window"])
+    if model_type == "llama":  # LlamaForCausalLM has no window, whatever the file says
+        window = None
+    elif window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"{where}: sliding_window {window!r} is not a number of keys >= 1")
     fields = dict(
         vocab_size=config["vocab_size"],
         emb_features=hidden,
         num_layers=config["num_hidden_layers"],
         num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
+        num_kv_heads=config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
+        or heads,
         mlp_features=config["intermediate_size"],
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_seq_len=config.get("max_position_embeddings", 2048),
+        max_seq_len=config.get("max_position_embeddings", defaults["max_position_embeddings"]),
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        attention_window=window,
     )
     try:
         return CausalTransformer(**{**fields, **overrides})
