@@ -1,9 +1,12 @@
 """``dew convert``: a Hugging Face Llama folder to a Dew checkpoint and back, a LoRA run's
-adapters to a PEFT adapter folder; and what ``dew train --init-from`` does with either.
+adapters to a PEFT adapter folder; and what ``dew train --init-from`` does with either. A model
+with an attention window goes both ways as a Mistral folder (``sliding_window``:
+``dew.models.hf_config``).
 
     dew convert Llama-3.2-1B ckpt/llama                 # HF folder -> Dew checkpoint (step 0)
     dew convert runs/x/checkpoints hf-out --to hf       # a Dew checkpoint -> HF folder
     dew convert runs/lora adapter --to peft             # a LoRA run -> PEFT adapter folder
+    dew convert runs/lora adapter --to peft --base-out base   # ... and its base as an HF folder
     dew train --init-from Llama-3.2-1B --data tokens/   # fine-tune from either
 
 A converted checkpoint holds the weights alone (``{"params": ...}``, metadata ``contents:
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from typing import NamedTuple
 
 from dew.cli.flags import DEVICES, add_device_flag, topics
 
@@ -50,10 +54,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "convert",
         help="convert a Hugging Face Llama folder to a Dew checkpoint, or back with --to hf, or "
         "a LoRA run's adapters to a PEFT adapter folder with --to peft",
-        description="Converts a Hugging Face Llama folder (config.json and safetensors weights) "
-        "into a Dew checkpoint directory (one step, 0, of the weights alone); with --to hf a "
-        "Dew checkpoint directory (of dew convert or dew train) into a Hugging Face folder; "
-        "with --to peft a LoRA run's checkpoint into a PEFT adapter folder.",
+        description="Converts a Hugging Face Llama or Mistral folder (config.json and "
+        "safetensors weights) into a Dew checkpoint directory (one step, 0, of the weights "
+        "alone); with --to hf a Dew checkpoint directory (of dew convert or dew train) into a "
+        "Hugging Face folder (Mistral's, with sliding_window, for a model trained with "
+        "--attention-window); with --to peft a LoRA run's checkpoint into a PEFT adapter folder.",
     )
     parser.add_argument("source", help="a Hugging Face folder, or a Dew checkpoint directory")
     parser.add_argument(
@@ -90,6 +95,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
         help="largest safetensors file (default 5 GB; transformers 5's save_pretrained writes "
         "50 GB); --to hf only",
     )
+    conversion.add_argument(
+        "--base-out",
+        default=None,
+        metavar="FOLDER",
+        help="--to peft only: write the run's base into FOLDER as a Hugging Face folder (Mistral "
+        "with sliding_window for a windowed run), or check that FOLDER holds it, and name it as "
+        "the adapter's base; needed when the base is a Dew checkpoint or lacks the run's window",
+    )
     add_device_flag(groups[DEVICES])
     parser.set_defaults(run=convert_command)
     return parser
@@ -100,6 +113,7 @@ _ONLY_FOR = (
     ("--dtype", "dtype", ("dew",)),
     ("--step", "step", ("hf", "peft")),
     ("--max-shard-bytes", "max_shard_bytes", ("hf",)),
+    ("--base-out", "base_out", ("peft",)),
 )
 
 
@@ -115,14 +129,21 @@ def check_flags(args) -> None:
 def convert_command(args) -> int:
     check_flags(args)
     if args.to == "peft":
-        written, base = to_peft(args.source, args.dest, step=args.step)
+        export = to_peft(args.source, args.dest, step=args.step, base_out=args.base_out)
+        if export.base_written:
+            print(
+                f"Wrote {', '.join(export.base_written)} to {args.base_out}: the run's base as a "
+                "Hugging Face folder"
+            )
+        elif args.base_out is not None:
+            print(f"{args.base_out} holds the run's base, bit for bit")
         on = (
-            f"on the base {base}"
-            if base is not None
+            f"on the base {export.base}"
+            if export.base is not None
             else "on the model's initial weights drawn from the run's key (the run named no base "
-            "folder: base_model_name_or_path is null)"
+            "folder: base_model_name_or_path is null; --base-out FOLDER writes them as its base)"
         )
-        print(f"Wrote {', '.join(written)} to {args.dest}: a PEFT adapter {on}")
+        print(f"Wrote {', '.join(export.written)} to {args.dest}: a PEFT adapter {on}")
         return 0
     if args.to == "dew":
         copied = to_checkpoint(args.source, args.dest, dtype=args.dtype or "float32")
@@ -304,37 +325,142 @@ def to_hf(directory, folder, step: int | None = None, max_shard_bytes: int | Non
     return written, _copy_files([(f, Path(folder) / f.name) for f in tokenizer]), carried
 
 
-def to_peft(directory, folder, step: int | None = None) -> tuple[list[str], str | None]:
+class PeftExport(NamedTuple):
+    """What ``to_peft`` wrote: the adapter's files, the base it names (``None``: null) and the
+    files written into ``base_out`` (none when it held the base already, or was not given)."""
+
+    written: list[str]
+    base: str | None
+    base_written: list[str]
+
+
+def _window(window) -> str:
+    return "no attention window" if window is None else f"an attention window of {window}"
+
+
+def _base_refusal(model, path) -> str | None:
+    """Why the base a LoRA run records at ``path`` cannot be the adapter's
+    ``base_model_name_or_path`` (``None`` when it can, or names none): a Dew checkpoint, which
+    transformers cannot load, or a Hugging Face folder whose window is not the run's, on which
+    transformers would run the adapter without the window trained with (or with another)."""
+    from dew.models import hf
+
+    if path is None or not Path(path).is_dir():  # none: null; missing: load_lora says so
+        return None
+    if not hf.is_hf_folder(path):
+        return (
+            f"the run's base {path} is a Dew checkpoint, which transformers cannot load as the "
+            "adapter's base_model_name_or_path"
+        )
+    where = str(Path(path) / hf.CONFIG)
+    theirs = hf.model_from_config(hf.read_config(path), where).attention_window
+    if theirs != model.attention_window:
+        return (
+            f"the run trained with {_window(model.attention_window)} (--attention-window) on "
+            f"the base {path}, whose {hf.CONFIG} has {_window(theirs)}: transformers would run "
+            "the adapter on it without the window trained with"
+        )
+    return None
+
+
+def to_peft(directory, folder, step: int | None = None, base_out=None) -> PeftExport:
     """Step ``step`` (default: the latest) of a LoRA run's checkpoint as a PEFT adapter folder
-    (``dew.models.peft``), whose ``base_model_name_or_path`` is the base the run names (its
-    path; ``None`` for a base drawn from the run's key). Returns ``(files written, the base)``.
-    The adapters alone are read: the base is not needed. A damaged latest step (``step=None``)
-    raises ``DamagedLatestStepError`` naming the intact steps, as ``to_hf`` does: an older
-    step's adapters are not exported in its place."""
+    (``dew.models.peft``) that transformers loads on the base the run trained on.
+
+    The adapter's ``base_model_name_or_path`` is the Hugging Face folder the run's base was read
+    from; ``None`` (null) for a base drawn from the run's key. A base transformers would not
+    give the run's model (``_base_refusal``: a Dew checkpoint, or a folder without the run's
+    attention window) is a ``ValueError`` asking for ``base_out``: with it, the base the run
+    held (an int8 base dequantized, as ``--to hf`` merges it) is written there as a Hugging Face
+    folder (Mistral's, with ``sliding_window``, for a windowed run), or, where ``base_out``
+    holds a model already, checked to hold those weights; the adapter names its absolute path.
+
+    The base is read and held to the checksum the checkpoint records (``load_lora``), as resuming
+    and ``--to hf`` do: a base changed in place is a ``CheckpointMismatchError``. A damaged
+    latest step (``step=None``) raises ``DamagedLatestStepError`` naming the intact steps: an
+    older step's adapters are not exported in its place."""
     import jax
+    import jax.numpy as jnp
 
     from dew.checkpoints import DamagedLatestStepError
-    from dew.models import lora, peft
-    from dew.models.checkpoint import checkpoint_directory, checkpoint_model
+    from dew.models import hf, lora, peft
+    from dew.models.checkpoint import checkpoint_directory, checkpoint_model, load_lora
 
     directory = checkpoint_directory(directory)
-    checkpoints, model, prefix = checkpoint_model(directory, step)
+    checkpoints, model, _ = checkpoint_model(directory, step)
     if model.lora is None:
         raise ValueError(
             f"--to peft: the checkpoint in {directory} is not a LoRA run's (it trained every "
             "weight); --to hf exports it"
         )
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.eval_shape(lambda k: lora.init_adapters(model, k), jax.random.key(0))
-    target = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), abstract
-    )
+    path = (checkpoints.metadata(step).get("lora_base") or {}).get("path")
+    refusal = _base_refusal(model, path)
+    if refusal is not None and base_out is None:
+        mistral = " as a Mistral folder" if model.attention_window is not None else ""
+        raise ValueError(
+            f"--to peft: {refusal}; give --base-out FOLDER to write the run's base there{mistral} "
+            "(or name a folder that holds it), which the adapter then names"
+        )
+    taken = [n for n in (peft.CONFIG, peft.WEIGHTS) if (Path(folder) / n).exists()]
+    if taken:  # refused before the base is read or written, not after
+        raise FileExistsError(f"{folder} already holds {', '.join(taken)}; not overwriting")
     try:
-        adapters, metadata = checkpoints.restore(target, step, under=prefix, fall_back=False)
+        model, base, adapters = load_lora(directory, step)
     except DamagedLatestStepError as error:
         raise error.naming("export one with --step N") from None
-    base = (metadata.get("lora_base") or {}).get("path")
-    return peft.save(model, adapters, folder, base), base
+    base_written: list[str] = []
+    if base_out is not None:
+        plain = dataclasses.replace(model, lora=None)  # keeps the window: Mistral's config
+        held = base
+        if model.lora.base_dtype == "int8":  # dequantized: merged with zero adapters
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, adapters)
+            held = jax.jit(lambda b, a: lora.merge(model, b, a))(base, zeros)
+        if hf.is_hf_folder(base_out):
+            _check_base_out(plain, held, base_out, path)
+        else:
+            tokenizer = [
+                (f, Path(base_out) / f.name) for f in tokenizer_files(directory / TOKENIZER_DIR)
+            ]
+            taken = [str(dest) for _, dest in tokenizer if dest.exists()]
+            if taken:  # refused before the weights are written, not after
+                raise FileExistsError(f"{', '.join(taken)} already exists; not overwriting")
+            base_written = hf.save(plain, held, base_out, carried=read_carried(directory))
+            base_written += _copy_files(tokenizer)
+        path = str(Path(base_out).resolve())
+    return PeftExport(peft.save(model, adapters, folder, path), path, base_written)
+
+
+def _check_base_out(plain, held, base_out, recorded) -> None:
+    """``ValueError`` unless the Hugging Face folder ``base_out`` describes ``plain`` (the
+    run's model, its window included) and holds the weights ``held``, bit for bit."""
+    import jax
+    import numpy as np
+
+    from dew.models import hf
+
+    config = hf.read_config(base_out)
+    theirs = hf.model_from_config(config, str(Path(base_out) / hf.CONFIG)).attention_window
+    if theirs != plain.attention_window:
+        raise ValueError(
+            f"--base-out {base_out} has {_window(theirs)} where the run trained with "
+            f"{_window(plain.attention_window)}: give a new folder, and the base is written there"
+        )
+    _, there = hf.load(
+        base_out,
+        model=plain,
+        shardings=jax.tree_util.tree_map(
+            lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), held
+        ),
+    )
+    same = jax.tree_util.tree_map(
+        lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), there, held
+    )
+    if not all(jax.tree_util.tree_leaves(same)):
+        raise ValueError(
+            f"--base-out {base_out} holds other weights than the run's base "
+            f"({recorded or 'drawn from the run key'}): give a new folder, and the base is "
+            "written there"
+        )
 
 
 # --- dew train --init-from ---------------------------------------------------------------------
@@ -423,7 +549,7 @@ def init_model(args, model, path, data_vocab: int):
     XLA), its context kept unless ``--extend-context`` lengthens it to ``--seq-len``.
     ``ValueError`` when ``--seq-len`` passes the context without it, or the token folder's
     vocabulary ``data_vocab`` does not fit the model's."""
-    from dew.cli.model_flags import _MODEL_CHOICE_FLAGS
+    from dew.cli.model_flags import _MODEL_CHOICE_FLAGS, check_window
     from dew.models.causal_transformer import CausalTransformer
 
     defaults = {f.name: f.default for f in dataclasses.fields(CausalTransformer)}
@@ -433,7 +559,7 @@ def init_model(args, model, path, data_vocab: int):
             runs[field] = getattr(args, flag)
     from dew.cli.lora_flags import lora_config
 
-    lora = lora_config(args)  # --lora-rank: adapters on the folder's weights, frozen
+    lora = lora_config(args, base=model)  # --lora-rank: adapters on the folder's weights, frozen
     if lora is not None:
         runs["lora"] = lora
     context = model.max_seq_len
@@ -458,6 +584,8 @@ def init_model(args, model, path, data_vocab: int):
             f"context of {path}, {context} tokens",
             flush=True,
         )
+    context = runs.get("max_seq_len", context)
+    check_window(args, context, f"the context of {path}, {context} tokens")
     if data_vocab > model.vocab_size:
         raise ValueError(
             f"the token folder's vocabulary of {data_vocab} does not fit the vocabulary "
