@@ -286,3 +286,79 @@ def test_the_tpu_target_a_run_plans_for(monkeypatch):
         monkeypatch.setattr(jax, "devices", lambda kind=kind: [Device(kind)])
         monkeypatch.setattr(jax, "device_count", lambda count=count: count)
         assert tpu_target_name() == expected, (kind, count)
+
+
+def _flip_a_bit(folder: Path) -> None:
+    """One bit of one weight of the Hugging Face folder ``folder``, changed in place."""
+    from dew.models import safetensors
+
+    path = folder / "model.safetensors"
+    tensor = safetensors.Header.read(path).tensors["model.layers.0.mlp.down_proj.weight"]
+    data = bytearray(path.read_bytes())
+    data[tensor.offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_resume_that_does_not_match_names_the_flags_and_the_ways_on(dew_here, tmp_path):
+    """Resuming a LoRA run with other flags names each flag, the run's value and this command's,
+    and the two ways on (issue 67: it printed ``.opt_state.mu['lora']...`` paths, and blamed
+    "the flags that set its sizes or dtypes" when only the base's weights had changed)."""
+    import shutil
+
+    from dew.checkpoints import Checkpoints
+
+    base, other = tmp_path / "base", tmp_path / "other"
+    shutil.copytree(TIED, base)
+    shutil.copytree(TIED, other)
+    _flip_a_bit(other)
+    run = ("train", "--seq-len", "16", "--batch", "8", "--run-dir", "run")
+    lora = ("--lora-rank", "2")
+    trained = dew_here(*run, *lora, "--init-from", str(base), "--steps", "1", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    recorded = Checkpoints(tmp_path / "run" / "checkpoints").metadata()["lora_base"]["checksum"]
+    ways_on = "or give another --run-dir to start a new run"
+    every = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # PEFT's names, the default
+    cases = [
+        (
+            (*lora, "--init-from", base, "--lora-targets", "q_proj,v_proj"),
+            f"the run in run was trained with --lora-targets {every}, and this command gives "
+            f"--lora-targets q_proj,v_proj: resume it with --lora-targets {every}, {ways_on}",
+        ),
+        (
+            ("--init-from", base, "--lora-rank", "3"),
+            "the run in run was trained with --lora-rank 2, and this command gives --lora-rank "
+            f"3: resume it with --lora-rank 2, {ways_on}",
+        ),
+        (
+            (*lora, "--init-from", base, "--base-dtype", "int8"),
+            "the run in run was trained on its base with no --base-dtype, and this command gives "
+            f"--base-dtype int8: resume it with no --base-dtype, {ways_on}",
+        ),
+        (
+            (*lora, "--init-from", other),
+            f"the run in run was trained on --init-from {base}, checksum {recorded}, and this "
+            f"command's base, --init-from {other}, has checksum ",
+        ),
+        (
+            (*lora, "--init-from", base, "--moments-dtype", "bfloat16"),
+            "the run in run holds another training state than this command's",
+        ),
+    ]
+    for given, says in cases:
+        refused = dew_here(*run, *map(str, given), "--steps", "2", cwd=tmp_path)
+        assert refused.returncode == 2, (given, refused.stderr)
+        assert "Traceback" not in refused.stdout + refused.stderr
+        (line,) = refused.stderr.splitlines()
+        assert line.startswith(f"dew train: {says}"), (given, line)
+    # The base's weights changed in place: said so, with both checksums (configuration-weights).
+    _flip_a_bit(base)
+    refused = dew_here(*run, *lora, "--init-from", str(base), "--steps", "2", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.splitlines()
+    then = f"dew train: the base --init-from {base} changed since the run in run was trained on it"
+    assert line.startswith(f"{then} (its weights changed: checksum {recorded} then, "), line
+    now = line.split(" then, ")[1].split(" now)")[0]
+    assert now.split("-")[0] == recorded.split("-")[0] and now != recorded, (now, recorded)
+    assert line.endswith(
+        f"put back the base it was trained on to resume it, {ways_on} on this base"
+    )

@@ -443,12 +443,12 @@ def train_command(args) -> int:
             eval_batches=args.eval_batches,
             trackers=[TensorBoard(args.tensorboard)] if args.tensorboard else [],
         )
-    except CheckpointMismatchError as error:
-        raise CheckpointMismatchError(
-            f"{error}. The run in {run_dir} was trained with another model (the flags that set "
-            "its sizes or dtypes differ): give another --run-dir to start this one, or the "
-            "flags that run was started with to resume it"
-        ) from None
+    except CheckpointMismatchError as error:  # said with the flags whose values differ
+        from dew.cli import resume
+
+        saved = resume.saved_model(trainer.checkpoints)
+        line = resume.mismatch(error, saved, objective.model, run_dir, args.init_from)
+        raise CheckpointMismatchError(line) from None
     except DataPositionMismatch as error:
         raise ValueError(_resume_mismatch(error.differ, run_dir)) from None
     from dew.training.preemption import INTERRUPTED_EXIT_CODE

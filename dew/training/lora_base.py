@@ -24,6 +24,16 @@ from dew.models import lora
 from dew.models.checkpoint import checkpoint_directory, read_lora_base
 
 
+class BaseMismatchError(CheckpointMismatchError):
+    """The checkpoint a LoRA run resumes from was trained on another base: ``recorded``, the
+    checkpoint's ``"lora_base"`` (``path``, ``checksum``); ``path`` and ``checksum``, this run's
+    base (``None``: drawn from the run's key) and its ``base_checksum``, ``"CONFIG-WEIGHTS"``."""
+
+    def __init__(self, message: str, recorded: dict, path: str | None, checksum: str):
+        super().__init__(message)
+        self.recorded, self.path, self.checksum = recorded, path, checksum
+
+
 def resolved(base) -> str | None:
     """``Trainer(base=...)`` as the run keeps it: the absolute path, symlinks resolved (``None``
     stays ``None``)."""
@@ -76,8 +86,9 @@ def describe(trainer, frozen) -> dict:
 
 
 def check_resumed(trainer, frozen, metadata: dict) -> None:
-    """``CheckpointMismatchError`` (a ``ValueError``) naming both bases when the checkpoint a run
-    resumes from was trained on another base than ``frozen`` (or records none)."""
+    """``BaseMismatchError`` (a ``CheckpointMismatchError``, a ``ValueError``) naming both bases
+    when the checkpoint a run resumes from was trained on another base than ``frozen``;
+    ``CheckpointMismatchError`` when it records none."""
     recorded = metadata.get("lora_base")
     where = trainer.checkpoints.directory
     if not isinstance(recorded, dict) or "checksum" not in recorded:
@@ -89,8 +100,11 @@ def check_resumed(trainer, frozen, metadata: dict) -> None:
     if recorded["checksum"] != checksum:
         ours = "the model's initial weights" if trainer.base is None else str(trainer.base)
         theirs = recorded.get("path") or "the model's initial weights"
-        raise CheckpointMismatchError(
+        raise BaseMismatchError(
             f"the checkpoint in {where} was trained on the base {theirs} (checksum "
             f"{recorded['checksum']}), and this run's base, {ours}, has checksum {checksum}: "
-            "resume with the base it was trained on, or start this run in another directory"
+            "resume with the base it was trained on, or start this run in another directory",
+            recorded,
+            resolved(trainer.base),
+            checksum,
         )
