@@ -16,7 +16,10 @@ of 128, of which
   its whole step is skipped.
 
 Interpret mode compiles slowly, so each case is one compile of forward and backward, and the
-Mosaic cases compute pieces and strips of 64 inside the blocks of 128, which the ids skip too.
+Mosaic cases compute pieces and strips of 64 inside the blocks of 128, which the ids skip too;
+the forward alone also runs with more pieces than strips (32 keys against 64 rows, and v5e's
+defaults on two rows of 4096 positions), and the two-kernel backward on rows reordered so that
+row 0 is the one split at the block boundary.
 """
 
 import functools
@@ -357,6 +360,81 @@ def test_the_two_kernel_backward_skips_on_each_batch_row_s_own_ids(packed, seed)
     assert not visible[0, BLOCK:, :BLOCK].any() and visible[1, BLOCK:, :BLOCK].any(), seed
     assert_matches(got, reference(*inputs, visible), f"two-kernel backward, seed {seed}")
     assert_matches(got, each_document_alone(inputs, ids, None), f"alone, seed {seed}")
+
+
+def long_ids(rng, seq: int) -> np.ndarray:
+    """Two rows of ``seq`` positions in documents of 40 to 1000 tokens, their ids in order: row
+    0's from 0, row 1's from 100, which no id of row 0 meets."""
+    rows = [random_lengths(rng, seq, 40, 1000) for _ in range(2)]
+    return np.stack([np.repeat(np.arange(len(n)) + 100 * r, n) for r, n in enumerate(rows)])
+
+
+def each_document_alone_forward(q, k, v, ids):
+    """``(out, lse)`` of `each_document_alone` (no window), the forward alone: each document's
+    causal attention in float64, put back in place."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    out, lse = np.zeros_like(q), np.zeros((q.shape[0], q.shape[2], q.shape[1]))
+    group = q.shape[2] // k.shape[2]
+    for b, row in enumerate(ids):
+        for start, stop in documents(row):
+            one = slice(start, stop)
+            kk, vv = (np.repeat(x[b, one], group, axis=1) for x in (k, v))
+            s = np.einsum("qhd,khd->hqk", q[b, one], kk) * SCALE
+            s = np.where(np.tri(stop - start, dtype=bool), s, -np.inf)
+            top = s.max(axis=-1, keepdims=True)
+            weights = np.exp(s - top)
+            total = weights.sum(axis=-1, keepdims=True)
+            out[b, one] = np.einsum("hqk,khd->qhd", weights / total, vv)
+            lse[b, :, one] = (top + np.log(total))[..., 0]
+    return out, lse
+
+
+# Mosaic's forward with segment ids computes a query block ``block_q_compute`` rows (a strip) at
+# a time against ``block_k_compute`` keys (a piece), skipping the pairs whose id ranges cannot
+# meet (per batch row, per strip and per piece). Where a block holds as many strips as pieces
+# (every case above: 64 of each in blocks of 128), a table read at a strip's stride reads a
+# piece's right; these hold more pieces than strips: 2 strips of 64 rows and 4 pieces of 32 keys
+# in blocks of 128, and v5e's defaults (causal blocks of 512 x 2048 computed 256 rows by 512
+# keys) at 4096 positions, two key blocks.
+V5E = platform.mosaic_tuning("v5e")
+UNEQUAL = {
+    "64-rows-32-keys": (SEQ, (BLOCK, BLOCK), dict(block_q_compute=64, block_k_compute=32)),
+    "v5e-defaults": (
+        4096,
+        (platform.CAUSAL_BLOCK_Q, platform.TPU_BLOCKS["v5e"][1]),
+        dict(block_q_compute=V5E.block_q_compute, block_k_compute=V5E.block_k_compute),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", UNEQUAL)
+def test_the_forward_reads_each_piece_s_ids_where_strips_and_pieces_differ(packed, seed, case):
+    # out and lse of the forward alone (strips and pieces are the forward's) against each
+    # document run alone in float64: the packed rows; at v5e's defaults two rows of their own
+    # (row 1's ids never row 0's), so that a piece's ranges read at another row's or another key
+    # block's place skip the piece.
+    seq, (block_q, block_k), tuning = UNEQUAL[case]
+    assert block_k // tuning["block_k_compute"] != block_q // tuning["block_q_compute"]
+    if seq == SEQ:
+        inputs, ids = packed[0][:3], packed[1]
+    else:
+        rng = np.random.default_rng((seed, 1))
+        ids = long_ids(rng, seq)
+        inputs = [rng.standard_normal((2, seq, h, HEAD_DIM)).astype(np.float32) for h in (2, 1, 1)]
+    attend = functools.partial(
+        flash_attention_forward,
+        causal=True,
+        segment_ids=jnp.asarray(ids),
+        block_q=block_q,
+        block_k=block_k,
+        interpret="tpu",
+    )
+    with platform.tuned(**tuning):
+        got = run_fast_compiled(attend, *inputs)
+    want = each_document_alone_forward(*inputs, ids)
+    for name, g, w in zip(("out", "lse"), got, want):
+        error = relative_error(np.asarray(g, np.float64), w)
+        assert error < TOLERANCE, f"{name} ({case}, seed {seed}): relative error {error:.3g}"
 
 
 def strips_and_pieces_seen(window: int, strip: int, piece: int, by_strip: bool = True) -> int:
