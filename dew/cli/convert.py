@@ -358,7 +358,9 @@ def _base_refusal(model, path) -> str | None:
         return (
             f"the run trained with {_window(model.attention_window)} (--attention-window) on "
             f"the base {path}, whose {hf.CONFIG} has {_window(theirs)}: transformers would run "
-            "the adapter on it without the window trained with"
+            "the adapter on it "
+            + ("without the window" if theirs is None else "with another window than the one")
+            + " trained with"
         )
     return None
 
