@@ -218,8 +218,8 @@ def test_a_mistral_folder_keeps_its_sliding_window_both_ways(tmp_path):
     """transformers' MistralForCausalLM of sliding_window 6 loads as Dew's attention_window 6
     and gives transformers' logits at every one of 24 positions (without the window only the
     first 6 agree); written back it is Mistral's config with sliding_window 6, transformers'
-    tensors bit for bit. A config without the field has MistralConfig's default, 4096; null
-    is no window."""
+    tensors bit for bit; dew convert and --init-from keep the window. A config without the field
+    has MistralConfig's default, 4096; null is no window."""
     folder, tokens, want = reference("mistral_window")
     assert tokens.shape == (2, 24)
     model, params = hf.load(folder)
@@ -240,6 +240,12 @@ def test_a_mistral_folder_keeps_its_sliding_window_both_ways(tmp_path):
     del theirs["sliding_window"]
     longer = {**theirs, "max_position_embeddings": 8192}  # a context the default window fits
     assert hf.model_from_config(longer).attention_window == 4096
+    # dew convert and dew train --init-from take the folder's window with its weights.
+    from dew.cli import convert
+
+    assert convert.init_source(folder)[1].attention_window == 6
+    convert.to_checkpoint(folder, tmp_path / "ckpt")
+    assert dew.load_checkpoint(tmp_path / "ckpt")[0].attention_window == 6
     # A Llama config's sliding_window is nothing transformers' LlamaForCausalLM reads.
     llama = hf.read_config(DATA / "llama3_tied")
     assert hf.model_from_config({**llama, "sliding_window": 6}).attention_window is None
