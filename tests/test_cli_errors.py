@@ -94,6 +94,22 @@ BAD_INPUTS = [
     ),
     ("train --attention-window 0", "--attention-window must be an integer >= 1, got 0"),
     ("plan --target v5e-1 --attention-window 0", "--attention-window must be an integer >= 1"),
+    # The library's messages name its arguments (num_heads, Layout.min_shard); dew says the flags.
+    (
+        "train --experts 4 --experts-per-token 5",
+        "--experts-per-token 5 must be an integer from 1 to --experts 4",
+    ),
+    ("bench --experts 4 --moe-every 0", "--moe-every must be an integer >= 1, got 0"),
+    ("train --loss-chunk 0", "--loss-chunk must be an integer >= 1, got 0"),
+    ("train --min-shard -1", "--min-shard must be an integer >= 0, got -1"),
+    ("train --sequence-parallel", "--sequence-parallel needs a tensor axis above 1"),
+    ("collectives --mesh tensor=8 --heads 2", "--heads 2 does not split over tensor 8"),
+    (
+        "train --mesh data=8 --batch 24 --accumulation 2",
+        "--batch 24 over 8 devices (data 8 x fsdp 1) leaves 3 rows per device, which do not "
+        "split into --accumulation 2 microbatches",
+    ),
+    ("train --data {tied}/config.json", "--data {tied}/config.json is a file: give a token folder"),
     ("collectives --mesh bogus=2", "mesh entry 'bogus=2' is not AXIS=SIZE"),
     ("bench --mesh fsdp=3", "fsdp 3 = 3 devices does not divide the 8 devices"),
     ("plan --target v9z-8", "unknown TPU generation 'v9z'"),

@@ -76,6 +76,59 @@ def topics(parser: argparse.ArgumentParser, *titles: str) -> dict:
     return {title: parser.add_argument_group(title) for title in titles}
 
 
+# The library's names for what a model-building command's flags set (it is a Python API too, and
+# its messages name its arguments: "num_experts", "Layout.min_shard", "sequence_parallel=True"),
+# by the flag; a plain word (batch, accumulation) only where a value follows it.
+FLAG_OF = {
+    "num_experts": "--experts",
+    "experts_per_token": "--experts-per-token",
+    "moe_every": "--moe-every",
+    "capacity_factor": "--capacity-factor",
+    "expert_exchange": "--expert-exchange",
+    "expert_buffer_factor": "--expert-buffer-factor",
+    "loss_chunk_tokens": "--loss-chunk",
+    "attention_impl": "--attention",
+    "attention_window": "--attention-window",
+    "num_layers": "--layers",
+    "emb_features": "--width",
+    "num_heads": "--heads",
+    "seq_len": "--seq-len",
+    "param_dtype": "--param-dtype",
+    "Layout.min_shard": "--min-shard",
+    "min_shard": "--min-shard",
+    "sequence_parallel": "--sequence-parallel",
+    "sequence_scheme": "--sequence-scheme",
+    "pipeline_schedule": "--pipeline-schedule",
+    "fsdp_scheme": "--fsdp-scheme",
+    "tensor_scheme": "--tensor-scheme",
+    "gradient_sum_dtype": "--gradient-sum-dtype",
+}
+PLAIN_FLAGS = {"batch": "--batch", "accumulation": "--accumulation"}
+_NAMED = re.compile(
+    r"(?<![\w.-])("
+    + "|".join(re.escape(n) for n in sorted(FLAG_OF, key=len, reverse=True))
+    # name=True (a switch), name='value' or name=value (a flag and its value)
+    + r")(?:=True\b|=(['\"]?)([\w.]+)\2)?(?![\w])"
+    + r"|(?<![\w.-])("
+    + "|".join(PLAIN_FLAGS)
+    + r")(?= \d)"
+)
+
+
+def in_flags(message: str) -> str:
+    """``message`` with the library's names of ``FLAG_OF`` and ``PLAIN_FLAGS`` said as the flags
+    that set them: ``"num_heads 2 does not split over tensor 8"`` -> ``"--heads 2 does not split
+    over tensor 8"``, ``"sequence_parallel=True needs"`` -> ``"--sequence-parallel needs"``."""
+
+    def flag(match: re.Match) -> str:
+        if match.group(4):
+            return PLAIN_FLAGS[match.group(4)]
+        value = match.group(3)
+        return FLAG_OF[match.group(1)] + (f" {value}" if value else "")
+
+    return _NAMED.sub(flag, message)
+
+
 def check_counts(args: argparse.Namespace, *dests: str) -> None:
     """``ValueError`` naming the flag (``--eval-every``, not ``eval_every``) for each of ``dests``
     given a value below 1 (``dew.checks.positive_int``); a flag left at ``None`` is not given."""

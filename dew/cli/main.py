@@ -57,6 +57,7 @@ from dew.cli.flags import (
     add_tensor_scheme_flag,
     check_counts,
     engine_names,
+    in_flags,
     step_options,
     topics,
 )
@@ -319,8 +320,11 @@ def _example_corpus(path):
 
 
 def _check_train_flags(args) -> None:
-    """``dew train``'s counts and their pairings, refused by the flags' names before anything is
-    written or compiled (the library would name its own arguments: ``eval_every``)."""
+    """``dew train``'s counts and their pairings, and a ``--data`` that is not a folder, refused by
+    the flags' names before anything is written or compiled (the library would name its own
+    arguments: ``eval_every``)."""
+    from pathlib import Path
+
     check_counts(
         args,
         "steps",
@@ -332,6 +336,12 @@ def _check_train_flags(args) -> None:
         "eval_batches",
         "accumulation",
     )
+    if args.data is not None and not Path(args.data).is_dir():
+        what = "is a file" if Path(args.data).exists() else "does not exist"
+        raise ValueError(
+            f"--data {args.data} {what}: give a token folder (train.bin, val.bin, meta.json), "
+            "as dew tokenize writes"
+        )
     if args.eval_batches is not None and args.eval_every is None:
         raise ValueError(
             f"--eval-batches {args.eval_batches} without --eval-every: give --eval-every N to "
@@ -494,11 +504,18 @@ def one_line(error: BaseException) -> str:
     return "; ".join(lines) or type(error).__name__
 
 
+# The commands whose flags build a model and a step: a message of the library's that names no flag
+# names its arguments (num_heads, Layout.min_shard), which these commands say as their flags.
+MODEL_COMMANDS = ("train", "collectives", "bench", "plan")
+
+
 def main(argv=None) -> int:
     """Runs one ``dew`` command. A user's mistake in any command (``user_errors``), and a step
     that does not fit the device's memory (``dew.cli.out_of_memory``), is one line on stderr,
     ``dew COMMAND: message``, and exit code 2, never a traceback; argparse's own errors (an
-    unknown flag, a missing value) also exit 2, after the usage line."""
+    unknown flag, a missing value) also exit 2, after the usage line. In the commands that build
+    a model (``MODEL_COMMANDS``), a message that names no flag is said with the flags
+    (``dew.cli.flags.in_flags``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
@@ -509,6 +526,8 @@ def main(argv=None) -> int:
         return args.run(args)
     except user_errors() as error:
         line = one_line(error)
+        if args.command in MODEL_COMMANDS and "--" not in line:  # the library's own words
+            line = in_flags(line)
     except Exception as error:  # XLA's out of memory is a user's batch too big, said in one line
         from dew.cli.out_of_memory import out_of_memory_line
 
