@@ -203,9 +203,10 @@ KERNELS = {
 }
 
 
-def run_kernel(kernel, inputs, segment_ids, window, q_len=SEQ, also=None):
+def run_kernel(kernel, inputs, segment_ids, window, q_len=SEQ, also=None, block_q=BLOCK):
     """``(out, lse, dq, dk, dv)`` of `flash_attention_forward` and its vjp for the cotangents
-    ``(do, d_lse)``, as float64 numpy; the queries are the last ``q_len`` positions. ``also``:
+    ``(do, d_lse)``, as float64 numpy; the queries are the last ``q_len`` positions, in blocks of
+    ``block_q`` (the keys in blocks of ``BLOCK``). ``also``:
     None, or a function ``also(attend, q, k, v, do, d_lse, out, lse)`` (``attend`` the entry
     points' shared arguments) whose results are computed in the same compile and returned after
     those five."""
@@ -218,7 +219,7 @@ def run_kernel(kernel, inputs, segment_ids, window, q_len=SEQ, also=None):
             causal=True,
             segment_ids=segment_ids,
             window=window,
-            block_q=BLOCK,
+            block_q=block_q,
             block_k=BLOCK,
             interpret=interpret,
         )
@@ -345,21 +346,30 @@ def test_packed_documents_match_the_reference_and_each_document_alone(
         assert computed == want and want["forward"] < causal_only, (computed, want, seed)
 
 
-def test_the_two_kernel_backward_skips_on_each_batch_row_s_own_ids(packed, seed):
-    # The dq and dk/dv kernels skip a block pair whose id ranges cannot meet, reading the ranges
-    # of the pair's own batch row. Row 0 here splits at the block boundary (the packed row 3: no
-    # document across position 128, so the pair (query block 1, key block 0) is skipped); row 1's
-    # long document crosses it (the packed row 0: the pair is computed). A kernel reading row 0's
-    # ranges for row 1 would skip the pair there too. Forward and backward against the float64
-    # reference and each document alone.
+@pytest.mark.parametrize(
+    "kernel, block_q",
+    [
+        ("mosaic-two-kernel-backward", BLOCK),
+        # One query block over two key blocks of two pieces: a row's pieces at a stride of
+        # query blocks would be another row's.
+        ("mosaic", SEQ),
+    ],
+)
+def test_the_backward_skips_on_each_batch_row_s_own_ids(packed, seed, kernel, block_q):
+    # The backward kernels (the dq and dk/dv kernels, the fused one) skip a block pair (a piece,
+    # in the fused one) whose id ranges cannot meet, reading the ranges of the pair's own batch
+    # row. Row 0 here splits at the block boundary (the packed row 3: the pair (query block 1,
+    # key block 0) is skipped); row 1's long document crosses it (the packed row 0: the pair is
+    # computed), its ids moved past row 0's. A kernel reading row 0's ranges for row 1 would skip
+    # row 1's pairs. Forward and backward against the float64 reference and each document alone.
     rows = [3, 0]
     inputs = tuple(x[rows] for x in packed[0])
-    ids = packed[1][rows]
-    got = run_kernel("mosaic-two-kernel-backward", inputs, jnp.asarray(ids), None)
+    ids = packed[1][rows] + np.array([[0], [100]], np.int32)
+    got = run_kernel(kernel, inputs, jnp.asarray(ids), None, block_q=block_q)
     visible = visibility(ids, ids, SEQ, SEQ, None)
     assert not visible[0, BLOCK:, :BLOCK].any() and visible[1, BLOCK:, :BLOCK].any(), seed
-    assert_matches(got, reference(*inputs, visible), f"two-kernel backward, seed {seed}")
-    assert_matches(got, each_document_alone(inputs, ids, None), f"alone, seed {seed}")
+    assert_matches(got, reference(*inputs, visible), f"{kernel}, seed {seed}")
+    assert_matches(got, each_document_alone(inputs, ids, None), f"{kernel} alone, seed {seed}")
 
 
 def long_ids(rng, seq: int) -> np.ndarray:
