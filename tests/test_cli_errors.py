@@ -378,3 +378,17 @@ def test_a_resume_that_does_not_match_names_the_flags_and_the_ways_on(dew_here, 
     assert line.endswith(
         f"put back the base it was trained on to resume it, {ways_on} on this base"
     )
+
+
+def test_an_empty_hostfile_and_a_metrics_line_without_a_step_say_what_was_typed(dew_here, tmp_path):
+    (tmp_path / "hosts").write_text("# nobody\n")
+    run = dew_here("launch", "--hostfile", "hosts", "--", "python", "-c", "1", cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines() == [
+        "dew launch: --hostfile hosts names no host (one host name a line)"
+    ]
+    (tmp_path / "m.jsonl").write_text('{"loss": 1.5}\n')
+    run = dew_here("plot", "m.jsonl", cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    (line,) = run.stderr.splitlines()
+    assert "(every line of a metrics file of dew train --metrics has one)" in line, line

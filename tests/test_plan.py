@@ -360,3 +360,15 @@ def test_search_chooses_the_recompute_policy_and_says_why(tmp_path, capsys):
         "weights and moments first; remat least " in printed
     )
     assert "search chose data (shard_map, state float32, remat none)" in printed
+
+
+def test_a_refused_layout_is_said_with_the_flags(capsys):
+    # The library says num_heads (it is a Python API too); dew plan's row says --heads.
+    args = build_parser().parse_args(
+        ["plan", "--target", "v5e-8", "--mesh", "tensor=8", "--heads", "2"]
+    )
+    assert plan_command.run(args) == 0
+    out = capsys.readouterr().out
+    assert "tensor=8 (shard_map): --heads 2 does not split over tensor 8" in out, out
+    assert ": refused: --heads 2 does not split over tensor 8" in out, out
+    assert "num_heads" not in out, out

@@ -100,7 +100,7 @@ def read_hostfile(path: str | os.PathLike) -> list[str]:
         if line:
             hosts.append(line)
     if not hosts:
-        raise ValueError(f"hostfile {str(path)!r} names no host")
+        raise ValueError(f"--hostfile {path} names no host (one host name a line)")
     return hosts
 
 

@@ -33,6 +33,7 @@ from dew.cli.flags import (
     add_sequence_scheme_flag,
     add_tensor_scheme_flag,
     engine_names,
+    in_flags,
     step_option_variants,
     topics,
 )
@@ -129,6 +130,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
     search.add_argument("--json", default=None, metavar="FILE", help="write the rows to FILE")
     parser.set_defaults(run=run, setup=setup)
     return parser
+
+
+def _in_flags(row):
+    """``row`` with its error said with the flags (``dew.cli.flags.in_flags``) where the library's
+    message names none: ``--heads 2 does not split over tensor 8``, not ``num_heads``."""
+    if row.error is None or "--" in row.error:
+        return row
+    return dataclasses.replace(row, error=in_flags(row.error))
 
 
 def setup() -> None:
@@ -230,7 +239,7 @@ def run(args) -> int:
             f", {row.options})" if row.options else ")"
         )
         if row.error is not None:
-            print(f"  {what}: refused: {row.error}", flush=True)
+            print(f"  {what}: refused: {_in_flags(row).error}", flush=True)
             return
         if row.refused is not None:
             print(
@@ -330,7 +339,7 @@ def run(args) -> int:
                     **settings,
                 )
     print()
-    print(planning.format_table(rows))
+    print(planning.format_table([_in_flags(row) for row in rows]))
     if args.search:
         print(planning.search_summary(rows))
     if json_path is not None:

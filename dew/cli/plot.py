@@ -87,7 +87,7 @@ def read_metrics(path: str | Path) -> list[dict]:
             if not _number(record.get("step")):
                 raise ValueError(
                     f"{path}, line {number}: no numeric 'step' (every line of a metrics file "
-                    f"of fit(metrics=...) has one): {line.strip():.80}"
+                    f"of dew train --metrics has one): {line.strip():.80}"
                 )
             if not (_number(record.get("loss")) or _number(record.get("val_loss"))):
                 raise ValueError(
