@@ -171,17 +171,21 @@ class Validation:
         return [self.batch[rows]]
 
 
-@pytest.mark.parametrize("name", ["fsdp8", "sequence4_ring"])
-def test_evaluating_a_packed_row_is_the_documents_apart(case, seed, name):
-    """The evaluation forward (``Trainer.evaluate``, its own program) keeps each document to
-    itself as the step does: the packed rows' validation loss is the documents apart's first loss
-    (before any update)."""
+@pytest.mark.parametrize(
+    "mesh",
+    [M(fsdp=8), M(sequence=4), M(stage=2, fsdp=4, microbatches=2)],
+    ids=["fsdp8", "sequence4_ring", "stage2_fsdp4"],
+)
+def test_evaluating_a_packed_row_is_the_documents_apart(case, seed, mesh):
+    """The evaluation forward (``Trainer.evaluate``, its own program: plain, and a pipeline's)
+    keeps each document to itself as the step does: the packed rows' validation loss is the
+    documents apart's first loss (before any update)."""
     objective, key, packed, _, reference = case
     trainer = dew.Trainer(
-        objective, smooth_optimizer(), key, mesh=LAYOUTS[name][0], layout=dew.Layout(min_shard=1)
+        objective, smooth_optimizer(), key, mesh=mesh, layout=dew.Layout(min_shard=1)
     )
     loss = trainer.evaluate(host_state(trainer, reference["initial"]), Validation(packed))
-    np.testing.assert_allclose(loss, reference["losses"][0], rtol=TOL, err_msg=f"{name}, {seed}")
+    np.testing.assert_allclose(loss, reference["losses"][0], rtol=TOL, err_msg=f"{mesh}, {seed}")
 
 
 def reference_targets(packed) -> int:
