@@ -75,13 +75,16 @@ def test_a_slice_that_does_not_exist_is_refused_naming_the_valid_ones(name, says
 # Jouppi et al., ISCA 2023): 6 x 50 GB/s. A rate doubled (the bidirectional figure taken for
 # what one chip sends) halves `dew plan`'s exposed time.
 SENT_GB_PER_S = {"v4": 6 * 50, "v5e": 400 / 2, "v5p": 1200 / 2, "v6e": 800 / 2}
+# Each chip's HBM, from the same pages ("GB" there; the stacks are binary sizes, so GiB).
+HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
 
 
 @pytest.mark.parametrize("generation", sorted(targets.GENERATIONS))
-def test_each_generation_sends_half_its_published_bidirectional_link_bandwidth(generation):
-    assert set(SENT_GB_PER_S) == set(targets.GENERATIONS), "a generation without its figure"
+def test_each_generation_has_its_published_link_bandwidth_and_memory(generation):
+    assert set(SENT_GB_PER_S) == set(HBM_GIB) == set(targets.GENERATIONS), "a figure missing"
     slice_ = targets.target(targets.valid_types(generation)[0])
     assert slice_.ici_send_bytes_per_s == SENT_GB_PER_S[generation] * 1e9, generation
+    assert slice_.hbm_bytes == HBM_GIB[generation] * targets.GIB, generation
 
 
 def test_without_libtpu_the_error_names_the_extra(monkeypatch):
