@@ -29,3 +29,18 @@ def nonnegative_int(name: str, value) -> int:
     if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return int(value)
+
+
+def comma_names(name: str, text: str) -> tuple[str, ...]:
+    """``"a, b,c"`` -> ``("a", "b", "c")``: a comma-separated list, each entry stripped.
+
+    Raises ``ValueError`` naming ``name`` (the flag as typed) and ``text`` for an empty entry
+    (``"q_proj,,v_proj"``, a comma at an end, nothing at all): dropping it would hide a typo,
+    or a name lost from a script's variable."""
+    names = tuple(part.strip() for part in text.split(","))
+    if not all(names):
+        raise ValueError(
+            f"{name} {text!r} has an empty entry (two commas together, one at an end, or no "
+            "name at all): give the names with one comma between each two"
+        )
+    return names

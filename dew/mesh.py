@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from dew.checks import positive_int
+from dew.checks import comma_names, positive_int
 
 AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
 # The axes a batch's rows are split over, in mesh order.
@@ -130,7 +130,8 @@ class MeshSpec:
         ``"stage=4,microbatches=8"`` sets the pipeline's microbatches."""
         sizes = {}
         names = (*AXES, "microbatches")
-        for part in filter(None, (p.strip() for p in text.split(","))):
+        # "" (no axis given) is the default layout; an empty entry between commas is a typo.
+        for part in comma_names("mesh", text) if text.strip() else ():
             name, sep, value = part.partition("=")
             name = name.strip()
             if not sep or name not in names:

@@ -3,6 +3,7 @@ compute the adapted model, a LoRA step on three layouts equals one device, the b
 bit-equal, and the step sums no gradient of it."""
 
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -376,6 +377,133 @@ def test_bad_settings_are_refused_naming_the_values():
     shared = LMObjective(dataclasses_replace(shared.model, num_kv_heads=2), SEQ)
     with pytest.raises(ValueError, match="kv heads shared over tensor"):
         dew.Trainer(shared, smooth_optimizer(), jax.random.key(0), mesh=dew.MeshSpec(tensor=4))
+
+
+def test_a_rank_above_a_weights_min_in_out_is_refused_naming_it():
+    """``A B`` has rank at most ``min(in, out)``: a rank above the lowest such bound of the
+    adapted weights is refused, naming that weight and its shape. Width 32, 4 heads of 8, 2 kv
+    heads: k and v are 32 x 16, q and o 32 x 32, the MLP 32 x 128 and 128 x 32."""
+
+    def build(rank, targets=lora.DEFAULT_TARGETS):
+        return dataclasses_replace(
+            lora_objective().model, num_kv_heads=2, lora=lora.Lora(rank, targets=targets)
+        )
+
+    assert build(16).lora.rank == 16  # k and v's bound itself: a full-rank update
+    with pytest.raises(ValueError) as refused:
+        build(17)
+    assert (
+        str(refused.value)
+        == "LoRA rank 17 is above k_proj's min(in, out) = 16 (its weight is 32 x 16)"
+    )
+    assert build(32, targets=("q_proj", "o_proj", "down_proj")).lora.rank == 32
+    with pytest.raises(
+        ValueError, match=r"rank 33 is above q_proj's min\(in, out\) = 32 \(its weight is 32 x 32\)"
+    ):
+        build(33, targets=("q_proj", "gate_proj"))
+    with pytest.raises(
+        ValueError,
+        match=r"rank 33 is above down_proj's min\(in, out\) = 32 \(its weight is 128 x 32\)",
+    ):
+        build(33, targets=("down_proj",))
+
+
+TIED = Path(__file__).resolve().parent / "data" / "hf" / "llama3_tied"
+
+# (dew command line, {tied}: the 64-wide reference folder; the one line on stderr). The example
+# decoder is 64 wide with 4 heads and rows of 32 (its context); the folder has 2 kv heads of 16
+# and a context of 64.
+CLI_REFUSALS = [
+    (
+        "train --lora-rank 100000",
+        "--lora-rank 100000 is above q_proj's min(in, out) = 64 (its weight is 64 x 64)",
+    ),
+    (
+        "train --init-from {tied} --lora-rank 33",
+        "--lora-rank 33 is above k_proj's min(in, out) = 32 (its weight is 64 x 32)",
+    ),
+    (
+        "bench --layers 1 --width 48 --heads 4 --lora-rank 49 --lora-targets up_proj,o_proj",
+        "--lora-rank 49 is above o_proj's min(in, out) = 48 (its weight is 48 x 48)",
+    ),
+    (
+        "train --lora-rank 8 --lora-targets q_proj,,v_proj",
+        "--lora-targets 'q_proj,,v_proj' has an empty entry (two commas together, one at an "
+        "end, or no name at all): give the names with one comma between each two",
+    ),
+    ("train --lora-rank 8 --lora-targets q_proj,", "--lora-targets 'q_proj,' has an empty entry"),
+    (
+        "train --attention-window 32",
+        "--attention-window 32 is not below the context of 32 tokens (--seq-len): every token "
+        "would see every earlier one, as without a window; give a window below 32, or leave "
+        "--attention-window out",
+    ),
+    (
+        "train --init-from {tied} --attention-window 1000",
+        "--attention-window 1000 is not below the context of {tied}, 64 tokens",
+    ),
+    (
+        "train --init-from {tied} --attention-window 0",
+        "--attention-window must be an integer >= 1, got 0",
+    ),
+    (
+        "plan --target v5e-1 --model gpt2-small --attention-window 1024",
+        "--attention-window 1024 is not below gpt2-small's context of 1024 tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize("line, says", CLI_REFUSALS, ids=[line for line, _ in CLI_REFUSALS])
+def test_the_cli_refuses_lora_and_window_edges_naming_the_flags(
+    line, says, dew_here, tmp_path, monkeypatch
+):
+    """Each is one line naming the flag as typed and the values, exit 2, before any compile."""
+    from dew.targets import COMPILE_ONLY_ENVIRONMENT
+
+    for name, value in COMPILE_ONLY_ENVIRONMENT.items():  # dew plan's, restored after
+        monkeypatch.setenv(name, value)
+    args = line.format(tied=TIED).split()
+    run = (
+        dew_here(*args, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+        if args[0] == "train"
+        else dew_here(*args, cwd=tmp_path)
+    )
+    assert run.returncode == 2, (line, run.stdout, run.stderr)
+    (message,) = run.stderr.splitlines()
+    assert message.startswith(f"dew {args[0]}: {says.format(tied=TIED)}"), message
+
+
+def test_the_header_says_a_random_base_and_a_window_that_hides_nothing():
+    """``dew train --lora-rank`` without ``--init-from`` trains adapters on drawn weights: its
+    first line says so (``dew plan`` and ``dew bench`` have no base to name); a window no
+    narrower than the rows is stated."""
+    import argparse
+
+    from dew.cli.model_flags import sizes_text
+
+    config = dict(
+        vocab_size=256,
+        emb_features=64,
+        num_layers=2,
+        num_heads=4,
+        max_seq_len=128,
+        lora=dict(rank=8),
+    )
+    train = argparse.Namespace(model=None, batch=16, seq_len=32, init_from=None)
+    plan = argparse.Namespace(model=None, batch=16, seq_len=32)
+    assert sizes_text(config, train).endswith(
+        "float32 base frozen (a random base: no --init-from); batch 16 x 32 tokens"
+    )
+    assert sizes_text(config, train, name="base").endswith(
+        "float32 base frozen; batch 16 x 32 tokens"
+    )
+    assert "random" not in sizes_text(config, plan)
+    windows = {w: sizes_text({**config, "attention_window": w}, plan) for w in (31, 32)}
+    assert "attention xla (window 31);" in windows[31]
+    assert (
+        "attention xla (window 32, no narrower than the rows of 32 tokens: training runs as "
+        "without it);" in windows[32]
+    )
 
 
 def dataclasses_replace(model, **changes):

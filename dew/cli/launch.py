@@ -364,9 +364,9 @@ def plan(args) -> tuple[list[list[str]], list[dict]]:
         raise ValueError(f"--grace must be >= 0, got {args.grace}")
     hosts = None
     if args.hosts is not None:
-        hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
-        if not hosts:
-            raise ValueError(f"--hosts {args.hosts!r} names no host")
+        from dew.checks import comma_names
+
+        hosts = list(comma_names("--hosts", args.hosts))
     elif args.hostfile is not None:
         hosts = read_hostfile(args.hostfile)
     placement = process_hosts(hosts, args.processes)

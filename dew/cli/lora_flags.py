@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from dew.checks import comma_names
 from dew.cli.choices import LORA_BASE_DTYPES as BASE_DTYPES
 from dew.cli.choices import LORA_TARGETS as DEFAULT_TARGETS
 
@@ -18,15 +19,17 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="R",
         help="train LoRA adapters of rank R on a frozen base (default: no LoRA, every weight "
-        "trains); with --init-from, that folder or checkpoint is the base",
+        "trains); with --init-from, that folder or checkpoint is the base (without it, a random "
+        "one); at most each adapted weight's min(in, out)",
     )
     parser.add_argument(
         "--lora-alpha",
         type=float,
         default=None,
-        metavar="A",
-        help="the update is A / R x A B (default 2 R, torchtune's Llama recipes' scale 2; PEFT's "
-        "own default is 8); with --lora-rank",
+        metavar="ALPHA",
+        help="the update's scale ALPHA / R: a layer computes x W + (ALPHA / R) x A B, the "
+        "adapter's matrices A [in, R] and B [R, out] (default ALPHA = 2 R, scale 2 as in "
+        "torchtune's Llama recipes; PEFT's own default is ALPHA = 8); with --lora-rank",
     )
     parser.add_argument(
         "--lora-targets",
@@ -54,9 +57,10 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def lora_config(args) -> dict | None:
+def lora_config(args, base=None) -> dict | None:
     """``Lora``'s fields from the flags, or ``None`` without ``--lora-rank``; ``ValueError`` naming
-    a LoRA flag given without it."""
+    a LoRA flag given without it, or a value ``Lora`` refuses. ``base``: the model the adapters go
+    on (a ``CausalTransformer``, or ``models.build``'s arguments), whose weights bound the rank."""
     rank = getattr(args, "lora_rank", None)
     others = {
         "--lora-alpha": getattr(args, "lora_alpha", None),
@@ -75,19 +79,34 @@ def lora_config(args) -> dict | None:
     if args.lora_alpha is not None:
         config["alpha"] = args.lora_alpha
     if args.lora_targets is not None:
-        config["targets"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        config["targets"] = comma_names("--lora-targets", args.lora_targets)
     if args.base_dtype is not None:
         config["base_dtype"] = args.base_dtype
     if args.lora_dropout is not None:
         config["dropout"] = args.lora_dropout
+    import dataclasses
+
+    from dew.models.causal_transformer import CausalTransformer
     from dew.models.lora import Lora
 
+    if isinstance(base, dict):
+        base = CausalTransformer(**base)
     try:
-        Lora(**config)
+        lora = Lora(**config)
+        if base is not None:  # the model checks the rank against its weights
+            dataclasses.replace(base, lora=lora)
     except ValueError as error:  # said with the flags the user typed
-        message = (
-            str(error).replace("LoRA rank", "--lora-rank").replace("LoRA alpha", "--lora-alpha")
-        )
-        message = message.replace("LoRA targets", "--lora-targets")
-        raise ValueError(message.replace("LoRA dropout", "--lora-dropout")) from None
+        message = str(error)
+        for words, flag in _FLAGS.items():
+            message = message.replace(words, flag)
+        raise ValueError(message) from None
     return config
+
+
+# How ``Lora`` and the model name the fields, and the flags that set them.
+_FLAGS = {
+    "LoRA rank": "--lora-rank",
+    "LoRA alpha": "--lora-alpha",
+    "LoRA targets": "--lora-targets",
+    "LoRA dropout": "--lora-dropout",
+}

@@ -200,13 +200,36 @@ def model_config(args) -> dict:
             f"--seq-len {args.seq_len} is above {args.model}'s context of "
             f"{config['max_seq_len']} tokens"
         )
+    check_window(args, config["max_seq_len"], _context_of(args, config["max_seq_len"]))
     config.update(moe_config(args))
     from dew.cli.lora_flags import lora_config
 
-    lora = lora_config(args)
+    lora = lora_config(args, base=config)
     if lora is not None:
         config["lora"] = lora
     return config
+
+
+def _context_of(args, context: int) -> str:
+    """The model's context and where it comes from, for ``check_window``'s message."""
+    if args.model:
+        return f"{args.model}'s context of {context} tokens"
+    return f"the context of {context} tokens (--seq-len)"
+
+
+def check_window(args, context: int, said: str) -> None:
+    """``ValueError`` naming ``--attention-window`` for a window below 1, or one at or beyond
+    the model's ``context`` (``said``: it in words, ``"the context of PATH, 64 tokens"``), which
+    hides no token from any other: the flag would change nothing but the attention kernels
+    chosen and an export's config, so it is more likely a typo than a wish."""
+    check_counts(args, "attention_window")
+    window = getattr(args, "attention_window", None)
+    if window is not None and window >= context:
+        raise ValueError(
+            f"--attention-window {window} is not below {said}: every token would see every "
+            f"earlier one, as without a window; give a window below {context}, or leave "
+            "--attention-window out"
+        )
 
 
 def model_variants(args) -> tuple[dict, list[dict]]:
@@ -216,8 +239,6 @@ def model_variants(args) -> tuple[dict, list[dict]]:
     (``--remat full dots --attention xla pallas``: four), ``[{}]`` when none was given."""
     import itertools
 
-    # Named as typed here too: model_config below sees the choice flags as not given.
-    check_counts(args, "attention_window")
     several = {
         field: values
         for flag, field in _MODEL_CHOICE_FLAGS.items()
@@ -225,6 +246,8 @@ def model_variants(args) -> tuple[dict, list[dict]]:
     }
     plain = argparse.Namespace(**{**vars(args), **{f: None for f in _MODEL_CHOICE_FLAGS}})
     config = model_config(plain)
+    # Named as typed here too: model_config above saw the choice flags as not given.
+    check_window(args, config["max_seq_len"], _context_of(args, config["max_seq_len"]))
     for flag, field in _MODEL_CHOICE_FLAGS.items():
         value = getattr(args, flag, None)
         if value is not None and not isinstance(value, list):
@@ -257,6 +280,16 @@ def sizes_text(config: dict, args, name: str | None = None) -> str:
             f"; LoRA rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.targets)}, "
             f"{base} base frozen"
         )
+        # dew train without --init-from: adapters on drawn weights (a test's or a benchmark's
+        # run; a user who forgot the flag learns it here, before any step).
+        if hasattr(args, "init_from") and not name:
+            adapters += " (a random base: no --init-from)"
+    window, rows = value.get("attention_window"), args.seq_len
+    shown = ""
+    if window is not None:
+        # One that covers the rows hides nothing in training (an export still carries it).
+        covers = f", no narrower than the rows of {rows} tokens: training runs as without it"
+        shown = f" (window {window}{covers if window >= rows else ''})"
     return (
         f"{name or args.model or 'example decoder'}: {value['num_layers']} layers, width "
         f"{value['emb_features']}, {value['num_heads']} heads"
@@ -265,11 +298,7 @@ def sizes_text(config: dict, args, name: str | None = None) -> str:
         + (f", {value['num_experts']} experts" if value.get("num_experts") else "")
         + f"; {value['dtype']} activations, {value['param_dtype']} weights, remat "
         f"{value['remat']}, attention {value['attention_impl']}"
-        + (
-            f" (window {value['attention_window']})"
-            if value.get("attention_window") is not None
-            else ""
-        )
+        + shown
         + (", layers unrolled" if value.get("layer_loop") == "unroll" else "")
         + f"{adapters}; batch {args.batch} x {args.seq_len} tokens"
     )

@@ -312,6 +312,8 @@ class CausalTransformer:
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}"
             )
         self._check_experts()
+        if self.lora is not None:
+            lora.check_rank(self)
 
     def _check_experts(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 0:

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 import time
 
-from dew.checks import positive_int
+from dew.checks import comma_names, positive_int
 from dew.cli.tpu import config, jobs, remote, slices
 from dew.cli.tpu.config import DEFAULT_PACKAGE, KEYS, RUNTIME_VERSIONS, TpuError
 from dew.cli.tpu.gcloud import Gcloud
@@ -160,7 +160,7 @@ def _init(args) -> int:
                 given[key] = None if answer == "-" else answer
     for key, value in given.items():
         if key == "zones" and value is not None:
-            value = [z.strip() for z in value.split(",") if z.strip()]
+            value = list(comma_names("--zones", value))
             for zone in value:
                 config.check_zone(zone)
         setattr(settings, key, value if value is not None else getattr(config.DEFAULTS, key))
