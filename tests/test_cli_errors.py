@@ -101,6 +101,13 @@ BAD_INPUTS = [
     ),
     ("bench --experts 4 --moe-every 0", "--moe-every must be an integer >= 1, got 0"),
     ("train --loss-chunk 0", "--loss-chunk must be an integer >= 1, got 0"),
+    (
+        "train --experts 4 --capacity-factor -1",
+        "--capacity-factor must be above 0 (leave it out for the default), got -1",
+    ),
+    ("bench --repeats 0", "--repeats must be an integer >= 1, got 0"),
+    ("bench --warmup -1", "--warmup must be an integer >= 0, got -1"),
+    ("plan --target v5e-8 --mesh fsdp=8 --accumulation 0", "--accumulation must be an integer"),
     ("train --min-shard -1", "--min-shard must be an integer >= 0, got -1"),
     ("train --sequence-parallel", "--sequence-parallel needs a tensor axis above 1"),
     ("collectives --mesh tensor=8 --heads 2", "--heads 2 does not split over tensor 8"),

@@ -34,6 +34,7 @@ from dew.cli.flags import (
     add_seed_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
+    check_counts,
     default_layouts,
     engine_names,
     topics,
@@ -214,9 +215,12 @@ def _depth_check(args, config, models, specs):
 
 def run(args) -> int:
     from dew import benchmark
+    from dew.checks import nonnegative_int
     from dew.mesh import MeshSpec
 
     json_target = _check_json_target(args.json)
+    check_counts(args, "steps", "repeats")  # by the flags: dew.benchmark names its arguments
+    nonnegative_int("--warmup", args.warmup)
     if args.depth_check < 0:
         raise ValueError(
             f"--depth-check must be 0 (skip) or a number of layers, got {args.depth_check}"

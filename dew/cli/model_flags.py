@@ -365,8 +365,8 @@ def add_moe_flags(parser: argparse.ArgumentParser) -> None:
 def moe_config(args) -> dict:
     """The model arguments of ``add_moe_flags``' flags (empty for a dense model).
 
-    Raises ``ValueError`` when an MoE flag is given without ``--experts``: it would change
-    nothing."""
+    Raises ``ValueError`` when an MoE flag is given without ``--experts`` (it would change
+    nothing), or a factor at or below 0."""
     names = (*MOE_DEFAULTS, *MOE_EXCHANGE_FLAGS)
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if not args.experts:
@@ -377,4 +377,10 @@ def moe_config(args) -> dict:
                 "have; add --experts E (E experts per MoE layer)"
             )
         return {}
+    for name in ("capacity_factor", "expert_buffer_factor"):  # the model says "None" for not given
+        if not given.get(name, 1) > 0:
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be above 0 (leave it out for the default), "
+                f"got {given[name]:g}"
+            )
     return dict(num_experts=args.experts, **{**MOE_DEFAULTS, **given})

@@ -32,6 +32,7 @@ from dew.cli.flags import (
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     add_tensor_scheme_flag,
+    check_counts,
     engine_names,
     in_flags,
     step_option_variants,
@@ -215,6 +216,7 @@ def run(args) -> int:
         args.mesh = ["data=1"]  # one chip: its one layout
     if args.max_layouts < 1:
         raise ValueError(f"--max-layouts must be at least 1, got {args.max_layouts}")
+    check_counts(args, "accumulation")  # by its flag, not in a row as the step's "accumulation"
     json_path = Path(args.json) if args.json else None
     if json_path is not None and not json_path.parent.is_dir():
         raise FileNotFoundError(
