@@ -153,7 +153,7 @@ def test_dew_collectives_shows_the_expert_all_to_alls(tmp_path, dew_here):
 def test_dew_collectives_refuses_heads_that_do_not_split_over_tensor(tmp_path, dew_here):
     bad = dew_here("collectives", "--mesh", "tensor=8", cwd=tmp_path)
     assert bad.returncode == 2, bad.stdout
-    assert "dew collectives: num_heads 4 does not split over tensor 8" in bad.stderr, bad.stderr
+    assert "dew collectives: --heads 4 does not split over tensor 8" in bad.stderr, bad.stderr
 
 
 def test_dew_train_passes_sequence_parallel_to_the_trainer(tmp_path, dew_here):
@@ -163,7 +163,7 @@ def test_dew_train_passes_sequence_parallel_to_the_trainer(tmp_path, dew_here):
         "train", "--mesh", "tensor=4", "--seq-len", "30", "--sequence-parallel", cwd=tmp_path
     )
     assert bad.returncode == 2, bad.stdout
-    assert "dew train: seq_len 30 does not split over tensor 4 (sequence_parallel=True" in (
+    assert "dew train: --seq-len 30 does not split over tensor 4 (--sequence-parallel" in (
         bad.stderr
     ), bad.stderr
 
@@ -212,7 +212,7 @@ def test_dew_train_passes_the_sequence_scheme_to_the_trainer(tmp_path, dew_here)
     )
     assert bad.returncode == 2, bad.stdout
     assert (
-        "dew train: sequence_scheme 'all_to_all' trades positions for heads: num_heads 4 "
+        "dew train: --sequence-scheme 'all_to_all' trades positions for heads: --heads 4 "
         "(4 per device over tensor 1) does not split over sequence 8" in bad.stderr
     ), bad.stderr
 
@@ -232,15 +232,15 @@ def test_a_flag_that_cannot_take_effect_is_a_clear_error(tmp_path, dew_here):
         ),
         (
             ("train", "--mesh", "expert=8", "--steps", "1"),
-            "dew train: expert 8 on a dense model (num_experts=0)",
+            "dew train: expert 8 on a dense model (--experts 0)",
         ),
         (
             ("collectives", "--mesh", "fsdp=8", "--sequence-parallel"),
-            "dew collectives: sequence_parallel=True needs a tensor axis above 1",
+            "dew collectives: --sequence-parallel needs a tensor axis above 1",
         ),
         (
             ("train", "--pipeline-schedule", "gpipe", "--steps", "1"),
-            "dew train: pipeline_schedule='gpipe' needs a stage axis above 1",
+            "dew train: --pipeline-schedule gpipe needs a stage axis above 1",
         ),
     ]
     for args, message in cases:
