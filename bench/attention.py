@@ -384,8 +384,9 @@ class Contestant:
 
 
 def tpu_contestants(sweep: bool, interpret: bool) -> list[Contestant]:
-    """Each kernel at the blocks that measured best on a v5e chip (docs/kernels.md), or with
-    ``sweep`` a wider set. ``interpret``: TPU interpret mode (the CPU's dry run)."""
+    """Each kernel at the blocks that measured best on a v5e chip
+    (docs/results/attention-kernels.md), or with ``sweep`` a wider set. ``interpret``: TPU
+    interpret mode (the CPU's dry run)."""
     dew_interp = "tpu" if interpret else None
     if interpret:  # toy sizes: blocks that split them, nothing more
         dew = (_dew(dew_interp, block_q=128, block_k=128),)

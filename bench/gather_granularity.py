@@ -8,7 +8,7 @@ Each contestant's step is traced and compiled with the module's ``BUCKET_BYTES``
 (the value is read while tracing), then all take turns, one step each per round, in an order that
 rotates every round. Prints each contestant's temporary memory and compiled collectives, each
 round's step times, and the median over rounds of each one's ratio to GSPMD and to one device.
-docs/benchmarks.md ("How finely fsdp gathers") has the numbers.
+docs/results/cpu-layouts.md ("How finely fsdp gathers") has the numbers.
 """
 
 from __future__ import annotations

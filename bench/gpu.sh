@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU, at most 8 minutes: the figures docs/benchmarks.md keeps for a GPU.
+# One GPU, at most 8 minutes: the figures docs/results/ would keep for a GPU.
 #
 #   bash bench/gpu.sh [OUT_DIR]
 #

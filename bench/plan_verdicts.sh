@@ -7,7 +7,7 @@
 #
 # Each configuration is "MODEL BATCH SEQ_LEN". Writes OUT_DIR/plan-MODEL-BATCH.json (dew plan's
 # rows) and OUT_DIR/chip.jsonl (one verdict a line). Needs Dew and optax importable (on a machine
-# with no network: docs/benchmarks.md, 'One TPU chip'); run from outside the clone or with
+# with no network: docs/benchmarks.md, 'On a TPU machine'); run from outside the clone or with
 # PYTHONPATH naming the installed package first. docs/planning.md has the verdicts it gave.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -104,9 +104,9 @@ LANES = 128
 # TPU's pages: v4 275 T / 1.2 TB/s = 229, v5e 197 T / 0.82 TB/s = 241, v5p 459 T / 2.77 TB/s =
 # 166, v6e 918 T / 1.64 TB/s = 560. Beyond that, a grid step costs about 0.35 us whatever it
 # computes, so larger blocks keep the fixed cost small; v4's 16 MiB of VMEM holds 512 x 512.
-# v5e's were measured on the chip (docs/kernels.md, "TPU performance"): (1024, 2048) with keys
-# computed 512 at a time (TPU_PIECES) beat (1024, 1024), (512, 512) and (2048, 2048) at 8k
-# tokens. v5p's and v6e's follow v5e's and are not measured.
+# v5e's were measured on the chip (docs/results/attention-kernels.md, "Choosing blocks on v5e"):
+# (1024, 2048) with keys computed 512 at a time (TPU_PIECES) beat (1024, 1024), (512, 512) and
+# (2048, 2048) at 8k tokens. v5p's and v6e's follow v5e's and are not measured.
 TPU_BLOCKS = {
     "v4": (512, 512),
     "v5e": (1024, 2048),
@@ -117,16 +117,17 @@ TPU_BLOCKS = {
 # block_k logits of which about half are masked, so a shorter query block halves the waste while
 # the key block stays long. On v5e, 512 x 2048 against the 1024 x 2048 (and 512 x 512 at up to
 # 2048 keys) of before, keys 512 at a time, forward and forward+backward: +1.7% and +0.4% at 8192
-# keys, d128; +5% and +4% at 2048, d64; +2.5% and +3% at 1024, d64 (docs/kernels.md). Without a
-# mask the long query block stays: 512 rows were 5% slower at 4096 keys, d128.
+# keys, d128; +5% and +4% at 2048, d64; +2.5% and +3% at 1024, d64
+# (docs/results/attention-kernels.md). Without a mask the long query block stays: 512 rows were 5%
+# slower at 4096 keys, d128.
 CAUSAL_BLOCK_Q = 512
 # Under a window of W keys, key blocks of at most W / 2, in multiples of WINDOW_BLOCK_K (and at
 # least that): a query block's rows see block_q + W - 1 keys, and a key block as long as the window
 # computes mostly pairs its rows mask, where shorter ones also let a forward step take more heads
 # (`kernels.mosaic.FORWARD_LOGITS`). On a v5e chip, a window of 1024 at 8192 keys, d128: 512 x 512
 # (16 heads a forward step) took 1.099 ms forward and 4.739 forward+backward, against 1.510 and
-# 4.881 at the causal 512 x 2048 (4 heads); docs/kernels.md. Measured at a window of 1024 only;
-# from a window of 4096 the blocks are the causal ones.
+# 4.881 at the causal 512 x 2048 (4 heads); docs/results/attention-kernels.md. Measured at a
+# window of 1024 only; from a window of 4096 the blocks are the causal ones.
 WINDOW_BLOCK_K = 512
 # Scoped VMEM the Mosaic kernels may ask for, per generation: most of a TensorCore's VMEM
 # (pltpu.get_tpu_info_for_chip: v4 16 MiB, v5e 128, v5p 64, v6e 128), leaving room for what the
@@ -151,8 +152,8 @@ TPU_PIECES = {
 # Strips of 256 rows spill a third to a half less for the same MXU work (each strip loads the
 # piece's K and V again), and were 1.7-5.5% faster on a v5e chip at 4096 and 8192 keys (causal,
 # grouped and unmasked, d64 and d128) and no different at 2048; strips of 128 loaded K and V so
-# often that they were up to 30% slower (docs/kernels.md). v5p's and v6e's follow v5e's and are
-# not measured; v4 keeps whole blocks.
+# often that they were up to 30% slower (docs/results/attention-kernels.md). v5p's and v6e's
+# follow v5e's and are not measured; v4 keeps whole blocks.
 TPU_FORWARD_ROWS = {
     "v4": None,
     "v5e": 256,

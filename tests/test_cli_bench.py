@@ -314,7 +314,8 @@ def test_dew_bench_flags_are_spelled_like_the_other_commands():
 def test_bench_default_model_lays_out_alike_at_the_shared_and_the_old_min_shard():
     # The --min-shard default (Layout()'s and every command's) went from 65536 to 4096:
     # at width 256 every matrix has at least 65536 elements and the norms far fewer than 4096, so
-    # the benchmarked default model's layout (and docs/benchmarks.md's numbers) stay as they were.
+    # the benchmarked default model's layout (and docs/results/cpu-layouts.md's numbers) stay as
+    # they were.
     import jax
     import optax
 

@@ -17,7 +17,7 @@ addopts=`` drops the suite's ``-n 3`` workers):
 
     DEW_TEST_TPU=1 python -m pytest -o addopts= -ra -m tpu tests/test_on_tpu.py
 
-With Dew installed from a wheel over the machine's JAX (docs/benchmarks.md, "One TPU chip"), the
+With Dew installed from a wheel over the machine's JAX (docs/benchmarks.md, "On a TPU machine"), the
 clone's ``dew/`` folder must not come first (it holds no ``kernels/``) while ``tests`` must still
 import: run Python with ``-P`` and give it a folder that holds only a link to ``tests/``:
 

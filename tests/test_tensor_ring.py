@@ -348,7 +348,7 @@ def test_the_rings_keep_no_more_for_the_backward_than_the_pairs():
     for the backward would add ``2 A`` a layer: over 4 layers (width 128, 8 rows of 16 tokens a
     device: ``A`` = 64 KiB) the step would need at least 1.3 times the plain pairs' temporaries;
     it needs at most 1.1 (measured 1.06 on XLA:CPU, whose buffer sharing is not the TPU compiler's:
-    there the rings' heap was within 0.3% of the pairs' on Llama-3.2-1B, docs/benchmarks.md)."""
+    there the rings' heap was within 0.3% of the pairs' on Llama-3.2-1B, docs/results/slices.md)."""
     plain, ring = temp_bytes("plain", 4), temp_bytes("ring", 4)
     print(f"temporaries: plain {plain} B, ring {ring} B ({ring / plain:.3f}x)")
     assert ring <= 1.1 * plain, (ring, plain)

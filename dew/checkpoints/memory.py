@@ -10,9 +10,9 @@ memory, but it stays allocated as long as the buffer does.
 
 - Buffers the loader fills become the restored arrays and live as long as they do, so only those of
   32 MiB and more are aligned that way (padding at most 6%): smaller restored slices gained nothing
-  from it (measured: docs/benchmarks.md, 'Checkpoint internals').
+  from it (measured: docs/results/cpu-layouts.md, 'Checkpoints').
 - A save's host copy lives only until its files are written, so it is aligned from 4 MiB on, where
-  the copy in `save()` gains (measured: docs/benchmarks.md, 'Checkpoint internals').
+  the copy in `save()` gains (measured: docs/results/cpu-layouts.md, 'Checkpoints').
 """
 
 import math

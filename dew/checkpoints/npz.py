@@ -35,7 +35,7 @@ from dew.checkpoints import crc
 
 ALIGNMENT = 64
 # Sync the data written so far every this many bytes, so the final fsync has little left to wait
-# for (measured: docs/benchmarks.md, 'Checkpoint internals').
+# for (measured: docs/results/cpu-layouts.md, 'Checkpoints').
 WRITEBACK_BYTES = 64 << 20
 _ZIP64_LIMIT = 0xFFFFFFFF
 _PADDING_EXTRA_ID = 0xD935  # the id zipalign uses for alignment padding

@@ -27,7 +27,8 @@ needs, a few rows at a time (at most ``safetensors.SCRATCH_BYTES`` of whole rows
 them kept), and sent to its devices before the next is read (``dew.checkpoints.reader``'s
 placement). Its host buffer is 64-byte aligned, so the CPU backend adopts it as the device buffer
 instead of copying it. No host ever holds the whole model: a process holds its devices' share
-and two scratch-sized buffers (measured in docs/benchmarks.md, "Hugging Face load: host memory").
+and two scratch-sized buffers (measured in docs/results/cpu-layouts.md, "Hugging Face load: host
+memory").
 Everything that can be checked before reading is checked first (the config, the names, shapes and
 dtypes of every tensor, the files' sizes): a ``ValueError`` naming the problem, and no parameters.
 

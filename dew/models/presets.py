@@ -129,13 +129,13 @@ PRESETS: dict[str, dict] = {
 # - remat "attention" for GPT-2 small: on one v5e chip (2026-12-05) at 16 x 1024 tokens, its
 #   step took 172 ms against "dots"' 182 ms (the backward does not rerun the attention kernels'
 #   forward), within the chip's 15.75 GiB. With the loss over chunks (dew.nn.cross_entropy) "none"
-#   fits too, and is slower: 180 ms against 170 (docs/benchmarks.md, "The loss over chunks").
+#   fits too, and is slower: 180 ms against 170 (docs/results/one-chip.md, "GPT-2 small").
 # - remat "full" for GPT-2 medium: on one v5e chip at 16 x 1024 tokens "dots" needs 16.6 GiB, over
 #   the 15.75 a program may use, and "full" 7.6 (`dew plan --target v5e-1 --model gpt2-medium
 #   --remat auto`, 2026-12-05, with the loss over chunks).
 # - layer_loop "unroll" for GPT-2 small: on one v5e chip (2026-12-06) at 16 x 1024 tokens, its
 #   step took 124.8 ms against the scanned layers' 139.6 (56.9% MFU against 50.9%), for a first
-#   step after 67 s against 31 (docs/benchmarks.md, "The layers unrolled"); on a GPU not timed.
+#   step after 67 s against 31 (docs/results/one-chip.md, "GPT-2 small"); on a GPU not timed.
 #   The others keep "scan": not timed unrolled, their compile grows with their 16 to 80 layers,
 #   and unrolled XLA may keep what their remat would recompute (Llama-3.2-1B at 4 x 2048 under
 #   "full": 22.7 GiB of temporaries against 4.8, over one v5e chip).

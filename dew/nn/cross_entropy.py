@@ -39,11 +39,11 @@ from jax import lax
 
 # The largest chunk of float32 logits ``auto_chunk`` aims at. On one v5e chip, GPT-2 small's step
 # at 16 x 1024 tokens took 170 ms in chunks of 1,264 tokens (254 MB of logits), 166 ms in chunks of
-# 2,048 or 4,096 and 165 ms at once (docs/benchmarks.md, "The loss over chunks").
+# 2,048 or 4,096 and 165 ms at once (docs/results/one-chip.md, "GPT-2 small").
 CHUNK_BYTES = 512 * 2**20
 # Chunks of several are a multiple of this many tokens: the logits' rows fill whole MXU tiles.
 # Chunks of 2,344 tokens (7 under the budget) took 141.9 ms a GPT-2 small step on v5e, chunks of
-# 2,048 (8) 139.0 ms (docs/benchmarks.md, "The step after the rotary change").
+# 2,048 (8) 139.0 ms (2026-12-05; the history of docs/benchmarks.md).
 CHUNK_ALIGN = 128
 # What one more chunk costs, in tokens: a chunk reads and writes the float32 table gradient
 # (8 vocab x embed bytes), a token takes three matmuls with the table (6 vocab x embed flops), so

@@ -9,6 +9,6 @@ from dew.nn.param import Param, normal
 
 def embed_params(vocab: int, features: int) -> dict:
     # Standard deviation 1/sqrt(features): as the (tied) output head it gives logits of unit scale
-    # on normalized inputs (measured against GPT-2's 0.02: docs/benchmarks.md, "Choices in the
-    # model").
+    # on normalized inputs (measured against GPT-2's 0.02: docs/results/cpu-layouts.md,
+    # "Choices in the model").
     return {"embedding": Param((vocab, features), ("vocab", "embed"), normal(features**-0.5))}

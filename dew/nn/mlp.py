@@ -25,7 +25,7 @@ def swiglu(p: dict, x: jax.Array, projections: Projections = PLAIN) -> jax.Array
     region's, ``dew.parallel.tensor_ring.Region``, may take ``x`` as this device's positions and
     return them)."""
     # As [batch * seq, embed] matrices: XLA:CPU then compiles the weight-gradient matmuls to its
-    # fast fused kernels (measured: docs/benchmarks.md, "Choices in the model").
+    # fast fused kernels (measured: docs/results/cpu-layouts.md, "Choices in the model").
     rows = x.reshape(-1, x.shape[-1])
     gate, up = projections.columns("te,ef->tf", rows, (p["gate"], p["up"]))
     gate = checkpoint_name(gate, GATE_NAME)

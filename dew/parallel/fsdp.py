@@ -36,7 +36,8 @@ each, most of them beside the layers' matmuls there. A layer's matrices go furth
 (``gather(..., in_matmuls=...)``): they reach their einsums still split, and each gradient is
 summed round the ring block by block as the weight-gradient matmul computes it
 (``dew.parallel.fsdp_matmul``), so no device holds a whole weight gradient. On v5p they need
-fewer temporaries than the gathers and leave a fraction of the bytes exposed (docs/benchmarks.md);
+fewer temporaries than the gathers and leave a fraction of the bytes exposed
+(docs/results/slices.md);
 they are a choice, not the default: they have not run on a TPU, the gathers of a 2-D slice already
 run beside compute, and a ring is written out, ``n - 1`` ``ppermute`` s a weight.
 
@@ -85,7 +86,7 @@ DATA = "data"
 # pass this many bytes; a larger weight travels alone. Each collective is a barrier across the
 # devices, so at small sizes fewer of them make a faster step; but a bucket's weights are copied out
 # of the gathered buffer, so it costs its bytes again in temporary memory, which is what large
-# weights cannot afford. Measured: docs/benchmarks.md, "How finely fsdp gathers".
+# weights cannot afford. Measured: docs/results/cpu-layouts.md, "How finely fsdp gathers".
 BUCKET_BYTES = 4 * 2**20
 
 

@@ -17,7 +17,7 @@ and passes the sum on; after ``n - 1`` steps it holds the sum of its own block o
 group (``ring.ring_scatter``'s order). No device ever holds the whole weight gradient: a block,
 the one arriving and the one leaving, where the gather's transpose (``fsdp._gather_summed``)
 receives the whole gradient (with bfloat16 activations, the matmul's bfloat16 output converted
-to float32: 224 MiB for a Llama-3.1-8B MLP matrix) and scatters it (docs/benchmarks.md). Each
+to float32: 224 MiB for a Llama-3.1-8B MLP matrix) and scatters it (measured 2026-12-04). Each
 block's matmul is the piece the next ``ppermute`` runs beside. The bytes are the ring
 reduce-scatter's, in the dtype of the sums (``StepOptions.gradient_sum_dtype``, else the
 weight's). The blocks come from float32 matmuls of the activations (``preferred_element_type``),

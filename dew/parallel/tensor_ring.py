@@ -10,7 +10,7 @@ cut into ``n`` blocks of positions (or of tokens, ``BLOCK_LABELS``) and each blo
 while the next block travels. On the TPU compile of Llama-3.2-1B at v5e-8 ``fsdp=2,tensor=4``: the
 same wire bytes and heap as the pairs, and 0.55 x GSPMD's exposed bytes where the pairs leave 1.10
 x (0.34 x with sequence-parallel activations, 0.014 x with the fsdp rings too;
-docs/benchmarks.md). Device ``i`` of a tensor group of ``n``, blocks of ``b`` bytes:
+docs/results/slices.md). Device ``i`` of a tensor group of ``n``, blocks of ``b`` bytes:
 
 **Sequence-parallel activations** (``StepOptions(sequence_parallel=True)``), between blocks each
 device holds its ``1 / n`` of the positions:

@@ -56,7 +56,7 @@ pipeline schedule do not apply).
 
 ``gspmd_unpinned``: the same, with activations left to the partitioner. It is kept to show what
 pinning buys: at fsdp it splits the matmuls along the weights' split dimension and all-reduces
-whole-batch activations (docs/benchmarks.md has its bytes).
+whole-batch activations (docs/results/cpu-layouts.md has its bytes).
 
 Layout: the sum over microbatches (``accumulated_gradients``) and the token split
 (``split_tokens``); ``OnBase``, a LoRA model's objective; what one device computes
