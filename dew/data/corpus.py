@@ -43,6 +43,16 @@ def write_example_corpus(
     1,950 for validation.
     Calling it again on a folder that already holds this very corpus writes nothing; a folder that
     holds something else is left alone (FileExistsError) unless ``overwrite=True``.
+
+    Raises:
+      FileExistsError: ``path`` holds other token files and ``overwrite`` is not set.
+      ValueError: ``sentences`` below 1.
+
+    Examples:
+        >>> from dew.data import write_example_corpus
+        >>> meta = write_example_corpus("tokens")
+        >>> meta.train_tokens, meta.val_tokens
+        (95598, 1950)
     """
     ids = np.asarray(ByteTokenizer().encode(example_text(seed=seed, sentences=sentences)), np.uint8)
     val_len = len(ids) // VAL_FRACTION

@@ -67,7 +67,29 @@ _REQUIRED = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens", "
 
 @dataclasses.dataclass(frozen=True)
 class TokenMeta:
-    """A validated ``meta.json``, with the folder it came from."""
+    """A validated ``meta.json``, with the folder it came from (``read_meta``).
+
+    Attributes:
+      path: the folder.
+      tokenizer: the tokenizer's name (``"byte"``, or a ``tokenizer.json``'s).
+      vocab_size: ids are in ``[0, vocab_size)``.
+      dtype: the ids' storage dtype: ``"uint8"``, ``"uint16"`` or ``"uint32"``, little-endian.
+      train_tokens, val_tokens: ids in ``train.bin`` and ``val.bin``.
+      eos_id: the end-of-text id that joins documents, or ``None`` (the byte tokenizer).
+      loss_mask: whether ``train.mask`` and ``val.mask`` weight each token's loss (0 or 1);
+        ``False``: all tokens count.
+      pad_seq_len: the ``seq_len`` whose rows each document starts (``dew tokenize --rows
+        pad``), or ``None`` (packed).
+      document_starts: whether ``train.docs`` and ``val.docs`` say where each document starts.
+      train_documents, val_documents: documents per split (``None`` without document starts).
+      version: the format version (1: before document starts were recorded).
+
+    Examples:
+        >>> from dew.data import read_meta, write_example_corpus
+        >>> meta = write_example_corpus("tokens")
+        >>> read_meta("tokens").vocab_size, read_meta("tokens").dtype
+        (256, 'uint8')
+    """
 
     path: Path
     tokenizer: str
@@ -133,15 +155,28 @@ def _is_int(value: Any) -> bool:
 def read_meta(path: str | os.PathLike) -> TokenMeta:
     """Reads and validates the ``meta.json`` of the token folder at ``path``.
 
-    Raises FileNotFoundError (naming the path) when the folder, ``meta.json``, ``train.bin`` or
-    ``val.bin`` is missing; ValueError for JSON that does not parse, a missing or ill-typed field,
-    an unknown dtype, a ``vocab_size`` the dtype cannot hold, an ``eos_id`` outside the vocabulary,
-    or a ``train.bin`` / ``val.bin`` whose size disagrees with ``train_tokens`` / ``val_tokens``;
-    with ``"loss_mask": true``, FileNotFoundError for a missing ``train.mask`` / ``val.mask`` and
-    ValueError for one whose size is not its token count; without it, ValueError for a mask file
-    that ``meta.json`` does not describe (a mask must never be silently ignored). The same for
-    ``train.docs`` / ``val.docs`` under ``"document_starts": true`` (``train_documents`` /
-    ``val_documents`` uint64 each); a ``version`` above ``FORMAT_VERSION`` is a ValueError.
+    Args:
+      path: the token folder.
+
+    Returns:
+      its ``TokenMeta``.
+
+    Raises:
+      FileNotFoundError: naming the path, when the folder, ``meta.json``, ``train.bin`` or
+        ``val.bin`` is missing; with ``"loss_mask": true``, a missing ``train.mask`` /
+        ``val.mask`` (and under ``"document_starts": true``, a missing ``train.docs`` /
+        ``val.docs``).
+      ValueError: JSON that does not parse, a missing or ill-typed field, an unknown dtype, a
+        ``vocab_size`` the dtype cannot hold, an ``eos_id`` outside the vocabulary, a
+        ``train.bin`` / ``val.bin`` whose size disagrees with ``train_tokens`` /
+        ``val_tokens``, a mask file whose size is not its token count or that ``meta.json``
+        does not describe (a mask must never be silently ignored), the same for the document
+        starts (``train_documents`` / ``val_documents`` uint64 each), or a ``version`` above
+        ``FORMAT_VERSION``.
+
+    Examples:
+        >>> meta = read_meta("tokens")
+        >>> meta.train_tokens, meta.eos_id
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -417,6 +452,28 @@ class TokenFolderWriter:
     ``starts``, the offsets into its ids where a document begins (ids before the first offset
     continue the split's last document; a split's first id must begin one), and ``meta.json``
     gets ``"document_starts": true`` with the counts ``train_documents`` and ``val_documents``.
+
+    Args:
+      path: the folder (created if missing).
+      tokenizer, vocab_size, eos_id: ``meta.json``'s header (default ``"byte"``, 256, ``None``).
+      overwrite: replace a token folder's files already at ``path`` (default ``False``).
+      extra: more ``meta.json`` fields.
+      loss_mask, pad_seq_len, document_starts: as above (default off).
+
+    Raises:
+      FileExistsError: ``path`` already holds a token folder's files, without ``overwrite``.
+      ValueError: a bad header (a ``vocab_size`` below 1 or an ``eos_id`` outside it), an
+        ``extra`` field that is a reserved name; ``append``: an id outside the vocabulary, a
+        mask or starts given against the writer's settings.
+
+    Examples:
+        >>> from dew.data import TokenFolderWriter
+        >>> with TokenFolderWriter("tokens", vocab_size=1000, eos_id=0) as writer:
+        ...     for ids in [[5, 6, 7, 0], [8, 9, 0]]:  # documents, each ending in eos
+        ...         writer.append("train", ids)
+        ...     writer.append("val", [10, 11, 0])
+        >>> writer.meta.train_tokens, writer.meta.dtype
+        (7, 'uint16')
     """
 
     def __init__(
@@ -613,14 +670,29 @@ def write_token_folder(
 
     The files are written under temporary names, flushed to disk, and renamed into place,
     ``meta.json`` last: a reader sees either no token folder (no ``meta.json``), or a complete one.
-    A folder that already holds any of the three files is left alone (FileExistsError) unless
+    A folder that already holds any of a token folder's files (``meta.json``, ``train.bin``,
+    ``val.bin``, masks, document starts) is left alone (FileExistsError) unless
     ``overwrite=True``; then the old ``meta.json`` is removed first, so an interrupted overwrite
     leaves no ``meta.json`` rather than one that describes the wrong files.
 
     ``train_mask`` and ``val_mask`` (both or neither): the loss mask, one 0 or 1 per id, written
     as ``train.mask`` / ``val.mask``. ``train_starts`` and ``val_starts`` (both or neither): the
     index of each document's first id (increasing from 0), written as ``train.docs`` /
-    ``val.docs``.
+    ``val.docs``. ``tokenizer``, ``vocab_size`` and ``eos_id`` go into ``meta.json`` (default
+    ``"byte"``, 256, ``None``).
+
+    Raises:
+      FileExistsError: the folder holds a token folder's files and ``overwrite`` is not set.
+      ValueError: an id outside ``[0, vocab_size)``, a mask value other than 0 or 1, a mask or
+        starts whose length is wrong, or one of a pair given without the other.
+
+    Examples:
+        >>> import numpy as np
+        >>> from dew.data import write_token_folder
+        >>> ids = np.random.default_rng(0).integers(0, 50_000, 10_000)
+        >>> meta = write_token_folder("tokens", ids[:9_000], ids[9_000:], vocab_size=50_000)
+        >>> meta.dtype, meta.train_tokens
+        ('uint16', 9000)
     """
     _check_header(tokenizer, vocab_size, eos_id)
     dtype = smallest_dtype(vocab_size)

@@ -29,6 +29,13 @@ class Loading:
         when there are readers). Default 2.
 
     Which rows a batch holds never depends on these settings, only when they are read.
+
+    Raises:
+      ValueError: a setting below 0, or ``read_buffer`` 0 with reader threads.
+
+    Examples:
+        >>> from dew.data import Loading, TokenWindows
+        >>> data = TokenWindows("tokens", seq_len=32, loading=Loading(threads=2)).load(batch=16)
     """
 
     workers: int = 0
@@ -100,6 +107,18 @@ class BatchStream(Iterator[tuple[int, Any]]):
     before it are delivered first), and ends the stream.
 
     Close it with ``close()`` or use it as a context manager: closing stops and joins the threads.
+    ``WindowDataset.batches`` makes one.
+
+    Args:
+      read: the batch of an index (``lambda index: dataset.batch(index, rows)``).
+      start: the first index.
+      loading: how many threads read, and how far ahead.
+
+    Examples:
+        >>> with data.batches(start=10) as stream:
+        ...     for index, rows in stream:  # index 10, 11, ...; rows int32 [16, 33]
+        ...         if index == 12:
+        ...             break
     """
 
     def __init__(self, read: Callable[[int], Any], start: int, loading: Loading):

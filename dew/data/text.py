@@ -98,8 +98,15 @@ Document = str | list[tuple[str, bool]]
 
 @dataclasses.dataclass(frozen=True)
 class TokenizeReport:
-    """What ``tokenize_files`` wrote: the folder's meta, documents per split, the text's UTF-8
-    bytes and the seconds it took."""
+    """What ``tokenize_files`` wrote.
+
+    Attributes:
+      meta: the folder's ``TokenMeta`` (token counts, vocabulary, ...).
+      train_documents, val_documents: documents per split.
+      bytes_read: the input bytes the documents came from: a text file's (and a ``.parquet``
+        document's) UTF-8 text, a ``.jsonl`` line whole.
+      seconds: the wall time it took.
+    """
 
     meta: TokenMeta
     train_documents: int
@@ -526,14 +533,44 @@ def tokenize_files(
     rows: str = "pack",
     seq_len: int | None = None,
 ) -> TokenizeReport:
-    """Tokenizes the documents of ``inputs`` into the token folder ``out`` (the module's rules)
-    and returns what it wrote. ``tokenizer`` is a ``Tokenizer`` or a spec for ``tokenizer_for``;
-    ``progress(bytes_read, tokens_written)`` is called after each chunk is written; a chunk holds
-    about ``chunk_bytes`` of input (default ``CHUNK_BYTES``).
+    """Tokenizes the documents of ``inputs`` into the token folder ``out`` (the module's rules):
+    what ``dew tokenize`` runs.
 
-    ``fields``: ``(prompt, completion)`` or ``(messages,)`` field names of ``.jsonl`` lines
-    (``.parquet`` columns) for prompt-masked data, in place of ``field``; ``rows``: ``"pack"``
-    or ``"pad"`` (with ``seq_len``, the model's). Either masked form writes a loss mask."""
+    Args:
+      inputs: text, ``.jsonl`` and ``.parquet`` files, and folders of them.
+      out: the token folder to write (atomically).
+      tokenizer: a ``Tokenizer``, or a spec for ``tokenizer_for`` (``"bytes"``, a
+        ``tokenizer.json``).
+      eos: the end-of-text token of a ``tokenizer.json`` (``tokenizer_for``'s).
+      val_fraction: the share of documents drawn into ``val.bin``, in ``[0, 1)`` (default
+        0.01).
+      field: the ``.jsonl`` key (``.parquet`` column) that holds a document (default
+        ``"text"``).
+      workers: processes that tokenize (default 1; the folder is the same for any number).
+      seed: the validation split's draw (default 0).
+      force: replace an existing token folder (or empty folder) at ``out``.
+      progress: ``progress(bytes_read, tokens_written)``, called after each chunk is written.
+      chunk_bytes: about how much input a chunk holds (default ``CHUNK_BYTES``, 1 MiB).
+      fields: ``(prompt, completion)`` or ``(messages,)`` field names of ``.jsonl`` lines
+        (``.parquet`` columns) for prompt-masked data, in place of ``field``; writes a loss mask.
+      rows: ``"pack"`` (the default) or ``"pad"`` (with ``seq_len``, the model's).
+      seq_len: the row length documents are padded to, with ``rows="pad"`` only.
+
+    Returns:
+      a ``TokenizeReport`` of what it wrote.
+
+    Raises:
+      ValueError: a bad setting (``val_fraction``, ``workers``, ``rows``, ``fields``,
+        ``seq_len``), a document that cannot be read (naming the file and line), or no
+        documents at all.
+      FileExistsError: ``out`` exists and ``force`` is not set (or it is not a token folder).
+
+    Examples:
+        >>> from dew.data import tokenize_files
+        >>> report = tokenize_files(["corpus/", "notes.jsonl"], "my-tokens", tokenizer="bytes")
+        >>> report.train_documents  # a document per text file and per .jsonl line
+        3
+    """
     if not (isinstance(val_fraction, (int, float)) and 0 <= val_fraction < 1):
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
     if not isinstance(workers, int) or workers < 1:

@@ -21,6 +21,13 @@ class Tokenizer(Protocol):
     - ``vocab_size``: every id ``encode`` returns lies in ``[0, vocab_size)``.
     - ``eos_id``: the end-of-text id that separates documents, or ``None`` when there is none.
     - ``encode(text) -> list[int]`` and ``decode(ids) -> str``.
+
+    A ``typing.Protocol`` checked at run time: any object with these is one.
+
+    Examples:
+        >>> from dew.data import ByteTokenizer, Tokenizer
+        >>> isinstance(ByteTokenizer(), Tokenizer)
+        True
     """
 
     name: str
@@ -55,6 +62,13 @@ class ByteTokenizer:
     UTF-8 (a window cut in the middle of a multi-byte character, say) decodes with U+FFFD in place
     of the broken bytes instead of raising. There is no end-of-sequence token: ``eos_id`` is
     ``None``.
+
+    Examples:
+        >>> from dew.data import ByteTokenizer
+        >>> ByteTokenizer().encode("hé")
+        [104, 195, 169]
+        >>> ByteTokenizer().decode([104, 195, 169])
+        'hé'
     """
 
     name = "byte"
@@ -116,6 +130,21 @@ class HFTokenizer:
       token found.
     - ``name`` is the file's absolute path (what a token folder records; ``tokenizer_for`` reads
       it back), or ``"tokenizer.json (JSON text)"`` for one built from text or an object.
+
+    Raises:
+      dew.targets.MissingExtra: the ``tokenizers`` library is not installed.
+      FileNotFoundError: no ``tokenizer.json`` at the path.
+      ValueError: a file the library cannot read, an empty vocabulary, or no end-of-text token
+        (above).
+      TypeError: ``path_or_json`` is none of the three.
+
+    Examples:
+        >>> from dew.data import HFTokenizer
+        >>> tokenizer = HFTokenizer("llama-3.2-1b/tokenizer.json")  # a folder holding it works too
+        >>> tokenizer.eos_token, tokenizer.vocab_size
+        ('<|end_of_text|>', 128256)
+        >>> tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+        True
     """
 
     def __init__(self, path_or_json: str | os.PathLike | Any, *, eos: str | None = None):
@@ -217,6 +246,21 @@ def tokenizer_for(spec: str | os.PathLike | Tokenizer, *, eos: str | None = None
     A token folder's ``meta.json`` ``tokenizer`` field is such a spec. Anything else is a
     ValueError saying what is accepted; nothing is downloaded, so a hub name such as ``"gpt2"``
     must first be saved as a ``tokenizer.json``.
+
+    Args:
+      spec: a name, a path, or a ``Tokenizer``.
+      eos: the end-of-text token of a ``tokenizer.json`` (``HFTokenizer``'s ``eos``); refused
+        for the byte tokenizer and for a ``Tokenizer`` given.
+
+    Raises:
+      ValueError: a spec that names no tokenizer (above), or ``eos`` where it does not apply.
+      TypeError: ``spec`` is neither a name, a path nor a ``Tokenizer``.
+
+    Examples:
+        >>> from dew.data import read_meta, tokenizer_for
+        >>> tokenizer_for("bytes")
+        ByteTokenizer()
+        >>> tokenizer = tokenizer_for(read_meta("tokens").tokenizer)  # the folder's own
     """
     if not isinstance(spec, (str, os.PathLike)):
         if isinstance(spec, Tokenizer):

@@ -101,12 +101,28 @@ def _row_indices(rows: slice, batch_size: int) -> range:
 @dataclasses.dataclass(frozen=True)
 class TokenWindows:
     """Training (and validation) windows of ``seq_len + 1`` tokens from the token folder at
-    ``path``.
+    ``path``: what to read, checked when built; ``load(batch=B)`` opens the folder and returns a
+    ``WindowDataset`` of global batches of ``B`` windows.
 
-    ``load(batch=B)`` opens the folder and returns a ``WindowDataset`` of global batches of ``B``
-    windows. ``val_batches`` is how many validation batches ``validation()`` returns; ``seed`` fixes
-    the shuffled order; ``loading`` says how ``batches()`` reads ahead (it never changes what is
-    read); ``documents``: ``"auto"``, ``"separate"`` or ``"joined"`` (the module doc).
+    Args:
+      path: a token folder (``dew tokenize``, ``write_token_folder``; docs/data.md).
+      seq_len: tokens a model sees per row; each window holds ``seq_len + 1``.
+      val_batches: how many validation batches ``validation()`` returns (default 0).
+      loading: how ``batches()`` reads ahead (default ``Loading()``); it never changes what is
+        read.
+      seed: fixes the shuffled order (default 0).
+      documents: ``"auto"`` (the default), ``"separate"`` or ``"joined"`` (the module doc).
+
+    Raises:
+      ValueError: ``seq_len`` below 1, ``val_batches`` or ``seed`` below 0, ``loading`` not a
+        ``Loading``, or an unknown ``documents``.
+
+    Examples:
+        >>> from dew.data import TokenWindows, write_example_corpus
+        >>> meta = write_example_corpus("tokens")
+        >>> data = TokenWindows("tokens", seq_len=32, val_batches=1).load(batch=16)
+        >>> data.batch(0).shape, data.batch(0).dtype
+        ((16, 33), dtype('int32'))
     """
 
     path: str | os.PathLike
@@ -128,11 +144,20 @@ class TokenWindows:
             )
 
     def load(self, batch: int) -> WindowDataset:
-        """Opens the folder (memory maps, nothing read yet) and returns the dataset of global
-        batches of ``batch`` windows. Raises FileNotFoundError / ValueError for a bad folder (see
-        ``read_meta``), ValueError when ``batch < 1``, when ``train.bin`` is shorter than one
-        window, when ``batch`` exceeds the training windows, or when ``val.bin`` holds fewer than
-        ``val_batches * batch`` windows."""
+        """Opens the folder (memory maps, nothing read yet).
+
+        Args:
+          batch: windows per global batch (all processes together).
+
+        Returns:
+          the ``WindowDataset`` of global batches of ``batch`` windows.
+
+        Raises:
+          FileNotFoundError: no folder or ``meta.json`` at ``path`` (``read_meta``).
+          ValueError: a bad folder (``read_meta``), ``batch < 1``, ``train.bin`` shorter than
+            one window, ``batch`` more than the training windows, ``val.bin`` holding fewer than
+            ``val_batches * batch`` windows, or a folder padded for another ``seq_len``.
+        """
         batch = _check_int("batch", batch, 1)
         meta = read_meta(self.path)
         return WindowDataset(
@@ -148,7 +173,9 @@ class TokenWindows:
 
 class WindowDataset:
     """Global batches of training windows, int32 ``[batch_size, seq_len + 1]``, indexed over epochs
-    (``[batch_size, 2, seq_len + 1]``, tokens then their loss mask, for a folder with a mask).
+    (``[batch_size, 2, seq_len + 1]``, tokens then their loss mask, for a folder with a mask;
+    ``[batch_size, 3, seq_len + 1]``, tokens, mask and document ids, with ``documents`` of
+    ``"separate"``). ``TokenWindows(...).load(batch=B)`` makes one; ``Trainer.fit`` reads it.
 
     Attributes:
       records: training windows in ``train.bin``: ``(train_tokens - seq_len - 1) // seq_len + 1``.
@@ -161,6 +188,13 @@ class WindowDataset:
       loss_mask: whether batches carry the folder's loss mask (``[rows, 2, seq_len + 1]``).
       documents: ``"separate"`` (batches ``[rows, 3, seq_len + 1]`` with document ids) or
         ``"joined"``.
+
+    Examples:
+        >>> data = TokenWindows("tokens", seq_len=32).load(batch=16)
+        >>> with data.batches(start=0) as stream:
+        ...     index, rows = next(stream)  # batch 0: int32 [16, 33]
+        >>> data.position(1)["next_batch"]  # what a checkpoint records; resume() reads it back
+        1
     """
 
     def __init__(
@@ -253,7 +287,8 @@ class WindowDataset:
     def batch(self, index: int, rows: slice = slice(None)) -> np.ndarray:
         """Rows ``rows`` of global batch ``index`` (counting over epochs): int32
         ``[len(rows), seq_len + 1]`` (``[len(rows), 2, seq_len + 1]``, tokens then mask, for a
-        folder with a loss mask). Reads only those rows' windows from the memory map."""
+        folder with a loss mask; ``[len(rows), 3, seq_len + 1]`` with document ids, for
+        ``documents="separate"``). Reads only those rows' windows from the memory map."""
         picked = self.windows_of(index)[_row_indices(rows, self.batch_size)]
         return self._read("train", picked)
 
@@ -267,7 +302,8 @@ class WindowDataset:
 
     def validation(self, rows: slice = slice(None)) -> list[np.ndarray]:
         """The ``val_batches`` validation batches, rows ``rows`` of each: int32
-        ``[len(rows), seq_len + 1]`` (``[len(rows), 2, seq_len + 1]`` with a loss mask). Batch
+        ``[len(rows), seq_len + 1]`` (``[len(rows), 2, seq_len + 1]`` with a loss mask,
+        ``[len(rows), 3, seq_len + 1]`` with document ids too, as ``batch``). Batch
         ``v`` holds val.bin's windows ``v * batch_size`` to ``(v + 1) * batch_size - 1``, in
         order, the same every call."""
         picked = np.asarray(_row_indices(rows, self.batch_size), np.int64)
