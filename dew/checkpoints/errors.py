@@ -14,19 +14,36 @@
 
 
 class CheckpointError(Exception):
-    """A checkpoint could not be written or read."""
+    """A checkpoint could not be written or read: the base of the errors below, and what
+    `Checkpoints.wait` (and the next save or restore) raises when a save in the background
+    failed.
+
+    Examples:
+        >>> try:
+        ...     checkpoints.wait()
+        ... except CheckpointError as error:  # a failed save, or any of the kinds below
+        ...     print(f"not saved: {error}")
+    """
 
 
 class CorruptCheckpointError(CheckpointError):
     """A step folder is damaged: a file is missing, truncated, fails its checksum or is
-    malformed."""
+    malformed. The message names the step and the file; `Checkpoints.restore(step=None)` falls
+    back to the step before on it."""
 
 
 class DamagedLatestStepError(CorruptCheckpointError):
     """The latest step was asked for (no step named) without falling back, and it is damaged:
     ``step``, that step; ``intact``, the other steps whose index reads and whose every file has
     the size it records (their checksums are checked when one is read), ascending; ``how``, how
-    the caller names a step (``"--step N"``), said after the intact steps."""
+    the caller names a step (``"--step N"``), said after the intact steps.
+
+    Examples:
+        >>> try:
+        ...     model, params = load_checkpoint("runs/a")
+        ... except DamagedLatestStepError as error:  # read an intact step, knowingly
+        ...     model, params = load_checkpoint("runs/a", step=error.intact[-1])
+    """
 
     def __init__(self, message: str, step: int, intact: list[int], how: str | None = None):
         super().__init__(f"{message} ({how})" if how and intact else message)
@@ -38,8 +55,11 @@ class DamagedLatestStepError(CorruptCheckpointError):
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
-    """A sound checkpoint whose tree, shapes or dtypes differ from the restore target."""
+    """A sound checkpoint whose tree, shapes or dtypes differ from the restore target (a
+    different model, or a LoRA base other than the one recorded); the message names the path
+    and both values."""
 
 
 class NotACheckpointError(CheckpointError):
-    """A directory that holds no Dew checkpoint."""
+    """A directory that holds no Dew checkpoint (`Checkpoints.restore` and `metadata` with
+    nothing to read); the message says what the directory holds."""

@@ -107,15 +107,30 @@ class Checkpoints:
         `memory://...`), written through fsspec with the same format. A URL whose filesystem is
         not installed raises ImportError naming what to install (`pip install -e '.[gcs]'` for
         `gs://`); an unknown protocol raises ValueError.
-      keep: how many complete steps to keep (the newest, and always the one just written);
-        None keeps every step.
-      chunk_bytes: size of the chunks each piece's CRC-32s cover (a reader reads whole chunks).
-      read_workers: threads that read and verify pieces at once; host memory while restoring is
-        about this many device slices (or pieces) beyond the restored arrays.
-      barrier_timeout_s: how long a multi-process save waits for the other processes. A process
-        whose part of a save fails makes the others raise at once, without this wait.
+      keep: how many complete steps to keep (the newest, and always the one just written;
+        default 2); None keeps every step.
+      chunk_bytes: size of the chunks each piece's CRC-32s cover (a reader reads whole chunks;
+        default 4 MiB, a multiple of 16).
+      read_workers: threads that read and verify pieces at once (default 2); host memory while
+        restoring is about this many device slices (or pieces) beyond the restored arrays.
+      barrier_timeout_s: how long a multi-process save waits for the other processes (default
+        600). A process whose part of a save fails makes the others raise at once, without this
+        wait.
       storage_options: keyword arguments of the fsspec filesystem of a URL (credentials,
         project, ...); fsspec's own configuration applies too.
+
+    Raises:
+      ValueError: `keep` below 1, `chunk_bytes` not a positive multiple of 16, or an unknown URL
+        protocol.
+      ImportError: the filesystem of a URL is not installed (the message says what to install).
+
+    Examples:
+        >>> from dew import Checkpoints
+        >>> trainer = dew.Trainer(objective, optax.adamw(1e-3), key=jax.random.key(0),
+        ...                       checkpoints=Checkpoints("runs/a/checkpoints", keep=3))
+        >>> state = trainer.fit(data, steps=100, checkpoint_every=25)  # a rerun resumes
+        >>> trainer.checkpoints.steps
+        [50, 75, 100]
     """
 
     def __init__(
@@ -159,6 +174,7 @@ class Checkpoints:
 
     @property
     def keep(self) -> int | None:
+        """How many complete steps are kept (None: every one)."""
         return self._keep
 
     @property
@@ -186,6 +202,10 @@ class Checkpoints:
         arrays or Python numbers; once this returns it may be donated or changed. `metadata` is a
         JSON-serialisable dict stored in the step's index. Every process of a multi-process run
         calls save with the same step and tree structure. Saving a step that exists replaces it.
+
+        Raises:
+          CheckpointError: the previous save in the background failed.
+          ValueError: `step` is not an integer from 0, or `metadata` is not JSON-serialisable.
         """
         self.wait()
         step = _check_step(step)
@@ -262,10 +282,21 @@ class Checkpoints:
         older step would be the wrong model) a damaged latest step raises
         DamagedLatestStepError instead, naming it, what is wrong, and the intact steps.
 
-        Raises CorruptCheckpointError (damage, naming the step and file), CheckpointMismatchError
-        (tree, shape or dtype differs from `target`, naming the path and both values),
-        NotACheckpointError (nothing to restore), or CheckpointError (the save in the background,
-        which restore waits for first, failed). `restored_step` records the step read.
+        `restored_step` records the step read.
+
+        Raises:
+          CorruptCheckpointError: damage, naming the step and file (with `step=None`: every
+            step is damaged; `DamagedLatestStepError` without `fall_back`).
+          CheckpointMismatchError: the tree, a shape or a dtype differs from `target`, naming
+            the path and both values.
+          NotACheckpointError: nothing to restore.
+          CheckpointError: the save in the background, which restore waits for first, failed.
+
+        Examples:
+            >>> like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+            ...                     sharding=NamedSharding(mesh, P())), params)
+            >>> restored, metadata = Checkpoints("runs/a/checkpoints").restore(
+            ...     like, under=".params")  # the weights of a saved TrainState, whole everywhere
         """
         self.wait()
         if step is not None:
