@@ -303,18 +303,17 @@ def flash_attention(
       k, v: [batch, kv_len, kv_heads, head_dim], same dtype; ``heads`` a multiple of
         ``kv_heads`` (query head ``h`` reads kv head ``h // (heads // kv_heads)``).
       causal: mask with bottom-right alignment: query ``i`` sees keys ``j <= i + kv_len - q_len``
-        (the lower triangle when the lengths are equal).
-      segment_ids: None; int32 ``[batch, seq]`` (self-attention, ``q_len == kv_len``); or a pair
-        ``(q_ids, kv_ids)``, int32 ``[batch, q_len]`` and ``[batch, kv_len]``: a query attends
-        only to keys with its own id (packed documents), on top of ``causal`` and ``window``.
+        (the lower triangle when the lengths are equal). Default True; False: every key.
+      segment_ids: None (the default); int32 ``[batch, seq]`` (self-attention, ``q_len ==
+        kv_len``); or a pair ``(q_ids, kv_ids)``, int32 ``[batch, q_len]`` and ``[batch,
+        kv_len]``: a query attends only to keys with its own id (packed documents), on top of
+        ``causal`` and ``window``.
         Tiles whose ids cannot meet are skipped while the kernels run (`kernels.segments`);
         ids in any order give the same results, increasing ids skip the most.
-      window: None, or an int ``W >= 1`` (causal only): a query attends to at most the ``W``
-        most recent keys, itself included: ``i + kv_len - q_len - j < W`` (Mistral's, Gemma's
-        local attention; splash's ``LocalMask``). Blocks outside every row's window are not
-        visited. ``W >= kv_len`` is the causal call.
-        A row that sees no key (``q_len > kv_len``, or a query id no key has) gives zeros and
-        zero gradients (its lse, in `flash_attention_forward`, is ``-inf``).
+      window: None (the default), or an int ``W >= 1`` (causal only): a query attends to at most
+        the ``W`` most recent keys, itself included: ``i + kv_len - q_len - j < W`` (Mistral's,
+        Gemma's local attention; splash's ``LocalMask``). Blocks outside every row's window are
+        not visited. ``W >= kv_len`` is the causal call.
       sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
       block_q, block_k: rows of queries and of keys per block, default by target, TPU
         generation, head_dim and dtype (`kernels.platform.default_blocks`). GPU kernels and the
@@ -325,15 +324,32 @@ def flash_attention(
         the Mosaic kernels on TPU, the Triton kernels on GPU and the generic Pallas interpreter
         on CPU; False compiles (TPU or GPU); True runs the generic interpreter (any backend);
         ``"tpu"`` runs the Mosaic kernels in TPU interpret mode (any backend: the tests).
-      layout: ``"bshd"`` (the shapes above) or ``"bhsd"``: q ``[batch, heads, q_len,
-        head_dim]``, k and v ``[batch, kv_heads, kv_len, head_dim]``, out likewise. The Mosaic
-        kernels' own layout (and JAX's TPU kernels'): no transpose is made around them.
+      layout: ``"bshd"`` (the shapes above; the default) or ``"bhsd"``: q ``[batch, heads,
+        q_len, head_dim]``, k and v ``[batch, kv_heads, kv_len, head_dim]``, out likewise. The
+        Mosaic kernels' own layout (and JAX's TPU kernels'): no transpose is made around them.
 
     Returns:
       [batch, q_len, heads, head_dim] (``"bhsd"``: [batch, heads, q_len, head_dim]) in the dtype
-      of q. Softmax statistics and all matmul
-      accumulation are float32. Differentiable in q, k and v: its forward and backward are the
-      kernels of `flash_attention_forward` and `flash_attention_backward`.
+      of q. Softmax statistics and all matmul accumulation are float32. A row that sees no key
+      (``q_len > kv_len``, or a query id no key has) gives zeros and zero gradients (its lse, in
+      `flash_attention_forward`, is ``-inf``). Differentiable in q, k and v: its forward and
+      backward are the kernels of `flash_attention_forward` and `flash_attention_backward`.
+
+    Raises:
+      ValueError: before any kernel is traced, naming the shapes: arrays that are not 4-D, k and
+        v of different shapes, a batch or head_dim q and k disagree on, ``heads`` not a multiple
+        of ``kv_heads``, a dtype other than float32 or bfloat16 (or q, k, v of different
+        dtypes), a head_dim the Triton kernels cannot take, bad segment ids, a window without
+        ``causal``, a block size the target cannot take, or an unknown ``layout``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from dew.kernels import flash_attention
+        >>> q = jax.random.normal(jax.random.key(0), (2, 256, 8, 64), jnp.bfloat16)
+        >>> k = v = jax.random.normal(jax.random.key(1), (2, 256, 2, 64), jnp.bfloat16)
+        >>> out = flash_attention(q, k, v, causal=True, window=128)  # GQA: 4 query heads a kv head
+        >>> out.shape, out.dtype
+        ((2, 256, 8, 64), dtype(bfloat16))
     """
     q, k, v = _as_bshd(layout, q, k, v)
     config, ids = _config(
@@ -375,7 +391,13 @@ def flash_attention_forward(
 
     Differentiable in q, k and v through both outputs (the cotangent of ``lse`` enters the
     backward kernels as ``delta - d_lse``). A ring attention that writes its own backward calls
-    `flash_attention_backward` per block instead.
+    `flash_attention_backward` per block instead. Raises what `flash_attention` raises.
+
+    Examples:
+        >>> from dew.kernels import flash_attention_forward
+        >>> out, lse = flash_attention_forward(q, k, v)  # q, k, v as in flash_attention's
+        >>> lse.shape, lse.dtype
+        ((2, 8, 256), dtype('float32'))
     """
     q, k, v = _as_bshd(layout, q, k, v)
     config, ids = _config(
@@ -435,6 +457,17 @@ def flash_attention_backward(
 
     Returns:
       ``(dq, dk, dv)``, each with its input's shape and dtype.
+
+    Raises:
+      ValueError: what `flash_attention` raises, and ``out``, ``lse``, ``d_out`` or ``d_lse``
+        whose shape or dtype is not the one above.
+
+    Examples:
+        >>> from dew.kernels import flash_attention_backward, flash_attention_forward
+        >>> out, lse = flash_attention_forward(q, k, v)
+        >>> dq, dk, dv = flash_attention_backward(q, k, v, out, lse, d_out=jnp.ones_like(out))
+        >>> dk.shape == k.shape
+        True
     """
     q, k, v, out, d_out = _as_bshd(layout, q, k, v, out, d_out)
     config, ids = _config(
