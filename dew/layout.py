@@ -116,14 +116,32 @@ DEFAULT_MIN_SHARD = 4096
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Maps logical axis names to mesh axes.
+    """Maps logical axis names to mesh axes: where each dimension of each weight is split.
+
+    The ``Trainer`` applies it to the weights, their optimizer state and EMA (the module's
+    docstring gives the rules' semantics).
 
     Args:
       min_shard: weights with fewer elements than this are not split over any axis but
         ``stage``, ``tensor`` and ``expert`` (whose splits the model computes on, whatever the
         size); default ``DEFAULT_MIN_SHARD`` (4096), as every ``dew`` command.
-      rules: ordered ``(logical name, mesh axis)`` pairs. No rule may name ``data``: a data-parallel
-        replica holds whole weights by definition.
+      rules: ordered ``(logical name, mesh axis)`` pairs; default ``DEFAULT_RULES`` (the layers
+        over ``stage``, experts over ``expert``, Megatron's splits over ``tensor``, then the
+        vocabulary, model width, MLP width and heads over ``fsdp``). No rule may name ``data``:
+        a data-parallel replica holds whole weights by definition.
+
+    Raises:
+      ValueError: ``min_shard`` below 0, or a rule that is not a pair of strings, names
+        ``data``, or names no mesh axis.
+
+    Examples:
+        >>> from dew import Layout
+        >>> Layout().spec((256, 64), ("vocab", "embed"), {"fsdp": 8, "tensor": 2})
+        P('tensor', 'fsdp')
+        >>> Layout().spec((64,), ("embed",), {"fsdp": 8})  # 64 elements: below min_shard
+        P()
+        >>> Layout(min_shard=1).spec((64,), ("embed",), {"fsdp": 8})
+        P('fsdp',)
     """
 
     min_shard: int = DEFAULT_MIN_SHARD
@@ -151,10 +169,13 @@ class Layout:
         self, shape: Sequence[int], axes: Sequence[str | None] | None, mesh_shape: Mapping[str, int]
     ) -> P:
         """The ``PartitionSpec`` of one array of ``shape`` whose dimensions carry logical names
-        ``axes``.
+        ``axes``, on a mesh of ``mesh_shape`` (axis name to size).
 
         ``axes=None`` (a leaf nobody declared) splits over fsdp along the largest dimension fsdp
         divides.
+
+        Raises:
+          ValueError: ``axes`` does not name every dimension of ``shape``.
         """
         shape = tuple(shape)
         if not shape:

@@ -41,6 +41,8 @@ from jax.sharding import AxisType, Mesh
 from dew.checks import comma_names, positive_int
 
 AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
+"""The mesh's six axis names, in mesh order: the order of ``dict(mesh.shape)`` and of
+``MeshSpec.shape``. The devices behind them nest in ``DEVICE_NESTING``'s order."""
 # The axes a batch's rows are split over, in mesh order.
 BATCH_AXES = ("data", "expert", "fsdp")
 # The axes that split the tokens (rows, then positions), in mesh order.
@@ -62,7 +64,14 @@ class MeshSpec:
     """How many devices each mesh axis takes; ``data`` gets the rest.
 
     ``MeshSpec(fsdp=8)`` on eight devices is fully sharded; ``MeshSpec(fsdp=4)`` on eight devices is
-    ``data 2 x fsdp 4``.
+    ``data 2 x fsdp 4``. The product of the axes but ``data`` must divide the device count.
+
+    Attributes:
+      fsdp, expert, tensor, sequence, stage: devices on each axis (default 1; the module's
+        docstring says what each splits).
+      data: the data-parallel size expected, checked against the devices the others leave;
+        ``None`` (the default): whatever they leave.
+      microbatches: pipeline microbatches per step, only with ``stage > 1`` (below).
 
     ``microbatches``: with ``stage = S > 1``, the ``M >= S`` pipeline microbatches each device's
     rows are cut into (consecutive rows; with ``accumulation = A`` the pipeline runs ``A x M`` of
@@ -70,6 +79,18 @@ class MeshSpec:
     larger ``M`` idles less but runs smaller matmuls; the rows a device holds per step must divide
     by ``A x M``. A mesh can be built without it (``build_mesh`` does not read it); the ``Trainer``
     asks for it when ``stage > 1``, because no default suits every batch.
+
+    Raises:
+      ValueError: a size below 1, ``microbatches`` without ``stage > 1`` or below ``stage``;
+        ``shape`` (the ``Trainer`` calls it): the axes do not divide the devices, or ``data``
+        is not what they leave.
+
+    Examples:
+        >>> from dew import MeshSpec
+        >>> MeshSpec(fsdp=2, tensor=2).shape(8)
+        {'data': 2, 'expert': 1, 'fsdp': 2, 'tensor': 2, 'sequence': 1, 'stage': 1}
+        >>> MeshSpec.parse("stage=2,microbatches=4") == MeshSpec(stage=2, microbatches=4)
+        True
     """
 
     fsdp: int = 1
@@ -109,7 +130,13 @@ class MeshSpec:
         return math.prod(getattr(self, name) for name in AXES[1:])
 
     def shape(self, device_count: int) -> dict[str, int]:
-        """The size of every axis, ``data`` included, on ``device_count`` devices."""
+        """The size of every axis, ``data`` included, on ``device_count`` devices, in ``AXES``
+        order.
+
+        Raises:
+          ValueError: ``model_devices`` does not divide ``device_count``, or ``data`` was given
+            and is not what is left.
+        """
         if device_count % self.model_devices:
             named = " x ".join(f"{n} {getattr(self, n)}" for n in AXES[1:] if getattr(self, n) > 1)
             raise ValueError(
@@ -126,8 +153,14 @@ class MeshSpec:
 
     @classmethod
     def parse(cls, text: str) -> "MeshSpec":
-        """Reads ``"fsdp=4,tensor=2"``; ``data=N`` is kept and checked against the device count;
-        ``"stage=4,microbatches=8"`` sets the pipeline's microbatches."""
+        """Reads ``"fsdp=4,tensor=2"`` (``--mesh``'s form); ``data=N`` is kept and checked
+        against the device count; ``"stage=4,microbatches=8"`` sets the pipeline's microbatches;
+        ``""`` is ``MeshSpec()``.
+
+        Raises:
+          ValueError: an entry that is not ``AXIS=SIZE`` with a known axis, an axis given twice,
+            a size that is not an integer, or what the constructor refuses.
+        """
         sizes = {}
         names = (*AXES, "microbatches")
         # "" (no axis given) is the default layout; an empty entry between commas is a typo.

@@ -170,58 +170,67 @@ def resolve_dtype(name: str):
 
 @dataclasses.dataclass(frozen=True)
 class CausalTransformer:
-    """Configuration and functions of the decoder.
+    """A Llama-style decoder (RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP or
+    mixture of experts): its configuration, and pure functions of its weights.
+
+    A frozen dataclass: ``init(key)`` makes the weights (``{"params": ...}``), ``apply(params,
+    tokens)`` runs them; ``embed``, ``blocks`` and ``head`` are its three parts, which the
+    ``Trainer``'s step runs apart on each device's shards.
 
     Args:
-      vocab_size, emb_features, num_layers, num_heads, max_seq_len: the usual sizes.
-      dtype: activations' dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); softmax, norms and
-        the loss run in float32 regardless.
-      attention_impl: ``"xla"`` (plain JAX), ``"pallas"`` (``dew.kernels.flash_attention``:
-        Mosaic on TPU, Triton on GPU, the Pallas interpreter on CPU, by the devices the step is
-        compiled for), ``"pallas_tpu_interpret"`` (its Mosaic kernels in TPU interpret mode, on
-        any backend: for tests), ``"cudnn"`` (cuDNN's fused attention: GPU, bfloat16 or float16;
-        refused on a ring) or ``"auto"``: Mosaic on TPU, cuDNN on GPU where it takes the shapes
-        (else Triton), XLA on CPU and on a sequence ring with an ``attention_window`` longer
-        than a zigzag chunk (the kernels take no window there), by the devices the step is
-        compiled for
-        (``dew.nn.attention.resolve``; ``attention_for`` tells ahead of compiling).
-      remat: what each layer saves for the backward (``REMAT_CHOICES``): ``"full"`` nothing (the
-        backward recomputes the layer; least memory), ``"dots"`` the outputs of its weight
-        matmuls, ``"attention"`` those, attention's output (and the Pallas kernels' and the
+      vocab_size, emb_features, num_layers, num_heads, max_seq_len: the usual sizes (required);
+        ``emb_features`` must split over ``num_heads`` into an even ``head_dim``.
+      dtype: activations' dtype (``"float32"``, the default, ``"bfloat16"``, ``"float16"``);
+        softmax, norms and the loss run in float32 regardless.
+      attention_impl: ``"xla"`` (plain JAX, the default), ``"pallas"``
+        (``dew.kernels.flash_attention``: Mosaic on TPU, Triton on GPU, the Pallas interpreter on
+        CPU, by the devices the step is compiled for), ``"pallas_tpu_interpret"`` (its Mosaic
+        kernels in TPU interpret mode, on any backend: for tests), ``"cudnn"`` (cuDNN's fused
+        attention: GPU, bfloat16 or float16; refused on a ring) or ``"auto"``: Mosaic on TPU, cuDNN
+        on GPU where it takes the shapes (else Triton), XLA on CPU and on a sequence ring with an
+        ``attention_window`` longer than a zigzag chunk (the kernels take no window there), by the
+        devices the step is compiled for (``dew.nn.attention.resolve``; ``attention_for`` tells
+        ahead of compiling).
+      remat: what each layer saves for the backward (``REMAT_CHOICES``): ``"full"`` (the default)
+        nothing (the backward recomputes the layer; least memory), ``"dots"`` the outputs of its
+        weight matmuls, ``"attention"`` those, attention's output (and the Pallas kernels' and the
         ring's lse, so the backward does not rerun the forward kernel) and the MLP's normalized
         input, ``"none"`` everything (no ``jax.checkpoint``). ``"attention_gate"``, between
         ``"full"`` and ``"dots"``: attention's output and lse and the dense MLP's gate projection
         (the backward recomputes q, k, v, o and up, not the attention kernel nor the gate).
-        Recompute shrinks from ``"full"`` to ``"none"``, and memory mostly grows
-        (``"attention"`` may need less than ``"dots"``). ``"auto"``: the
-        least recomputation whose step fits the devices
-        (``dew.training.remat_choice.choose_remat``).
+        Recompute shrinks from ``"full"`` to ``"none"``, and memory mostly grows (``"attention"``
+        may need less than ``"dots"``). ``"auto"``: the least recomputation whose step fits the
+        devices (``dew.training.remat_choice.choose_remat``).
       num_kv_heads: heads of K and V (grouped-query attention); default ``num_heads``.
       mlp_features: hidden width of the SwiGLU MLP; default ``4 * emb_features``.
       tie_embeddings: the output head is the embedding table transposed (default) or a weight of
         its own.
-      param_dtype: the weights' dtype.
-      num_experts: ``0`` for a dense model; else ``E``, the experts of each MoE layer (each a SwiGLU
-        of width ``mlp_features``).
-      experts_per_token: ``k``, the experts each token is sent to (``1 <= k <= E``).
-      moe_every: every ``moe_every``-th layer is an MoE layer (``num_layers`` must divide by it).
-      capacity_factor: ``None`` for dropless routing; else ``c > 0``: an expert takes at most
-        ``ceil(c * seq * k / E)`` copies from each row (see ``dew.nn.moe``).
+      param_dtype: the weights' dtype (default ``"float32"``).
+      num_experts: ``0`` (the default) for a dense model; else ``E``, the experts of each MoE
+        layer (each a SwiGLU of width ``mlp_features``).
+      experts_per_token: ``k``, the experts each token is sent to (``1 <= k <= E``; default 2).
+      moe_every: every ``moe_every``-th layer is an MoE layer (``num_layers`` must divide by it;
+        default 1).
+      capacity_factor: ``None`` (the default) for dropless routing; else ``c > 0``: an expert
+        takes at most ``ceil(c * seq * k / E)`` copies from each row (see ``dew.nn.moe``).
       expert_exchange: how token copies cross an ``expert`` axis (``dew.parallel.ragged``):
         ``"ragged"`` (``ragged_all_to_all``: each device gets exactly its experts' copies; emulated
         exactly on CPU), ``"padded"`` (``all_to_all`` of a static slot per destination) or
         ``"auto"`` (ragged on TPU and GPU, padded on CPU, by the devices the step is compiled
         for).
       expert_buffer_factor: the ragged exchange's receive buffer, over a device's balanced share
-        of copies (``rows * seq * k``); copies past it are dropped and counted in
-        ``dropped_fraction``. ``None``: the worst case, which never drops.
+        of copies (``rows * seq * k``; default ``dew.parallel.ragged.DEFAULT_BUFFER_FACTOR``,
+        2.0); copies past it are dropped and counted in ``dropped_fraction``. ``None``: the worst
+        case, which never drops.
       router_aux_weight, router_z_weight: the weights of the load-balancing loss and the router
-        z-loss (each averaged over the MoE layers) in the objective's loss.
-      rope_theta: the base of the rotary frequencies (Llama 3: 500000).
+        z-loss (each averaged over the MoE layers) in the objective's loss (default 0.01 and
+        0.001).
+      rope_theta: the base of the rotary frequencies (default 10000; Llama 3: 500000).
       rope_scaling: Llama 3's frequency scaling, a ``dew.nn.rotary.Llama3Scaling`` or a dict of
         its fields (``factor``, ``low_freq_factor``, ``high_freq_factor``,
         ``original_max_position_embeddings``), or ``None`` for none.
-      rms_norm_eps: the epsilon every RMSNorm adds to the mean square (Llama 3: 1e-5).
+      rms_norm_eps: the epsilon every RMSNorm adds to the mean square (default 1e-6; Llama 3:
+        1e-5).
       loss_chunk_tokens: tokens whose logits the loss makes at a time (``dew.nn.cross_entropy``):
         ``None``: ``cross_entropy.auto_chunk``, chunks whose float32 logits fit 512 MiB (all tokens
         at once when they fit); a number overrides it (one at least the tokens: no chunking).
@@ -236,6 +245,21 @@ class CausalTransformer:
         or ``"unroll"`` (each layer compiled on its own: a faster step, a longer compile, and
         XLA may keep what ``remat`` would recompute; ``LAYER_LOOPS``). The same arithmetic
         either way.
+
+    Raises:
+      ValueError: a size below 1, an unknown dtype, ``attention_impl``, ``remat`` or
+        ``layer_loop``, ``emb_features`` that does not split into even heads, ``num_heads``
+        not a multiple of ``num_kv_heads``, or expert settings out of range.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from dew.models.causal_transformer import CausalTransformer
+        >>> model = CausalTransformer(vocab_size=256, emb_features=64, num_layers=2, num_heads=4,
+        ...                           max_seq_len=32, num_kv_heads=2)
+        >>> params = model.init(jax.random.key(0))
+        >>> logits = model.apply(params, jnp.zeros((3, 32), jnp.int32))
+        >>> logits.shape, logits.dtype
+        ((3, 32, 256), dtype('float32'))
     """
 
     vocab_size: int
@@ -348,14 +372,17 @@ class CausalTransformer:
 
     @property
     def head_dim(self) -> int:
+        """Features per attention head: ``emb_features // num_heads``."""
         return self.emb_features // self.num_heads
 
     @property
     def kv_heads(self) -> int:
+        """Heads of K and V: ``num_kv_heads``, or ``num_heads`` when that is ``None``."""
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @property
     def hidden(self) -> int:
+        """The MLP's (each expert's) hidden width: ``mlp_features``, or ``4 * emb_features``."""
         return 4 * self.emb_features if self.mlp_features is None else self.mlp_features
 
     @property
@@ -530,7 +557,11 @@ class CausalTransformer:
         )
 
     def init(self, key: jax.Array) -> dict:
-        """Initial weights; they depend on ``key`` alone."""
+        """Initial weights ``{"params": ...}`` in ``param_dtype``; they depend on ``key`` alone.
+
+        The layers' weights are stacked on a leading layer dimension (a dense model's
+        ``params["params"]["layers"]["attn"]["q"]`` is ``[num_layers, embed, heads, head_dim]``).
+        """
         return init_params(self.declare(), key, resolve_dtype(self.param_dtype))
 
     # --- The three parts: embed, blocks, head ------------------------------------------------

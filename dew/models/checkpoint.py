@@ -95,19 +95,27 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None):
         one ``dew convert`` wrote).
       step: the step to load (default: the latest complete one).
 
-    Returns the ``CausalTransformer`` the checkpoint records and its weights ``{"params": ...}``
-    on one device (``jax.devices()[0]``), in the model's ``param_dtype``: ``model.apply(params,
-    tokens)`` gives float32 logits ``[batch, seq, vocab]``. A LoRA run's checkpoint gives the
-    merged model: its model without ``lora`` and the base with the adapters folded in
-    (``W + alpha / R * A @ B``, an int8 base dequantized first: ``lora.merge``); ``load_lora``
-    gives base and adapters apart.
+    Returns:
+      ``(model, params)``: the ``CausalTransformer`` the checkpoint records and its weights
+      ``{"params": ...}`` on one device (``jax.devices()[0]``), in the model's ``param_dtype``:
+      ``model.apply(params, tokens)`` gives float32 logits ``[batch, seq, vocab]``. A LoRA run's
+      checkpoint gives the merged model: its model without ``lora`` and the base with the
+      adapters folded in (``W + alpha / R * A @ B``, an int8 base dequantized first:
+      ``lora.merge``); ``load_lora`` gives base and adapters apart.
 
-    Raises ``FileNotFoundError`` / ``NotADirectoryError`` for a path that is missing or a file,
-    ``ValueError`` for a directory with no checkpoint, a ``step`` it does not have (naming the
-    steps it has), or a checkpoint written before Dew recorded its model, and
-    ``dew.checkpoints.CorruptCheckpointError`` for a damaged step: with ``step=None`` and the
-    latest step damaged, its kind ``DamagedLatestStepError``, naming the intact steps (never an
-    older step loaded in its place: give ``step=N`` to load one).
+    Raises:
+      FileNotFoundError: ``run_dir`` is missing (``NotADirectoryError``: it is a file).
+      ValueError: a directory with no checkpoint, a ``step`` it does not have (naming the steps
+        it has), or a checkpoint written before Dew recorded its model.
+      dew.checkpoints.CorruptCheckpointError: a damaged step; with ``step=None`` and the latest
+        step damaged, its kind ``DamagedLatestStepError``, naming the intact steps (never an
+        older step loaded in its place: give ``step=N`` to load one).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from dew import load_checkpoint
+        >>> model, params = load_checkpoint("runs/dew-train")  # dew train's default --run-dir
+        >>> logits = model.apply(params, jnp.array([[1, 2, 3]]))  # [1, 3, vocab_size] float32
     """
     import dataclasses
 

@@ -81,6 +81,19 @@ class StepOptions:
         v5e-8 compile of Llama-3.2-1B at fsdp=2,tensor=4 the rings left 0.55 x GSPMD's bytes
         exposed where the plain pairs left 1.10 x, with the same wire bytes and heap, and 0.17 x
         beside the fsdp rings (docs/benchmarks.md).
+
+    Raises:
+      ValueError: a value outside its choices (``sequence_parallel`` not a bool, an unknown
+        scheme, schedule or dtype), when built. What an option asks of a mesh is ``check``'s,
+        which the ``Trainer`` calls before anything compiles.
+
+    Examples:
+        >>> from dew import StepOptions
+        >>> options = StepOptions(sequence_parallel=True, gradient_sum_dtype="bfloat16")
+        >>> trainer = dew.Trainer(objective, optax.adamw(1e-3), key=jax.random.key(0),
+        ...                       mesh=dew.MeshSpec(fsdp=2, tensor=4), options=options)
+        >>> trainer.options.tensor_scheme  # "auto" resolved: the rings on TPU only
+        'plain'
     """
 
     sequence_parallel: bool = False
@@ -122,20 +135,20 @@ class StepOptions:
             )
 
     def check(self, axis_sizes: dict, seq_len: int) -> None:
-        """Raises ``ValueError``, naming the values, when these options cannot run, or cannot
-        take effect, on a mesh of ``axis_sizes`` with rows of ``seq_len`` positions.
+        """Checks that these options can run, and take effect, on a mesh of ``axis_sizes``
+        (axis name to size, as ``dict(mesh.shape)``) with rows of ``seq_len`` positions.
 
-        - ``sequence_parallel`` without a ``tensor`` axis, or with positions per device that do
-          not split over it;
-        - ``sequence_scheme`` other than the default without a ``sequence`` axis; the ring inside
-          a pipeline (its ``ppermute`` s would sit in the branch a stage takes at a tick, and
-          XLA:CPU joins every device of the step in each collective-permute, so stages running
-          different branches deadlock);
-        - ``pipeline_schedule`` other than the default without a ``stage`` axis;
-        - ``fsdp_scheme="ring"`` on an fsdp axis outside 2 to ``fsdp.RING_MAX``, or with a
-          ``stage`` axis (the ring attention's reason);
-        - ``tensor_scheme="ring"`` without a ``tensor`` axis, with positions per device that do
-          not split over it (the ring's blocks), or with a ``stage`` axis.
+        Raises:
+          ValueError: naming the values, for any of: ``sequence_parallel`` without a ``tensor``
+            axis, or with positions per device that do not split over it; ``sequence_scheme``
+            other than the default without a ``sequence`` axis, or the ring inside a pipeline
+            (its ``ppermute`` s would sit in the branch a stage takes at a tick, and XLA:CPU
+            joins every device of the step in each collective-permute, so stages running
+            different branches deadlock); ``pipeline_schedule`` other than the default without
+            a ``stage`` axis; ``fsdp_scheme="ring"`` on an fsdp axis outside 2 to
+            ``fsdp.RING_MAX``, or with a ``stage`` axis (the ring attention's reason);
+            ``tensor_scheme="ring"`` without a ``tensor`` axis, with positions per device that
+            do not split over it (the ring's blocks), or with a ``stage`` axis.
         """
         t, n = axis_sizes.get("tensor", 1), axis_sizes.get("sequence", 1)
         stages = axis_sizes.get("stage", 1)

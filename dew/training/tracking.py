@@ -39,9 +39,25 @@ class Tracker(Protocol):
 
 
 class JsonLines:
-    """Appends one JSON line per step to ``path`` (``{"step": N, **metrics}``), flushed as the step
-    ends, so a run that dies keeps every step it finished. The folder is created at the first line;
-    a ``path`` that is a folder is a ``ValueError`` here, before anything compiles."""
+    """A tracker that appends one JSON line per step to a file.
+
+    Each line is ``{"step": N, **metrics}``, flushed as the step ends, so a run that dies keeps
+    every step it finished. ``fit(metrics=path)`` adds one; the folder is created at the first
+    line.
+
+    Args:
+      path: the file to append to (``str`` or ``os.PathLike``).
+
+    Raises:
+      ValueError: ``path`` is a folder (here, before anything compiles).
+
+    Examples:
+        >>> import json
+        >>> from dew.training.tracking import JsonLines
+        >>> state = trainer.fit(data, steps=20, trackers=[JsonLines("runs/steps.jsonl")])
+        >>> json.loads(open("runs/steps.jsonl").readline())["step"]
+        1
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -50,6 +66,7 @@ class JsonLines:
         self._file = None
 
     def log(self, step: int, metrics: dict) -> None:
+        """Appends ``{"step": step, **metrics}`` as one line and flushes it."""
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
@@ -57,16 +74,31 @@ class JsonLines:
         self._file.flush()
 
     def close(self) -> None:
+        """Closes the file; the next ``log`` opens it again, to append."""
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
 class TensorBoard:
-    """Writes each number of ``metrics`` as a TensorBoard scalar (its name the tag, ``step`` the
-    step) to event files in ``logdir``, through ``tensorboardX``'s ``SummaryWriter`` (no
-    TensorFlow): ``pip install -e '.[tensorboard]'``. Strings (``val_weights``) are left out.
-    Flushed after every step. View with ``tensorboard --logdir DIR``."""
+    """A tracker that writes each step's metrics as TensorBoard scalars.
+
+    Each number of ``metrics`` becomes a scalar (its name the tag, ``step`` the step) in event
+    files in ``logdir``, through ``tensorboardX``'s ``SummaryWriter`` (no TensorFlow):
+    ``pip install -e '.[tensorboard]'``. Strings (``val_weights``) are left out. Flushed after
+    every step. View with ``tensorboard --logdir DIR``.
+
+    Args:
+      logdir: the folder for the event files, created at the first ``log``.
+
+    Raises:
+      dew.targets.MissingExtra: ``tensorboardX`` is not installed.
+      ValueError: ``logdir`` is a file.
+
+    Examples:
+        >>> from dew.training.tracking import TensorBoard
+        >>> state = trainer.fit(data, steps=20, trackers=[TensorBoard("runs/tb")])
+    """
 
     def __init__(self, logdir: str | os.PathLike):
         try:
@@ -81,6 +113,7 @@ class TensorBoard:
         self._writer = None
 
     def log(self, step: int, metrics: dict) -> None:
+        """Writes every number of ``metrics`` as a scalar at ``step``, then flushes."""
         if self._writer is None:
             from tensorboardX import SummaryWriter
 
@@ -91,6 +124,7 @@ class TensorBoard:
         self._writer.flush()
 
     def close(self) -> None:
+        """Closes the writer; the next ``log`` opens a new one in ``logdir``."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
