@@ -34,7 +34,7 @@ def test_dew_train_bad_input_is_a_clear_error(tmp_path, dew_here):
     bad = dew_here("train", "--batch", "12", "--mesh", "fsdp=8", "--steps", "1", cwd=tmp_path)
     assert bad.returncode == 2
     assert (
-        "dew train: batch 12 does not split evenly over 8 devices (data 1 x fsdp 8)" in bad.stderr
+        "dew train: --batch 12 does not split evenly over 8 devices (data 1 x fsdp 8)" in bad.stderr
     )
     missing = dew_here("train", "--data", str(tmp_path / "nothing"), "--steps", "1", cwd=tmp_path)
     assert missing.returncode == 2 and "nothing" in missing.stderr
