@@ -22,8 +22,10 @@ imports nothing of Dew at the top.
 Layout: the parser (``_common``, the flags ``dew train`` and ``dew collectives`` share, by topic,
 then ``build_parser``, which adds every subcommand); the helpers both commands use (``_example``,
 ``_trainer``, ``_print_header``); ``dew train``'s checks (``_check_train_flags``,
-``_check_validation_windows``, ``_resume_mismatch``); the two commands (``train_command``,
-``collectives_command``); and the dispatch (``user_errors``, ``one_line``, ``main``). It is one
+``_check_validation_windows``, ``_resume_mismatch``; a resume whose model or LoRA base differs is
+said by ``dew.cli.resume``); the two commands (``train_command``, ``collectives_command``); and the
+dispatch (``user_errors``, ``one_line``, ``main``, which says the library's argument names as the
+flags: ``dew.cli.flags.in_flags``). It is one
 module because the two commands share the ``Trainer``'s flags and these helpers, beside the dispatch
 of every subcommand; the others live in modules of their own.
 """
