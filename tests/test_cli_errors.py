@@ -111,6 +111,7 @@ BAD_INPUTS = [
     ("train --min-shard -1", "--min-shard must be an integer >= 0, got -1"),
     ("train --sequence-parallel", "--sequence-parallel needs a tensor axis above 1"),
     ("collectives --mesh tensor=8 --heads 2", "--heads 2 does not split over tensor 8"),
+    ("train --mesh stage=2", "--mesh stage=2 needs microbatches=M (M >= 2)"),
     (
         "train --mesh data=8 --batch 24 --accumulation 2",
         "--batch 24 over 8 devices (data 8 x fsdp 1) leaves 3 rows per device, which do not "

@@ -115,10 +115,14 @@ _NAMED = re.compile(
 )
 
 
+_MESH_SPEC = re.compile(r"MeshSpec\(([^()]*)\)")
+
+
 def in_flags(message: str) -> str:
     """``message`` with the library's names of ``FLAG_OF`` and ``PLAIN_FLAGS`` said as the flags
     that set them: ``"num_heads 2 does not split over tensor 8"`` -> ``"--heads 2 does not split
-    over tensor 8"``, ``"sequence_parallel=True needs"`` -> ``"--sequence-parallel needs"``."""
+    over tensor 8"``, ``"sequence_parallel=True needs"`` -> ``"--sequence-parallel needs"``,
+    ``"MeshSpec(stage=2) needs"`` -> ``"--mesh stage=2 needs"``."""
 
     def flag(match: re.Match) -> str:
         if match.group(4):
@@ -126,6 +130,8 @@ def in_flags(message: str) -> str:
         value = match.group(3)
         return FLAG_OF[match.group(1)] + (f" {value}" if value else "")
 
+    # MeshSpec(stage=2, microbatches=4) is what --mesh stage=2,microbatches=4 makes.
+    message = _MESH_SPEC.sub(lambda m: "--mesh " + m.group(1).replace(", ", ","), message)
     return _NAMED.sub(flag, message)
 
 
