@@ -18,8 +18,8 @@ of 128, of which
 Interpret mode compiles slowly, so each case is one compile of forward and backward, and the
 Mosaic cases compute pieces and strips of 64 inside the blocks of 128, which the ids skip too;
 the forward alone also runs with more pieces than strips (32 keys against 64 rows, and v5e's
-defaults on two rows of 4096 positions), and the two-kernel backward on rows reordered so that
-row 0 is the one split at the block boundary.
+defaults on two rows of 4096 positions), and forward and backward on rows reordered so that row
+0 is the one split at the block boundary.
 """
 
 import functools
@@ -203,10 +203,9 @@ KERNELS = {
 }
 
 
-def run_kernel(kernel, inputs, segment_ids, window, q_len=SEQ, also=None, block_q=BLOCK):
+def run_kernel(kernel, inputs, segment_ids, window, q_len=SEQ, also=None):
     """``(out, lse, dq, dk, dv)`` of `flash_attention_forward` and its vjp for the cotangents
-    ``(do, d_lse)``, as float64 numpy; the queries are the last ``q_len`` positions, in blocks of
-    ``block_q`` (the keys in blocks of ``BLOCK``). ``also``:
+    ``(do, d_lse)``, as float64 numpy; the queries are the last ``q_len`` positions. ``also``:
     None, or a function ``also(attend, q, k, v, do, d_lse, out, lse)`` (``attend`` the entry
     points' shared arguments) whose results are computed in the same compile and returned after
     those five."""
@@ -219,7 +218,7 @@ def run_kernel(kernel, inputs, segment_ids, window, q_len=SEQ, also=None, block_
             causal=True,
             segment_ids=segment_ids,
             window=window,
-            block_q=block_q,
+            block_q=BLOCK,
             block_k=BLOCK,
             interpret=interpret,
         )
@@ -346,30 +345,26 @@ def test_packed_documents_match_the_reference_and_each_document_alone(
         assert computed == want and want["forward"] < causal_only, (computed, want, seed)
 
 
-@pytest.mark.parametrize(
-    "kernel, block_q",
-    [
-        ("mosaic-two-kernel-backward", BLOCK),
-        # One query block over two key blocks of two pieces: a row's pieces at a stride of
-        # query blocks would be another row's.
-        ("mosaic", SEQ),
-    ],
-)
-def test_the_backward_skips_on_each_batch_row_s_own_ids(packed, seed, kernel, block_q):
-    # The backward kernels (the dq and dk/dv kernels, the fused one) skip a block pair (a piece,
-    # in the fused one) whose id ranges cannot meet, reading the ranges of the pair's own batch
-    # row. Row 0 here splits at the block boundary (the packed row 3: the pair (query block 1,
-    # key block 0) is skipped); row 1's long document crosses it (the packed row 0: the pair is
-    # computed), its ids moved past row 0's. A kernel reading row 0's ranges for row 1 would skip
-    # row 1's pairs. Forward and backward against the float64 reference and each document alone.
-    rows = [3, 0]
+@pytest.mark.parametrize("kernel", ["mosaic", "mosaic-two-kernel-backward"])
+def test_each_batch_row_s_steps_skip_on_its_own_ids(packed, seed, kernel):
+    # The kernels skip a block pair (a strip and a piece in the forward, a piece in the fused
+    # backward) whose id ranges cannot meet, reading the tables of the pair's own batch row. Row
+    # 0 here splits at position 128 (the packed row 3), so its one query block (the last 128
+    # positions) skips key block 0; row 1's long document crosses position 128 (the packed row 0,
+    # its ids moved past row 0's), so that pair computes. A kernel reading row 0's tables for row
+    # 1 would skip it there too. One query block over two key blocks: a table read at a stride
+    # of query blocks would read other ranges. Forward and backward against the float64
+    # reference.
+    rows, q_len = [3, 0], BLOCK
     inputs = tuple(x[rows] for x in packed[0])
     ids = packed[1][rows] + np.array([[0], [100]], np.int32)
-    got = run_kernel(kernel, inputs, jnp.asarray(ids), None, block_q=block_q)
-    visible = visibility(ids, ids, SEQ, SEQ, None)
-    assert not visible[0, BLOCK:, :BLOCK].any() and visible[1, BLOCK:, :BLOCK].any(), seed
-    assert_matches(got, reference(*inputs, visible), f"{kernel}, seed {seed}")
-    assert_matches(got, each_document_alone(inputs, ids, None), f"{kernel} alone, seed {seed}")
+    q_ids = ids[:, -q_len:]
+    got = run_kernel(kernel, inputs, (jnp.asarray(q_ids), jnp.asarray(ids)), None, q_len)
+    visible = visibility(q_ids, ids, q_len, SEQ, None)
+    assert not visible[0, :, :BLOCK].any() and visible[1, :, :BLOCK].any(), seed
+    q, k, v, do, d_lse = inputs
+    cut = (q[:, -q_len:], k, v, do[:, -q_len:], d_lse[:, :, -q_len:])
+    assert_matches(got, reference(*cut, visible), f"{kernel}, seed {seed}")
 
 
 def long_ids(rng, seq: int) -> np.ndarray:
