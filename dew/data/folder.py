@@ -175,8 +175,9 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
         ``FORMAT_VERSION``.
 
     Examples:
-        >>> meta = read_meta("tokens")
+        >>> meta = read_meta("tokens")  # the example corpus (write_example_corpus)
         >>> meta.train_tokens, meta.eos_id
+        (95598, None)
     """
     folder = Path(path)
     if not folder.is_dir():
