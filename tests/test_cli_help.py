@@ -203,3 +203,18 @@ def test_dew_help_says_what_each_command_does():
     # dew train trains what its flags say, not "the example model" alone (issue 67).
     assert "train a --model preset, an --init-from model" in text, text
     assert "the example model" not in text, text
+
+
+def test_param_dtype_help_says_where_the_moments_are_kept():
+    """``--param-dtype``'s help once said the optimizer's moments follow it; they are kept in
+    ``--moments-dtype`` (float32 by default) whatever the weights' dtype."""
+    import jax.numpy as jnp
+
+    from dew.training.optimizer import adamw
+
+    train = subcommands()["train"]
+    (action,) = [a for a in train._actions if a.dest == "param_dtype"]
+    assert "--moments-dtype" in action.help and "follow" not in action.help, action.help
+    moments = train.get_default("moments_dtype")
+    state = adamw(1e-3, moments_dtype=moments).init({"w": jnp.zeros((3, 5), jnp.bfloat16)})
+    assert state.mu["w"].dtype == jnp.float32, (moments, state.mu["w"].dtype)

@@ -171,12 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-every",
         type=int,
         default=None,
+        metavar="N",
         help="save every N steps (default: only at the end)",
     )
     logging.add_argument(
         "--log-every",
         type=int,
         default=10,
+        metavar="N",
         help="print the loss, step time, tokens/s, MFU (where the device's peak is known; "
         "PaLM's count and causal attention halved), the gradients' norm and the learning rate "
         "every N steps, the speed that of the steps since the line before (default 10)",

@@ -94,7 +94,9 @@ def add_model_flags(
         "--param-dtype",
         default=None,
         choices=choices.DTYPES,
-        help="the weights' dtype (default float32; the optimizer's moments follow it)",
+        help="the weights' dtype (default float32; a LoRA base's too, unless --base-dtype); dew "
+        "train keeps the optimizer's moments in --moments-dtype, and float32 master copies of "
+        "bfloat16 weights as --master-weights says",
     )
     nargs, more = takes("remat")
     precision.add_argument(
