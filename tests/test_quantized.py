@@ -1,0 +1,224 @@
+"""int8 matmuls in training (``dew.nn.quantized``, ``StepOptions(quantize="int8")``).
+
+The reference is the formula in numpy: quantize (float32, as the module docstring writes it),
+multiply the integers in int64, dequantize. The stochastic rounding's uniform draws are an input
+of the formula, taken from the keys the docstring names."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.nn import quantized
+from dew.nn.int8 import Quantized, quantize
+
+RECIPROCAL = np.float32(1.0 / 127)
+
+
+def ref_quantize(v, summed, u=None):
+    """``(q int64, scale float32 with the summed axes kept)``: nearest, or ``floor(v / s + u)``."""
+    v = np.asarray(v, np.float32)
+    peak = np.max(np.abs(v), axis=summed, keepdims=True)
+    scale = np.where(peak > 0, peak * RECIPROCAL, np.float32(1)).astype(np.float32)
+    q = np.round(v / scale) if u is None else np.floor(v / scale + np.asarray(u, np.float32))
+    return np.clip(q, -127, 127).astype(np.int64), scale
+
+
+def ref_forward(x, w):
+    """``te,ef->tf``: per-token ``x`` (over e), per-output-channel ``w`` (over e)."""
+    qx, sx = ref_quantize(x, 1)
+    qw, sw = ref_quantize(w, 0)
+    acc = (qx @ qw).astype(np.float32)
+    return acc * sx * sw, (qx, sx, qw, sw)
+
+
+def ref_gradients(x, w, d_out, key):
+    """``(dx, dw)`` of ``te,ef->tf`` from the formula, the uniform draws from ``key`` as
+    ``int8_einsum`` says."""
+    _, (qx, sx, qw, sw) = ref_forward(x, w)
+    d_out = np.asarray(d_out, np.float32)
+    dx_key, dw_key = jax.random.split(key)
+    g = d_out * sw
+    qg, sg = ref_quantize(g, 1, jax.random.uniform(dx_key, g.shape))
+    dx = (qg @ qw.T).astype(np.float32) * sg
+    h = d_out * sx
+    qh, sh = ref_quantize(h, 0, jax.random.uniform(dw_key, h.shape))
+    dw = (qx.T @ qh).astype(np.float32) * sh
+    return dx, dw
+
+
+def draw(seed, tokens=24, features=40, out=12):
+    """``x`` ``[tokens, features]`` with per-row magnitudes apart by 100x, ``w`` with per-column
+    ones apart by 30x (a scale on the wrong axis then loses most rows' or columns' bits), a
+    cotangent ``d_out``."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, features)) * np.exp(rng.uniform(-2.3, 2.3, (tokens, 1)))
+    w = rng.standard_normal((features, out)) * np.exp(rng.uniform(-1.7, 1.7, (1, out)))
+    d_out = rng.standard_normal((tokens, out)) * np.exp(rng.uniform(-2, 2, (tokens, 1)))
+    return x.astype(np.float32), w.astype(np.float32), d_out.astype(np.float32)
+
+
+def edge_halves(seed):
+    """The half steps of ``edge_rows``' third row (those exact in float32 at its scale)."""
+    scale = np.float32(2.5) * RECIPROCAL
+    halves = np.array([126.5, -126.5, 0.5, -0.5, 1.5, 2.5, -3.5, 64.5], np.float32)
+    return halves[(halves * scale) / scale == halves]
+
+
+def edge_rows(x, seed):
+    """``x`` with a row of zeros, a row of one large outlier, a row at exact half steps (ties:
+    half to even), and a row whose peak lands just above 127 steps (``peak * float32(1 / 127)``
+    below ``peak / 127``), where stochastic rounding reaches 128 unless clipped."""
+    rng = np.random.default_rng(seed)
+    x = x.copy()
+    x[0] = 0.0
+    x[1] = rng.standard_normal(x.shape[1]) * 0.01
+    x[1, 3] = 5000.0
+    peak = np.float32(2.5)
+    scale = peak * RECIPROCAL
+    exact = edge_halves(seed)
+    assert len(exact) >= 4, exact
+    x[2] = 0.0
+    x[2, 0] = peak
+    x[2, 1 : 1 + len(exact)] = exact * scale
+    values = np.linspace(0.01, 3.0, 1000, dtype=np.float32)
+    above = values[values / (values * RECIPROCAL) > 127][0]
+    x[3] = rng.uniform(-1, 1, x.shape[1]) * above * 0.5
+    x[3, 5] = -above
+    return x
+
+
+def test_the_forward_is_the_formula_exactly_in_the_integers(seed):
+    """``int8_einsum("te,ef->tf")`` against quantize / int64 matmul / dequantize, edge rows
+    included: the same integers and scales, so the same float32 product."""
+    print(f"seed {seed}")
+    x, w, _ = draw(seed)
+    x = edge_rows(x, seed)
+    qx, sx = ref_quantize(x, 1)
+    assert np.all(qx[0] == 0) and sx[0, 0] == 1.0, "a row of zeros: scale 1, q 0"
+    assert qx[1, 3] == 127 and np.sum(np.abs(qx[1])) == 127, "the outlier takes the row's bits"
+    out = np.asarray(quantized.int8_einsum("te,ef->tf", jnp.asarray(x), jnp.asarray(w)))
+    expected, _ = ref_forward(x, w)
+    np.testing.assert_array_equal(out, expected)
+    # The device's quantizer on the same rows, ties and the row above 127 steps included.
+    q, scale = quantize(jnp.asarray(x), out_dims=(0,))
+    np.testing.assert_array_equal(np.asarray(q), qx)
+    np.testing.assert_array_equal(np.asarray(scale), sx[:, 0])
+    ties = {126.5: 126, -126.5: -126, 0.5: 0, -0.5: 0, 1.5: 2, 2.5: 2, -3.5: -4, 64.5: 64}
+    halves = np.asarray(q)[2, 1:]
+    assert [ties[float(h)] for h in edge_halves(seed)] == list(halves[: len(edge_halves(seed))])
+
+
+def test_a_batched_spec_is_the_formula(seed):
+    """``"bse,ehd->bhsd"`` (q's projection): per-token scales over ``e`` for each ``(b, s)``,
+    per-channel ones over ``e`` for each ``(h, d)``; the same numbers as the 2-D formula on the
+    flattened operands."""
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((2, 5, 16)) * rng.uniform(0.1, 10, (2, 5, 1))).astype(np.float32)
+    w = (rng.standard_normal((16, 3, 4)) * rng.uniform(0.1, 10, (1, 3, 4))).astype(np.float32)
+    out = quantized.int8_einsum("bse,ehd->bhsd", jnp.asarray(x), jnp.asarray(w))
+    flat, _ = ref_forward(x.reshape(10, 16), w.reshape(16, 12))
+    expected = flat.reshape(2, 5, 3, 4).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+def test_both_gradients_are_the_formula(seed):
+    """``dx`` (the gradient times the weight's scales, per token, stochastically rounded, times
+    the forward's int8 weight) and ``dw`` (the gradient times the input's per-token scales, per
+    output channel, times the forward's int8 input) against numpy, edge rows included."""
+    print(f"seed {seed}")
+    x, w, d_out = draw(seed)
+    x = edge_rows(x, seed)
+    d_out[4] = 0.0  # a gradient row of zeros
+    d_out[5, 2] = 3e3  # and one outlier
+    key = jax.random.key(seed)
+    _, vjp = jax.vjp(
+        lambda a, b: quantized.int8_einsum("te,ef->tf", a, b, key), jnp.asarray(x), jnp.asarray(w)
+    )
+    dx, dw = vjp(jnp.asarray(d_out))
+    ref_dx, ref_dw = ref_gradients(x, w, d_out, key)
+    np.testing.assert_array_equal(np.asarray(dx), ref_dx)
+    np.testing.assert_array_equal(np.asarray(dw), ref_dw)
+    # Near the float gradients: int8 rounding, not another formula.
+    exact_dx, exact_dw = d_out @ w.T, x.T @ d_out
+    assert np.abs(np.asarray(dx) - exact_dx).max() < 0.05 * np.abs(exact_dx).max()
+    assert np.abs(np.asarray(dw) - exact_dw).max() < 0.05 * np.abs(exact_dw).max()
+
+
+def test_the_frozen_int8_base_multiplies_w8a8(seed):
+    """``frozen_int8_einsum`` on a stored ``Quantized`` weight: the forward's formula with the
+    stored integers and scales, the input gradient's too, and no weight gradient."""
+    print(f"seed {seed}")
+    x, w, d_out = draw(seed)
+    qw, sw = quantize(jnp.asarray(w), out_dims=(1,))
+    weight = Quantized(qw, sw)
+    key = jax.random.key(seed + 1)
+    out, vjp = jax.vjp(
+        lambda a, b: quantized.frozen_int8_einsum("te,ef->tf", a, b, key), jnp.asarray(x), weight
+    )
+    expected, _ = ref_forward(x, w)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    dx, d_weight = vjp(jnp.asarray(d_out))
+    np.testing.assert_array_equal(np.asarray(dx), ref_gradients(x, w, d_out, key)[0])
+    assert not np.any(np.asarray(d_weight.scale))
+
+
+def test_stochastic_rounding_is_unbiased(seed):
+    """Over 4,000 keys the mean of ``q * scale`` is within 5 standard errors of ``v`` for every
+    entry (each a fraction of a step from 0.1 to 0.9 away from an integer: rounding to nearest is
+    off by up to 0.4 steps, 28 standard errors)."""
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    steps = rng.integers(-120, 120, (6, 16)) + rng.uniform(0.1, 0.9, (6, 16))
+    steps[:, 0] = 127.0  # each row's peak: scale = 127 steps / 127
+    v = jnp.asarray(steps * 0.37, jnp.float32)
+    keys = jax.random.split(jax.random.key(seed), 4000)
+    q, scale = jax.vmap(lambda k: quantized.quantize_stochastic(v, (1,), k))(keys)
+    mean = np.mean(np.asarray(q, np.float64) * np.asarray(scale)[:, :, None], axis=0)
+    step = np.asarray(scale[0])[:, None]
+    error = np.abs(mean - np.asarray(v, np.float64)) / step
+    assert error.max() < 5 * 0.5 / np.sqrt(len(keys)), error.max()
+    assert set(np.unique(np.asarray(q)[:, 0, 1] - np.floor(steps[0, 1]))) == {0, 1}
+
+
+def test_stochastic_rounding_follows_its_key(seed):
+    """Both gradients: equal for equal keys, different for different keys (a rounding that
+    ignores its key gives equal ones), and different from rounding to nearest (no key)."""
+    print(f"seed {seed}")
+    x, w, d_out = (jnp.asarray(a) for a in draw(seed))
+
+    def gradients(key):
+        _, vjp = jax.vjp(lambda a, b: quantized.int8_einsum("te,ef->tf", a, b, key), x, w)
+        return [np.asarray(g) for g in vjp(d_out)]
+
+    first, again = gradients(jax.random.key(seed)), gradients(jax.random.key(seed))
+    other, nearest = gradients(jax.random.key(seed + 1)), gradients(None)
+    for a, b, c, d in zip(first, again, other, nearest):
+        np.testing.assert_array_equal(a, b)
+        assert np.mean(a != c) > 0.5, np.mean(a != c)
+        assert np.mean(a != d) > 0.5, np.mean(a != d)
+
+
+def test_a_sum_past_int32_is_refused():
+    """A weight gradient over more tokens than an int32 sum of int8 products holds exactly is
+    refused by name, before anything runs."""
+    x = jax.ShapeDtypeStruct((quantized.MAX_SUM + 1, 4), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+
+    def loss(a, b):
+        return jnp.sum(quantized.int8_einsum("te,ef->tf", a, b).astype(jnp.float32))
+
+    with pytest.raises(ValueError, match="133144"):
+        jax.eval_shape(jax.grad(loss, argnums=1), x, w)
+
+
+def test_stochastic_rounding_stays_in_int8_at_the_peak():
+    """At a row's peak (127 steps, or an ulp past it) with the largest uniform draw below 1,
+    ``floor(steps + u)`` is 128: it must come out 127, not wrapped to -128; and -127 an ulp past
+    with ``u = 0`` comes out -127, not -128 (a symmetric range)."""
+    top = np.float32(np.nextafter(np.float32(1), np.float32(0)))
+    steps = jnp.asarray([127.0, np.nextafter(np.float32(127), np.float32(128)), 126.5, -127.0])
+    assert np.array_equal(quantized.stochastic_round(steps, top), [127, 127, 127, -126])
+    below = jnp.asarray([-127.0, np.nextafter(np.float32(-127), np.float32(-128))], jnp.float32)
+    assert np.array_equal(quantized.stochastic_round(below, 0.0), [-127, -127])
