@@ -118,6 +118,7 @@ BAD_INPUTS = [
         "split into --accumulation 2 microbatches",
     ),
     ("train --data {tied}/config.json", "--data {tied}/config.json is a file: give a token folder"),
+    ("train --data {empty}", "--data {empty} holds no meta.json: give a token folder"),
     ("collectives --mesh bogus=2", "mesh entry 'bogus=2' is not AXIS=SIZE"),
     ("bench --mesh fsdp=3", "fsdp 3 = 3 devices does not divide the 8 devices"),
     ("plan --target v9z-8", "unknown TPU generation 'v9z'"),

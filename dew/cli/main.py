@@ -340,11 +340,12 @@ def _check_train_flags(args) -> None:
         "eval_batches",
         "accumulation",
     )
-    if args.data is not None and not Path(args.data).is_dir():
-        what = "is a file" if Path(args.data).exists() else "does not exist"
+    data = None if args.data is None else Path(args.data)
+    if data is not None and not (data / "meta.json").is_file():
+        what = "holds no meta.json" if data.is_dir() else "is a file" if data.exists() else ""
         raise ValueError(
-            f"--data {args.data} {what}: give a token folder (train.bin, val.bin, meta.json), "
-            "as dew tokenize writes"
+            f"--data {args.data} {what or 'does not exist'}: give a token folder (train.bin, "
+            "val.bin, meta.json), as dew tokenize writes"
         )
     if args.eval_batches is not None and args.eval_every is None:
         raise ValueError(
