@@ -237,7 +237,7 @@ def test_ring_pallas_backward_runs_one_kernel_pair_per_block(with_lse):
     "scheme, n, impl, sorted_ids, window",
     [
         ("ring", 4, "xla", True, None),
-        ("ring", 2, "pallas", True, None),
+        ("ring", 4, "pallas", True, None),  # the kernels' blocks round a ring of 4 (a scan)
         ("ring", 2, "xla", False, 5),
         # A window longer than a chunk round a ring of 4: step t's keys are device i - t's, not
         # i + t's (on a ring of 2 the same device).
