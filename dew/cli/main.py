@@ -324,7 +324,7 @@ def _example_corpus(path):
 
 
 def _check_train_flags(args) -> None:
-    """``dew train``'s counts and their pairings, and a ``--data`` that is not a folder, refused by
+    """``dew train``'s counts and their pairings, and a ``--data`` with no meta.json, refused by
     the flags' names before anything is written or compiled (the library would name its own
     arguments: ``eval_every``)."""
     from pathlib import Path
