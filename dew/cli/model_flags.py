@@ -148,7 +148,8 @@ def add_model_flags(
         default=None,
         metavar="W",
         help="sliding-window attention: each token attends to at most the W most recent tokens, "
-        "itself included, in every layer (default: all earlier tokens)",
+        "itself included, in every layer (default: all earlier tokens); W below the model's "
+        "context",
     )
     parser.set_defaults(
         example_model=dict(

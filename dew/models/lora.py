@@ -72,7 +72,8 @@ class Lora:
     """LoRA's settings (the module's docstring).
 
     Args:
-      rank: ``R``, the adapters' rank.
+      rank: ``R``, the adapters' rank; a model refuses one above any adapted weight's
+        ``min(in, out)`` (``check_rank``).
       alpha: the update is ``alpha / R * x A B``; ``None``: ``2 R`` (the update's scale 2, as
         torchtune's Llama recipes set it, alpha 16 at rank 8, and many others; PEFT's own default
         is alpha 8 whatever the rank).
