@@ -1,4 +1,4 @@
-"""The collective tables of docs/collectives.md and docs/distributed.md, from the ``dew
+"""The collective tables of docs/ (collectives.md, design.md, distributed.md), from the ``dew
 collectives`` command each is shown for (issue 67: every block that shows a command's printed
 numbers is produced by a test).
 
@@ -41,7 +41,8 @@ def tables(name: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-CASES = [(name, *table) for name in ("collectives.md", "distributed.md") for table in tables(name)]
+NAMES = sorted(str(path.relative_to(DOCS)) for path in DOCS.rglob("*.md"))
+CASES = [(name, *table) for name in NAMES for table in tables(name)]
 
 
 def test_the_docs_show_their_tables():
@@ -52,6 +53,7 @@ def test_the_docs_show_their_tables():
         ("collectives.md", "dew collectives --mesh sequence=4"),
         ("collectives.md", "dew collectives --mesh sequence=4 --sequence-scheme all_to_all"),
         ("collectives.md", "dew collectives --mesh stage=4,microbatches=8 --layers 4"),
+        ("design.md", "dew collectives --mesh fsdp=8"),
         ("distributed.md", "dew collectives --mesh tensor=2"),
         ("distributed.md", "dew collectives --mesh tensor=2 --sequence-parallel"),
         (
