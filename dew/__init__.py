@@ -23,6 +23,7 @@ _PUBLIC = {
     # The package, callable as its function (dew/collectives/__init__.py).
     "collectives": ("dew.collectives", None),
     "Layout": ("dew.layout", "Layout"),
+    "generate": ("dew.generation", "generate"),
     "load_checkpoint": ("dew.models.checkpoint", "load_checkpoint"),
     "MeshSpec": ("dew.mesh", "MeshSpec"),
     "StepOptions": ("dew.parallel.options", "StepOptions"),

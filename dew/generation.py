@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -152,6 +154,10 @@ class Generator:
                 f"{', '.join(f'{a} {n}' for a, n in others.items())}"
             )
         model.check_split(sizes)
+        if model.lora is not None:
+            from dew.models import lora
+
+            lora.check(model, sizes)
         self.model, self.mesh, self.layout = model, mesh, layout or Layout()
         weights, specs = self._laid_out(params, adapters)
         self.weights, self.specs = weights, specs
@@ -375,9 +381,7 @@ def generate(
         5
     """
     if tokenizer is not None and not hasattr(tokenizer, "encode"):
-        from dew.data.tokenizer import tokenizer_for
-
-        tokenizer = tokenizer_for(tokenizer)
+        tokenizer = tokenizer_of(tokenizer)
     texts = [isinstance(p, str) for p in prompts]
     if any(texts) and tokenizer is None:
         raise ValueError("string prompts need a tokenizer (tokenizer=...), or give token ids")
@@ -397,6 +401,39 @@ def generate(
         Completion(p, None if tokenizer is None else tokenizer.decode(n), n)
         for p, n in zip(prompts, new)
     ]
+
+
+def tokenizer_of(spec):
+    """The tokenizer ``spec`` names (``dew.data.tokenizer.tokenizer_for``: a tokenizer, ``"bytes"``,
+    a tokenizer.json or a folder holding one); a tokenizer.json with none of the usual
+    end-of-text tokens (a model whose config.json names its own) is read without one."""
+    from dew.data.tokenizer import tokenizer_for
+
+    try:
+        return tokenizer_for(spec)
+    except ValueError:
+        path = Path(spec) if isinstance(spec, (str, os.PathLike)) else None
+        if path is None or str(spec) in ("bytes", "byte") or not path.exists():
+            raise
+        return _NoEos(path / "tokenizer.json" if path.is_dir() else path)
+
+
+class _NoEos:
+    """A tokenizer.json read as it is, with no end-of-text token of its own."""
+
+    eos_id = None
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def stop_ids_of(stop, tokenizer) -> list[int]:

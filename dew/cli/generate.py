@@ -212,39 +212,6 @@ def load_source(path: str, step: int | None, merge: bool):
     return model, params, None, tokenizer, carried
 
 
-def tokenizer_of(spec: str):
-    """The tokenizer ``spec`` names (``dew.data.tokenizer.tokenizer_for``); a tokenizer.json
-    with none of the usual end-of-text tokens (a model whose config.json names its own) is read
-    without one."""
-    from dew.data.tokenizer import tokenizer_for
-
-    try:
-        return tokenizer_for(spec)
-    except ValueError:
-        path = Path(spec)
-        if spec in ("bytes", "byte") or not (path.is_file() or path.is_dir()):
-            raise
-        return _NoEos(path / "tokenizer.json" if path.is_dir() else path)
-
-
-class _NoEos:
-    """A tokenizer.json read as it is, with no end-of-text token of its own."""
-
-    eos_id = None
-
-    def __init__(self, path: Path):
-        from tokenizers import Tokenizer
-
-        self._tokenizer = Tokenizer.from_file(str(path))
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
 def encode_prompt(tokenizer, text: str, special: bool) -> list[int]:
     """``text``'s ids; ``special``: with the tokens the tokenizer's post-processor adds (a
     Hugging Face model's beginning-of-text), as transformers encodes a prompt."""
@@ -297,11 +264,35 @@ def chat_prompts(prompts: list[str], tokenizer_path) -> list[str]:
     ]
 
 
+def out_of_memory_line(error: BaseException, prompts: int, mesh) -> str | None:
+    """One line for XLA saying the generation does not fit the devices' memory (what it could
+    not have, and the flags that shrink it); ``None`` for any other error."""
+    from dew.benchmark.measure import bytes_text, figures_in, out_of_memory
+
+    if not out_of_memory(error):
+        return None
+    needed, available = figures_in(str(error))
+    what = "generating does not fit the device's memory"
+    if needed is not None:
+        what += f" (it needs {bytes_text(needed)}"
+        what += ")" if available is None else f", the device has {bytes_text(available)})"
+    return (
+        f"{what}: the weights and a KV cache for {prompts} prompts; give fewer prompts a run, a "
+        "smaller --max-new-tokens, or split the weights over more devices (--mesh fsdp=N or "
+        f"tensor=N; now {mesh_text(mesh)})"
+    )
+
+
+def mesh_text(mesh) -> str:
+    sizes = {name: getattr(mesh, name) for name in ("data", "fsdp", "tensor")}
+    return ",".join(f"{n}={v}" for n, v in sizes.items() if v not in (None, 1)) or "one device"
+
+
 def generate_command(args) -> int:
     import jax
 
     from dew.cli.flags import default_mesh
-    from dew.generation import Generator, stop_ids_of
+    from dew.generation import Generator, stop_ids_of, tokenizer_of
     from dew.layout import Layout
     from dew.mesh import MeshSpec
 
@@ -319,15 +310,21 @@ def generate_command(args) -> int:
     stop = default_stops(carried, tokenizer) if args.stop is None else None
     stop = stop if stop is not None else stop_ids_of(args.stop, tokenizer)
     generator = Generator(model, params, adapters, mesh=mesh, layout=Layout(args.min_shard))
-    new = generator(
-        ids,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop_ids=stop,
-    )
+    try:
+        new = generator(
+            ids,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop_ids=stop,
+        )
+    except Exception as error:  # XLA's out of memory: the batch or the cache too big, one line
+        line = out_of_memory_line(error, len(prompts), mesh)
+        if line is None:
+            raise
+        raise ValueError(line) from None
     records = [
         {"prompt": p, "completion": tokenizer.decode(n), "completion_ids": n}
         for p, n in zip(prompts, new)

@@ -168,19 +168,3 @@ def decode(model, params, tokens: jax.Array, slot, cache: Cache, shards: Shards 
     x = model.embed(params, tokens[:, None], shards)
     x, cache = _layers(model, params, x, cache, slot, shards, prefill=False)
     return _logits(model, params, x, shards), cache
-
-
-def forward_logits(
-    model, params, tokens: jax.Array, pads: jax.Array, prefilled: int, shards=ONE_DEVICE
-):
-    """float32 ``[rows, slots, vocab]``: the logits after every slot of ``tokens`` (left-padded
-    by ``pads``) computed the cached way, the first ``prefilled`` slots prefilled and the rest
-    decoded one at a time (for tests: each equals the full forward's logits there)."""
-    rows, length = tokens.shape
-    cache = empty_cache(model, rows, length, pads, shards)
-    logits, cache = prefill(model, params, tokens[:, :prefilled], cache, shards)
-    out = [logits]
-    for slot in range(prefilled, length):
-        logits, cache = decode(model, params, tokens[:, slot], slot, cache, shards)
-        out.append(logits)
-    return jnp.stack(out, axis=1)
