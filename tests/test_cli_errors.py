@@ -219,14 +219,24 @@ RUNTIME_ALLOCATION = (
 
 
 def _first_step_raises(monkeypatch, message: str) -> None:
-    """The step's first call raises XLA's ``message`` (nothing else of ``fit`` is changed)."""
+    """The step raises XLA's ``message`` where XLA raises it: the TPU compiler's refusal from its
+    compile (``dew train`` compiles the step before it allocates the weights), anything else from
+    its first call, after a compile that succeeds (nothing else of ``fit`` is changed)."""
+    from types import SimpleNamespace
+
     import jax
 
+    from dew.training.step_memory import refused_for_memory
     from dew.training.trainer import Trainer
 
-    def step(state, batch):
+    def step(*_):
         raise jax.errors.JaxRuntimeError(message)
 
+    sizes = ("argument", "output", "alias", "temp", "generated_code")
+    analysis = SimpleNamespace(**{f"{size}_size_in_bytes": 0 for size in sizes})
+    compiled = SimpleNamespace(memory_analysis=lambda: analysis)
+    compile_ = step if refused_for_memory(message) else lambda: compiled
+    step.lower = lambda *_: SimpleNamespace(compile=compile_)
     monkeypatch.setattr(Trainer, "train_step", lambda self, batch_size: step)
 
 

@@ -1,7 +1,8 @@
 """The numbers the guides print, from their commands run as the guides give them (issue 52: the
 sample output of docs/getting-started.md went stale while the code moved on).
 
-docs/getting-started.md trains with ``dew train --mesh fsdp=8``, then resumes the run in another
+docs/getting-started.md trains with ``dew train`` (fully sharded over 8 simulated CPU devices, the
+defaults on a machine without an accelerator), then resumes the run in another
 layout, and shows what each command printed. Both run here as a user runs them, in an empty
 folder, the command line read from the guide: the first by ``main`` in this process (its 8 CPU
 devices are the command's; a child process would import JAX again), the resume in a fresh
@@ -10,8 +11,9 @@ guide shows is compared with the line printed, in order:
 
 - the losses, gradient norms and learning rates to the printed digit: they are deterministic, the
   same on any machine and in any layout (the guide says so);
-- the header, the mesh and the resume lines word for word (where the guide shortens with ``…``,
-  as a path ``/…/runs``, anything matches);
+- the header, the devices and mesh line with the state a device holds, the phases before the first
+  step, the mesh and the resume lines word for word (where the guide shortens with ``…``, as a path
+  ``/…/runs``, the host's memory or a phase's seconds, anything matches);
 - the step times, tokens/s and the goodput by their form alone: they are the machine's.
 
 docs/metrics.md's JSON line is step 20 of the same run: its loss, gradient norm and learning rate
@@ -73,7 +75,7 @@ def assert_printed_as_documented(documented: list[str], printed: list[str]) -> N
 def test_getting_started_prints_what_it_says_and_metrics_md_agrees(tmp_path, dew_here):
     runs = documented_runs((DOCS / "getting-started.md").read_text())
     assert [command for command, _ in runs] == [
-        "dew train --mesh fsdp=8",
+        "dew train",
         "dew train --mesh data=2,fsdp=4 --steps 40",
     ], runs
     printed = {}  # step -> its log line's numbers, over both runs

@@ -170,9 +170,10 @@ def test_sigterm_to_dew_train_saves_a_checkpoint_that_resumes_like_a_straight_ru
     final = stopped + 2
     resumed = dew_here(*args, "--steps", str(final), "--metrics", str(metrics), cwd=tmp_path)
     assert resumed.returncode == 0, (seed, resumed.stderr[-3000:])
-    assert resumed.stdout.splitlines()[1].startswith(f"Resumed from step {stopped} in "), (
-        resumed.stdout
-    )
+    # After the header, the devices' line, the step's compile and the checkpoint read.
+    resumed_lines = resumed.stdout.splitlines()
+    read = next(i for i, line in enumerate(resumed_lines) if line.startswith("read the checkpoint"))
+    assert resumed_lines[read + 1].startswith(f"Resumed from step {stopped} in "), resumed.stdout
 
     straight_metrics = tmp_path / "straight.jsonl"
     straight = dew_here(

@@ -161,9 +161,11 @@ def add_device_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cpu-devices",
         type=int,
-        default=8,
+        default=None,
         metavar="N",
-        help="simulate N devices on the CPU (default 8); 0 uses JAX's own backend",
+        help="simulate N devices on the CPU; 0 uses the devices JAX finds (default: the "
+        "accelerator JAX finds, a TPU or GPU, by its device files and JAX's plugin for it, or "
+        "JAX_PLATFORMS where set; 8 simulated CPU devices where there is none)",
     )
 
 
@@ -214,8 +216,19 @@ def add_mesh_flag(parser: argparse.ArgumentParser, *, several: bool = False) -> 
         parser.add_argument(
             "--mesh",
             default="",
-            help="axis sizes, e.g. " + MESH_EXAMPLES + "; default: all data parallel",
+            help="axis sizes, e.g. "
+            + MESH_EXAMPLES
+            + "; default: fsdp=N over the N devices (fully sharded, as torchtitan and MaxText "
+            "default: each device holds 1/N of each large weight and of its optimizer state, "
+            "where data=N would hold all of them on every device)",
         )
+
+
+def default_mesh(mesh: str, devices: int) -> str:
+    """``--mesh`` of a command that runs one layout: ``mesh`` as given, or ``fsdp=N`` over the
+    ``devices`` devices when none is: fully sharded, never a whole replica on each device (the
+    state a device holds is then about 1/N of the model's, where data=N holds all of it)."""
+    return mesh if mesh.strip() else f"fsdp={devices}"
 
 
 def default_layouts(devices: int) -> list[str]:

@@ -58,6 +58,7 @@ from dew.cli.flags import (
     add_sequence_scheme_flag,
     add_tensor_scheme_flag,
     check_counts,
+    default_mesh,
     engine_names,
     in_flags,
     step_options,
@@ -243,12 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_devices(cpu_devices: int) -> None:
-    if cpu_devices < 0:
+def _setup_devices(cpu_devices: int | None) -> None:
+    """``--cpu-devices`` (``None``: not given) set up before JAX starts: N simulated CPU devices,
+    JAX's own devices for 0, and without the flag the accelerator JAX finds, or 8 simulated CPU
+    devices where there is none (``dew.training.runtime.default_cpu_devices``)."""
+    if cpu_devices is not None and cpu_devices < 0:
         raise ValueError(f"--cpu-devices must be >= 0, got {cpu_devices}")
-    from dew.training.runtime import prepare_process
+    from dew.training.runtime import default_cpu_devices, prepare_process
 
-    prepare_process(cpu_devices=cpu_devices or None)
+    prepare_process(cpu_devices=default_cpu_devices(cpu_devices))
 
 
 # Validation batches `dew train --eval-every` reads when --eval-batches is not given: the example
@@ -298,7 +302,7 @@ def _trainer(
         objective,
         default_optimizer() if optimizer is None else optimizer,
         key=jax.random.key(seed),
-        mesh=MeshSpec.parse(args.mesh),
+        mesh=MeshSpec.parse(default_mesh(args.mesh, jax.device_count())),
         layout=Layout(min_shard=args.min_shard),
         checkpoints=checkpoints,
         accumulation=args.accumulation,
@@ -401,6 +405,22 @@ def _resume_mismatch(differ: dict, run_dir) -> str:
     )
 
 
+def _check_memory_and_compile(trainer, data, batch: int):
+    """Before any weight is allocated: the devices, the mesh and the state a device holds, in
+    one line (``dew.cli.preflight``), then the step compiled (a live line while it compiles)
+    and what a device needs for it; a run that does not fit is refused in one line naming what
+    would. Returns the ``Progress`` that ``fit`` reports its own phases on."""
+    from dew.cli import preflight
+    from dew.training.progress import Progress
+
+    room = preflight.Room(list(trainer.mesh.devices.flat))
+    print(preflight.check_state(trainer, room), flush=True)
+    progress = Progress()
+    compiled = trainer.compile_step(data, progress)
+    print(preflight.check_step(trainer, compiled, batch, room), flush=True)
+    return progress
+
+
 def train_command(args) -> int:
     from pathlib import Path
 
@@ -436,6 +456,9 @@ def train_command(args) -> int:
         seed=args.seed,
         base=lora_base,
     )
+    progress = None
+    if (trainer.checkpoints.latest or 0) < args.steps:  # a finished run has nothing to compile
+        progress = _check_memory_and_compile(trainer, data, args.batch)
     if lora_base:
         convert.keep_carried(
             trainer.checkpoints.directory, convert.source_carried(lora_base), replace=False
@@ -458,6 +481,7 @@ def train_command(args) -> int:
             eval_every=args.eval_every,
             eval_batches=args.eval_batches,
             trackers=[TensorBoard(args.tensorboard)] if args.tensorboard else [],
+            progress=progress,
         )
     except CheckpointMismatchError as error:  # said with the flags whose values differ
         from dew.cli import resume

@@ -26,6 +26,74 @@ CLUSTERS_LOOKED_FOR = (
 )
 
 
+# The simulated CPU devices a ``dew`` command makes where no accelerator is found: 8, so that the
+# README's layouts (fsdp=8, data=2,fsdp=4, tensor=8) run on any machine.
+DEFAULT_CPU_DEVICES = 8
+
+# The accelerators ``find_accelerator`` looks for: the device files the kernel driver makes, and
+# the module JAX loads the backend from (its PJRT plugin). JAX uses the accelerator only when both
+# are there (a plugin without a device falls back to the CPU; so does a device without one: libtpu
+# is installed on CPU machines to compile for TPUs).
+ACCELERATORS = (
+    ("tpu", ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*"), ("libtpu",)),
+    ("gpu", ("/dev/nvidia[0-9]*",), ("jax_plugins.xla_cuda*",)),
+    ("gpu", ("/dev/kfd",), ("jax_plugins.xla_rocm*",)),
+)
+
+
+def _module_installed(pattern: str) -> bool:
+    """Whether a module matching ``pattern`` (``libtpu``, ``jax_plugins.xla_cuda*``) is installed,
+    found without importing it."""
+    import fnmatch
+    import importlib.util
+    import pkgutil
+
+    parent, _, child = pattern.rpartition(".")
+    if not parent:
+        return importlib.util.find_spec(pattern) is not None
+    spec = importlib.util.find_spec(parent)  # jax_plugins: a namespace package, nothing runs
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    names = (m.name for m in pkgutil.iter_modules(spec.submodule_search_locations))
+    return any(fnmatch.fnmatch(name, child) for name in names)
+
+
+def find_accelerator(environ=None, paths=None, installed=None) -> str | None:
+    """The accelerator JAX will find here (``"tpu"``, ``"gpu"``), or ``None`` for the CPU alone,
+    read without starting any JAX backend (simulated CPU devices must be set up before one
+    starts).
+
+    ``JAX_PLATFORMS`` decides when it is set: its first platform (``"cuda"``, ``"tpu"``), ``None``
+    when that is ``cpu``.
+    Otherwise an accelerator is found where its device files (``/dev/accel0`` or
+    ``/dev/vfio/0`` for a TPU, ``/dev/nvidia0`` for an NVIDIA GPU, ``/dev/kfd`` for AMD) and JAX's
+    plugin for it (``libtpu``, ``jax-cuda12-plugin``, ...) are both there. ``environ``, ``paths``
+    (a glob pattern to the paths it matches) and ``installed`` (a module name to whether it is
+    installed) replace the real probes in tests."""
+    import glob
+
+    environ = os.environ if environ is None else environ
+    paths = glob.glob if paths is None else paths
+    installed = _module_installed if installed is None else installed
+    platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        first = platforms[0].lower()
+        return None if first == "cpu" else first
+    for kind, device_files, plugins in ACCELERATORS:
+        if any(paths(pattern) for pattern in device_files) and any(map(installed, plugins)):
+            return kind
+    return None
+
+
+def default_cpu_devices(cpu_devices: int | None, environ=None, **probes) -> int | None:
+    """The simulated CPU devices a ``dew`` command sets up for ``--cpu-devices`` (``None``: not
+    given): ``N`` for ``N`` given, none (JAX's own devices) for 0 or where ``find_accelerator``
+    finds an accelerator, else ``DEFAULT_CPU_DEVICES``."""
+    if cpu_devices is not None:
+        return cpu_devices or None
+    return None if find_accelerator(environ, **probes) else DEFAULT_CPU_DEVICES
+
+
 class NoClusterError(RuntimeError):
     """``prepare_process(multi_host=True)`` found no coordinator: neither ``dew launch``'s
     variables nor a cluster ``jax.distributed.initialize()`` detects."""

@@ -42,6 +42,7 @@ from dew.parallel.options import StepOptions
 from dew.training import flops
 from dew.training.optimizer import host_state_shardings
 from dew.training.preemption import RUN, stop_signals
+from dew.training.progress import Progress, phase
 from dew.training.remat_choice import choose_remat
 from dew.training.state import TrainState
 from dew.training.step import (
@@ -253,6 +254,10 @@ class Trainer:
         )
         self._abstract_state = abstract_state
         self._steps: dict[int, Any] = {}
+        # The batch sizes whose step compile_step (or fit's first step) has compiled, and the
+        # seconds compile_step took, which the next fit counts as its own (goodput's first step).
+        self._compiled: set[int] = set()
+        self._compile_seconds: dict[int, float] = {}
         self._losses: dict[int, Any] = {}
         self._gradients: dict[int, Any] = {}
 
@@ -300,14 +305,24 @@ class Trainer:
         )
         return fresh(self.key).replace(frozen=lora_base.load(self))
 
-    def place(self):
+    def place(self, progress: Progress | None = None):
         """``(state, shardings, data_position)``: the latest checkpoint laid out for this trainer's
-        mesh and layout, or a fresh state (and position ``None``) when there is none."""
+        mesh and layout, or a fresh state (and position ``None``) when there is none.
+        ``progress``: reports the reading or initializing as a phase (``dew.training.progress``)."""
         if self.checkpoints is not None and self.checkpoints.latest is not None:
-            state, metadata = self._restore()
+            with phase(progress, "reading the checkpoint", "read the checkpoint"):
+                state, metadata = self._restore()
             print(f"Resumed from step {int(state.step)} in {self.checkpoints.directory}")
             return state, self.state_shardings, metadata.get("data_position")
-        return self.init_state(), self.state_shardings, None
+        if self.lora is not None and self.base is not None:
+            doing = ("reading the frozen base", "read the frozen base")
+        else:
+            doing = ("initializing the weights", "initialized the weights")
+        with phase(progress, *doing):
+            state = self.init_state()
+            if progress is not None:  # the phase's time is the work's, not its dispatch's
+                jax.block_until_ready(state)
+        return state, self.state_shardings, None
 
     def _saveable(self, state: TrainState) -> TrainState:
         # Checkpoints hold plain numbers: the typed key goes as its uint32 key data. A LoRA
@@ -586,6 +601,7 @@ class Trainer:
         eval_every: int | None = None,
         eval_batches: int | None = None,
         trackers: Sequence[Tracker] = (),
+        progress: Progress | None = None,
     ) -> TrainState:
         """Trains until ``state.step == steps`` (resuming from the latest checkpoint, if any).
 
@@ -627,6 +643,10 @@ class Trainer:
             ``TensorBoard(logdir)``, ``JsonLines(path)``, or anything with ``log(step, metrics)``
             and ``close()``). Only process 0 calls ``log``; ``fit`` calls every tracker's ``close``
             when it returns, or raises from its training loop.
+          progress: a ``dew.training.progress.Progress`` to report the slow phases before the
+            first step on (the state read or initialized, the step compiled, unless
+            ``compile_step`` compiled it already): a live line on a terminal, plain lines
+            elsewhere (``dew train`` passes one). Default: nothing is printed for them.
 
         The host never waits for a step before dispatching the next: each step's metrics are read
         (and its loss checked finite) once the next step is dispatched, so printing, logging and a
@@ -644,7 +664,9 @@ class Trainer:
         Returns:
           the final ``TrainState``, laid out on the mesh.
         """
-        started = time.perf_counter()
+        # A step compiled ahead by compile_step is fit's compile, as if compiled here: the
+        # goodput line's first step and wall time include it.
+        started = time.perf_counter() - self._compile_seconds.pop(data.batch_size, 0.0)
         nonnegative_int("steps", steps)
         positive_int("log_every", log_every)
         if checkpoint_every is not None:
@@ -658,8 +680,10 @@ class Trainer:
         check_evaluation(data, eval_every, eval_batches)
         self.check_batch(data.batch_size, data.seq_len)
         step_fn = self.train_step(data.batch_size)
+        if progress is not None and data.batch_size not in self._compiled:
+            step_fn = self._compiling_first(step_fn, data.batch_size, progress)
 
-        state, _, position = self.place()
+        state, _, position = self.place(progress)
         start = int(state.step)
         mesh_shape = dict(self.mesh.shape)
         if start >= steps:
@@ -779,6 +803,46 @@ class Trainer:
         )
         stop.finish(step, saved=self.checkpoints is not None, state=state)
         return state
+
+    def _compiling_first(self, step_fn, batch_size: int, progress: Progress):
+        """``step_fn`` whose first call (which compiles it, then dispatches it) is reported as
+        the phase of compiling the step."""
+
+        def call(*arguments):
+            if batch_size in self._compiled:
+                return step_fn(*arguments)
+            with progress.phase("compiling the step", "compiled the step"):
+                result = step_fn(*arguments)
+            self._compiled.add(batch_size)
+            return result
+
+        return call
+
+    def compile_step(self, data, progress: Progress | None = None):
+        """The step on ``data``'s batches (``train_step(data.batch_size)``), lowered on arguments
+        shaped as ``fit`` gives them and compiled now, nothing allocated or run. JAX keeps the
+        executable: ``fit``'s first step on these batches compiles nothing more.
+
+        Args:
+          data: the ``WindowDataset`` ``fit`` will train on.
+          progress: reports the compile as a phase (``dew.training.progress``).
+
+        Returns:
+          the compiled step (``jax.stages.Compiled``), for its ``memory_analysis()``: what a
+          device needs, before any weight is allocated.
+        """
+        rows = data.batch(0)  # the batch as fit reads it: tokens, or tokens with mask and ids
+        state, _ = self.step_arguments(data.batch_size)
+        batch = jax.ShapeDtypeStruct(
+            (data.batch_size, *rows.shape[1:]), rows.dtype, sharding=self.batch_sharding
+        )
+        step_fn = self.train_step(data.batch_size)
+        start = time.perf_counter()
+        with phase(progress, "compiling the step", "compiled the step"):
+            compiled = step_fn.lower(state, batch).compile()
+        self._compiled.add(data.batch_size)
+        self._compile_seconds[data.batch_size] = time.perf_counter() - start
+        return compiled
 
     # ----------------------------------------------------------------------------- inspection
 

@@ -1,0 +1,290 @@
+"""What ``dew train`` does with no device or mesh flag (issue 67): the accelerator JAX finds, else
+8 simulated CPU devices; fully sharded over them; one line of what a device needs before the step
+compiles, and a run that does not fit the host refused in one line before anything is allocated.
+
+The accelerator probes (device files, JAX's plugins, ``JAX_PLATFORMS``) are replaced by fakes:
+this machine has none. The memory lines are checked against counts made here from the model's
+shapes; the refusals in a child process whose address space is limited (``RLIMIT_AS``).
+"""
+
+import math
+import re
+import resource
+import subprocess
+import sys
+import time
+import types
+
+import jax
+import optax
+import pytest
+
+from dew import Layout, MeshSpec, Trainer
+from dew.cli import preflight
+from dew.cli.flags import default_mesh
+from dew.cli.main import _setup_devices, build_parser
+from dew.training import runtime
+from dew.training.runtime import DEFAULT_CPU_DEVICES, default_cpu_devices, find_accelerator
+from tests.helpers import child_env, tiny_objective
+from tests.test_cli import ROOT
+
+
+def probes(files=(), modules=(), environ=None):
+    """``find_accelerator``'s probes, faked: the device files there, the modules installed."""
+
+    def paths(pattern):
+        import fnmatch
+
+        return [f for f in files if fnmatch.fnmatch(f, pattern)]
+
+    def installed(pattern):
+        import fnmatch
+
+        return any(fnmatch.fnmatch(m, pattern) for m in modules)
+
+    return dict(environ={} if environ is None else environ, paths=paths, installed=installed)
+
+
+def test_the_accelerator_is_found_by_its_device_files_and_jax_plugin():
+    assert find_accelerator(**probes(["/dev/accel0", "/dev/accel1"], ["libtpu"])) == "tpu"
+    assert find_accelerator(**probes(["/dev/vfio/0", "/dev/vfio/vfio"], ["libtpu"])) == "tpu"
+    cuda = ["jax_plugins.xla_cuda12", "jax_cuda12_plugin"]
+    assert find_accelerator(**probes(["/dev/nvidia0", "/dev/nvidiactl"], cuda)) == "gpu"
+    assert find_accelerator(**probes(["/dev/kfd"], ["jax_plugins.xla_rocm7"])) == "gpu"
+    # libtpu without a chip (installed here, to compile for TPUs), a GPU without JAX's plugin
+    # (JAX would run on the CPU), the vfio control file alone: the CPU.
+    assert find_accelerator(**probes([], ["libtpu"])) is None
+    assert find_accelerator(**probes(["/dev/nvidia0", "/dev/nvidiactl"], ["libtpu"])) is None
+    assert find_accelerator(**probes(["/dev/vfio/vfio"], ["libtpu"])) is None
+    # JAX_PLATFORMS says which, whatever the probes find.
+    tpu = probes(["/dev/accel0"], ["libtpu"], environ={"JAX_PLATFORMS": "cpu"})
+    assert find_accelerator(**tpu) is None
+    assert find_accelerator(**probes(environ={"JAX_PLATFORMS": "cuda,cpu"})) == "cuda"
+
+
+def test_cpu_devices_simulated_only_where_no_accelerator_is_found():
+    tpu, none = probes(["/dev/accel0"], ["libtpu"]), probes([], ["libtpu"])
+    assert default_cpu_devices(None, **tpu) is None  # JAX's own devices: the chips
+    assert default_cpu_devices(None, **none) == DEFAULT_CPU_DEVICES == 8
+    assert default_cpu_devices(0, **none) is None  # --cpu-devices 0: JAX's own, as before
+    assert default_cpu_devices(3, **tpu) == 3  # --cpu-devices N: N simulated, always
+
+
+@pytest.mark.parametrize(
+    "flags, accelerator, expected",
+    [([], "tpu", None), ([], None, 8), (["--cpu-devices", "2"], "tpu", 2)],
+)
+def test_dew_train_sets_up_the_devices_the_rule_gives(monkeypatch, flags, accelerator, expected):
+    # The parsed flag through main's setup to prepare_process, the accelerator faked.
+    args = build_parser().parse_args(["train", *flags])
+    given = []
+    monkeypatch.setattr(runtime, "find_accelerator", lambda *a, **k: accelerator)
+    monkeypatch.setattr(runtime, "prepare_process", lambda cpu_devices: given.append(cpu_devices))
+    _setup_devices(args.cpu_devices)
+    assert given == [expected]
+
+
+def test_no_mesh_is_fully_sharded_over_every_device():
+    assert default_mesh("", 8) == "fsdp=8"
+    assert default_mesh("", 1) == "fsdp=1"
+    assert default_mesh("data=2,fsdp=4", 8) == "data=2,fsdp=4"  # as given
+    args = build_parser().parse_args(["train"])
+    assert MeshSpec.parse(default_mesh(args.mesh, 8)).shape(8)["fsdp"] == 8
+
+
+def _trainer(mesh, optimizer=None):
+    return Trainer(
+        tiny_objective(),
+        optimizer or optax.adamw(1e-3),
+        key=jax.random.key(0),
+        mesh=mesh,
+        layout=Layout(min_shard=1),
+    )
+
+
+def _weights(objective) -> int:
+    shapes = jax.eval_shape(objective.model.init, jax.random.key(0))
+    return sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(shapes))
+
+
+def _text(n) -> str:
+    """Bytes as the lines print them: GiB, MiB or KiB, whichever leaves at least 1."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size or unit == "KiB":
+            return f"{n / size:.2f} {unit}"
+
+
+def _host(available):
+    return lambda: (available, "MemAvailable")
+
+
+def test_the_line_before_compiling_names_devices_mesh_and_the_state_a_device_holds():
+    # AdamW in float32: the weights and two moments, 12 bytes a weight, and a few scalars (the
+    # step, the moments' count, the key). Replicated on data=8 each device holds all of it; on
+    # fsdp=8 an eighth (every weight of the tiny model splits over 8 with min_shard=1).
+    weights = _weights(tiny_objective())
+    devices = jax.devices()
+    replicated = preflight.state_bytes(_trainer(MeshSpec(data=8)))
+    sharded = preflight.state_bytes(_trainer(MeshSpec(fsdp=8)))
+    assert 12 * weights <= replicated <= 12 * weights + 64, (weights, replicated)
+    assert 12 * weights / 8 <= sharded <= 12 * weights / 8 + 64, (weights, sharded)
+
+    room = preflight.Room(devices, host=_host(3 * 2**30 + 2**29))
+    line = preflight.check_state(_trainer(MeshSpec(fsdp=8)), room)
+    assert line == (
+        f"8 simulated CPU devices, mesh fsdp=8: {_text(sharded)} of training state a device; "
+        f"the host holds 8: {_text(8 * sharded)} of 3.50 GiB available"
+    )
+
+
+def test_a_state_that_does_not_fit_the_host_is_refused_naming_the_mesh_that_fits():
+    replicated = preflight.state_bytes(_trainer(MeshSpec(data=8)))
+    sharded = preflight.state_bytes(_trainer(MeshSpec(fsdp=8)))
+    # Room for the 8 devices' sharded state, not for 8 replicas.
+    room = preflight.Room(jax.devices(), host=_host(4 * replicated))
+    with pytest.raises(ValueError) as refused:
+        preflight.check_state(_trainer(MeshSpec(data=8)), room)
+    assert str(refused.value) == (
+        f"the training state (weights, optimizer, EMA) needs {_text(replicated)} a device on "
+        f"--mesh data=8; 8 simulated CPU devices hold {_text(8 * replicated)} on this host, "
+        f"which has {_text(4 * replicated)} available (MemAvailable): give --mesh fsdp=8, fully "
+        f"sharded, where a device holds {_text(sharded)}, {_text(8 * sharded)} on this host"
+    )
+    # Already fully sharded, and still too big: the flags that shrink the state.
+    small = preflight.Room(jax.devices(), host=_host(7 * sharded))
+    with pytest.raises(ValueError, match=r"fully sharded too: give a smaller --model, or "):
+        preflight.check_state(_trainer(MeshSpec(fsdp=8)), small)
+
+
+def _compiled(argument, output, alias, temp, code):
+    analysis = types.SimpleNamespace(
+        argument_size_in_bytes=argument,
+        output_size_in_bytes=output,
+        alias_size_in_bytes=alias,
+        temp_size_in_bytes=temp,
+        generated_code_size_in_bytes=code,
+    )
+    return types.SimpleNamespace(memory_analysis=lambda: analysis)
+
+
+def test_the_steps_need_is_the_compilers_count_and_a_step_too_big_names_a_batch_that_fits():
+    trainer = _trainer(MeshSpec(fsdp=8))
+    state = preflight.state_bytes(trainer)
+    # A step of 3 MiB a device: arguments (the state and the batch) + outputs - donated + temp
+    # + code, as the compiler counts it.
+    compiled = _compiled(state + 4096, state + 16, state, 3 * 2**20 - 4112 - 1024, 1024)
+    need = 3 * 2**20 + state
+    line = preflight.check_step(trainer, compiled, 64, preflight.Room(jax.devices(), _host(2**30)))
+    assert line == (
+        f"a device needs {_text(need)} for the step, the state included; the host holds 8: "
+        f"{_text(8 * need)} of 1.00 GiB available"
+    )
+    # Room for 8 x (state + 1.3 MiB): the step's 3 MiB beyond the state grow with the rows, 8
+    # a device at --batch 64; 3 rows a device (--batch 24) take 1.125 MiB, 4 rows 1.5 MiB.
+    room = preflight.Room(jax.devices(), _host(8 * (state + 13 * 2**20 // 10)))
+    with pytest.raises(ValueError) as refused:
+        preflight.check_step(trainer, compiled, 64, room)
+    message = str(refused.value)
+    assert message.startswith(
+        f"the step needs {_text(need)} a device on --mesh fsdp=8 with --batch 64, the state "
+        f"included; 8 simulated CPU devices hold {_text(8 * need)} on this host"
+    ), message
+    fits = state + 3 * 2**20 * 3 // 8
+    assert message.endswith(
+        f": give --batch 24 (about {_text(fits)} a device, {_text(8 * fits)} on this host)"
+    ), message
+
+
+def test_the_host_has_what_meminfo_and_the_address_space_limit_leave():
+    meminfo = "MemTotal: 24000000 kB\nMemFree: 1000 kB\nMemAvailable: 20000000 kB\n"
+    status = "Name: python\nVmPeak: 3000000 kB\nVmSize: 2000000 kB\n"
+    unlimited = resource.RLIM_INFINITY
+    assert preflight.host_available(meminfo, status, unlimited) == (20000000 * 1024, "MemAvailable")
+    limit = 5000000 * 1024  # 5,000,000 kB, 2,000,000 of them taken
+    assert preflight.host_available(meminfo, status, limit) == (
+        3000000 * 1024,
+        "the address-space limit, ulimit -v",
+    )
+    assert preflight.host_available("", "", unlimited) == (None, "")
+
+
+# A child that limits its own address space, then runs ``dew`` (a preexec_fn would fork this
+# multithreaded process).
+LIMITED_DEW = (
+    "import resource, runpy, sys; limit = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_AS, (limit, limit)); sys.argv = ['dew', *sys.argv[2:]]; "
+    "runpy.run_module('dew', run_name='__main__', alter_sys=True)"
+)
+
+
+def _limited(gib, *args, cwd):
+    """``dew train ARGS`` in a child process whose address space is limited to ``gib`` GiB
+    (``RLIMIT_AS``): ``(completed process, seconds)``."""
+    env = child_env()
+    env["PYTHONPATH"] = str(ROOT)
+    start = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, "-c", LIMITED_DEW, str(int(gib * 2**30)), "train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return run, time.perf_counter() - start
+
+
+# An address space of 2.5 GiB: JAX and Dew take about 1.5 GiB of it before the check, which
+# leaves about 1 GiB for the devices.
+LIMIT_GIB = 2.5
+
+
+def test_gpt2_small_refused_in_one_line_before_compiling_where_the_host_is_too_small(tmp_path):
+    # GPT-2 small's state (weights, AdamW's moments: 12 bytes a weight, 124M weights) is 1.38
+    # GiB fully sharded over 8 simulated devices: more than the limit leaves.
+    run, seconds = _limited(LIMIT_GIB, "--model", "gpt2-small", "--steps", "1", cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr[-3000:]
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(
+        "dew train: the training state (weights, optimizer, EMA) needs 176.80 MiB a device on "
+        "--mesh fsdp=8; 8 simulated CPU devices hold 1.38 GiB on this host, which has "
+    ), line
+    assert line.endswith(
+        "available (the address-space limit, ulimit -v), fully sharded too: give a smaller "
+        "--model, or --moments-dtype bfloat16 (AdamW's two moments in half the bytes)"
+    ), line
+    # Refused before the step compiled (its compile alone takes 15 s and more here).
+    assert "compiling the step" not in run.stdout, run.stdout
+    assert seconds < 30, seconds
+    # Replicated it would not fit an address space of 8 GiB either: --mesh fsdp=8 is named.
+    run, seconds = _limited(8, "--model", "gpt2-small", "--mesh", "data=8", cwd=tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr[-3000:]
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(
+        "dew train: the training state (weights, optimizer, EMA) needs 1.38 GiB a device on "
+        "--mesh data=8; 8 simulated CPU devices hold 11.05 GiB on this host"
+    ), line
+    assert line.endswith(
+        ": give --mesh fsdp=8, fully sharded, where a device holds 176.80 MiB, 1.38 GiB on this "
+        "host"
+    ), line
+    assert "compiling the step" not in run.stdout and seconds < 30, (run.stdout, seconds)
+
+
+def test_a_model_that_fits_trains_under_the_same_limit(tmp_path):
+    # The example decoder (GPT-2 small's fitting run takes minutes here): the same command
+    # shape, the same limit, no flag for devices or mesh.
+    run, _ = _limited(LIMIT_GIB, "--steps", "2", "--layers", "1", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert re.fullmatch(
+        r"8 simulated CPU devices, mesh fsdp=8: [\d.]+ KiB of training state a device; the host "
+        r"holds 8: [\d.]+ [KM]iB of [\d.]+ MiB available",
+        lines[1],
+    ), lines
+    assert lines[2:4] == ["compiling the step...", lines[3]] and lines[3].startswith(
+        "compiled the step in "
+    ), lines
+    assert lines[4].startswith("a device needs "), lines
+    assert "Training from step 0 to 2 on {'data': 1, 'expert': 1, 'fsdp': 8," in run.stdout
+    assert re.search(r"^step 2: loss \d+\.\d{4}, ", run.stdout, re.M), run.stdout
