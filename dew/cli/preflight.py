@@ -85,9 +85,12 @@ class Room:
     ``host`` gives it); ``None`` when unknown (nothing is refused)."""
 
     def __init__(self, devices, host=None):
+        import jax
+
         from dew.training.step_memory import device_memory_limit
 
-        self.count = len(devices)
+        # The devices this process holds (all of them, but in a run of several processes).
+        self.count = sum(d.process_index == jax.process_index() for d in devices)
         self.devices = devices_text(devices)
         self.on_host = devices[0].platform == "cpu"
         self.per_device = None if self.on_host else device_memory_limit(devices[0])
