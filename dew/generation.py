@@ -380,7 +380,7 @@ def generate(
         >>> len(out[0].completion_ids)
         5
     """
-    if tokenizer is not None and not hasattr(tokenizer, "encode"):
+    if isinstance(tokenizer, (str, os.PathLike)):  # a name or a path, not a tokenizer
         tokenizer = tokenizer_of(tokenizer)
     texts = [isinstance(p, str) for p in prompts]
     if any(texts) and tokenizer is None:

@@ -33,6 +33,7 @@ GROUPS = {
         "dew.data.tokenizer.tokenizer_for",
         "dew.data.text.tokenize_files",
     ],
+    "generate": ["dew.generation.generate"],
     "folder writer": ["dew.data.folder.TokenFolderWriter"],
     "write_token_folder": ["dew.data.folder.write_token_folder"],
     "collectives": [

@@ -60,6 +60,28 @@ def test_cached_logits_equal_the_full_forward_at_every_position(case, seed):
         np.testing.assert_allclose(cached[row], full[after], atol=1e-5, rtol=0, err_msg=f"{row}")
 
 
+def test_a_pallas_prefill_gives_the_xla_prefills_logits_and_cache(seed):
+    """attention_impl="pallas" (the Pallas interpreter on CPU) prefills with the kernels, the
+    padding masked by segment ids: the same next-token logits and cache as XLA's, and the
+    padded row's logits those of its tokens alone, 1e-5."""
+    fields = dict(vocab_size=96, emb_features=64, num_layers=1, num_heads=4, num_kv_heads=2)
+    xla = CausalTransformer(**fields, max_seq_len=64)
+    pallas = CausalTransformer(**fields, max_seq_len=64, attention_impl="pallas")
+    params = xla.init(jax.random.key(seed))
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 96, (2, 16), np.int32))
+    pads = jnp.asarray([0, 9], jnp.int32)
+    out = [
+        jax.jit(functools.partial(decode.prefill, model))(
+            params, tokens, decode.empty_cache(model, 2, 32, pads)
+        )
+        for model in (xla, pallas)
+    ]
+    for a, b in zip(jax.tree_util.tree_leaves(out[0]), jax.tree_util.tree_leaves(out[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    alone = xla.apply(params, tokens[1:, 9:])[0, -1]  # the padded row's 7 tokens, no padding
+    np.testing.assert_allclose(np.asarray(out[1][0][1]), np.asarray(alone), atol=1e-5, rtol=0)
+
+
 # --- Layouts against one device ------------------------------------------------------------------
 
 PROMPTS = [[5, 17, 3, 44, 90, 1, 8], [61, 2], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]

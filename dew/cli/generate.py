@@ -196,7 +196,8 @@ def load_source(path: str, step: int | None, merge: bool):
     if hf.is_hf_folder(path):
         if step is not None:
             raise ValueError(f"--step {step}: {path} is a Hugging Face folder, which has no steps")
-        model, params = hf.load(path)
+        # The attention kernels where the devices take them, as dew train's default.
+        model, params = hf.load(path, attention_impl="auto")
         tokenizer = Path(path) / "tokenizer.json"
         config = hf.read_config(path)
         return model, params, None, tokenizer if tokenizer.is_file() else None, config
