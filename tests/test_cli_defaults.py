@@ -217,32 +217,48 @@ LIMITED_DEW = (
 )
 
 
-def _limited(gib, *args, cwd):
-    """``dew train ARGS`` in a child process whose address space is limited to ``gib`` GiB
-    (``RLIMIT_AS``): ``(completed process, seconds)``."""
+def _child(*args, **kwargs):
     env = child_env()
     env["PYTHONPATH"] = str(ROOT)
-    start = time.perf_counter()
-    run = subprocess.run(
-        [sys.executable, "-c", LIMITED_DEW, str(int(gib * 2**30)), "train", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, **kwargs
     )
+
+
+def _limited(limit, *args, cwd):
+    """``dew train ARGS`` in a child process whose address space is limited to ``limit`` bytes
+    (``RLIMIT_AS``): ``(completed process, seconds)``."""
+    start = time.perf_counter()
+    run = _child("-c", LIMITED_DEW, str(int(limit)), "train", *args, cwd=cwd)
     return run, time.perf_counter() - start
 
 
-# An address space of 2.5 GiB: JAX and Dew take about 1.5 GiB of it before the check, which
-# leaves about 1 GiB for the devices.
-LIMIT_GIB = 2.5
+@pytest.fixture(scope="module")
+def limit():
+    """An address space 1 GiB above what a child takes once JAX has its 8 CPU devices and Dew's
+    CLI is imported (about 1.5 GiB here; more where XLA starts more threads): about 1 GiB for
+    the devices when ``dew train`` checks them."""
+    size = _child(
+        "-c",
+        "from dew.training.runtime import prepare_process; prepare_process(cpu_devices=8); "
+        "import jax, dew.cli.main, dew.planning; jax.devices(); "
+        "print(open('/proc/self/status').read())",
+    )
+    assert size.returncode == 0, size.stderr[-3000:]
+    return _vm_size(size.stdout) + 2**30
 
 
-def test_gpt2_small_refused_in_one_line_before_compiling_where_the_host_is_too_small(tmp_path):
+def _vm_size(status: str) -> int:
+    (kib,) = re.findall(r"^VmSize:\s+(\d+) kB$", status, re.M)
+    return int(kib) * 1024
+
+
+def test_gpt2_small_refused_in_one_line_before_compiling_where_the_host_is_too_small(
+    tmp_path, limit
+):
     # GPT-2 small's state (weights, AdamW's moments: 12 bytes a weight, 124M weights) is 1.38
     # GiB fully sharded over 8 simulated devices: more than the limit leaves.
-    run, seconds = _limited(LIMIT_GIB, "--model", "gpt2-small", "--steps", "1", cwd=tmp_path)
+    run, seconds = _limited(limit, "--model", "gpt2-small", "--steps", "1", cwd=tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr[-3000:]
     (line,) = run.stderr.splitlines()
     assert line.startswith(
@@ -256,8 +272,10 @@ def test_gpt2_small_refused_in_one_line_before_compiling_where_the_host_is_too_s
     # Refused before the step compiled (its compile alone takes 15 s and more here).
     assert "compiling the step" not in run.stdout, run.stdout
     assert seconds < 30, seconds
-    # Replicated it would not fit an address space of 8 GiB either: --mesh fsdp=8 is named.
-    run, seconds = _limited(8, "--model", "gpt2-small", "--mesh", "data=8", cwd=tmp_path)
+    # Replicated (11.05 GiB for the 8) it does not fit 7 GiB for the devices: fully sharded
+    # (1.38 GiB) it would, and --mesh fsdp=8 is named.
+    seven = limit + 6 * 2**30
+    run, seconds = _limited(seven, "--model", "gpt2-small", "--mesh", "data=8", cwd=tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr[-3000:]
     (line,) = run.stderr.splitlines()
     assert line.startswith(
@@ -271,10 +289,10 @@ def test_gpt2_small_refused_in_one_line_before_compiling_where_the_host_is_too_s
     assert "compiling the step" not in run.stdout and seconds < 30, (run.stdout, seconds)
 
 
-def test_a_model_that_fits_trains_under_the_same_limit(tmp_path):
+def test_a_model_that_fits_trains_under_the_same_limit(tmp_path, limit):
     # The example decoder (GPT-2 small's fitting run takes minutes here): the same command
     # shape, the same limit, no flag for devices or mesh.
-    run, _ = _limited(LIMIT_GIB, "--steps", "2", "--layers", "1", cwd=tmp_path)
+    run, _ = _limited(limit, "--steps", "2", "--layers", "1", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert re.fullmatch(
