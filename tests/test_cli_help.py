@@ -134,6 +134,9 @@ def test_every_copy_equals_its_original():
     assert choices.FSDP_SCHEMES == expected["fsdp_scheme"]
     assert choices.GRADIENT_SUM_DTYPES == expected["gradient_sum_dtype"]
     assert choices.TENSOR_SCHEMES == expected["tensor_scheme"]
+    from dew.parallel.options import QUANTIZE
+
+    assert choices.QUANTIZE == QUANTIZE
     assert choices.DEFAULT_MIN_SHARD == DEFAULT_MIN_SHARD
     assert choices.DTYPES == expected["dtype"]
     assert (choices.REMAT_CHOICES, choices.REMAT_AUTO) == (REMAT_CHOICES, REMAT_AUTO)

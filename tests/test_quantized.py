@@ -4,13 +4,19 @@ The reference is the formula in numpy: quantize (float32, as the module docstrin
 multiply the integers in int64, dequantize. The stochastic rounding's uniform draws are an input
 of the formula, taken from the keys the docstring names."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import dew
 from dew.nn import quantized
 from dew.nn.int8 import Quantized, quantize
+from tests.equivalence import host_state, recording
+from tests.helpers import fresh_batch, relative_error, seeded_key, tiny_objective
 
 RECIPROCAL = np.float32(1.0 / 127)
 
@@ -222,3 +228,193 @@ def test_stochastic_rounding_stays_in_int8_at_the_peak():
     assert np.array_equal(quantized.stochastic_round(steps, top), [127, 127, 127, -126])
     below = jnp.asarray([-127.0, np.nextafter(np.float32(-127), np.float32(-128))], jnp.float32)
     assert np.array_equal(quantized.stochastic_round(below, 0.0), [-127, -127])
+
+
+# --- Every layout against one device, under StepOptions(quantize="int8") ------------------------
+
+ROWS = 8
+DENSE = {}
+MOE = {"num_experts": 4, "experts_per_token": 2}
+LAYOUTS = {
+    "fsdp=8": (DENSE, dict(mesh=dew.MeshSpec(fsdp=8))),
+    "fsdp=2,tensor=4": (DENSE, dict(mesh=dew.MeshSpec(fsdp=2, tensor=4))),
+    "sequence=4": (DENSE, dict(mesh=dew.MeshSpec(fsdp=2, sequence=4))),
+    "expert=2": (MOE, dict(mesh=dew.MeshSpec(expert=2, fsdp=4))),
+    "stage=2": (DENSE, dict(mesh=dew.MeshSpec(stage=2, fsdp=4, microbatches=2))),
+    "accumulation=2": (
+        DENSE,
+        dict(mesh=dew.MeshSpec(fsdp=2, data=1), devices=jax.devices()[:2], accumulation=2),
+    ),
+}
+# Every layout's forward quantizes the rows one device quantizes, with the same scales (tensor
+# splits o's and down's summed width, and its devices take each scale's peak over the group),
+# and differs only where float32's rounding (another order of a sum) moves a value across an
+# int8 rounding boundary: a step of one entry, a small part of int8's own error. The gradients
+# are rounded stochastically with draws of each layout's own shapes, and the weight gradients
+# scaled over each device's own tokens: they differ by the rounding's noise.
+
+
+def one_step(objective, key, batch, quantize="int8", keys=(), **trainer_args):
+    """``(loss, gradients)`` of one step from the model's initial weights, and the gradients of
+    the same step under each of ``keys`` (the state's key, which the int8 rounding draws from)."""
+    if "mesh" not in trainer_args:  # one device
+        trainer_args.update(mesh=dew.MeshSpec(), devices=jax.devices()[:1])
+    trainer = dew.Trainer(
+        objective,
+        recording(optax.sgd(0.1)),
+        key,
+        layout=dew.Layout(min_shard=1),
+        options=dew.StepOptions(quantize=quantize),
+        **trainer_args,
+    )
+    params = jax.jit(objective.model.init)(key)
+    step = trainer.train_step(ROWS)
+    runs = []
+    for k in (key, *keys):
+        copy = jax.random.wrap_key_data(np.asarray(jax.random.key_data(k)))  # the step donates
+        state = host_state(trainer, params).replace(key=jax.device_put(copy, jax.devices()[0]))
+        state, metrics = step(state, trainer.device_batch(batch, ROWS))
+        runs.append(
+            (float(metrics["loss"]), jax.tree_util.tree_map(np.asarray, state.opt_state[0]))
+        )
+    return runs
+
+
+@pytest.fixture(scope="module")
+def references(module_seed):
+    """One device, per model: int8 with the run's key and another, and float32."""
+    key, batch = seeded_key(module_seed), fresh_batch(ROWS, module_seed)
+    made = {}
+
+    def of(model):
+        name = "moe" if model else "dense"
+        if name not in made:
+            objective = tiny_objective(**model)
+            same, other = one_step(objective, key, batch, keys=(seeded_key(module_seed, 1),))
+            made[name] = dict(
+                objective=objective,
+                int8=same,
+                other_key=other,
+                float=one_step(objective, key, batch, quantize="bfloat16")[0],
+            )
+        return made[name]
+
+    return key, batch, of
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_layout_is_one_device_in_int8(name, references, module_seed):
+    """Each layout's first step under ``quantize="int8"`` against one device's. The loss is
+    within a quarter of int8's own error (one device's int8 loss against its float32 loss) of
+    one device's (measured: 0 to 0.05 of it; tensor with each device's own scales, 2.6 of it).
+    The gradients differ by the stochastic rounding:
+    by less than twice the spread of one device's between two keys (measured: 0.98 to 1.4 of
+    it), and they are int8's (away from float32's by a third of it at least: not the float
+    matmuls)."""
+    print(f"seed {module_seed}")
+    key, batch, of = references
+    model, trainer_args = LAYOUTS[name]
+    ref = of(model)
+    loss, grads = one_step(ref["objective"], key, batch, **trainer_args)[0]
+    one_loss, one_grads = ref["int8"]
+    float_loss, float_grads = ref["float"]
+    int8_error = abs(one_loss - float_loss)
+    print(f"{name}: loss {abs(loss - one_loss) / int8_error:.3g} of int8's error from one's")
+    assert abs(loss - one_loss) <= 0.25 * int8_error + 1e-6, (loss, one_loss, float_loss)
+    spread = relative_error(ref["other_key"][1], one_grads)
+    error = relative_error(grads, one_grads)
+    print(f"{name}: gradients {error:.3g} from one device's, two keys' spread {spread:.3g}")
+    assert error < 2 * spread, (error, spread)
+    assert relative_error(grads, float_grads) > spread / 3, "float32 matmuls, not int8"
+
+
+def matmuls(hlo: str) -> list[tuple[str, str, str]]:
+    """``(output, left, right)`` element types of every dot and convolution of compiled HLO text
+    (operands named, their types read off the lines that define them)."""
+    types = dict(re.findall(r"(%[\w.-]+) = \(?(\w+)\[", hlo))
+    found = re.findall(r"= (\w+)\[[^\]]*\]\S* (?:dot|convolution)\((%[\w.-]+), (%[\w.-]+)", hlo)
+    return [(out, types.get(a), types.get(b)) for out, a, b in found]
+
+
+def test_lora_on_an_int8_base_multiplies_w8a8_under_int8_only(seed):
+    """A LoRA step on an int8 base (``base_dtype="int8"``): under ``quantize="int8"`` the
+    compiled step multiplies s8 x s8 into s32 (the base's stored int8 against int8 activations,
+    forward and input gradient); under ``"bfloat16"`` none (weight-only: the int8 base cast to
+    the activations' dtype). The adapters' matmuls stay float."""
+    print(f"seed {seed}")
+    objective = tiny_objective(lora=dict(rank=2, base_dtype="int8"))
+    counts = {}
+    for precision in ("bfloat16", "int8"):
+        trainer = dew.Trainer(
+            objective,
+            optax.sgd(0.1),
+            seeded_key(seed),
+            mesh=dew.MeshSpec(),
+            devices=jax.devices()[:1],
+            options=dew.StepOptions(quantize=precision),
+        )
+        dots = matmuls(trainer.compiled_step(ROWS).as_text())
+        counts[precision] = dots.count(("s32", "s8", "s8"))
+        assert ("f32", "f32", "f32") in dots, "the adapters' matmuls"
+    # The layer loop's bodies: 7 projections' forwards, their recompute (all but down's, which
+    # the backward does not need) and their 7 input gradients; no weight gradient.
+    assert counts == {"bfloat16": 0, "int8": 7 + 6 + 7}, counts
+
+
+def test_project_routes_each_kind_of_weight(seed):
+    """``quantized.project``: an array by ``int8_einsum``, a ``Quantized`` base by
+    ``frozen_int8_einsum`` (its stored integers, not requantized), an ``Adapted`` one's base
+    likewise with its adapters added in float."""
+    print(f"seed {seed}")
+    from dew.nn.lora import Adapted
+
+    x, w, _ = draw(seed)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    base = Quantized(*quantize(w, out_dims=(1,)))
+    np.testing.assert_array_equal(
+        quantized.project("te,ef->tf", x, w), quantized.int8_einsum("te,ef->tf", x, w)
+    )
+    np.testing.assert_array_equal(
+        quantized.project("te,ef->tf", x, base), quantized.frozen_int8_einsum("te,ef->tf", x, base)
+    )
+    rng = np.random.default_rng(seed)
+    a = jnp.asarray(rng.standard_normal((x.shape[1], 3)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((3, w.shape[1])), jnp.float32)
+    adapted = Adapted(base, a, b, scale=2.5)
+    expected = quantized.frozen_int8_einsum("te,ef->tf", x, base) + 2.5 * (x @ a) @ b
+    np.testing.assert_allclose(
+        quantized.project("te,ef->tf", x, adapted), expected, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_the_tensor_ring_is_refused_with_int8_and_auto_leaves_it():
+    """``tensor_scheme="ring"`` with ``quantize="int8"`` is refused by name before compiling
+    (the rings multiply in float); ``"auto"`` on TPU, which picks the rings for bfloat16, picks
+    the plain pairs for int8. An unknown ``quantize`` names the choices."""
+    int8 = dew.StepOptions(quantize="int8")
+    with pytest.raises(ValueError, match="tensor_scheme='ring' with quantize='int8'"):
+        dew.StepOptions(tensor_scheme="ring", quantize="int8").check({"tensor": 4}, 16)
+    assert dew.StepOptions().resolve({"tensor": 4}, "tpu", 16).tensor_scheme == "ring"
+    assert int8.resolve({"tensor": 4}, "tpu", 16).tensor_scheme == "plain"
+    assert int8.in_effect({})[
+        "quantize"
+    ] == "int8" and "quantize" not in dew.StepOptions().in_effect({})
+    with pytest.raises(ValueError, match="unknown quantize 'int4'; expected one of bfloat16, int8"):
+        dew.StepOptions(quantize="int4")
+
+
+def test_the_flag_sets_the_option_and_the_mfu_line_names_its_peak():
+    """``dew train --quantize int8`` gives ``StepOptions(quantize="int8")`` (bfloat16 without
+    it); an int8 step's MFU says it divides by the bf16 peak, and a line without MFU (a CPU's)
+    says nothing of a peak."""
+    from dew.cli.flags import step_options
+    from dew.cli.main import build_parser
+    from dew.training.tracking import INT8_PEAK_NOTE, speed_text
+
+    parser = build_parser()
+    assert step_options(parser.parse_args(["train", "--quantize", "int8"])).quantize == "int8"
+    assert step_options(parser.parse_args(["train"])).quantize == "bfloat16"
+    speed = dict(tokens=1000, flops_per_token=1e9, devices=1, causal_flops_per_token=9e8)
+    line = speed_text(0.25, peak=1e13, peak_note=INT8_PEAK_NOTE, **speed)
+    assert line.endswith("MFU 40.0% PaLM, 36.0% causal-halved of the bf16 peak"), line
+    assert "peak" not in speed_text(0.25, peak=None, peak_note=INT8_PEAK_NOTE, **speed)

@@ -19,6 +19,8 @@ FSDP_SCHEMES = ("auto", "gather", "ring")
 TENSOR_SCHEMES = ("auto", "plain", "ring")
 # dew.parallel.options.GRADIENT_SUM_DTYPES
 GRADIENT_SUM_DTYPES = ("float32", "bfloat16")
+# dew.parallel.options.QUANTIZE
+QUANTIZE = ("bfloat16", "int8")
 # dew.layout.DEFAULT_MIN_SHARD
 DEFAULT_MIN_SHARD = 4096
 # dew.models.causal_transformer.DTYPES' names

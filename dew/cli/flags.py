@@ -102,6 +102,7 @@ FLAG_OF = {
     "fsdp_scheme": "--fsdp-scheme",
     "tensor_scheme": "--tensor-scheme",
     "gradient_sum_dtype": "--gradient-sum-dtype",
+    "quantize": "--quantize",
 }
 PLAIN_FLAGS = {"batch": "--batch", "accumulation": "--accumulation"}
 _NAMED = re.compile(
@@ -342,6 +343,20 @@ def add_gradient_sum_flag(parser: argparse.ArgumentParser, *, several: bool = Fa
     )
 
 
+def add_quantize_flag(parser: argparse.ArgumentParser) -> None:
+    """``--quantize``: ``StepOptions(quantize=...)``."""
+    parser.add_argument(
+        "--quantize",
+        default="bfloat16",
+        choices=choices.QUANTIZE,
+        help="what the decoder layers' projections (q, k, v, o, gate, up, down, the experts') "
+        "multiply in: bfloat16 (the default: the activations' dtype) or int8 (int8 x int8 -> "
+        "int32 in the forward and both gradients, per-token and per-output-channel scales, "
+        "gradients rounded stochastically; a LoRA run's --base-dtype int8 base multiplies "
+        "W8A8); attention, embedding, head and loss stay in the activations' dtype",
+    )
+
+
 def step_options(args):
     """The ``StepOptions`` of one command's flags (``train``, ``collectives``, ``plan``); of
     the first of each where a flag takes several."""
@@ -366,6 +381,7 @@ def step_option_variants(args) -> list:
             fsdp_scheme=scheme,
             gradient_sum_dtype=dtype,
             tensor_scheme=tensor_scheme,
+            quantize=getattr(args, "quantize", "bfloat16"),
         )
         for scheme, dtype, tensor_scheme in itertools.product(
             listed(args.fsdp_scheme),

@@ -53,6 +53,7 @@ from dew.cli.flags import (
     add_mesh_flag,
     add_min_shard_flag,
     add_pipeline_schedule_flag,
+    add_quantize_flag,
     add_seed_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
@@ -93,6 +94,7 @@ def _common(groups: dict) -> None:
     add_moe_flags(model)
     add_lora_flags(groups[LORA])
     add_gradient_sum_flag(precision)
+    add_quantize_flag(precision)
     add_accumulation_flag(precision)
 
 

@@ -29,6 +29,7 @@ from dew.cli.flags import (
     add_mesh_flag,
     add_min_shard_flag,
     add_pipeline_schedule_flag,
+    add_quantize_flag,
     add_sequence_parallel_flag,
     add_sequence_scheme_flag,
     add_tensor_scheme_flag,
@@ -99,6 +100,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     add_moe_flags(groups[MODEL])
     add_lora_flags(groups[LORA])
     add_gradient_sum_flag(precision, several=True)
+    add_quantize_flag(precision)
     add_accumulation_flag(precision)
     precision.add_argument(
         "--moments-dtype",

@@ -662,8 +662,11 @@ class CausalTransformer:
         # The weights only an einsum takes (under fsdp rings they reach it split: Shards.gather);
         # shared kv heads are cut from the whole k and v first. A LoRA model's base is frozen:
         # gathered whole, since a split weight's einsum would sum its gradient round the ring.
-        attention_matmuls = () if shared_kv or self.lora else ("attn",)
-        mlp_matmuls = () if self.lora else ("mlp",)
+        # So are the weights of int8 projections (StepOptions.quantize): their matmuls quantize
+        # the whole weight, which the fsdp rings' einsums do not.
+        whole = self.lora or shards.options.quantize == "int8"
+        attention_matmuls = () if shared_kv or whole else ("attn",)
+        mlp_matmuls = () if whole else ("mlp",)
         # "auto" (and the checks of "cudnn") by the devices this step is compiled for.
         platform = ragged.compiled_platform()
         impl = self.attention_for(

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dew.nn.param import Param, normal
+from dew.nn.param import PLAIN, Param, Projections, normal
 
 
 class RouterStats(NamedTuple):
@@ -128,21 +128,24 @@ def within_capacity(ids: jax.Array, num_experts: int, limit: int) -> jax.Array:
     return (rank < limit).reshape(groups, tokens, k)
 
 
-def grouped_swiglu(experts: dict, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_swiglu(
+    experts: dict, x: jax.Array, group_sizes: jax.Array, projections: Projections = PLAIN
+) -> jax.Array:
     """Runs the experts on copies sorted by expert.
 
     Args:
       experts: ``gate``, ``up`` ``[G, embed, hidden]``, ``down`` ``[G, hidden, embed]``.
       x: ``[copies, embed]``, the first ``group_sizes[0]`` for expert 0, the next for expert 1...
       group_sizes: ``[G]`` int32; rows past their sum (padding, dropped copies) come out zero.
+      projections: how the grouped matmuls run (``Projections.experts``: in ``x``'s dtype, or in
+        int8 under ``StepOptions(quantize="int8")``).
 
     Returns ``[copies, embed]`` in ``x``'s dtype. One ``ragged_dot`` per matmul: a grouped GEMM on
     GPU and TPU; XLA:CPU lowers it to a dense product masked per group (``G`` times the work).
     """
-    dtype = x.dtype
-    gate = lax.ragged_dot(x, experts["gate"].astype(dtype), group_sizes)
-    up = lax.ragged_dot(x, experts["up"].astype(dtype), group_sizes)
-    return lax.ragged_dot(jax.nn.silu(gate) * up, experts["down"].astype(dtype), group_sizes)
+    gate = projections.experts(x, experts["gate"], group_sizes, "gate")
+    up = projections.experts(x, experts["up"], group_sizes, "up")
+    return projections.experts(jax.nn.silu(gate) * up, experts["down"], group_sizes, "down")
 
 
 def sort_into_groups(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array]:

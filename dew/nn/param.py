@@ -111,6 +111,12 @@ class Projections:
         """``project(spec, h, weight)``."""
         return project(spec, h, weight)
 
+    def experts(self, x: jax.Array, weight, group_sizes: jax.Array, name: str = "") -> jax.Array:
+        """An MoE layer's grouped matmul ``name`` (``"gate"``...): ``lax.ragged_dot(x, weight,
+        group_sizes)`` in ``x``'s dtype (``dew.nn.moe.grouped_swiglu``), ``weight`` ``[groups,
+        in, out]``."""
+        return jax.lax.ragged_dot(x, weight.astype(x.dtype), group_sizes)
+
 
 # The plain projections, for a layer outside any tensor-parallel region.
 PLAIN = Projections()

@@ -34,21 +34,21 @@ The int32 sums are exact while ``127 * 127 * n`` fits int32 (``n`` the summed le
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.nn.int8 import QMAX, Quantized, quantize
-from dew.nn.param import spec_labels
+from dew.nn.int8 import QMAX, Quantized
+from dew.nn.lora import Adapted
+from dew.nn.param import Projections, spec_labels
 
 # The longest sum an int32 accumulator holds for every int8 operand: 127 * 127 * n < 2**31.
 MAX_SUM = (2**31 - 1) // (QMAX * QMAX)
-
-# The precisions a step's projections multiply in (``StepOptions.quantize``).
-QUANTIZE_CHOICES = ("bfloat16", "int8")
 
 
 def _axes(labels: str, summed: str) -> tuple[int, ...]:
@@ -67,18 +67,24 @@ def _onto(scale: jax.Array, labels: str, target: str) -> jax.Array:
     return scale.reshape([scale.shape[order.index(t)] if t in order else 1 for t in target])
 
 
-def quantize_stochastic(v: jax.Array, summed: tuple[int, ...], key) -> tuple[jax.Array, jax.Array]:
+def quantize_stochastic(
+    v: jax.Array, summed: tuple[int, ...], key, axis: str | None = None
+) -> tuple[jax.Array, jax.Array]:
     """``(q, scale)`` of ``v``: ``int8.quantize``'s scale over the dimensions ``summed`` (one per
     row of the rest, squeezed), ``q = clip(floor(v / scale + u), -127, 127)`` with ``u =
     jax.random.uniform(key, v.shape)``: ``E[q * scale] = v``. ``key=None``: rounds to nearest,
-    as ``int8.quantize``."""
-    kept = tuple(d for d in range(v.ndim) if d not in summed)
-    if key is None:
-        return quantize(v, out_dims=kept)
+    as ``int8.quantize``. ``axis``: a mesh axis the rows are split over (a ``tensor`` group's
+    parts of a summed width): the peak is the largest over it (``pmax``), so every device scales
+    a row as one device holding all of it does."""
     v32 = v.astype(jnp.float32)
     peak = jnp.max(jnp.abs(v32), axis=summed, keepdims=True)
-    scale = jnp.where(peak > 0, peak * jnp.float32(1.0 / QMAX), jnp.ones_like(peak))
-    q = stochastic_round(v32 / scale, jax.random.uniform(key, v.shape, jnp.float32))
+    if axis is not None:
+        peak = jax.lax.pmax(peak, axis)
+    scale = _scale(peak)
+    if key is None:
+        q = jnp.clip(jnp.round(v32 / scale), -QMAX, QMAX).astype(jnp.int8)
+    else:
+        q = stochastic_round(v32 / scale, jax.random.uniform(key, v.shape, jnp.float32))
     return q, jnp.squeeze(scale, axis=summed)
 
 
@@ -105,23 +111,26 @@ def _int_matmul(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.int32)
 
 
-def _forward(spec, x, w, qw=None, sw=None):
+def _forward(spec, x, w, inner, qw=None, sw=None):
+    """The forward; ``inner``: the axis the summed labels are split over (row-parallel), whose
+    devices' peaks the scales take (``quantize_stochastic``)."""
     x_l, w_l, out_l, summed = _labels(spec)
-    qx, sx = quantize(x, out_dims=_axes(x_l, _kept(x_l, summed)))
+    qx, sx = quantize_stochastic(x, _axes(x_l, summed), None, inner)
     if qw is None:
-        qw, sw = quantize(w, out_dims=_axes(w_l, _kept(w_l, summed)))
+        qw, sw = quantize_stochastic(w, _axes(w_l, summed), None, inner)
     acc = _int_matmul(spec, qx, qw).astype(jnp.float32)
     out = acc * _onto(sx, _kept(x_l, summed), out_l) * _onto(sw, _kept(w_l, summed), out_l)
     return out.astype(x.dtype), (qx, sx, qw, sw)
 
 
-def _input_gradient(spec, d_out, qw, sw, key, dtype):
+def _input_gradient(spec, d_out, qw, sw, key, dtype, outer):
     """``dx`` from the forward's int8 weight: ``d_out`` times the weight's scale, quantized per
-    token over the output channels (the module docstring)."""
+    token over the output channels (the module docstring); ``outer``: the axis those are split
+    over (column-parallel), whose devices' peaks the scales take."""
     x_l, w_l, out_l, summed = _labels(spec)
     w_out = _kept(w_l, summed)
     g = d_out.astype(jnp.float32) * _onto(sw, w_out, out_l)
-    qg, sg = quantize_stochastic(g, _axes(out_l, w_out), key)
+    qg, sg = quantize_stochastic(g, _axes(out_l, w_out), key, outer)
     acc = _int_matmul(f"{out_l},{w_l}->{x_l}", qg, qw).astype(jnp.float32)
     return (acc * _onto(sg, _kept(out_l, w_out), x_l)).astype(dtype)
 
@@ -153,20 +162,20 @@ def _split(key):
 
 # The output is in x's dtype, and so is its gradient: dx takes d_out's dtype, dw the weight's
 # (a static argument: a residual must be an array).
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _einsum(spec, w_dtype, x, w, key):
-    return _forward(spec, x, w)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _einsum(spec, w_dtype, inner, outer, x, w, key):
+    return _forward(spec, x, w, inner)[0]
 
 
-def _einsum_fwd(spec, w_dtype, x, w, key):
-    out, (qx, sx, qw, sw) = _forward(spec, x, w)
+def _einsum_fwd(spec, w_dtype, inner, outer, x, w, key):
+    out, (qx, sx, qw, sw) = _forward(spec, x, w, inner)
     return out, (qx, sx, qw, sw, key)
 
 
-def _einsum_bwd(spec, w_dtype, residuals, d_out):
+def _einsum_bwd(spec, w_dtype, inner, outer, residuals, d_out):
     qx, sx, qw, sw, key = residuals
     dx_key, dw_key = _split(key)
-    dx = _input_gradient(spec, d_out, qw, sw, dx_key, d_out.dtype)
+    dx = _input_gradient(spec, d_out, qw, sw, dx_key, d_out.dtype, outer)
     dw = _weight_gradient(spec, d_out, qx, sx, dw_key, w_dtype)
     return dx, dw, None
 
@@ -174,7 +183,9 @@ def _einsum_bwd(spec, w_dtype, residuals, d_out):
 _einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 
-def int8_einsum(spec: str, x: jax.Array, w: jax.Array, key=None) -> jax.Array:
+def int8_einsum(
+    spec: str, x: jax.Array, w: jax.Array, key=None, inner: str | None = None, outer=None
+) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` in ``x``'s dtype, multiplied in int8 (the module docstring);
     its gradient ``dx`` in ``x``'s dtype and ``dw`` in ``w``'s.
 
@@ -185,44 +196,192 @@ def int8_einsum(spec: str, x: jax.Array, w: jax.Array, key=None) -> jax.Array:
         the two gradients' stochastic rounding draws ``u`` from ``jax.random.split(key)``'s
         first key (``dx``) and second (``dw``), each ``jax.random.uniform(k, shape)`` of the
         gradient operand it rounds.
+      inner: ``None``, or the mesh axis ``x`` 's and ``w`` 's summed dimensions are split over
+        (a row-parallel projection under ``tensor``): the forward's scales are the largest over
+        it, as on one device.
+      outer: ``None``, or the mesh axis the output channels are split over (column-parallel):
+        ``dx`` 's per-token scales are the largest over it, as on one device.
     """
     if key is not None and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
-    return _einsum(spec, jnp.dtype(w.dtype).name, x, w, key)
+    return _einsum(spec, jnp.dtype(w.dtype).name, inner, outer, x, w, key)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _frozen_einsum(spec, x, qw, sw, key):
-    return _forward(spec, x, None, qw, sw)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _frozen_einsum(spec, inner, outer, x, qw, sw, key):
+    return _forward(spec, x, None, inner, qw, sw)[0]
 
 
-def _frozen_fwd(spec, x, qw, sw, key):
-    return _forward(spec, x, None, qw, sw)[0], (qw, sw, key)
+def _frozen_fwd(spec, inner, outer, x, qw, sw, key):
+    return _forward(spec, x, None, inner, qw, sw)[0], (qw, sw, key)
 
 
-def _frozen_bwd(spec, residuals, d_out):
+def _frozen_bwd(spec, inner, outer, residuals, d_out):
     qw, sw, key = residuals
-    dx = _input_gradient(spec, d_out, qw, sw, _split(key)[0], d_out.dtype)
+    dx = _input_gradient(spec, d_out, qw, sw, _split(key)[0], d_out.dtype, outer)
     return dx, None, None, None
 
 
 _frozen_einsum.defvjp(_frozen_fwd, _frozen_bwd)
 
 
-def frozen_int8_einsum(spec: str, x: jax.Array, weight: Quantized, key=None) -> jax.Array:
-    """W8A8 for a frozen int8 weight (``dew.nn.int8.Quantized``, its scale per output channel):
-    ``int8_einsum``'s forward and input gradient on the stored int8 values, no weight gradient."""
+def frozen_int8_einsum(
+    spec: str, x: jax.Array, weight: Quantized, key=None, inner: str | None = None, outer=None
+) -> jax.Array:
+    """W8A8 for a frozen int8 weight (``dew.nn.int8.Quantized``, its scale per output channel,
+    taken over the whole weight when it was stored): ``int8_einsum``'s forward and input
+    gradient on the stored int8 values (``inner``, ``outer`` as there), no weight gradient."""
     if key is not None and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     values = jax.lax.stop_gradient(weight.values)
     scale = jax.lax.stop_gradient(weight.scale).astype(jnp.float32)
-    return _frozen_einsum(spec, x, values, scale, key)
+    return _frozen_einsum(spec, inner, outer, x, values, scale, key)
+
+
+def _scale(peak: jax.Array) -> jax.Array:
+    """``int8.quantize``'s scale of a row whose largest magnitude is ``peak``."""
+    return jnp.where(peak > 0, peak * jnp.float32(1.0 / QMAX), jnp.ones_like(peak))
+
+
+def _groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """Each row's group (``len(group_sizes)`` for the rows past their sum)."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+
+
+def _ragged_forward(x, w, group_sizes, inner):
+    qx, sx = quantize_stochastic(x, (1,), None, inner)
+    qw, sw = quantize_stochastic(w, (1,), None, inner)  # [groups, out]: per expert and channel
+    acc = jax.lax.ragged_dot(qx, qw, group_sizes, preferred_element_type=jnp.int32)
+    row_sw = jnp.concatenate([sw, jnp.ones_like(sw[:1])])[_groups(group_sizes, x.shape[0])]
+    out = acc.astype(jnp.float32) * sx[:, None] * row_sw
+    return out.astype(x.dtype), (qx, sx, qw, sw, row_sw)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ragged(w_dtype, inner, outer, x, w, group_sizes, key):
+    return _ragged_forward(x, w, group_sizes, inner)[0]
+
+
+def _ragged_fwd(w_dtype, inner, outer, x, w, group_sizes, key):
+    out, (qx, sx, qw, sw, row_sw) = _ragged_forward(x, w, group_sizes, inner)
+    return out, (qx, sx, qw, row_sw, group_sizes, key)
+
+
+def _ragged_bwd(w_dtype, inner, outer, residuals, d_out):
+    qx, sx, qw, row_sw, group_sizes, key = residuals
+    dx_key, dw_key = _split(key)
+    groups = qw.shape[0]
+    g = d_out.astype(jnp.float32) * row_sw
+    qg, sg = quantize_stochastic(g, (1,), dx_key, outer)
+    acc = jax.lax.ragged_dot(
+        qg, jnp.swapaxes(qw, 1, 2), group_sizes, preferred_element_type=jnp.int32
+    )
+    dx = (acc.astype(jnp.float32) * sg[:, None]).astype(d_out.dtype)
+    # dw[e] = x_e^T h_e over expert e's rows: h scaled per expert and output channel over them.
+    h = d_out.astype(jnp.float32) * sx[:, None]
+    row_group = _groups(group_sizes, h.shape[0])
+    peak = jax.ops.segment_max(jnp.abs(h), row_group, num_segments=groups + 1)
+    sh = _scale(jnp.maximum(peak, 0.0))  # a group with no rows: segment_max gives -inf
+    if dw_key is None:
+        qh = jnp.clip(jnp.round(h / sh[row_group]), -QMAX, QMAX).astype(jnp.int8)
+    else:
+        qh = stochastic_round(h / sh[row_group], jax.random.uniform(dw_key, h.shape))
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    acc = jax.lax.ragged_dot_general(qx, qh, group_sizes, numbers, preferred_element_type=jnp.int32)
+    dw = (acc.astype(jnp.float32) * sh[:groups, None, :]).astype(w_dtype)
+    return dx, dw, None, None
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def int8_ragged_dot(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, key=None, inner=None, outer=None
+) -> jax.Array:
+    """``lax.ragged_dot(x, w, group_sizes)`` (``x`` ``[rows, in]``, ``w`` ``[groups, in, out]``:
+    an MoE layer's experts) in int8, as ``int8_einsum``: ``x`` per row, ``w`` per expert and
+    output channel; ``dx`` per row and ``dw`` per expert and output channel over the expert's
+    rows, both rounded stochastically from ``key`` (``jax.random.split(key)``, as there);
+    ``inner``, ``outer`` as there."""
+    if key is not None and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    if x.shape[0] > MAX_SUM:
+        raise ValueError(
+            f"an int8 expert weight gradient may sum {x.shape[0]} rows, more than an int32 sum "
+            f"of int8 products holds exactly ({MAX_SUM}); use more microbatches"
+        )
+    return _ragged(jnp.dtype(w.dtype).name, inner, outer, x, w, group_sizes, key)
 
 
 def rounding_keys(key, name: str, count: int):
-    """``count`` keys for the matmuls of the projection ``name`` (``"attention.columns"``...):
-    ``key`` folded with ``crc32(name)``, then with ``0 .. count - 1``; ``None`` for ``None``."""
+    """``count`` keys for the matmuls of the projection ``name``: ``key`` (typed, or key data)
+    folded with ``crc32(name)``, then with ``0 .. count - 1``; ``None`` s for ``None``."""
     if key is None:
         return (None,) * count
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
     base = jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
     return tuple(jax.random.fold_in(base, i) for i in range(count))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Int8Base:
+    """A LoRA adapter's frozen base, multiplied in int8 (``project``)."""
+
+    base: Any
+    key: Any
+    inner: str | None
+    outer: str | None
+
+    def einsum(self, spec: str, x: jax.Array) -> jax.Array:
+        return project(spec, x, self.base, self.key, self.inner, self.outer)
+
+
+def project(spec: str, x: jax.Array, w: Any, key=None, inner=None, outer=None) -> jax.Array:
+    """``dew.nn.param.project`` in int8: a weight array by ``int8_einsum``; a frozen int8 weight
+    (``dew.nn.int8.Quantized``) by ``frozen_int8_einsum`` (W8A8); a LoRA ``Adapted`` weight's
+    base as either of those (a float base's gradient is never taken), its adapters in ``x``'s
+    dtype, as they are small and trained in float. ``key``: the gradients' rounding; ``inner``,
+    ``outer``: ``int8_einsum``'s."""
+    if isinstance(w, Adapted):
+        base = _Int8Base(w.base, key, inner, outer)
+        return dataclasses.replace(w, base=base).einsum(spec, x)
+    if isinstance(w, Quantized):
+        return frozen_int8_einsum(spec, x, w, key, inner, outer)
+    if hasattr(w, "einsum"):
+        raise ValueError(f"an int8 projection takes an array or an int8 base, not {type(w)}")
+    return int8_einsum(spec, x, w, key, inner, outer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Projections(Projections):
+    """A layer's projections in int8 (``dew.nn.param.Projections``): each ``project`` above,
+    with a rounding key of its own from ``key`` (the step's, as key data; ``None``: the
+    gradients round to nearest), folded with the projection's kind, spec and place.
+
+    ``split``: the mesh axis a Megatron region splits its width over (``tensor``, when above
+    1), or ``None``: the columns' output channels and the row's summed width are split there,
+    and their scales are taken over the whole width (a ``pmax`` of a scale a row), so every
+    layout quantizes as one device does."""
+
+    key: Any = None
+    split: str | None = None
+
+    def columns(self, spec, x, weights):
+        keys = rounding_keys(self.key, f"columns {spec}", len(weights))
+        return tuple(project(spec, x, w, k, outer=self.split) for w, k in zip(weights, keys))
+
+    def row(self, spec, h, weight):
+        key = rounding_keys(self.key, f"row {spec}", 1)[0]
+        return project(spec, h, weight, key, inner=self.split)
+
+    def experts(self, x, weight, group_sizes, name=""):
+        """``name``: ``"gate"``, ``"up"`` (columns) or ``"down"`` (the row)."""
+        key = rounding_keys(self.key, f"experts {name}", 1)[0]
+        if name == "down":
+            return int8_ragged_dot(x, weight, group_sizes, key, inner=self.split)
+        return int8_ragged_dot(x, weight, group_sizes, key, outer=self.split)

@@ -53,7 +53,7 @@ from jax import lax
 from dew.layout import weight_dimensions
 from dew.mesh import TOKEN_AXES
 from dew.nn import moe
-from dew.parallel import ragged, tensor
+from dew.parallel import ragged, tensor, tensor_ring
 
 AXIS = "expert"
 
@@ -111,15 +111,18 @@ def run_experts(
     n = shards.size(AXIS)
     order, sizes = moe.sort_into_groups(expert_of_copy, num_experts)
     none = jnp.zeros((), jnp.int32)
+    # The experts' matmuls in the step's precision (int8 under StepOptions(quantize="int8")).
+    proj = tensor_ring.region(shards)
     if n == 1:
-        return moe.unsort(moe.grouped_swiglu(experts, copies[order], sizes), order), none
+        return moe.unsort(moe.grouped_swiglu(experts, copies[order], sizes, proj), order), none
     platform = ragged.compiled_platform()
     if ragged.resolve(exchange, platform) == "ragged":
-        return _ragged(experts, copies, order, sizes, slots, n, buffer_factor, platform)
-    return _padded(experts, copies, order, sizes, expert_of_copy, num_experts, slots, n), none
+        return _ragged(experts, copies, order, sizes, slots, n, buffer_factor, platform, proj)
+    padded = _padded(experts, copies, order, sizes, expert_of_copy, num_experts, slots, n, proj)
+    return padded, none
 
 
-def _padded(experts, copies, order, sizes, expert_of_copy, num_experts, slots, n):
+def _padded(experts, copies, order, sizes, expert_of_copy, num_experts, slots, n, proj):
     """The padded exchange: ``B`` slots for every destination, most of them zeros."""
     local = num_experts // n
     sorted_expert = expert_of_copy[order]
@@ -139,7 +142,7 @@ def _padded(experts, copies, order, sizes, expert_of_copy, num_experts, slots, n
 
     arrived = incoming.reshape(n * slots, -1)
     here, here_sizes = moe.sort_into_groups(incoming_expert.reshape(-1), local)
-    done = moe.unsort(moe.grouped_swiglu(experts, arrived[here], here_sizes), here)
+    done = moe.unsort(moe.grouped_swiglu(experts, arrived[here], here_sizes, proj), here)
 
     # Combine: the same bytes back to where each copy came from.
     returned = lax.all_to_all(done.reshape(n, slots, -1), AXIS, 0, 0, tiled=True)
@@ -150,7 +153,7 @@ def _padded(experts, copies, order, sizes, expert_of_copy, num_experts, slots, n
     return moe.unsort(out_sorted, order)
 
 
-def _ragged(experts, copies, order, sizes, slots, n, buffer_factor, platform):
+def _ragged(experts, copies, order, sizes, slots, n, buffer_factor, platform, proj):
     """The ragged exchange (``dew.parallel.ragged``): only the copies routed to a device go
     there, into a receive buffer of ``R`` rows sorted by its experts; back the same way."""
     c = copies.shape[0]
@@ -169,7 +172,7 @@ def _ragged(experts, copies, order, sizes, slots, n, buffer_factor, platform):
     # exchange's static buffers are (c + R) / (2 n c) = (1 + f) / (2 n) of the padded ones
     # (f = R / c, the buffer factor: 3/16 at f = 2 and expert = 8).
     arrived = ragged.exchange(forward, copies[order], plan)
-    done = moe.grouped_swiglu(experts, arrived, group_sizes)
+    done = moe.grouped_swiglu(experts, arrived, group_sizes, proj)
     # Combine: [R, embed] back (at most R * embed values out), into [c, embed] by expert;
     # the copies that found no room come back as zeros.
     returned = ragged.exchange(forward.reverse(), done, plan.reverse())

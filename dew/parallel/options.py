@@ -30,6 +30,9 @@ TENSOR_SCHEMES = (AUTO, "plain", "ring")
 # The dtypes gradients may be summed across devices in (``StepOptions.gradient_sum_dtype``).
 GRADIENT_SUM_DTYPES = ("float32", "bfloat16")
 
+# What the decoder layers' projections multiply in (``StepOptions.quantize``).
+QUANTIZE = ("bfloat16", "int8")
+
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
@@ -81,6 +84,15 @@ class StepOptions:
         v5e-8 compile of Llama-3.2-1B at fsdp=2,tensor=4 the rings left 0.55 x GSPMD's bytes
         exposed where the plain pairs left 1.10 x, with the same wire bytes and heap, and 0.17 x
         beside the fsdp rings (docs/benchmarks.md).
+      quantize: what the decoder layers' projections (q, k, v, o, gate, up, down, the experts')
+        multiply in: ``"bfloat16"`` (the default: in the activations' dtype) or ``"int8"``
+        (``dew.nn.quantized``: int8 x int8 -> int32 in the forward and both gradients, per-token
+        and per-output-channel scales computed in the step, the gradients rounded
+        stochastically from the step's key; a LoRA model's int8 base multiplies W8A8).
+        Attention, the embedding, the head and the loss stay in the activations' dtype. Under
+        ``"int8"`` the projections' weights are gathered whole (by the fsdp rings where those
+        run, not fused with the matmuls) and the tensor regions enter and leave by the plain
+        pairs: ``tensor_scheme="auto"`` resolves to ``"plain"``, and ``"ring"`` is refused.
 
     Raises:
       ValueError: a value outside its choices (``sequence_parallel`` not a bool, an unknown
@@ -102,6 +114,7 @@ class StepOptions:
     fsdp_scheme: str = AUTO
     gradient_sum_dtype: str | None = None
     tensor_scheme: str = AUTO
+    quantize: str = "bfloat16"
 
     def __post_init__(self):
         if not isinstance(self.sequence_parallel, bool):
@@ -128,6 +141,10 @@ class StepOptions:
                 f"unknown tensor_scheme {self.tensor_scheme!r}; expected one of "
                 f"{', '.join(TENSOR_SCHEMES)}"
             )
+        if self.quantize not in QUANTIZE:
+            raise ValueError(
+                f"unknown quantize {self.quantize!r}; expected one of {', '.join(QUANTIZE)}"
+            )
         if self.gradient_sum_dtype not in (None, *GRADIENT_SUM_DTYPES):
             raise ValueError(
                 f"unknown gradient_sum_dtype {self.gradient_sum_dtype!r}; expected None (each "
@@ -148,7 +165,8 @@ class StepOptions:
             a ``stage`` axis; ``fsdp_scheme="ring"`` on an fsdp axis outside 2 to
             ``fsdp.RING_MAX``, or with a ``stage`` axis (the ring attention's reason);
             ``tensor_scheme="ring"`` without a ``tensor`` axis, with positions per device that
-            do not split over it (the ring's blocks), or with a ``stage`` axis.
+            do not split over it (the ring's blocks), with a ``stage`` axis, or with
+            ``quantize="int8"``.
         """
         t, n = axis_sizes.get("tensor", 1), axis_sizes.get("sequence", 1)
         stages = axis_sizes.get("stage", 1)
@@ -202,6 +220,12 @@ class StepOptions:
 
         if self.tensor_scheme == "ring":
             self._check_tensor_ring(t, stages, seq_len, n)
+            if self.quantize == "int8":
+                raise ValueError(
+                    "tensor_scheme='ring' with quantize='int8': the tensor rings' collective "
+                    "matmuls multiply in the activations' dtype; use tensor_scheme='plain' (or "
+                    "'auto') with int8 projections"
+                )
 
     def _check_tensor_ring(self, t: int, stages: int, seq_len: int, n: int) -> None:
         if t == 1:
@@ -247,6 +271,8 @@ class StepOptions:
         if self.fsdp_scheme == AUTO:
             chosen["fsdp_scheme"] = auto_fsdp_scheme(axis_sizes, platform)
         if self.tensor_scheme == AUTO:
+            # int8 projections run in the plain pairs (dew.nn.quantized): no ring to carry.
+            tensor_ringable = tensor_ringable and self.quantize != "int8"
             ring = tensor_ringable and auto_tensor_scheme(axis_sizes, platform, seq_len) == "ring"
             chosen["tensor_scheme"] = "ring" if ring else "plain"
         return dataclasses.replace(self, **chosen)
@@ -263,6 +289,7 @@ class StepOptions:
             "fsdp_scheme": self.fsdp_scheme == "ring" and axis_sizes.get("fsdp", 1) > 1,
             "gradient_sum_dtype": self.gradient_sum_dtype is not None,
             "tensor_scheme": self.tensor_scheme == "ring" and axis_sizes.get("tensor", 1) > 1,
+            "quantize": self.quantize != "bfloat16",
         }
         return {name: getattr(self, name) for name, used in uses.items() if used}
 

@@ -55,6 +55,10 @@ class Shards:
       loop_sums: the axes beyond ``fsdp`` the layer loop's gathers sum their weights' gradients
         over, inside the loop (``dew.parallel.fsdp.loop_sum_axes``, set by the step engine);
         ``dew.parallel.gradients.sum_axes`` leaves them out of the step's tail for those weights.
+      rounding_key: under ``StepOptions(quantize="int8")``, the training step's key (key data,
+        the same on every device) that the int8 gradients' stochastic rounding draws from
+        (``dew.nn.quantized``); ``None`` outside a training step (the gradients then round to
+        nearest).
     """
 
     axis_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -67,6 +71,7 @@ class Shards:
     fsdp_ring: bool = False
     tensor_ring: bool = False
     loop_sums: tuple[str, ...] = ()
+    rounding_key: Any = None
 
     def size(self, *axes: str) -> int:
         """The number of devices spanned by ``axes`` (1 for axes this step does not have)."""

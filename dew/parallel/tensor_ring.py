@@ -76,6 +76,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dew.nn.param import Projections, project, spec_labels
+from dew.nn.quantized import Int8Projections
 from dew.parallel import tensor
 from dew.parallel.fsdp_matmul import RingSplit
 from dew.parallel.ring import block as _block
@@ -374,9 +375,23 @@ class Region(Projections):
     shards: Any
 
     @property
+    def int8(self) -> Int8Projections | None:
+        """Under ``StepOptions(quantize="int8")``, the projections in int8 with the step's
+        rounding key (``Shards.rounding_key``); they run in the plain pairs."""
+        if self.shards.options.quantize != "int8":
+            return None
+        split = AXIS if self.shards.size(AXIS) > 1 else None
+        return Int8Projections(self.shards.rounding_key, split)
+
+    @property
     def ring(self) -> bool:
-        """Whether the projections run as rings: ``Shards.tensor_ring`` on a tensor axis above 1."""
-        return bool(self.shards.tensor_ring) and self.shards.size(AXIS) > 1
+        """Whether the projections run as rings: ``Shards.tensor_ring`` on a tensor axis above 1
+        (not in int8, whose matmuls the rings do not take)."""
+        return (
+            bool(self.shards.tensor_ring)
+            and self.shards.size(AXIS) > 1
+            and self.shards.options.quantize != "int8"
+        )
 
     def enter(self, x: jax.Array) -> jax.Array:
         """``x`` ``[rows, seq, embed]`` (``[rows, seq / n, embed]`` sequence parallel), into the
@@ -389,16 +404,26 @@ class Region(Projections):
         return h if self.ring else tensor.leave(h, self.shards)
 
     def columns(self, spec, x, weights):
-        """``Projections.columns``, or the entry as a ring (``columns``)."""
+        """``Projections.columns``, in int8, or the entry as a ring (``columns``)."""
+        if self.int8 is not None:
+            return self.int8.columns(spec, x, weights)
         if not self.ring:
             return super().columns(spec, x, weights)
         return columns(spec, x, weights, self.shards)
 
     def row(self, spec, h, weight):
-        """``Projections.row``, or the exit as a ring (``row``)."""
+        """``Projections.row``, in int8, or the exit as a ring (``row``)."""
+        if self.int8 is not None:
+            return self.int8.row(spec, h, weight)
         if not self.ring:
             return super().row(spec, h, weight)
         return row(spec, h, weight, self.shards)
+
+    def experts(self, x, weight, group_sizes, name=""):
+        """``Projections.experts``, or in int8."""
+        if self.int8 is not None:
+            return self.int8.experts(x, weight, group_sizes, name)
+        return super().experts(x, weight, group_sizes, name)
 
 
 def region(shards) -> Region:

@@ -84,6 +84,7 @@ from dew.mesh import BATCH_AXES
 from dew.models import lora
 from dew.objectives.lm import document_positions, loss_weights, split_batch
 from dew.parallel import ONE_DEVICE, Shards, data, fsdp, pipeline, sequence
+from dew.parallel.options import StepOptions
 from dew.training.optimizer import global_norm, learning_rate
 from dew.training.state import TrainState
 
@@ -391,10 +392,13 @@ def local_gradients(
     shards = dataclasses.replace(shards, loop_sums=fsdp.loop_sum_axes(shards, accumulation))
 
     def fn(params, inputs, targets, positions, mask=None, documents=None, frozen=None, key=None):
+        step_shards = shards
+        if key is not None and shards.options.quantize == "int8":
+            step_shards = dataclasses.replace(shards, rounding_key=key)
         if key is not None:  # key data, the same on every device: a typed key again
             key = jax.random.wrap_key_data(key)
         on = on_base(objective, frozen, key)
-        part = parts(on, shards, accumulation, global_tokens)
+        part = parts(on, step_shards, accumulation, global_tokens)
         weights = None if mask is None else _mask_weights(mask, shards, global_tokens)
         grads, loss, aux = part(params, inputs, targets, positions, weights, documents)
         return _summed(on, shards, grads, loss, aux, param_specs)
@@ -452,10 +456,13 @@ def global_gradients(
 
     def fn(params, batch, frozen=None, key=None):
         on = on_base(objective, frozen, None if key is None else jax.random.wrap_key_data(key))
+        step_shards = shards
+        if shards.options.quantize == "int8":
+            step_shards = dataclasses.replace(shards, rounding_key=key)
 
         def share(params, micro):
             loss, aux = on.loss_sum(
-                params, micro["tokens"], shards, micro.get("weights"), micro.get("documents")
+                params, micro["tokens"], step_shards, micro.get("weights"), micro.get("documents")
             )
             return loss / global_tokens, aux
 
@@ -524,7 +531,7 @@ def _shard_map_step(
         arrays = split(batch)
         positions = POSITION_SPEC if arrays[2].ndim == 1 else TOKEN_SPEC
         specs = (TOKEN_SPEC, TOKEN_SPEC, positions) + (TOKEN_SPEC,) * (len(arrays) - 3)
-        if frozen is None:
+        if frozen is None and key is None:
             mapped = jax.shard_map(
                 local,
                 mesh=mesh,
@@ -533,6 +540,15 @@ def _shard_map_step(
                 check_vma=False,
             )
             return mapped(params, *arrays)
+        if frozen is None:  # the int8 rounding key's data [2], whole on every device
+            mapped = jax.shard_map(
+                lambda p, k, *a: local(p, *a, key=k),
+                mesh=mesh,
+                in_specs=(shards.param_specs, P(), *specs),
+                out_specs=out_specs,
+                check_vma=False,
+            )
+            return mapped(params, key, *arrays)
         if key is None:
             mapped = jax.shard_map(
                 lambda p, f, *a: local(p, *a, frozen=f),
@@ -640,8 +656,14 @@ def build_gradients(
         # sequence axis), as the shard_map step holds them.
         pinned = NamedSharding(mesh, TOKEN_SPEC) if engine == "gspmd" else None
         splits = math.prod(mesh.shape[a] for a in BATCH_AXES)
+        # The model sees one device; of the options, only the projections' precision.
+        quantize = StepOptions(quantize=shards.options.quantize)
         fn = global_gradients(
-            objective, Shards(pinned_activations=pinned), splits, accumulation, global_tokens
+            objective,
+            Shards(pinned_activations=pinned, options=quantize),
+            splits,
+            accumulation,
+            global_tokens,
         )
         return on_abstract_mesh(fn, mesh)
     raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
@@ -687,10 +709,12 @@ def build_train_step(
 
     model = objective.model
     dropout = getattr(model, "lora", None) is not None and model.lora.dropout > 0
+    # int8 gradients round stochastically (dew.nn.quantized), from the same key.
+    keyed = dropout or shards.options.quantize == "int8"
 
     def step(state: TrainState, batch: jax.Array):
         # LoRA dropout: a key of this step's own (the run's key folded with the step), as data.
-        key = jax.random.key_data(jax.random.fold_in(state.key, state.step)) if dropout else None
+        key = jax.random.key_data(jax.random.fold_in(state.key, state.step)) if keyed else None
         grads, loss, aux = gradients(state.params, batch, state.frozen, key)
         metrics = objective.metrics(loss, aux, global_tokens)
         metrics.update(optimizer_metrics(grads, optimizer, state.opt_state))

@@ -184,14 +184,22 @@ def check_evaluation(data, eval_every: int | None, eval_batches: int | None) -> 
 FIRST_STEP_NOTE = "(first step: includes compiling)"
 
 
-def speed_text(seconds: float, useful: float | None = None, **speed) -> str:
+# What an int8 step's MFU divides by (StepOptions(quantize="int8")): the bf16 peak, as MaxText
+# counts it, so that it compares with the bf16 step's; it can pass what bf16 matmuls could reach.
+INT8_PEAK_NOTE = "of the bf16 peak"
+
+
+def speed_text(
+    seconds: float, useful: float | None = None, peak_note: str | None = None, **speed
+) -> str:
     """``"212.3 ms/step, 77,180 tokens/s, MFU 35.6% PaLM, 33.0% causal-halved"``: a step time of
     ``seconds`` and the throughput of ``speed`` at it (``dew.training.flops.throughput``'s
     ``tokens``, ``flops_per_token``, ``devices``, ``peak`` and ``causal_flops_per_token``); MFU
     only where the device's peak is known, by each count it is given, each named: PaLM's, and
     with causal attention halved (MaxText's; ``dew.training.flops``). ``useful``: the step's
     mean count of targets whose loss counts (a batch with a loss mask), or ``None``; given,
-    ``"(24,310 useful)"`` follows the tokens/s: those per second."""
+    ``"(24,310 useful)"`` follows the tokens/s: those per second. ``peak_note``: said after
+    the MFU, which peak it divides by (``INT8_PEAK_NOTE`` for an int8 step)."""
     rates = throughput(seconds=seconds, **speed)
     text = f"{1e3 * seconds:,.1f} ms/step, {rates['tokens_per_s']:,.0f} tokens/s"
     if useful is not None:
@@ -200,6 +208,8 @@ def speed_text(seconds: float, useful: float | None = None, **speed) -> str:
         text += f", MFU {100 * rates['mfu']:.1f}% PaLM"
     if "mfu_causal" in rates:
         text += f", {100 * rates['mfu_causal']:.1f}% causal-halved"
+    if "mfu" in rates and peak_note:
+        text += f" {peak_note}"
     return text
 
 

@@ -53,6 +53,7 @@ from dew.training.step import (
     build_train_step,
 )
 from dew.training.tracking import (
+    INT8_PEAK_NOTE,
     FitLog,
     JsonLines,
     LogWindow,
@@ -706,7 +707,9 @@ class Trainer:
             list(self.mesh.devices.flat),
         )
         fit_log = FitLog(trackers, **speed)
-        window = LogWindow(**speed)  # the steps since the last printed line
+        # The steps since the last printed line; an int8 step's MFU says which peak it divides by.
+        note = INT8_PEAK_NOTE if self.options.quantize == "int8" else None
+        window = LogWindow(**speed, peak_note=note)
         weights = "ema" if self.objective.ema_decay is not None else "params"
         timing = dict(first_step_after=None, in_steps=0.0, last_end=None)
         # A stop request (SIGTERM, Ctrl-C) is seen after every step by one process, which reads
