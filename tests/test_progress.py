@@ -121,3 +121,28 @@ def test_fit_compiles_the_step_as_a_phase_and_says_nothing_without_progress(tiny
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("Training from step 0 to 1 on "), printed
     assert not any(line.startswith(("compil", "initializ")) for line in printed), printed
+
+
+@pytest.mark.parametrize("base_dtype", ["int8", None])
+def test_placing_a_lora_base_is_a_phase_that_says_whether_it_quantizes(base_dtype):
+    # The base read from a Hugging Face folder (and quantized as it is placed: issue 67's 298 s of
+    # silence for the 8B int8 LoRA run) as a phase of its own.
+    from dew.models import hf, lora
+    from dew.objectives.lm import LMObjective
+    from tests.lora_reference import HF_BASE
+
+    adapters = lora.Lora(rank=4, base_dtype=base_dtype)
+    model = hf.model_from_config(hf.read_config(HF_BASE), str(HF_BASE), lora=adapters)
+    trainer = Trainer(
+        LMObjective(model, 40),
+        optax.adamw(1e-3),
+        jax.random.key(0),
+        mesh=MeshSpec(fsdp=8),
+        base=HF_BASE,
+    )
+    out = io.StringIO()
+    trainer.place(Progress(out))
+    doing = "reading the frozen base" + (", quantized to int8" if base_dtype else "")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == doing + "...", lines
+    assert re.fullmatch(r"read the frozen base in \d+\.\d s", lines[1]), lines
