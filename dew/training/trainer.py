@@ -315,7 +315,9 @@ class Trainer:
                 state, metadata = self._restore()
             print(f"Resumed from step {int(state.step)} in {self.checkpoints.directory}")
             return state, self.state_shardings, metadata.get("data_position")
-        if self.lora is not None and self.base is not None:
+        if self.lora is not None and self.base is not None and self.lora.base_dtype == "int8":
+            doing = ("reading the frozen base, quantized to int8", "read the frozen base")
+        elif self.lora is not None and self.base is not None:
             doing = ("reading the frozen base", "read the frozen base")
         else:
             doing = ("initializing the weights", "initialized the weights")
