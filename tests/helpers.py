@@ -16,14 +16,15 @@ VOCAB = 64
 
 
 # One of fit's log lines (Trainer.fit's log_every): "step N: loss L, T ms/step, K tokens/s", then
-# ", MFU M% PaLM, C% causal-halved" where the device's peak is known; an MoE model's router
-# statistics in parentheses after the loss; " (first step: includes compiling)" when the first
-# step is the line's only one; then the gradients' global norm and, where the optimizer says it,
-# the learning rate.
+# ", MFU M% PaLM, C% causal-halved" where the device's peak is known (then " of the bf16 peak"
+# for an int8 step); an MoE model's router statistics in parentheses after the loss;
+# " (first step: includes compiling)" when the first step is the line's only one; then the
+# gradients' global norm and, where the optimizer says it, the learning rate.
 LOG_LINE = re.compile(
     r"step (?P<step>\d+): loss (?P<loss>\d+\.\d{4})(?: \([^)]*\))?, "
     r"(?P<ms>[\d,]+\.\d) ms/step, (?P<tokens_per_s>[\d,]+) tokens/s"
-    r"(?:, MFU (?P<mfu>\d+\.\d)% PaLM, (?P<mfu_causal>\d+\.\d)% causal-halved)?"
+    r"(?:, MFU (?P<mfu>\d+\.\d)% PaLM, (?P<mfu_causal>\d+\.\d)% causal-halved"
+    r"(?P<int8_peak> of the bf16 peak)?)?"
     r"(?P<first> \(first step: includes compiling\))?"
     r"(?:, grad norm (?P<grad_norm>[\d.e+-]+|nan|inf))?(?:, lr (?P<lr>[\d.e+-]+))?"
 )

@@ -16,7 +16,13 @@ import dew
 from dew.nn import quantized
 from dew.nn.int8 import Quantized, quantize
 from tests.equivalence import host_state, recording
-from tests.helpers import fresh_batch, relative_error, seeded_key, tiny_objective
+from tests.helpers import (
+    fresh_batch,
+    parse_log_line,
+    relative_error,
+    seeded_key,
+    tiny_objective,
+)
 
 RECIPROCAL = np.float32(1.0 / 127)
 
@@ -417,4 +423,5 @@ def test_the_flag_sets_the_option_and_the_mfu_line_names_its_peak():
     speed = dict(tokens=1000, flops_per_token=1e9, devices=1, causal_flops_per_token=9e8)
     line = speed_text(0.25, peak=1e13, peak_note=INT8_PEAK_NOTE, **speed)
     assert line.endswith("MFU 40.0% PaLM, 36.0% causal-halved of the bf16 peak"), line
+    assert parse_log_line(f"step 3: loss 1.0000, {line}")["mfu"] == 40.0
     assert "peak" not in speed_text(0.25, peak=None, peak_note=INT8_PEAK_NOTE, **speed)
