@@ -84,12 +84,19 @@ def test_dew_train_sets_up_the_devices_the_rule_gives(monkeypatch, flags, accele
     assert given == [expected]
 
 
-def test_no_mesh_is_fully_sharded_over_every_device():
+def test_no_mesh_is_fully_sharded_over_every_device(tmp_path, dew_here):
     assert default_mesh("", 8) == "fsdp=8"
     assert default_mesh("", 1) == "fsdp=1"
     assert default_mesh("data=2,fsdp=4", 8) == "data=2,fsdp=4"  # as given
     args = build_parser().parse_args(["train"])
     assert MeshSpec.parse(default_mesh(args.mesh, 8)).shape(8)["fsdp"] == 8
+    # dew collectives shows the step dew train runs: the same default (dew train's own is run
+    # in a child process below).
+    out = dew_here("collectives", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[1].startswith(
+        "Collectives of one shard_map step on {'data': 1, 'expert': 1, 'fsdp': 8, 'tensor': 1,"
+    ), out.stdout
 
 
 def _trainer(mesh, optimizer=None):
