@@ -395,6 +395,14 @@ def test_hostfile_and_host_placement(tmp_path):
         process_hosts(["a", "c"], 3)
 
 
+@pytest.mark.parametrize("hosts", ["a,,c", "a,c,", ""])
+def test_an_empty_host_in_hosts_is_refused(hosts, dew_here, tmp_path):
+    # Dropped, "a,,c" would start the processes of a host lost from a script's list elsewhere.
+    run = dew_here("launch", "--hosts", hosts, "--", "python", "-c", "1", cwd=tmp_path)
+    assert run.returncode == 2, run.stdout
+    assert run.stderr.startswith(f"dew launch: --hosts {hosts!r} has an empty entry"), run.stderr
+
+
 # --------------------------------------------------------------------------- prepare_process
 
 CLUSTER_PREFIXES = ("DEW_", "SLURM_", "OMPI_", "PMI_", "TPU_", "MEGASCALE_", "KUBERNETES_", "JAX_")

@@ -70,6 +70,11 @@ def test_mesh_parse():
         dew.MeshSpec.parse("fsdp:4")
     with pytest.raises(ValueError, match="size 'x' is not an integer"):
         dew.MeshSpec.parse("fsdp=x")
+    # No entry at all is the default layout; an empty one among others is a typo, not skipped.
+    assert dew.MeshSpec.parse(" ") == dew.MeshSpec()
+    for text in ("fsdp=4,,data=2", "fsdp=4,"):
+        with pytest.raises(ValueError, match=f"mesh '{text}' has an empty entry"):
+            dew.MeshSpec.parse(text)
 
 
 def specs_of(mesh_spec, min_shard=1, **model):

@@ -577,6 +577,8 @@ def test_clear_errors(gcloud, capsys, monkeypatch, tmp_path):
     assert "'v5e-12' is not a v5e slice" in err and "Valid types: v4-8" in err
     # An unknown zone: by its form, before gcloud; or by gcloud's answer, with its stderr.
     assert "unknown zone 'useast5'" in error("start", "s1", "--zone", "useast5", code=2)
+    err = error("init", "--zones", "us-east5-a,,us-central1-a", code=2)
+    assert "--zones 'us-east5-a,,us-central1-a' has an empty entry" in err
     gcloud.script(fail={"start": [1, "ERROR: NOT_FOUND: Location mars-north1-a not found"]})
     err = error("start", "s1", "--zone", "mars-north1-a", code=1)
     assert "ERROR: NOT_FOUND: Location mars-north1-a not found" in err
