@@ -118,16 +118,24 @@ def test_greedy_generation_equals_transformers(name):
     assert got == ref["completions"]
 
 
-def test_greedy_generation_with_lora_adapters_equals_peft(tmp_path):
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
     """The LoRA run of tests/lora_reference.write_run (its adapters are the PEFT adapter of
-    tests/data/lora/adapter), the adapters run unmerged beside the base, on fsdp=4 x tensor=2:
-    PEFT's greedy generate, 40 ids after each prompt. Then a stop id: each row ends at its first
-    occurrence, the stop id kept, the other rows as before."""
-    from dew.models.checkpoint import load_lora
+    tests/data/lora/adapter): rank 4, alpha 6, all seven projections of llama3_untied."""
     from tests.lora_reference import write_run
 
-    write_run(tmp_path / "run")
-    model, base, adapters = load_lora(tmp_path / "run")
+    run = tmp_path_factory.mktemp("generate") / "run"
+    write_run(run)
+    return run
+
+
+def test_greedy_generation_with_lora_adapters_equals_peft(lora_run):
+    """The run's adapters unmerged beside the base, on fsdp=4 x tensor=2: PEFT's greedy
+    generate, 40 ids after each prompt. Then a stop id: each row ends at its first occurrence,
+    the stop id kept, the other rows as before."""
+    from dew.models.checkpoint import load_lora
+
+    model, base, adapters = load_lora(lora_run)
     ref = reference("lora")
     generator = Generator(model, base, adapters, mesh=MeshSpec(fsdp=4, tensor=2))
     assert generator(ref["prompts"], max_new_tokens=40) == ref["completions"]
@@ -135,6 +143,52 @@ def test_greedy_generation_with_lora_adapters_equals_peft(tmp_path):
     ended = [c[: c.index(stop) + 1] if stop in c else c for c in ref["completions"]]
     assert len(ended[0]) == 4
     assert generator(ref["prompts"], max_new_tokens=40, stop_ids=[stop]) == ended
+
+
+def test_dew_generate_runs_a_lora_runs_step_with_its_adapters(lora_run, tmp_path, dew_here):
+    """dew generate RUN --step 0 on a LoRA run (bytes: the run kept no tokenizer): the ids
+    dew.generate gives with the run's base and adapters."""
+    import dew
+    from dew.models.checkpoint import load_lora
+
+    out = tmp_path / "out.jsonl"
+    run = dew_here(
+        "generate", str(lora_run), "--step", "0", "--prompt", "ab", "--max-new-tokens", "12",
+        "--mesh", "fsdp=4,tensor=2", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    model, base, adapters = load_lora(lora_run)
+    api = dew.generate(
+        model, base, ["ab"], adapters=adapters, tokenizer="bytes", max_new_tokens=12,
+        mesh=MeshSpec(fsdp=4, tensor=2),
+    )  # fmt: skip
+    record = json.loads(out.read_text())
+    assert record["completion_ids"] == api[0].completion_ids and len(api[0].completion_ids) == 12
+    missing = dew_here("generate", str(lora_run), "--step", "3", "--prompt", "ab", cwd=tmp_path)
+    assert missing.returncode == 2 and "has no step 3; its steps are 0" in missing.stderr
+
+
+def test_an_int8_lora_base_generates_as_its_full_forward(seed):
+    """A LoRA model on an int8 base (its layer matrices int8, a scale per output channel),
+    drawn adapters: greedy ids on fsdp=4 x tensor=2 are those of a greedy loop over the full
+    forward of the same int8 tree (lora.combine) on one device, 10 tokens."""
+    from dew.models import lora
+
+    model = tiny(num_kv_heads=2, lora=lora.Lora(rank=2, alpha=3.0, base_dtype="int8"))
+    frozen = jax.jit(lambda key: lora.frozen_of(model, model.init(key)))(jax.random.key(seed))
+    fresh = jax.eval_shape(lambda: lora.init_adapters(model, jax.random.key(0)))
+    rng = np.random.default_rng(seed)
+    adapters = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), jnp.float32), fresh
+    )
+    apply = jax.jit(lambda t: model.apply(lora.combine(model, frozen, adapters), t))
+    prompt, new = [3, 14, 15, 92, 65], 10
+    ids = list(prompt)
+    for _ in range(new):  # right-padded to 32: causal, so the padding changes nothing before it
+        logits = apply(jnp.asarray([ids + [0] * (32 - len(ids))]))
+        ids.append(int(jnp.argmax(logits[0, len(ids) - 1])))
+    generator = Generator(model, frozen, adapters, mesh=MeshSpec(fsdp=4, tensor=2))
+    assert generator([prompt], max_new_tokens=new) == [ids[len(prompt) :]]
 
 
 # --- Sampling against its formulas ---------------------------------------------------------------
@@ -247,3 +301,24 @@ def test_out_of_memory_is_one_line_naming_the_flags(tmp_path, dew_here, monkeypa
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dew generate: generating does not fit")
     assert "--max-new-tokens" in lines[0] and "now fsdp=8" in lines[0]
+
+
+def test_chat_wraps_each_prompt_in_the_tokenizers_template(tmp_path):
+    """--chat: each prompt a user's message in tokenizer_config.json's chat_template, with its
+    bos token and the assistant's turn opened; a tokenizer without a template is refused."""
+    from dew.cli.generate import chat_prompts
+
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    config = {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    got = chat_prompts(["hi", "two words"], tmp_path / "tokenizer.json")
+    assert got == [
+        "<s><|user|>hi<|end|><|assistant|>",
+        "<s><|user|>two words<|end|><|assistant|>",
+    ]
+    with pytest.raises(ValueError, match="--chat: the tokenizer .* has no chat template"):
+        chat_prompts(["hi"], DATA / "hf" / "llama3_tied" / "tokenizer.json")
