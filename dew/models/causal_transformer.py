@@ -237,10 +237,13 @@ class CausalTransformer:
       lora: ``None``, or a ``dew.models.lora.Lora`` (or a dict of its fields): the model is
         fine-tuned by LoRA adapters on a frozen base (``dew.models.lora`` says how the training
         state splits; ``apply`` takes the base and adapters joined, ``lora.combine``, or merged,
-        ``lora.merge``).
+        ``lora.merge``); its rank at most each adapted weight's ``min(in, out)``
+        (``lora.check_rank``).
       attention_window: ``None`` (every earlier token) or ``W >= 1``: sliding-window attention,
         each token attending to at most the ``W`` most recent tokens, itself included (Mistral's
-        and Gemma's local attention; ``window=W`` in ``dew.kernels``), in every layer.
+        and Gemma's local attention; ``window=W`` in ``dew.kernels``), in every layer. One at or
+        beyond ``max_seq_len`` hides nothing and is accepted, as Hugging Face configs carry such
+        windows (``dew train --attention-window`` refuses it: there it is a typo).
       layer_loop: ``"scan"`` (one loop over the layers: a compile that does not grow with depth)
         or ``"unroll"`` (each layer compiled on its own: a faster step, a longer compile, and
         XLA may keep what ``remat`` would recompute; ``LAYER_LOOPS``). The same arithmetic
@@ -249,7 +252,8 @@ class CausalTransformer:
     Raises:
       ValueError: a size below 1, an unknown dtype, ``attention_impl``, ``remat`` or
         ``layer_loop``, ``emb_features`` that does not split into even heads, ``num_heads``
-        not a multiple of ``num_kv_heads``, or expert settings out of range.
+        not a multiple of ``num_kv_heads``, expert settings out of range, or a LoRA rank above
+        an adapted weight's ``min(in, out)``.
 
     Examples:
         >>> import jax, jax.numpy as jnp
