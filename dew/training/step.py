@@ -84,7 +84,6 @@ from dew.mesh import BATCH_AXES
 from dew.models import lora
 from dew.objectives.lm import document_positions, loss_weights, split_batch
 from dew.parallel import ONE_DEVICE, Shards, data, fsdp, pipeline, sequence
-from dew.parallel.options import StepOptions
 from dew.training.optimizer import global_norm, learning_rate
 from dew.training.state import TrainState
 
@@ -456,13 +455,10 @@ def global_gradients(
 
     def fn(params, batch, frozen=None, key=None):
         on = on_base(objective, frozen, None if key is None else jax.random.wrap_key_data(key))
-        step_shards = shards
-        if shards.options.quantize == "int8":
-            step_shards = dataclasses.replace(shards, rounding_key=key)
 
         def share(params, micro):
             loss, aux = on.loss_sum(
-                params, micro["tokens"], step_shards, micro.get("weights"), micro.get("documents")
+                params, micro["tokens"], shards, micro.get("weights"), micro.get("documents")
             )
             return loss / global_tokens, aux
 
@@ -656,14 +652,8 @@ def build_gradients(
         # sequence axis), as the shard_map step holds them.
         pinned = NamedSharding(mesh, TOKEN_SPEC) if engine == "gspmd" else None
         splits = math.prod(mesh.shape[a] for a in BATCH_AXES)
-        # The model sees one device; of the options, only the projections' precision.
-        quantize = StepOptions(quantize=shards.options.quantize)
         fn = global_gradients(
-            objective,
-            Shards(pinned_activations=pinned, options=quantize),
-            splits,
-            accumulation,
-            global_tokens,
+            objective, Shards(pinned_activations=pinned), splits, accumulation, global_tokens
         )
         return on_abstract_mesh(fn, mesh)
     raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
