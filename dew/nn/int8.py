@@ -12,7 +12,8 @@ so ``|q * scale - w| <= scale / 2`` for every entry (a channel of zeros gets ``s
 output channels after the matmul (in float32): the same as the matmul with the dequantized matrix,
 up to rounding, without a dequantized copy of the matrix. Weight-only: activations, gradients and
 the matmul stay in ``x``'s dtype; a ``Quantized`` weight is frozen (no gradient reaches its values
-or its scales)."""
+or its scales). Under ``StepOptions(quantize="int8")`` the model's projections multiply it W8A8
+instead (``dew.nn.quantized.frozen_int8_einsum``)."""
 
 from __future__ import annotations
 
