@@ -27,6 +27,16 @@ Stochastic rounding (``q = floor(v / scale + u)``, ``u`` uniform in ``[0, 1)``):
 rounding of many small gradients does not add up to a drift, as rounding to nearest does. It is
 on the two gradient operands only (AQT's and Qwix's choice): the forward rounds to nearest. The
 noise comes from ``key`` (``rounding_keys``): without one the gradients round to nearest too.
+In a training step the key is the step's (the run's key folded with the step), folded with each
+projection's name; every layer, microbatch and device draws from the same one (the values they
+round differ, and each rounding is unbiased whatever the others draw).
+
+Under a tensor split (``Int8Projections(split="tensor")``) a row-parallel projection's summed
+width, and a column-parallel one's output channels, are split over devices: the scales that
+reduce over them take their peak over the group (a ``pmax`` of one number a row), so each device
+quantizes as one device holding the whole width does. ``int8_ragged_dot`` is the same for an MoE
+layer's grouped matmuls (a scale per expert and output channel), and ``frozen_int8_einsum`` for a
+LoRA run's frozen int8 base (W8A8: its stored integers and scales, no weight gradient).
 
 The int32 sums are exact while ``127 * 127 * n`` fits int32 (``n`` the summed length: at most
 ``MAX_SUM`` = 133,144 tokens a weight gradient; ``int8_einsum`` refuses more).
