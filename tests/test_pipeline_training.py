@@ -8,6 +8,7 @@ The reference is the plain one-device loss (no mesh, no shard_map, no Trainer), 
 fresh seed (tests/conftest.py; replay with ``DEW_SEED``).
 """
 
+import re
 import types
 from pathlib import Path
 
@@ -184,6 +185,39 @@ def test_the_guide_draws_the_default_schedule():
     # docs/distributed.md's table of ticks is the schedule the step runs at S = 4, M = 8.
     guide = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
     assert pipeline.schedule_1f1b(4, 8).table() in guide
+
+
+def test_the_guides_state_per_device_is_what_the_layouts_hold():
+    # docs/distributed.md's table: dew bench's model (4 layers of width 256, vocabulary 256) with
+    # AdamW, state_bytes_per_device of the initial state, each layout's line as shown.
+    from dew.benchmark import ModelSize
+    from dew.objectives.lm import LMObjective
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    shown = re.findall(r"^(\S+) +([\d.]+) MiB per device$", guide, re.MULTILINE)
+    assert [layout for layout, _ in shown] == [
+        "data=8",
+        "stage=4,microbatches=8",
+        "stage=4,fsdp=2,microbatches=8",
+    ], shown
+    size = ModelSize()
+    model = dew.models.build(
+        "causal_transformer",
+        vocab_size=size.vocab,
+        emb_features=size.width,
+        num_layers=size.layers,
+        num_heads=size.heads,
+        max_seq_len=size.seq_len,
+    )
+    for layout, mib in shown:
+        trainer = dew.Trainer(
+            LMObjective(model, size.seq_len),
+            optax.adamw(1e-3),
+            jax.random.key(0),
+            mesh=dew.MeshSpec.parse(layout),
+        )
+        held = state_bytes_per_device(trainer.init_state())
+        assert f"{held / 2**20:.2f}" == mib, (layout, held)
 
 
 # ---- the measured bubble ---------------------------------------------------------------------
