@@ -24,6 +24,7 @@ from dew.cli import preflight
 from dew.cli.flags import default_mesh
 from dew.cli.main import _setup_devices, build_parser
 from dew.training import runtime
+from dew.training.optimizer import adamw
 from dew.training.runtime import DEFAULT_CPU_DEVICES, default_cpu_devices, find_accelerator
 from tests.helpers import child_env, tiny_objective
 from tests.test_cli import ROOT
@@ -157,10 +158,26 @@ def test_a_state_that_does_not_fit_the_host_is_refused_naming_the_mesh_that_fits
         f"which has {_text(4 * replicated)} available (MemAvailable): give --mesh fsdp=8, fully "
         f"sharded, where a device holds {_text(sharded)}, {_text(8 * sharded)} on this host"
     )
-    # Already fully sharded, and still too big: the flags that shrink the state.
-    small = preflight.Room(jax.devices(), host=_host(7 * sharded))
-    with pytest.raises(ValueError, match=r"fully sharded too: give a smaller --model, or "):
-        preflight.check_state(_trainer(MeshSpec(fsdp=8)), small)
+    # Fully sharded already: AdamW's moments in bfloat16, 8 bytes a weight where float32 takes
+    # 12, where they fit; else a smaller model, with the least a device would hold.
+    halved = {"--moments-dtype bfloat16": adamw(1e-3, moments_dtype="bfloat16")}
+    weights = _weights(tiny_objective())
+    smaller = preflight.state_bytes(_trainer(MeshSpec(fsdp=8), halved["--moments-dtype bfloat16"]))
+    assert 8 * weights / 8 <= smaller <= 8 * weights / 8 + 64, (weights, smaller)
+    between = preflight.Room(jax.devices(), host=_host(8 * (smaller + sharded) // 2))
+    with pytest.raises(ValueError) as refused:
+        preflight.check_state(_trainer(MeshSpec(fsdp=8)), between, halved)
+    assert str(refused.value).endswith(
+        f": give --moments-dtype bfloat16, where a device holds {_text(smaller)}, "
+        f"{_text(8 * smaller)} on this host"
+    ), refused.value
+    small = preflight.Room(jax.devices(), host=_host(7 * smaller))
+    with pytest.raises(ValueError) as refused:
+        preflight.check_state(_trainer(MeshSpec(fsdp=8)), small, halved)
+    assert str(refused.value).endswith(
+        f"; with --mesh fsdp=8 --moments-dtype bfloat16 a device would still hold "
+        f"{_text(smaller)}, {_text(8 * smaller)} on this host: give a smaller --model"
+    ), refused.value
 
 
 def _compiled(argument, output, alias, temp, code):
@@ -242,9 +259,9 @@ def _limited(limit, *args, cwd):
 
 @pytest.fixture(scope="module")
 def limit():
-    """An address space 1 GiB above what a child takes once JAX has its 8 CPU devices and Dew's
-    CLI is imported (about 1.5 GiB here; more where XLA starts more threads): about 1 GiB for
-    the devices when ``dew train`` checks them."""
+    """An address space 1.2 GiB above what a child takes once JAX has its 8 CPU devices and
+    Dew's CLI is imported (about 1.5 GiB here; more where XLA starts more threads): about 1.18
+    GiB for the devices when ``dew train`` checks them."""
     size = _child(
         "-c",
         "from dew.training.runtime import prepare_process; prepare_process(cpu_devices=8); "
@@ -252,7 +269,7 @@ def limit():
         "print(open('/proc/self/status').read())",
     )
     assert size.returncode == 0, size.stderr[-3000:]
-    return _vm_size(size.stdout) + 2**30
+    return _vm_size(size.stdout) + 12 * 2**30 // 10
 
 
 def _vm_size(status: str) -> int:
@@ -263,25 +280,36 @@ def _vm_size(status: str) -> int:
 def test_gpt2_small_refused_in_one_line_before_compiling_where_the_host_is_too_small(
     tmp_path, limit
 ):
-    # GPT-2 small's state (weights, AdamW's moments: 12 bytes a weight, 124M weights) is 1.38
-    # GiB fully sharded over 8 simulated devices: more than the limit leaves.
+    # GPT-2 small's state (weights and AdamW's two moments: 12 bytes a weight, 124M weights) is
+    # 1.38 GiB fully sharded over 8 simulated devices: more than the limit leaves. With the
+    # moments in bfloat16, 8 bytes a weight, it needs two thirds of that: named where the room
+    # the line states holds it (the threads started before the check move it by a few hundred
+    # MiB), else a smaller model, with what a device would still hold.
     run, seconds = _limited(limit, "--model", "gpt2-small", "--steps", "1", cwd=tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr[-3000:]
     (line,) = run.stderr.splitlines()
-    assert line.startswith(
-        "dew train: the training state (weights, optimizer, EMA) needs 176.80 MiB a device on "
-        "--mesh fsdp=8; 8 simulated CPU devices hold 1.38 GiB on this host, which has "
-    ), line
-    assert line.endswith(
-        "available (the address-space limit, ulimit -v), fully sharded too: give a smaller "
-        "--model, or --moments-dtype bfloat16 (AdamW's two moments in half the bytes)"
-    ), line
+    found = re.fullmatch(
+        r"dew train: the training state \(weights, optimizer, EMA\) needs 176.80 MiB a device on "
+        r"--mesh fsdp=8; 8 simulated CPU devices hold 1.38 GiB on this host, which has ([\d.]+ "
+        r"[MG]iB) available \(the address-space limit, ulimit -v\)(: give --moments-dtype "
+        r"bfloat16, where|; with --mesh fsdp=8 --moments-dtype bfloat16) a device "
+        r"(?:would still )?holds? "
+        r"([\d.]+) MiB, ([\d.]+) MiB on this host(?:: give a smaller --model)?",
+        line,
+    )
+    assert found, line
+    available, named, device, host = found.group(1), found.group(2), *found.group(3, 4)
+    assert abs(float(host) - 8 * float(device)) < 0.05, line  # each rounded to 0.01
+    assert abs(float(device) / 176.80 - 8 / 12) < 0.01, line  # 8 bytes a weight, not 12
+    number, unit = available.split()
+    room = float(number) * {"MiB": 1, "GiB": 1024}[unit]
+    assert named.startswith(": give") == (float(host) <= room), line
     # Refused before the step compiled (its compile alone takes 15 s and more here).
     assert "compiling the step" not in run.stdout, run.stdout
     assert seconds < 30, seconds
     # Replicated (11.05 GiB for the 8) it does not fit 7 GiB for the devices: fully sharded
     # (1.38 GiB) it would, and --mesh fsdp=8 is named.
-    seven = limit + 6 * 2**30
+    seven = limit + 58 * 2**30 // 10
     run, seconds = _limited(seven, "--model", "gpt2-small", "--mesh", "data=8", cwd=tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr[-3000:]
     (line,) = run.stderr.splitlines()
@@ -304,7 +332,7 @@ def test_a_model_that_fits_trains_under_the_same_limit(tmp_path, limit):
     lines = run.stdout.splitlines()
     assert re.fullmatch(
         r"8 simulated CPU devices, mesh fsdp=8: [\d.]+ KiB of training state a device; the host "
-        r"holds 8: [\d.]+ [KM]iB of [\d.]+ MiB available",
+        r"holds 8: [\d.]+ [KM]iB of [\d.]+ [MG]iB available",
         lines[1],
     ), lines
     assert lines[2:4] == ["compiling the step...", lines[3]] and lines[3].startswith(

@@ -407,7 +407,16 @@ def _resume_mismatch(differ: dict, run_dir) -> str:
     )
 
 
-def _check_memory_and_compile(trainer, data, batch: int):
+def _smaller_optimizers(args) -> dict:
+    """The optimizer flags that shrink the training state, as typed, to the optimizer each gives
+    with this command's other flags: what a refusal may name (``dew.cli.preflight``)."""
+    if args.moments_dtype == "bfloat16":
+        return {}
+    halved = argparse.Namespace(**{**vars(args), "moments_dtype": "bfloat16"})
+    return {"--moments-dtype bfloat16": optimizer_from(halved)}
+
+
+def _check_memory_and_compile(trainer, data, args):
     """Before any weight is allocated: the devices, the mesh and the state a device holds, in
     one line (``dew.cli.preflight``), then the step compiled (a live line while it compiles)
     and what a device needs for it; a run that does not fit is refused in one line naming what
@@ -416,10 +425,10 @@ def _check_memory_and_compile(trainer, data, batch: int):
     from dew.training.progress import Progress
 
     room = preflight.Room(list(trainer.mesh.devices.flat))
-    print(preflight.check_state(trainer, room), flush=True)
+    print(preflight.check_state(trainer, room, _smaller_optimizers(args)), flush=True)
     progress = Progress()
     compiled = trainer.compile_step(data, progress)
-    print(preflight.check_step(trainer, compiled, batch, room), flush=True)
+    print(preflight.check_step(trainer, compiled, args.batch, room), flush=True)
     return progress
 
 
@@ -460,7 +469,7 @@ def train_command(args) -> int:
     )
     progress = None
     if (trainer.checkpoints.latest or 0) < args.steps:  # a finished run has nothing to compile
-        progress = _check_memory_and_compile(trainer, data, args.batch)
+        progress = _check_memory_and_compile(trainer, data, args)
     if lora_base:
         convert.keep_carried(
             trainer.checkpoints.directory, convert.source_carried(lora_base), replace=False

@@ -130,13 +130,14 @@ def state_bytes(trainer) -> int:
     return _state_bytes(trainer)
 
 
-def _on_mesh(trainer, mesh):
-    """``trainer``'s model, optimizer and layout on ``mesh`` (for the state a flag would give)."""
+def _on_mesh(trainer, mesh, optimizer=None):
+    """``trainer``'s model and layout on ``mesh``, with its optimizer or ``optimizer`` (for the
+    state a flag would give)."""
     from dew.training.trainer import Trainer
 
     return Trainer(
         trainer.objective,
-        trainer.optimizer,
+        trainer.optimizer if optimizer is None else optimizer,
         key=trainer.key,
         mesh=mesh,
         layout=trainer.layout,
@@ -159,10 +160,12 @@ def _sharded(trainer):
         return None
 
 
-def check_state(trainer, room: Room) -> str:
+def check_state(trainer, room: Room, optimizers: dict | None = None) -> str:
     """The line said before the step compiles: the devices, the mesh and the state a device
-    holds, against the room it has; ``ValueError`` naming the ``--mesh`` that would fit (or what
-    else to change) when the state alone does not fit."""
+    holds, against the room it has; ``ValueError`` when the state alone does not fit, naming
+    what would: the fully sharded ``--mesh``, else the first of ``optimizers`` (the flag as
+    typed, ``"--moments-dtype bfloat16"``, to the optimizer it gives) whose smaller state fits
+    on that mesh (each counted as this one is), else a smaller ``--model``."""
     state = state_bytes(trainer)
     mesh = layout_name(dict(trainer.mesh.shape))
     line = f"{room.devices}, mesh {mesh}: {bytes_text(state)} of training state a device"
@@ -174,18 +177,31 @@ def check_state(trainer, room: Room) -> str:
         f"the training state (weights, optimizer, EMA) needs {bytes_text(state)} a device on "
         f"--mesh {mesh}; {room.over(state)}"
     )
+    # The fully sharded mesh first, then each smaller optimizer on the mesh that holds least.
+    mesh_flags, spec, least = [], trainer.mesh_spec, state
     sharded = _sharded(trainer)
     if sharded is not None:
         name, other = sharded
-        other_state = state_bytes(other)
-        if room.fits(other_state):
+        mesh_flags, spec, least = [f"--mesh {name}"], other.mesh_spec, state_bytes(other)
+        if room.fits(least):
             raise ValueError(
                 f"{what}: give --mesh {name}, fully sharded, where a device holds "
-                f"{bytes_text(other_state)}{room.short(other_state)}"
+                f"{bytes_text(least)}{room.short(least)}"
             )
+    for flag, optimizer in (optimizers or {}).items():
+        smaller = state_bytes(_on_mesh(trainer, spec, optimizer))
+        if room.fits(smaller):
+            raise ValueError(
+                f"{what}: give {' and '.join([*mesh_flags, flag])}, where a device holds "
+                f"{bytes_text(smaller)}{room.short(smaller)}"
+            )
+        least = min(least, smaller)
+    tried = " ".join(
+        [f"--mesh {layout_name(spec.shape(trainer.mesh.devices.size))}", *(optimizers or {})]
+    )
     raise ValueError(
-        f"{what}, fully sharded too: give a smaller --model, or --moments-dtype bfloat16 "
-        "(AdamW's two moments in half the bytes)"
+        f"{what}; with {tried} a device would still hold {bytes_text(least)}"
+        f"{room.short(least)}: give a smaller --model"
     )
 
 
