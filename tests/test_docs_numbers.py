@@ -101,6 +101,7 @@ def test_getting_started_prints_what_it_says_and_metrics_md_agrees(tmp_path, dew
     # says which flag, the run's value, and the two ways on (in this process: nothing compiles).
     other = dew_here("train", "--steps", "50", "--batch", "32", cwd=tmp_path)
     assert other.returncode == 2, other.stdout
+    assert "compiling the step..." not in other.stdout, other.stdout  # refused before it
     assert other.stderr.splitlines() == [
         "dew train: the run in runs/dew-train was trained with --batch 16, and this command "
         "gives --batch 32: give --batch 16 to resume it, or another --run-dir to start a new run"

@@ -416,6 +416,27 @@ def _smaller_optimizers(args) -> dict:
     return {"--moments-dtype bfloat16": optimizer_from(halved)}
 
 
+def _check_resume(trainer, data, run_dir) -> None:
+    """A run that this command's data flags cannot resume, refused before anything compiles (fit
+    would refuse it after the compile and the checkpoint's read): the data position the latest
+    checkpoint records against this command's data."""
+    from dew.checkpoints.errors import CheckpointError
+    from dew.data.windows import DataPositionMismatch
+
+    latest = trainer.checkpoints.latest
+    if latest is None:
+        return
+    try:
+        position = trainer.checkpoints.metadata(latest).get("data_position")
+    except CheckpointError:  # a damaged step: fit falls back to an earlier one, and checks it
+        return
+    try:
+        if position is not None:
+            data.resume(position)
+    except DataPositionMismatch as error:
+        raise ValueError(_resume_mismatch(error.differ, run_dir)) from None
+
+
 def _check_memory_and_compile(trainer, data, args):
     """Before any weight is allocated: the devices, the mesh and the state a device holds, in
     one line (``dew.cli.preflight``), then the step compiled (a live line while it compiles)
@@ -467,6 +488,7 @@ def train_command(args) -> int:
         seed=args.seed,
         base=lora_base,
     )
+    _check_resume(trainer, data, run_dir)
     progress = None
     if (trainer.checkpoints.latest or 0) < args.steps:  # a finished run has nothing to compile
         progress = _check_memory_and_compile(trainer, data, args)
