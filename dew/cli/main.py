@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dew.cli import bench, convert, generate, launch, plan, plot, tokenize
+from dew.cli import bench, convert, evaluate, generate, launch, plan, plot, tokenize
 from dew.cli.flags import (
     CHECKPOINTS,
     DATA,
@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_parser(commands)
     convert.add_parser(commands)
     generate.add_parser(commands)
+    evaluate.add_parser(commands)
     return parser
 
 
