@@ -11,8 +11,9 @@ as it would alone). A query sees the keys of its own row from its ``pad`` slot u
 slot not yet written.
 
 ``prefill`` runs the prompt through the layers with the model's own attention (``attention_for``:
-the Pallas kernels where the model's ``attention_impl`` takes them), the padding a segment of its
-own that no prompt token attends to, and writes every layer's rotated ``k`` and ``v`` into the
+the Pallas kernels where the model's ``attention_impl`` takes them; ``"auto"``'s choice for a
+model trained with cuDNN, which takes no segment ids), the padding a segment of its own that no
+prompt token attends to, and writes every layer's rotated ``k`` and ``v`` into the
 cache; ``decode`` runs one new token a row, writing its ``k`` and ``v`` at its slot and attending
 over the cache (``dew.nn.attention.masked_attention`` with the mask above). Both run on one
 device's shards under the step's ``Shards`` (the weights gathered over fsdp per layer, the heads,
@@ -25,6 +26,7 @@ they trained.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -96,7 +98,11 @@ def _layers(model, params, x, cache: Cache, first, shards: Shards, prefill: bool
     shared_kv = model.kv_heads < shards.size(tensor.AXIS)
     window = model.attention_window
     if prefill:
-        impl = model.attention_for(ragged.compiled_platform(), seq_len=count)
+        # cuDNN takes no segment ids: a model trained with it prefills with what "auto" picks.
+        chooser = model
+        if model.attention_impl == "cudnn":
+            chooser = dataclasses.replace(model, attention_impl="auto")
+        impl = chooser.attention_for(ragged.compiled_platform(), seq_len=count, segmented=True)
         attend = attention.IMPLEMENTATIONS[impl]
         # The padding is a document of its own (id 0): no prompt token attends to it.
         segments = (jnp.arange(count)[None, :] >= cache.pads[:, None]).astype(jnp.int32)
