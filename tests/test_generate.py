@@ -322,3 +322,33 @@ def test_chat_wraps_each_prompt_in_the_tokenizers_template(tmp_path):
     ]
     with pytest.raises(ValueError, match="--chat: the tokenizer .* has no chat template"):
         chat_prompts(["hi"], DATA / "hf" / "llama3_tied" / "tokenizer.json")
+
+
+def test_a_damaged_latest_step_is_refused_naming_step_and_an_intact_one_runs(tmp_path, dew_here):
+    """A Dew checkpoint (the tied reference model as step 0, its weights plus one as step 1)
+    whose latest step's data file is cut in half: dew generate refuses in one line naming the
+    intact step and --step; --step 0 generates."""
+    import os
+
+    from dew.checkpoints import Checkpoints
+    from dew.cli import convert
+    from dew.models.checkpoint import load_checkpoint
+
+    directory = tmp_path / "ckpt"
+    convert.to_checkpoint(DATA / "hf" / "llama3_tied", directory)
+    _, params = load_checkpoint(directory)
+    checkpoints = Checkpoints(directory, keep=None)
+    checkpoints.save(1, jax.tree.map(lambda a: a + 1, params), metadata=checkpoints.metadata(0))
+    checkpoints.wait()
+    (data,) = (directory / "step_00000001").glob("*.npz")
+    os.truncate(data, data.stat().st_size // 2)
+    run = dew_here("generate", str(directory), "--prompt", "hi", cwd=tmp_path)
+    assert run.returncode == 2
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(f"dew generate: checkpoint step 1 in {directory}, the latest, is dam")
+    assert line.endswith("are 0: name one to read it (generate from one with --step N)"), line
+    run = dew_here(
+        "generate", str(directory), "--prompt", "hi", "--step", "0", "--max-new-tokens", "3",
+        "--mesh", "fsdp=8", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr

@@ -184,14 +184,9 @@ def load_source(path: str, step: int | None, merge: bool):
     """``(model, params, adapters, tokenizer_path, carried)`` of SOURCE: ``adapters`` ``None``
     but for an unmerged LoRA run; ``tokenizer_path`` the kept or the folder's tokenizer.json,
     ``None`` where there is none; ``carried`` the run's kept config fields (eos_token_id)."""
-    from dew.cli.convert import TOKENIZER_DIR, read_carried
+    from dew.checkpoints import DamagedLatestStepError
     from dew.models import hf
-    from dew.models.checkpoint import (
-        checkpoint_directory,
-        checkpoint_model,
-        load_checkpoint,
-        load_lora,
-    )
+    from dew.models.checkpoint import checkpoint_directory
 
     if hf.is_hf_folder(path):
         if step is not None:
@@ -202,6 +197,16 @@ def load_source(path: str, step: int | None, merge: bool):
         config = hf.read_config(path)
         return model, params, None, tokenizer if tokenizer.is_file() else None, config
     directory = checkpoint_directory(path)
+    try:
+        return _load_dew(directory, step, merge)
+    except DamagedLatestStepError as error:  # said with this command's flag
+        raise error.naming("generate from one with --step N") from None
+
+
+def _load_dew(directory, step, merge):
+    from dew.cli.convert import TOKENIZER_DIR, read_carried
+    from dew.models.checkpoint import checkpoint_model, load_checkpoint, load_lora
+
     tokenizer = directory / TOKENIZER_DIR / "tokenizer.json"
     tokenizer = tokenizer if tokenizer.is_file() else None
     carried = read_carried(directory)
