@@ -12,6 +12,9 @@
     dew plot         draw the curves of metrics files (loss, val loss, tokens/s, MFU)
     dew convert      a Hugging Face Llama folder to a Dew checkpoint, or back (--to hf); a LoRA
                      run's adapters to a PEFT folder (--to peft)
+    dew generate     complete prompts with a run, a checkpoint or a Hugging Face folder, decoded
+                     with a KV cache on the devices
+    dew eval         run lm-eval tasks on such a model (the .[eval] extra)
 
 ``dew COMMAND --help`` lists a command's flags under a heading per topic (``dew.cli.flags.topics``:
 devices and mesh, model, LoRA, data, precision and memory, ...).
