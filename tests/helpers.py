@@ -75,9 +75,13 @@ def assert_line_speed(line: dict, step_times, tokens: int, mfu_at=None, causal_a
 
 def child_env() -> dict:
     """The environment of a child process that sets up its own devices (``dew``, a worker): this
-    one's, less the device count and the platform, keeping the other XLA flags (conftest.py's
-    faster compile)."""
+    one's, less the device count, keeping the other XLA flags (conftest.py's faster compile).
+    The platform stays the CPU off a TPU run: ``dew`` with no ``--cpu-devices`` takes an
+    accelerator it finds (a GPU machine with JAX's plugin), and the tests' children run on
+    simulated CPU devices, as this process does."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    if os.environ.get("DEW_TEST_TPU") != "1":
+        env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = " ".join(
         f
         for f in os.environ.get("XLA_FLAGS", "").split()
