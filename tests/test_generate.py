@@ -352,3 +352,14 @@ def test_a_damaged_latest_step_is_refused_naming_step_and_an_intact_one_runs(tmp
         "--mesh", "fsdp=8", cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
+
+
+def test_prompt_and_new_tokens_beyond_the_context_are_refused_naming_the_flag(tmp_path, dew_here):
+    folder = DATA / "hf" / "llama3_tied"  # a context of 64 tokens; "hello" is 5 bytes
+    run = dew_here("generate", str(folder), "--prompt", "hello", "--max-new-tokens", "60",
+                   cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr.strip() == (
+        "dew generate: --max-new-tokens 60 after the longest prompt (5 tokens) exceeds the "
+        "model's context of 64 tokens; give at most 59"
+    )

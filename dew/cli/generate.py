@@ -313,6 +313,13 @@ def generate_command(args) -> int:
     # a chat template writes its own, and a Dew run's token folder has none.
     special = hf_source(args.source) and not args.chat
     ids = [encode_prompt(tokenizer, text, special) for text in texts]
+    longest = max(map(len, ids))
+    if longest + args.max_new_tokens > model.max_seq_len:
+        raise ValueError(
+            f"--max-new-tokens {args.max_new_tokens} after the longest prompt ({longest} tokens) "
+            f"exceeds the model's context of {model.max_seq_len} tokens; give at most "
+            f"{max(model.max_seq_len - longest, 0)}"
+        )
     stop = default_stops(carried, tokenizer) if args.stop is None else None
     stop = stop if stop is not None else stop_ids_of(args.stop, tokenizer)
     generator = Generator(model, params, adapters, mesh=mesh, layout=Layout(args.min_shard))
