@@ -296,7 +296,10 @@ def test_out_of_memory_is_one_line_naming_the_flags(tmp_path, dew_here, monkeypa
 
     monkeypatch.setattr(dew.generation.Generator, "__call__", refuse)
     folder = DATA / "hf" / "llama3_tied"
-    run = dew_here("generate", str(folder), "--prompt", "hi", "--mesh", "fsdp=8", cwd=tmp_path)
+    run = dew_here(
+        "generate", str(folder), "--prompt", "hi", "--max-new-tokens", "8", "--mesh", "fsdp=8",
+        cwd=tmp_path,
+    )  # fmt: skip
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dew generate: generating does not fit")
