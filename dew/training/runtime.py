@@ -168,8 +168,21 @@ def prepare_process(
         ``NoClusterError`` naming what was looked for. Prints ``process i of n`` to stderr once
         joined.
       cpu_devices: split the CPU into this many devices and use the CPU backend (tests, examples);
-        a multi-process run on the CPU then uses gloo collectives.
-      coordinator_address, num_processes, process_id: passed to ``jax.distributed.initialize``.
+        a multi-process run on the CPU then uses gloo collectives. ``None`` (the default): the
+        devices JAX finds.
+      coordinator_address, num_processes, process_id: passed to ``jax.distributed.initialize``
+        with ``multi_host=True`` (ignored without it); any one given skips the search above.
+
+    Raises:
+      ValueError: ``cpu_devices`` is below 1.
+      NoClusterError: ``multi_host=True`` and no run was given or found.
+
+    Examples:
+        >>> from dew.training.runtime import prepare_process
+        >>> prepare_process(cpu_devices=8)  # before anything else touches JAX
+        >>> import jax
+        >>> jax.device_count()
+        8
     """
     explicit = {
         k: v

@@ -93,17 +93,25 @@ def _optimizer_line(metrics: dict) -> str:
 class Trainer:
     """Trains ``objective`` with ``optimizer`` over a device mesh.
 
+    The constructor checks the mesh, the layout and the options against the model and lays out
+    the state's shapes; it compiles nothing. ``fit`` trains; ``train_step``, ``evaluate`` and
+    ``collectives`` give the pieces.
+
     Args:
-      objective: e.g. ``LMObjective(model, seq_len)``.
+      objective: what the step minimizes, with its ``model`` and ``seq_len``: e.g.
+        ``dew.objectives.lm.LMObjective(model, seq_len)``.
       optimizer: any ``optax.GradientTransformation``; it gives its one-device result.
         ``dew.training.optimizer.adamw`` adds a schedule (its ``lr`` goes into the metrics),
         clipping, masked weight decay and smaller state (bfloat16 moments, state in host memory).
-      key: a PRNG key (``jax.random.key(0)``); the initial weights depend on it alone.
-      mesh: a ``MeshSpec``; ``data`` takes the devices the other axes leave.
-      layout: a ``Layout`` placing each weight (and its optimizer state and EMA) on the mesh.
-      checkpoints: a ``dew.Checkpoints``, or ``None`` to keep nothing on disk.
-      accumulation: microbatches per step; the gradients of all are added, equal to the whole
-        batch's.
+      key: a PRNG key (``jax.random.key(0)``, or its raw ``uint32`` key data); the initial
+        weights depend on it alone.
+      mesh: a ``MeshSpec`` (default ``MeshSpec()``: every device on ``data``); ``data`` takes the
+        devices the other axes leave.
+      layout: a ``Layout`` placing each weight (and its optimizer state and EMA) on the mesh
+        (default ``Layout()``).
+      checkpoints: a ``dew.Checkpoints``, or ``None`` (the default) to keep nothing on disk.
+      accumulation: microbatches per step (default 1); each device's rows are cut into this
+        many, run one after another, and their gradients add up to the whole batch's.
       engine: ``"shard_map"`` (explicit collectives, the default), ``"gspmd"`` (XLA's partitioner
         with every block's input pinned to the batch split: the baseline benchmarks compare with) or
         ``"gspmd_unpinned"`` (the partitioner left alone; see ``dew.training.step``).
@@ -124,6 +132,26 @@ class Trainer:
         read when the state is placed; ``None``: the model's initial weights from ``key``. Kept
         as an absolute path (``trainer.base``); a checkpoint of the run names it, with the step
         and a checksum that resuming checks (``dew.training.lora_base``).
+
+    Raises:
+      TypeError: ``mesh``, ``layout`` or ``options`` is not a ``MeshSpec``, ``Layout`` or
+        ``StepOptions``.
+      ValueError: a setting that cannot run, found before anything compiles: ``accumulation``
+        below 1, an unknown ``engine``, ``options`` other than the default with a GSPMD engine,
+        ``stage > 1`` without ``microbatches``, ``base`` for a model without ``lora``, a mesh
+        axis the model's sizes do not divide (heads, experts, layers, ``seq_len``), an option
+        the mesh gives no axis for, or an attention kernel these devices cannot run.
+
+    Examples:
+        >>> import jax, optax, dew
+        >>> from dew.data import TokenWindows, write_example_corpus
+        >>> from dew.objectives.lm import LMObjective
+        >>> model = dew.models.build("causal_transformer", vocab_size=256, emb_features=64,
+        ...                          num_layers=2, num_heads=4, max_seq_len=32)
+        >>> trainer = dew.Trainer(LMObjective(model, 32), optax.adamw(1e-3), key=jax.random.key(0),
+        ...                       mesh=dew.MeshSpec(fsdp=8), layout=dew.Layout(min_shard=1))
+        >>> write_example_corpus("tokens")
+        >>> state = trainer.fit(TokenWindows("tokens", seq_len=32).load(batch=16), steps=20)
     """
 
     def __init__(
@@ -295,7 +323,13 @@ class Trainer:
 
     def init_state(self) -> TrainState:
         """A fresh state, created directly in its final layout (no device ever holds all of it).
-        A LoRA model's base is read from ``base`` when given (``dew.training.lora_base``)."""
+
+        A LoRA model's base is read from ``base`` when given (``dew.training.lora_base``).
+
+        Returns:
+          a ``TrainState`` at step 0: weights from ``key``, the optimizer's initial state, laid
+          out by ``layout`` over the mesh (``trainer.state_shardings``).
+        """
         if self.lora is None or self.base is None:
             return jax.jit(self._fresh_state, out_shardings=self.state_shardings)(self.key)
         from dew.training import lora_base
@@ -307,9 +341,18 @@ class Trainer:
         return fresh(self.key).replace(frozen=lora_base.load(self))
 
     def place(self, progress: Progress | None = None):
-        """``(state, shardings, data_position)``: the latest checkpoint laid out for this trainer's
-        mesh and layout, or a fresh state (and position ``None``) when there is none.
-        ``progress``: reports the reading or initializing as a phase (``dew.training.progress``)."""
+        """The state ``fit`` starts from: the latest checkpoint, else a fresh state.
+
+        Args:
+          progress: reports the reading or initializing as a phase (``dew.training.progress``);
+            ``None`` (the default): nothing is printed for it.
+
+        Returns:
+          ``(state, shardings, data_position)``: the latest checkpoint laid out for this
+          trainer's mesh and layout (whatever layout saved it), its ``state_shardings``, and where
+          the data stood (``WindowDataset.position``); or ``init_state()`` and position ``None``
+          when there is no checkpoint.
+        """
         if self.checkpoints is not None and self.checkpoints.latest is not None:
             with phase(progress, "reading the checkpoint", "read the checkpoint"):
                 state, metadata = self._restore()
@@ -364,10 +407,18 @@ class Trainer:
 
     def save(self, state: TrainState, data=None, next_batch: int | None = None) -> None:
         """Writes ``state`` (and where ``data`` stands) to this trainer's checkpoints, in the
-        background.
+        background (``trainer.checkpoints.wait()`` waits for it), as step ``state.step``.
 
-        Raises ``FloatingPointError`` instead when a weight holds NaN or inf: such a state would
-        push a good checkpoint out of the ``keep`` newest.
+        Args:
+          state: the ``TrainState`` to write.
+          data: the ``WindowDataset`` trained on, whose position the checkpoint records so that a
+            resumed ``fit`` reads on from there; ``None``: no position.
+          next_batch: the index of the batch the next step reads (default ``state.step``).
+
+        Raises:
+          ValueError: the trainer was built with ``checkpoints=None``.
+          FloatingPointError: a weight holds NaN or inf (nothing is written): such a state would
+            push a good checkpoint out of the ``keep`` newest.
         """
         if self.checkpoints is None:
             raise ValueError(
@@ -415,12 +466,17 @@ class Trainer:
 
     @property
     def batch_devices(self) -> int:
+        """The devices a global batch's rows are split over: ``data x expert x fsdp``."""
         return math.prod(self.mesh.shape[a] for a in BATCH_AXES)
 
     def check_batch(self, batch_size: int, seq_len: int | None = None) -> None:
-        """Raises ``ValueError`` if a global batch of ``batch_size`` rows cannot be split over the
-        batch axes into ``accumulation`` microbatches (each cut into ``microbatches`` pipeline
-        microbatches over a stage axis), or if ``seq_len`` is not the objective's."""
+        """Checks that a global batch of ``batch_size`` rows of ``seq_len`` tokens fits the step.
+
+        Raises:
+          ValueError: ``batch_size`` does not split over the batch axes (``batch_devices``) into
+            ``accumulation`` microbatches (each cut into ``microbatches`` pipeline microbatches
+            over a stage axis), or ``seq_len`` (when given) is not the objective's.
+        """
         split = " x ".join(
             f"{a} {self.mesh.shape[a]}"
             for a in BATCH_AXES
@@ -459,9 +515,19 @@ class Trainer:
     # ----------------------------------------------------------------------------- the step
 
     def train_step(self, batch_size: int):
-        """The compiled-on-first-call step ``(state, batch) -> (state, metrics)`` for global
-        batches of ``batch_size`` rows; ``metrics["loss"]`` is the batch's mean loss (see
-        ``dew.training.step.build_train_step`` for the MoE entries)."""
+        """The step for global batches of ``batch_size`` rows, built once per batch size.
+
+        Returns:
+          a jitted ``step(state, batch) -> (state, metrics)``, compiled at its first call: it
+          takes a ``TrainState`` laid out as ``init_state`` gives it and an int32 batch
+          ``[batch_size, seq_len + 1]`` (or ``[batch_size, 2 or 3, seq_len + 1]`` with a loss mask
+          and document ids, ``dew.objectives.lm``) on ``batch_sharding``, and donates the state.
+          ``metrics`` are scalars: ``"loss"``, the batch's mean loss, ``"grad_norm"``, and more
+          (``dew.training.step.build_train_step``: the MoE entries, ``"lr"``).
+
+        Raises:
+          ValueError: ``batch_size`` does not fit the mesh (``check_batch``).
+        """
         self.check_batch(batch_size)
         self._choose_remat(batch_size)
         if batch_size not in self._steps:
@@ -490,9 +556,18 @@ class Trainer:
         self.objective = choice.objective
 
     def gradients(self, params, batch: jax.Array, frozen=None):
-        """``(grads, loss)`` of the mean loss of the global ``batch``, computed as the step computes
-        them (for tests and inspection; ``fit`` does not call it). A LoRA model's: ``params`` its
-        adapters, ``frozen`` its base (``state.frozen``), the gradients the adapters'."""
+        """The gradients of the mean loss of the global ``batch``, computed as the step computes
+        them (for tests and inspection; ``fit`` does not call it).
+
+        Args:
+          params: the weights (``state.params``; a LoRA model's adapters).
+          batch: int32 ``[rows, seq_len + 1]`` tokens (or ``[rows, 2 or 3, seq_len + 1]``, with a
+            loss mask and document ids), ``rows`` a batch size ``check_batch`` accepts.
+          frozen: a LoRA model's base (``state.frozen``); ``None`` for other models.
+
+        Returns:
+          ``(grads, loss)``: a tree shaped and laid out as ``params``, and the scalar float32 loss.
+        """
         rows = batch.shape[0]
         self.check_batch(rows)
         self._choose_remat(rows)
@@ -515,7 +590,25 @@ class Trainer:
 
     def evaluate(self, state: TrainState, data, params: str = "params") -> float:
         """The mean loss over ``data``'s validation batches (``TokenWindows(val_batches=...)``):
-        ``validation_metrics(...)["loss"]``, the language model's loss alone for an MoE model."""
+        ``validation_metrics(state, data, params)["loss"]``, the language model's loss alone for
+        an MoE model.
+
+        Args:
+          state: the ``TrainState`` to evaluate (``fit``'s result).
+          data: a ``WindowDataset`` loaded with ``val_batches >= 1``.
+          params: ``"params"`` (the default) or ``"ema"``, the EMA weights.
+
+        Returns:
+          the mean loss, a Python float.
+
+        Raises:
+          ValueError: ``data`` has no validation batches, or ``params`` is neither name.
+
+        Examples:
+            >>> data = TokenWindows("tokens", seq_len=32, val_batches=2).load(batch=16)
+            >>> state = trainer.fit(data, steps=20)
+            >>> loss = trainer.evaluate(state, data)  # the mean over the 2 batches
+        """
         return self.validation_metrics(state, data, params)["loss"]
 
     def validation_metrics(
@@ -530,6 +623,13 @@ class Trainer:
         validation batches only. Forward only, with the same layout and collectives as the step,
         compiled at the first call (per batch size) and reused; every validation token counts
         once.
+
+        Returns:
+          ``{name: float}``, each the mean over the batches.
+
+        Raises:
+          ValueError: ``data`` has no validation batches, ``batches`` is not from 1 to their
+            number, or ``params`` is not ``"params"`` or ``"ema"`` (with ``ema_decay`` set).
         """
         every = data.validation(rows=self._process_rows(data.batch_size, data.seq_len + 1))
         if not every:
@@ -566,6 +666,7 @@ class Trainer:
 
     @property
     def batch_sharding(self) -> NamedSharding:
+        """Where a global batch lives: rows split over the batch axes, whole otherwise."""
         return NamedSharding(self.mesh, BATCH_SPEC)
 
     def _process_rows(self, batch_size: int, width: int) -> slice:
@@ -584,8 +685,13 @@ class Trainer:
         return slice(lo, hi)
 
     def device_batch(self, rows: np.ndarray, batch_size: int) -> jax.Array:
-        """A global batch array from this process's ``rows`` of it (``[rows, seq_len + 1]``, or
-        ``[rows, 2, seq_len + 1]`` with a loss mask)."""
+        """A global batch array, on ``batch_sharding``, from this process's ``rows`` of it.
+
+        Args:
+          rows: this process's rows (all of them in one process): int32 ``[rows, seq_len + 1]``,
+            or ``[rows, 2 or 3, seq_len + 1]`` with a loss mask and document ids.
+          batch_size: the global batch's rows.
+        """
         if jax.process_count() == 1:
             return jax.device_put(rows, self.batch_sharding)
         return jax.make_array_from_process_local_data(
@@ -666,6 +772,21 @@ class Trainer:
 
         Returns:
           the final ``TrainState``, laid out on the mesh.
+
+        Raises:
+          ValueError: before anything compiles: ``steps`` below 0, ``log_every`` or
+            ``checkpoint_every`` below 1, ``checkpoint_every`` without checkpoints, ``eval_every``
+            on data without validation batches, ``eval_batches`` without ``eval_every``, or a
+            batch that does not fit the mesh (``check_batch``).
+          FloatingPointError: a step's loss is NaN or inf (that state is not saved).
+          dew.training.preemption.Preempted: SIGTERM or a second Ctrl-C (above).
+
+        Examples:
+            >>> data = TokenWindows("tokens", seq_len=32, val_batches=1).load(batch=16)
+            >>> state = trainer.fit(data, steps=100, log_every=10, eval_every=50,
+            ...                     metrics="runs/metrics.jsonl")
+            >>> int(state.step)
+            100
         """
         # A step compiled ahead by compile_step is fit's compile, as if compiled here: the
         # goodput line's first step and wall time include it.
@@ -852,10 +973,18 @@ class Trainer:
     # ----------------------------------------------------------------------------- inspection
 
     def step_arguments(self, batch_size: int, documents: bool = False):
-        """``(state, batch)`` of the step on global batches of ``batch_size`` rows, as
-        ``jax.ShapeDtypeStruct`` s laid out as the step takes them: lowering the step on them
-        allocates nothing. ``documents``: the batch packs documents (tokens, loss mask and
-        document ids, ``[rows, 3, seq_len + 1]``), else plain tokens ``[rows, seq_len + 1]``."""
+        """The step's arguments on global batches of ``batch_size`` rows, as shapes only.
+
+        Args:
+          batch_size: the global batch's rows.
+          documents: the batch packs documents (tokens, loss mask and document ids, int32
+            ``[rows, 3, seq_len + 1]``); ``False`` (the default): plain tokens, int32
+            ``[rows, seq_len + 1]``.
+
+        Returns:
+          ``(state, batch)`` as ``jax.ShapeDtypeStruct`` s laid out as the step takes them:
+          lowering the step on them allocates nothing.
+        """
         state = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             self._abstract_state,
@@ -868,8 +997,16 @@ class Trainer:
 
     def compiled_step(self, batch_size: int, documents: bool = False):
         """The step on global batches of ``batch_size`` rows, lowered from ``step_arguments`` and
-        compiled, for its ``memory_analysis()`` and its HLO (nothing is allocated or run);
-        ``documents``: on packed documents (``[rows, 3, seq_len + 1]`` batches: segment ids)."""
+        compiled (nothing is allocated or run).
+
+        Args:
+          batch_size: the global batch's rows.
+          documents: on packed documents (``[rows, 3, seq_len + 1]`` batches: segment ids).
+
+        Returns:
+          the compiled step (``jax.stages.Compiled``), for its ``memory_analysis()`` and its HLO
+          (``as_text()``).
+        """
         arguments = self.step_arguments(batch_size, documents)
         return self.train_step(batch_size).lower(*arguments).compile()
 
@@ -878,7 +1015,18 @@ class Trainer:
         and ``seq_len``), as a ``CollectiveReport``.
 
         For the shard_map engine they are read from the step's jaxpr (what the code asks for); for
-        the GSPMD engine from the compiled HLO (what XLA inserted).
+        the GSPMD engines from the compiled HLO (what XLA inserted). Nothing runs.
+
+        Returns:
+          a ``CollectiveReport``: one entry per collective, with its mesh axes and bytes.
+
+        Raises:
+          ValueError: ``data``'s batch does not fit the mesh (``check_batch``).
+
+        Examples:
+            >>> report = trainer.collectives(data)
+            >>> print(report)  # a table: each collective, its axes, operand and wire bytes
+            >>> report.by_axis()  # bytes on the wire per mesh axis
         """
         from dew.collectives import collectives, hlo_collectives
 
