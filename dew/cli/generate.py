@@ -118,7 +118,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
         default=None,
         metavar="TOKEN",
         help="a token (its string or its id) that ends a completion, kept in it; repeat for "
-        "several (default: the tokenizer's end-of-text token)",
+        "several (default: the model's eos_token_id, else the tokenizer's end-of-text "
+        "token)",
     )
     devices = groups[DEVICES]
     add_device_flag(devices)
