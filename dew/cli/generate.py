@@ -299,7 +299,7 @@ def generate_command(args) -> int:
     import jax
 
     from dew.cli.flags import default_mesh
-    from dew.generation import Generator, stop_ids_of, tokenizer_of
+    from dew.generation import Completion, Generator, stop_ids_of, tokenizer_of
     from dew.layout import Layout
     from dew.mesh import MeshSpec
 
@@ -339,10 +339,7 @@ def generate_command(args) -> int:
         if line is None:
             raise
         raise ValueError(line) from None
-    records = [
-        {"prompt": p, "completion": tokenizer.decode(n), "completion_ids": n}
-        for p, n in zip(prompts, new)
-    ]
+    records = [Completion(p, tokenizer.decode(n), n).as_json() for p, n in zip(prompts, new)]
     for i, record in enumerate(records):
         print(f"--- prompt {i + 1}: {record['prompt']!r}")
         print(record["completion"])
