@@ -136,3 +136,22 @@ def test_dew_eval_appends_the_tasks_metrics_to_the_metrics_file(tmp_path, dew_he
     assert lines[0] == {"step": 0, "loss": 5.5}
     assert set(lines[1]) == {"step", "eval/dew_tiny_mc/acc", "eval/dew_tiny_mc/acc_norm"}
     assert "eval/dew_tiny_mc/acc:" in run.stdout
+
+
+def test_dew_plot_draws_the_eval_lines_beside_the_loss(tmp_path):
+    """A metrics file of training lines and two dew eval lines: dew plot reads it (a line with
+    only eval/ metrics is no error) and draws each metric on the loss panel's twin axis."""
+    pytest.importorskip("matplotlib")
+    from dew.cli.plot import build_figure, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": s, "loss": 5.0 - s / 10} for s in range(1, 7)]
+    lines += [{"step": 3, "eval/t/acc": 0.25}, {"step": 6, "eval/t/acc": 0.5, "eval/t/f1": 0.4}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    figure = build_figure([("run", read_metrics(path))])
+    assert len(figure.axes) == 4  # loss, tokens/s, MFU and the loss panel's twin
+    drawn = {line.get_label(): line.get_data() for line in figure.axes[3].get_lines()}
+    assert {k: (list(s), list(v)) for k, (s, v) in drawn.items()} == {
+        "run t/acc": ([3, 6], [0.25, 0.5]),
+        "run t/f1": ([6], [0.4]),
+    }

@@ -7,7 +7,9 @@ Three panels against the step: the loss (and the validation loss, ``val_loss``, 
 markers, where the file has it), tokens per second, and model FLOPs utilisation (``mfu``, PaLM's
 count, solid; ``mfu_causal``, causal attention halved as MaxText counts it, dotted). The MFU
 panel stays, saying so, when no file has ``mfu`` (a CPU run, or a device whose peak is unknown): the
-figure has the same panels whatever the files hold. Each run is named by its file's stem (its
+figure has the same panels whatever the files hold. A file with ``dew eval --metrics`` lines
+(``eval/TASK/METRIC`` scores) has them beside the loss, dotted with crosses, on an axis of their
+own. Each run is named by its file's stem (its
 folder and stem when two stems collide) or by ``--name``, once per file.
 
 A resumed run appends to its file, so a step can appear twice; the later line wins. The tokens/s
@@ -63,7 +65,8 @@ def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics file, one per step, in step order: the lines of a step merged, a
     later value replacing an earlier one (a resumed run's), a training line (with ``loss``)
     marked ``"first_of_segment"`` when it opened the file or a resumed segment (its step not
-    above the training line before). A line may hold ``val_loss`` without ``loss``.
+    above the training line before). A line may hold ``val_loss`` without ``loss``, or only
+    ``eval/TASK/METRIC`` values (``dew eval --metrics``).
 
     Raises ``FileNotFoundError`` for a missing file, ``ValueError`` for an empty one or a line that
     is not a JSON object with a numeric ``step`` and a numeric ``loss`` or ``val_loss`` (naming
@@ -89,10 +92,14 @@ def read_metrics(path: str | Path) -> list[dict]:
                     f"{path}, line {number}: no numeric 'step' (every line of a metrics file "
                     f"of dew train --metrics has one): {line.strip():.80}"
                 )
-            if not (_number(record.get("loss")) or _number(record.get("val_loss"))):
+            if not (
+                _number(record.get("loss"))
+                or _number(record.get("val_loss"))
+                or eval_keys([record])  # a line of dew eval --metrics
+            ):
                 raise ValueError(
-                    f"{path}, line {number}: neither 'loss' nor 'val_loss' is a number: "
-                    f"{line.strip():.80}"
+                    f"{path}, line {number}: neither 'loss' nor 'val_loss' nor an 'eval/' "
+                    f"metric is a number: {line.strip():.80}"
                 )
             step = int(record["step"])
             if _number(record.get("loss")):  # a training step's line (val_loss may be alone)
@@ -118,6 +125,14 @@ def run_names(paths: list[str | Path], names: list[str] | None = None) -> list[s
     ]
 
 
+def eval_keys(records: list[dict]) -> list[str]:
+    """The ``eval/TASK/METRIC`` keys with a number in ``records`` (``dew eval --metrics``),
+    sorted."""
+    return sorted(
+        {k for r in records for k, v in r.items() if k.startswith("eval/") and _number(v)}
+    )
+
+
 def _series(records: list[dict], key: str, skip_first_of_segment: bool = False):
     points = [
         (r["step"], r[key])
@@ -130,7 +145,8 @@ def _series(records: list[dict], key: str, skip_first_of_segment: bool = False):
 
 
 def build_figure(runs: list[tuple[str, list[dict]]]):
-    """The figure of ``runs`` (``(name, read_metrics(...))`` pairs): three axes, ``PANELS``.
+    """The figure of ``runs`` (``(name, read_metrics(...))`` pairs): three axes, ``PANELS``, and
+    a fourth, the loss panel's twin, when a run has ``eval/`` metrics (``dew eval --metrics``).
 
     Lines, per run: its loss and, when it has ``val_loss``, its validation loss (loss panel); its
     tokens/s (when a step is left after the compile steps); its MFU when it has ``mfu``. An MFU
@@ -169,6 +185,20 @@ def build_figure(runs: list[tuple[str, list[dict]]]):
                 )
     loss_ax.set(xlabel="step", ylabel="loss (nats per token)", title="loss")
     loss_ax.legend(fontsize="small")
+    if any(eval_keys(records) for _, records in runs):
+        # dew eval's scores beside the loss, on an axis of their own (accuracies, not nats).
+        eval_ax = loss_ax.twinx()
+        for index, (name, records) in enumerate(runs):
+            for key in eval_keys(records):
+                eval_ax.plot(
+                    *_series(records, key),
+                    color=f"C{index % 10}",
+                    linestyle=":",
+                    marker="x",
+                    label=f"{name} {key[len('eval/') :]}",
+                )
+        eval_ax.set(ylabel="eval (dew eval)")
+        eval_ax.legend(fontsize="small", loc="upper center")
     speed_ax.set(xlabel="step", ylabel="tokens / s", title="tokens / s (compile steps left out)")
     mfu_ax.set(
         xlabel="step", ylabel="MFU (%)", title="model FLOPs utilisation (PaLM; causal-halved)"
