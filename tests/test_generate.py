@@ -366,3 +366,26 @@ def test_prompt_and_new_tokens_beyond_the_context_are_refused_naming_the_flag(tm
         "dew generate: --max-new-tokens 60 after the longest prompt (5 tokens) exceeds the "
         "model's context of 64 tokens; give at most 59"
     )
+
+
+def test_the_library_refuses_what_it_cannot_run_naming_the_values():
+    """Before anything compiles: an MoE model, a sequence axis, string prompts without a
+    tokenizer, a sampling value out of range, an id outside the vocabulary, a stop string that
+    is not one token."""
+    import dew
+
+    model = tiny()
+    params = jax.jit(model.init)(jax.random.key(0))
+    moe = tiny(num_experts=4)
+    with pytest.raises(ValueError, match="generation runs dense models; this one has 4 experts"):
+        Generator(moe, jax.eval_shape(moe.init, jax.random.key(0)), mesh=ONE_DEVICE)
+    with pytest.raises(ValueError, match="runs on data, fsdp and tensor axes; the mesh has seq"):
+        Generator(model, params, mesh=MeshSpec(sequence=2))
+    with pytest.raises(ValueError, match="string prompts need a tokenizer"):
+        dew.generate(model, params, ["hi"], mesh=ONE_DEVICE)
+    with pytest.raises(ValueError, match="top_p must be above 0 and at most 1, got 0"):
+        dew.generate(model, params, [[1, 2]], top_p=0, mesh=ONE_DEVICE)
+    with pytest.raises(ValueError, match=r"prompt ids \[96\] are outside the vocabulary \[0, 96\)"):
+        dew.generate(model, params, [[1, 96]], mesh=ONE_DEVICE)
+    with pytest.raises(ValueError, match="stop 'ab' is not one token of the tokenizer"):
+        dew.generate(model, params, ["hi"], tokenizer="bytes", stop=["ab"], mesh=ONE_DEVICE)
