@@ -260,9 +260,9 @@ LAYOUTS = {
 # scaled over each device's own tokens: they differ by the rounding's noise.
 
 
-def one_step(objective, key, batch, quantize="int8", keys=(), **trainer_args):
-    """``(loss, gradients)`` of one step from the model's initial weights, and the gradients of
-    the same step under each of ``keys`` (the state's key, which the int8 rounding draws from)."""
+def one_step(objective, params, key, batch, keys=(), **trainer_args):
+    """``(loss, gradients)`` of one int8 step from ``params``, and of the same step under each of
+    ``keys`` (the state's key, which the int8 rounding draws from)."""
     if "mesh" not in trainer_args:  # one device
         trainer_args.update(mesh=dew.MeshSpec(), devices=jax.devices()[:1])
     trainer = dew.Trainer(
@@ -270,10 +270,9 @@ def one_step(objective, key, batch, quantize="int8", keys=(), **trainer_args):
         recording(optax.sgd(0.1)),
         key,
         layout=dew.Layout(min_shard=1),
-        options=dew.StepOptions(quantize=quantize),
+        options=dew.StepOptions(quantize="int8"),
         **trainer_args,
     )
-    params = jax.jit(objective.model.init)(key)
     step = trainer.train_step(ROWS)
     runs = []
     for k in (key, *keys):
@@ -288,7 +287,8 @@ def one_step(objective, key, batch, quantize="int8", keys=(), **trainer_args):
 
 @pytest.fixture(scope="module")
 def references(module_seed):
-    """One device, per model: int8 with the run's key and another, and float32."""
+    """One device, per model: its initial weights, int8 steps with the run's key and another, and
+    float32's loss and gradients (``jax.value_and_grad`` of the objective's loss)."""
     key, batch = seeded_key(module_seed), fresh_batch(ROWS, module_seed)
     made = {}
 
@@ -296,12 +296,17 @@ def references(module_seed):
         name = "moe" if model else "dense"
         if name not in made:
             objective = tiny_objective(**model)
-            same, other = one_step(objective, key, batch, keys=(seeded_key(module_seed, 1),))
+            params = jax.jit(objective.model.init)(key)
+            same, other = one_step(
+                objective, params, key, batch, keys=(seeded_key(module_seed, 1),)
+            )
+            loss, grads = jax.jit(jax.value_and_grad(objective.loss))(params, batch)
             made[name] = dict(
                 objective=objective,
+                params=params,
                 int8=same,
                 other_key=other,
-                float=one_step(objective, key, batch, quantize="bfloat16")[0],
+                float=(float(loss), jax.tree_util.tree_map(np.asarray, grads)),
             )
         return made[name]
 
@@ -321,7 +326,7 @@ def test_every_layout_is_one_device_in_int8(name, references, module_seed):
     key, batch, of = references
     model, trainer_args = LAYOUTS[name]
     ref = of(model)
-    loss, grads = one_step(ref["objective"], key, batch, **trainer_args)[0]
+    loss, grads = one_step(ref["objective"], ref["params"], key, batch, **trainer_args)[0]
     one_loss, one_grads = ref["int8"]
     float_loss, float_grads = ref["float"]
     int8_error = abs(one_loss - float_loss)
