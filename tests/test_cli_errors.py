@@ -366,8 +366,13 @@ def test_a_resume_that_does_not_match_names_the_flags_and_the_ways_on(dew_here, 
         ),
         (
             (*lora, "--init-from", base, "--base-dtype", "int8"),
-            "the run in run was trained on its base with no --base-dtype, and this command gives "
+            "the run in run was trained with no --base-dtype, and this command gives "
             f"--base-dtype int8: resume it with no --base-dtype, {ways_on}",
+        ),
+        (  # the adapters' scale is part of what they learned (the default alpha is 2 x rank)
+            (*lora, "--init-from", base, "--lora-alpha", "6.5"),
+            "the run in run was trained with --lora-alpha 4, and this command gives "
+            f"--lora-alpha 6.5: resume it with --lora-alpha 4, {ways_on}",
         ),
         (
             (*lora, "--init-from", other),
@@ -385,6 +390,8 @@ def test_a_resume_that_does_not_match_names_the_flags_and_the_ways_on(dew_here, 
         assert "Traceback" not in refused.stdout + refused.stderr
         (line,) = refused.stderr.splitlines()
         assert line.startswith(f"dew train: {says}"), (given, line)
+        if "--run-dir" in says:  # a flag's value: read from the checkpoint, before compiling
+            assert "compiling the step" not in refused.stdout, (given, refused.stdout)
     # The base's weights changed in place: said so, with both checksums (configuration-weights).
     _flip_a_bit(base)
     refused = dew_here(*run, *lora, "--init-from", str(base), "--steps", "2", cwd=tmp_path)

@@ -421,19 +421,25 @@ def _smaller_optimizers(args) -> dict:
 
 
 def _check_resume(trainer, data, run_dir) -> None:
-    """A run that this command's data flags cannot resume, refused before anything compiles (fit
-    would refuse it after the compile and the checkpoint's read): the data position the latest
-    checkpoint records against this command's data."""
+    """A run that this command's flags cannot resume, refused before anything compiles (fit
+    would refuse it after the compile and the checkpoint's read): the model and the data
+    position the latest checkpoint records against this command's (``dew.cli.resume``)."""
     from dew.checkpoints.errors import CheckpointError
+    from dew.cli import resume
     from dew.data.windows import DataPositionMismatch
 
     latest = trainer.checkpoints.latest
     if latest is None:
         return
     try:
-        position = trainer.checkpoints.metadata(latest).get("data_position")
+        metadata = trainer.checkpoints.metadata(latest)
     except CheckpointError:  # a damaged step: fit falls back to an earlier one, and checks it
         return
+    saved = (metadata.get("model") or {}).get("config")
+    line = resume.flags_mismatch(saved, trainer.objective.model, run_dir)
+    if line is not None:
+        raise ValueError(line)
+    position = metadata.get("data_position")
     try:
         if position is not None:
             data.resume(position)

@@ -25,6 +25,10 @@ STATE_FLAGS = {
     "moe_every": "--moe-every",
 }
 LORA_STATE_FLAGS = {"rank": "--lora-rank", "targets": "--lora-targets"}
+# LoRA flags a resumed run keeps though the state's shapes do not depend on them: the adapters'
+# scale (alpha / rank) is part of the function they learned, and the base's dtype is the base
+# they learned it on. (--lora-dropout may change, as a regularizer.)
+LORA_KEPT_FLAGS = {"alpha": "--lora-alpha", "base_dtype": "--base-dtype"}
 
 WAYS_ON = "or give another --run-dir to start a new run"
 
@@ -47,6 +51,8 @@ def flag_text(flag: str, value) -> str:
         return f"no {flag}"
     if isinstance(value, (list, tuple)):
         value = ",".join(value)
+    if isinstance(value, float):
+        value = f"{value:g}"  # --lora-alpha 16, as typed, not 16.0
     return f"{flag} {value}"
 
 
@@ -57,7 +63,35 @@ def state_flags(config: dict) -> dict:
     lora = config.get("lora")
     if lora is None:
         return {**flags, "--lora-rank": None}
-    return {**flags, **{flag: lora.get(field) for field, flag in LORA_STATE_FLAGS.items()}}
+    lora_flags = {**LORA_STATE_FLAGS, **LORA_KEPT_FLAGS}
+    return {**flags, **{flag: lora.get(field) for field, flag in lora_flags.items()}}
+
+
+def flags_mismatch(saved: dict | None, model, run_dir) -> str | None:
+    """The line for resuming the run in ``run_dir``, whose latest checkpoint records the model
+    configuration ``saved``, with this command's ``model`` when a flag that sets the state's
+    shapes or dtypes (``STATE_FLAGS``, ``LORA_STATE_FLAGS``) or one a run keeps
+    (``LORA_KEPT_FLAGS``) differs; ``None`` when they agree or nothing is recorded. Read from the
+    checkpoint's metadata alone: ``dew train`` asks it before compiling anything. (Fields no flag
+    of these sets, such as ``--remat``, may change when a run resumes.)"""
+    if saved is None:
+        return None
+    now = json.loads(json.dumps(dataclasses.asdict(model)))  # as Trainer.save records it
+    was_flags, now_flags = state_flags(saved), state_flags(now)
+    if (saved.get("lora") is None) != (now.get("lora") is None):
+        differ = ["--lora-rank"]  # the other LoRA flags go with it
+    else:
+        differ = [flag for flag in now_flags if now_flags[flag] != was_flags[flag]]
+        if "--lora-rank" in differ and "--lora-alpha" in differ:
+            differ.remove("--lora-alpha")  # its default follows the rank: say the rank alone
+    if not differ:
+        return None
+    was = ", ".join(flag_text(flag, was_flags[flag]) for flag in differ)
+    given = ", ".join(flag_text(flag, now_flags[flag]) for flag in differ)
+    return (
+        f"the run in {run_dir} was trained with {was}, and this command gives {given}: "
+        f"resume it with {was}, {WAYS_ON}"
+    )
 
 
 def mismatch(error, saved: dict | None, model, run_dir, init_from: str | None) -> str:
@@ -69,19 +103,10 @@ def mismatch(error, saved: dict | None, model, run_dir, init_from: str | None) -
     now = json.loads(json.dumps(dataclasses.asdict(model)))  # as Trainer.save records it
     if isinstance(error, BaseMismatchError):
         return _base_mismatch(error, saved, now, run_dir, init_from)
+    line = flags_mismatch(saved, model, run_dir)
+    if line is not None:
+        return line
     if saved is not None:
-        was_flags, now_flags = state_flags(saved), state_flags(now)
-        if (saved.get("lora") is None) != (now.get("lora") is None):
-            differ = ["--lora-rank"]  # the other LoRA flags go with it
-        else:
-            differ = [flag for flag in now_flags if now_flags[flag] != was_flags[flag]]
-        if differ:
-            was = ", ".join(flag_text(flag, was_flags[flag]) for flag in differ)
-            given = ", ".join(flag_text(flag, now_flags[flag]) for flag in differ)
-            return (
-                f"the run in {run_dir} was trained with {was}, and this command gives {given}: "
-                f"resume it with {was}, {WAYS_ON}"
-            )
         fields = [f for f in now if f != "lora" and saved.get(f, now[f]) != now[f]]
         if fields:  # set by --model, --init-from or --data (the vocabulary), not a flag each
             what = ", ".join(f"{f} {saved[f]} (the run's) != {now[f]} (now)" for f in fields)
