@@ -430,3 +430,27 @@ def test_the_flag_sets_the_option_and_the_mfu_line_names_its_peak():
     assert line.endswith("MFU 40.0% PaLM, 36.0% causal-halved of the bf16 peak"), line
     assert parse_log_line(f"step 3: loss 1.0000, {line}")["mfu"] == 40.0
     assert "peak" not in speed_text(0.25, peak=None, peak_note=INT8_PEAK_NOTE, **speed)
+
+
+def test_remat_policies_keep_the_int8_output_not_its_int32_sums():
+    """Under ``remat="dots"`` and ``"attention"`` an int8 projection's backward keeps its output
+    in the activations' dtype (2 bytes an entry for bfloat16), as for a bfloat16 matmul, not the
+    int32 sums behind it (4 bytes); ``"full"`` keeps neither."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from dew.models.causal_transformer import REMAT_POLICIES
+
+    x, w = jnp.ones((64, 32), jnp.bfloat16), jnp.ones((32, 48), jnp.float32)
+
+    def layer(x, w):
+        return jnp.sum(jnp.sin(quantized.int8_einsum("te,ef->tf", x, w)))
+
+    for policy, kept in (("dots", True), ("attention", True), ("full", False)):
+        saved = [
+            str(aval)
+            for aval, _ in saved_residuals(
+                jax.checkpoint(layer, policy=REMAT_POLICIES[policy]), x, w
+            )
+        ]
+        assert ("bfloat16[64,48]" in saved) == kept, (policy, saved)
+        assert not any(a.startswith("int32") for a in saved), (policy, saved)

@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from dew.checks import positive_int
 from dew.layout import path_names
 from dew.models import lora
-from dew.nn import attention, embed, mlp, moe, norm, rotary
+from dew.nn import attention, embed, mlp, moe, norm, quantized, rotary
 from dew.nn.param import Param, init_params, logical_axes, normal
 from dew.parallel import (
     ONE_DEVICE,
@@ -104,7 +104,11 @@ REMAT_POLICIES = {
     "attention_gate": jax.checkpoint_policies.save_only_these_names(
         attention.OUT_NAME, attention.LSE_NAME, mlp.GATE_NAME
     ),
-    "dots": _SAVE_DOTS,
+    # And an int8 projection's output, by its name (dew.nn.quantized): kept, it leaves the int32
+    # sums behind it unneeded, which this would keep as a dot's output, twice its bytes.
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        _SAVE_DOTS, jax.checkpoint_policies.save_only_these_names(quantized.OUT_NAME)
+    ),
     # "attention" also keeps the MLP's normalized input: recomputing it in the backward, XLA fused
     # the norm into both the gate's and the up projection's weight gradients under shard_map
     # (not under GSPMD), each reading the residual in float32. On one v5e chip (GPT-2 small, 16 x
@@ -115,7 +119,11 @@ REMAT_POLICIES = {
     "attention": jax.checkpoint_policies.save_from_both_policies(
         _SAVE_DOTS,
         jax.checkpoint_policies.save_only_these_names(
-            attention.OUT_NAME, attention.LSE_NAME, attention.ROTATED_NAME, MLP_INPUT
+            attention.OUT_NAME,
+            attention.LSE_NAME,
+            attention.ROTATED_NAME,
+            MLP_INPUT,
+            quantized.OUT_NAME,
         ),
     ),
     "none": None,

@@ -52,6 +52,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from dew.nn.int8 import QMAX, Quantized
 from dew.nn.lora import Adapted
@@ -117,6 +118,12 @@ def _labels(spec: str) -> tuple[str, str, str, str]:
     return x, w, out, "".join(label for label in w if label in x)
 
 
+# The name of an int8 projection's output (in the activations' dtype), by which the model's remat
+# policies that keep the weight matmuls' outputs ("dots", "attention") keep it: else they keep
+# the int32 sums behind it, twice its bytes in bfloat16.
+OUT_NAME = "int8_projection"
+
+
 def _int_matmul(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.int32)
 
@@ -130,7 +137,7 @@ def _forward(spec, x, w, inner, qw=None, sw=None):
         qw, sw = quantize_stochastic(w, _axes(w_l, summed), None, inner)
     acc = _int_matmul(spec, qx, qw).astype(jnp.float32)
     out = acc * _onto(sx, _kept(x_l, summed), out_l) * _onto(sw, _kept(w_l, summed), out_l)
-    return out.astype(x.dtype), (qx, sx, qw, sw)
+    return checkpoint_name(out.astype(x.dtype), OUT_NAME), (qx, sx, qw, sw)
 
 
 def _input_gradient(spec, d_out, qw, sw, key, dtype, outer):
