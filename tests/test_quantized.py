@@ -316,8 +316,9 @@ def references(module_seed):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_every_layout_is_one_device_in_int8(name, references, module_seed):
     """Each layout's first step under ``quantize="int8"`` against one device's. The loss is
-    within a quarter of int8's own error (one device's int8 loss against its float32 loss) of
-    one device's (measured: 0 to 0.05 of it; tensor with each device's own scales, 2.6 of it).
+    within a quarter of int8's own error (one device's int8 loss against its float32 loss, at
+    least 1e-4 of the loss) of one device's (measured: 0 to 0.05 of it; tensor with each
+    device's own scales, 0.85 to 2.7 of it).
     The gradients differ by the stochastic rounding:
     by less than twice the spread of one device's between two keys (measured: 0.98 to 1.4 of
     it), and they are int8's (away from float32's by a third of it at least: not the float
@@ -329,7 +330,9 @@ def test_every_layout_is_one_device_in_int8(name, references, module_seed):
     loss, grads = one_step(ref["objective"], ref["params"], key, batch, **trainer_args)[0]
     one_loss, one_grads = ref["int8"]
     float_loss, float_grads = ref["float"]
-    int8_error = abs(one_loss - float_loss)
+    # int8's own error in the loss, floored at 1e-4 of it: errors of many entries can cancel in
+    # one scalar by chance (measured 2.8e-5 to 2.3e-4 of the loss).
+    int8_error = max(abs(one_loss - float_loss), 1e-4 * abs(one_loss))
     print(f"{name}: loss {abs(loss - one_loss) / int8_error:.3g} of int8's error from one's")
     assert abs(loss - one_loss) <= 0.25 * int8_error + 1e-6, (loss, one_loss, float_loss)
     spread = relative_error(ref["other_key"][1], one_grads)
