@@ -238,10 +238,10 @@ def test_cli_writes_one_object_per_layout_and_engine(tmp_path, capsys):
         (["--mesh", "stage=2,sequence=2,microbatches=2"], "cannot run inside a pipeline stage"),
         (
             ["--mesh", "tensor=8", "--sequence-parallel", "--seq-len", "12"],
-            "seq_len 12 does not split over tensor 8",
+            "--seq-len 12 does not split over tensor 8",
         ),
         (["--batch", "12"], "does not split evenly"),
-        (["--width", "30"], "does not split over num_heads"),
+        (["--width", "30"], "--width 30 does not split over --heads 8"),
         (["--repeats", "0"], "repeats must be"),
         (["--json", "/no/such/folder/out.json"], "does not exist"),
     ],

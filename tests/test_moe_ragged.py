@@ -376,7 +376,7 @@ def test_the_exchange_flags_reach_the_model_and_bad_values_are_refused():
     assert (chosen.expert_exchange, chosen.expert_buffer_factor) == ("ragged", 1.5)
     with pytest.raises(ValueError, match="unknown expert_exchange 'fast'; expected one of auto"):
         model("--expert-exchange", "fast")
-    with pytest.raises(ValueError, match="expert_buffer_factor must be None .* got 0.0"):
+    with pytest.raises(ValueError, match="--expert-buffer-factor must be above 0 .* got 0"):
         model("--expert-buffer-factor", "0")
     for flags in (["--expert-exchange", "padded"], ["--expert-buffer-factor", "3"]):
         args = parser.parse_args(["train", *flags])
