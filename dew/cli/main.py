@@ -24,13 +24,14 @@ imports nothing of Dew at the top.
 
 Layout: the parser (``_common``, the flags ``dew train`` and ``dew collectives`` share, by topic,
 then ``build_parser``, which adds every subcommand); the helpers both commands use (``_example``,
-``_trainer``, ``_print_header``); ``dew train``'s checks (``_check_train_flags``,
-``_check_validation_windows``, ``_resume_mismatch``; a resume whose model or LoRA base differs is
-said by ``dew.cli.resume``); the two commands (``train_command``, ``collectives_command``); and the
-dispatch (``user_errors``, ``one_line``, ``main``, which says the library's argument names as the
-flags: ``dew.cli.flags.in_flags``). It is one
-module because the two commands share the ``Trainer``'s flags and these helpers, beside the dispatch
-of every subcommand; the others live in modules of their own.
+``_trainer``, ``_print_header``); ``dew train``'s checks of its own flags (``_check_train_flags``,
+``_check_validation_windows``); the two commands (``train_command``, ``collectives_command``); and
+the dispatch (``user_errors``, ``one_line``, ``main``, which says the library's argument names as
+the flags: ``dew.cli.flags.in_flags``). What ``dew train`` checks against a run it resumes is
+``dew.cli.resume``'s, and its memory check before compiling ``dew.cli.preflight``'s. It is one
+module (past 450 lines, most of them ``build_parser``'s flag definitions) because the two commands
+share the ``Trainer``'s flags and these helpers, beside the dispatch of every subcommand; the
+others live in modules of their own.
 """
 
 from __future__ import annotations
@@ -388,85 +389,11 @@ def _check_validation_windows(args, data_dir) -> None:
     )
 
 
-# The fields of a saved data position (dew.data.windows) that a dew train flag sets.
-_POSITION_FLAGS = {"batch_size": "--batch", "seq_len": "--seq-len"}
-
-
-def _resume_mismatch(differ: dict, run_dir) -> str:
-    """Why a run cannot resume with this command's data flags (``DataPositionMismatch.differ``),
-    and what to do: give the run's values again, or start a new run in another ``--run-dir``."""
-    flags = {f: saved_now for f, saved_now in differ.items() if f in _POSITION_FLAGS}
-    if flags:
-        was = ", ".join(f"{_POSITION_FLAGS[f]} {saved}" for f, (saved, _) in flags.items())
-        now = ", ".join(f"{_POSITION_FLAGS[f]} {now}" for f, (_, now) in flags.items())
-        return (
-            f"the run in {run_dir} was trained with {was}, and this command gives {now}: "
-            f"give {was} to resume it, or another --run-dir to start a new run"
-        )
-    # The flags agree, the data does not: another token folder (or the same one rewritten).
-    what = "; ".join(f"{f} {was} (the run's) != {now} (now)" for f, (was, now) in differ.items())
-    return (
-        f"the run in {run_dir} was trained on other data ({what}): give the --data it was "
-        "trained on to resume it, or another --run-dir to start a new run"
-    )
-
-
-def _smaller_optimizers(args) -> dict:
-    """The optimizer flags that shrink the training state, as typed, to the optimizer each gives
-    with this command's other flags: what a refusal may name (``dew.cli.preflight``)."""
-    if args.moments_dtype == "bfloat16":
-        return {}
-    halved = argparse.Namespace(**{**vars(args), "moments_dtype": "bfloat16"})
-    return {"--moments-dtype bfloat16": optimizer_from(halved)}
-
-
-def _check_resume(trainer, data, run_dir) -> None:
-    """A run that this command's flags cannot resume, refused before anything compiles (fit
-    would refuse it after the compile and the checkpoint's read): the model and the data
-    position the latest checkpoint records against this command's (``dew.cli.resume``)."""
-    from dew.checkpoints.errors import CheckpointError
-    from dew.cli import resume
-    from dew.data.windows import DataPositionMismatch
-
-    latest = trainer.checkpoints.latest
-    if latest is None:
-        return
-    try:
-        metadata = trainer.checkpoints.metadata(latest)
-    except CheckpointError:  # a damaged step: fit falls back to an earlier one, and checks it
-        return
-    saved = (metadata.get("model") or {}).get("config")
-    line = resume.flags_mismatch(saved, trainer.objective.model, run_dir)
-    if line is not None:
-        raise ValueError(line)
-    position = metadata.get("data_position")
-    try:
-        if position is not None:
-            data.resume(position)
-    except DataPositionMismatch as error:
-        raise ValueError(_resume_mismatch(error.differ, run_dir)) from None
-
-
-def _check_memory_and_compile(trainer, data, args):
-    """Before any weight is allocated: the devices, the mesh and the state a device holds, in
-    one line (``dew.cli.preflight``), then the step compiled (a live line while it compiles)
-    and what a device needs for it; a run that does not fit is refused in one line naming what
-    would. Returns the ``Progress`` that ``fit`` reports its own phases on."""
-    from dew.cli import preflight
-    from dew.training.progress import Progress
-
-    room = preflight.Room(list(trainer.mesh.devices.flat))
-    print(preflight.check_state(trainer, room, _smaller_optimizers(args)), flush=True)
-    progress = Progress()
-    compiled = trainer.compile_step(data, progress)
-    print(preflight.check_step(trainer, compiled, args.batch, room), flush=True)
-    return progress
-
-
 def train_command(args) -> int:
     from pathlib import Path
 
     from dew.checkpoints import Checkpoints
+    from dew.cli import preflight, resume
 
     _check_train_flags(args)
     run_dir = Path(args.run_dir)
@@ -498,10 +425,10 @@ def train_command(args) -> int:
         seed=args.seed,
         base=lora_base,
     )
-    _check_resume(trainer, data, run_dir)
+    resume.check(trainer, data, run_dir)
     progress = None
     if (trainer.checkpoints.latest or 0) < args.steps:  # a finished run has nothing to compile
-        progress = _check_memory_and_compile(trainer, data, args)
+        progress = preflight.check_and_compile(trainer, data, args)
     if lora_base:
         convert.keep_carried(
             trainer.checkpoints.directory, convert.source_carried(lora_base), replace=False
@@ -527,13 +454,11 @@ def train_command(args) -> int:
             progress=progress,
         )
     except CheckpointMismatchError as error:  # said with the flags whose values differ
-        from dew.cli import resume
-
         saved = resume.saved_model(trainer.checkpoints)
         line = resume.mismatch(error, saved, objective.model, run_dir, args.init_from)
         raise CheckpointMismatchError(line) from None
     except DataPositionMismatch as error:
-        raise ValueError(_resume_mismatch(error.differ, run_dir)) from None
+        raise ValueError(resume.position_mismatch(error.differ, run_dir)) from None
     from dew.training.preemption import INTERRUPTED_EXIT_CODE
 
     # SIGTERM exits from fit with 143 (dew.training.preemption); a first Ctrl-C returns early.

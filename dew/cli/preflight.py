@@ -247,3 +247,32 @@ def check_step(trainer, compiled, batch: int, room: Room) -> str:
     if not fixes:
         fixes.append("a smaller --seq-len or --model")
     raise ValueError(f"{what}: give {' or '.join(fixes)}")
+
+
+def smaller_optimizers(args) -> dict:
+    """The optimizer flags that shrink the training state, as typed, to the optimizer each gives
+    with this command's other flags: what a refusal may name."""
+    import argparse
+
+    from dew.cli.optimizer_flags import optimizer_from
+
+    if args.moments_dtype == "bfloat16":
+        return {}
+    halved = argparse.Namespace(**{**vars(args), "moments_dtype": "bfloat16"})
+    return {"--moments-dtype bfloat16": optimizer_from(halved)}
+
+
+def check_and_compile(trainer, data, args):
+    """``dew train``'s check, before any weight is allocated: the devices, the mesh and the state
+    a device holds, in one line (``check_state``), then the step compiled (a live line while it
+    compiles) and what a device needs for it (``check_step``); a run that does not fit is
+    refused in one line naming what would. Returns the ``Progress`` that ``fit`` reports its own
+    phases on."""
+    from dew.training.progress import Progress
+
+    room = Room(list(trainer.mesh.devices.flat))
+    print(check_state(trainer, room, smaller_optimizers(args)), flush=True)
+    progress = Progress()
+    compiled = trainer.compile_step(data, progress)
+    print(check_step(trainer, compiled, args.batch, room), flush=True)
+    return progress

@@ -156,3 +156,52 @@ def _base_mismatch(error, saved: dict | None, now: dict, run_dir, init_from) -> 
         f"({changed}: checksum {recorded['checksum']} then, {checksum} now): put back the base "
         f"it was trained on to resume it, {WAYS_ON} on this base"
     )
+
+
+# The fields of a saved data position (dew.data.windows) that a dew train flag sets.
+POSITION_FLAGS = {"batch_size": "--batch", "seq_len": "--seq-len"}
+
+
+def position_mismatch(differ: dict, run_dir) -> str:
+    """Why a run cannot resume with this command's data flags (``DataPositionMismatch.differ``),
+    and what to do: give the run's values again, or start a new run in another ``--run-dir``."""
+    flags = {f: saved_now for f, saved_now in differ.items() if f in POSITION_FLAGS}
+    if flags:
+        was = ", ".join(f"{POSITION_FLAGS[f]} {saved}" for f, (saved, _) in flags.items())
+        now = ", ".join(f"{POSITION_FLAGS[f]} {now}" for f, (_, now) in flags.items())
+        return (
+            f"the run in {run_dir} was trained with {was}, and this command gives {now}: "
+            f"give {was} to resume it, or another --run-dir to start a new run"
+        )
+    # The flags agree, the data does not: another token folder (or the same one rewritten).
+    what = "; ".join(f"{f} {was} (the run's) != {now} (now)" for f, (was, now) in differ.items())
+    return (
+        f"the run in {run_dir} was trained on other data ({what}): give the --data it was "
+        "trained on to resume it, or another --run-dir to start a new run"
+    )
+
+
+def check(trainer, data, run_dir) -> None:
+    """A run that this command's flags cannot resume, refused before anything compiles (fit
+    would refuse it after the compile and the checkpoint's read): the model (``flags_mismatch``)
+    and the data position the latest checkpoint records, against this command's."""
+    from dew.checkpoints.errors import CheckpointError
+    from dew.data.windows import DataPositionMismatch
+
+    latest = trainer.checkpoints.latest
+    if latest is None:
+        return
+    try:
+        metadata = trainer.checkpoints.metadata(latest)
+    except CheckpointError:  # a damaged step: fit falls back to an earlier one, and checks it
+        return
+    saved = (metadata.get("model") or {}).get("config")
+    line = flags_mismatch(saved, trainer.objective.model, run_dir)
+    if line is not None:
+        raise ValueError(line)
+    position = metadata.get("data_position")
+    try:
+        if position is not None:
+            data.resume(position)
+    except DataPositionMismatch as error:
+        raise ValueError(position_mismatch(error.differ, run_dir)) from None
