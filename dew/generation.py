@@ -25,6 +25,10 @@ How it runs (``dew.models.decode`` holds the cached forward):
   kept); ``temperature=0`` is greedy (the argmax, the lowest id among ties). Each row's draw
   depends on the seed, its index among the prompts and the token's index only, so a layout
   changes no sample.
+
+It is one module, past 450 lines, because the generator, the program it compiles per bucket and
+the sampling share the buckets, the mesh and the layout of the weights; the cached forward itself
+is ``dew.models.decode``'s.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ Layout: two helpers of the log line (``_router_line``, ``_optimizer_line``), the
 ``Trainer``: its constructor, which checks the mesh, the layout and the options against the model;
 the state (``init_state``, ``place``, ``save``); ``check_batch``; the step and evaluation
 (``train_step``, ``gradients``, ``validation_metrics``, ``device_batch``); ``fit``; and inspection
-(``step_arguments``, ``compiled_step``, ``collectives``). It is one module because every method
+(``compile_step``, which compiles ahead what ``fit`` then runs, ``step_arguments``,
+``compiled_step``, ``collectives``). It is one module because every method
 shares the mesh, the layout and the compiled steps the constructor sets up; each piece of
 computation it compiles lives elsewhere, in ``dew.training.step``.
 """
