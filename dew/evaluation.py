@@ -1,11 +1,15 @@
 """Benchmarks on a Dew model through EleutherAI's lm-evaluation-harness: ``DewLM``, its model
-interface (``loglikelihood``, ``loglikelihood_rolling``, ``generate_until``), and ``evaluate``.
+interface (``loglikelihood``, ``loglikelihood_rolling``, ``generate_until``), ``evaluate``, and
+``Tasks``, the same tasks during training (an evaluation of ``Trainer.fit``).
 
     import dew
-    from dew.evaluation import evaluate
+    from dew.evaluation import Tasks, evaluate
 
     model, params = dew.load_checkpoint("runs/dew-train")
     results = evaluate(model, params, ["tasks/my_task.yaml"], tokenizer="tokenizer.json")
+
+    tasks = Tasks(["tasks/my_task.yaml"], "tokenizer.json", limit=100)
+    state = trainer.fit(data, steps=1000, eval_every=200, evaluations=[tasks])
 
 lm-eval is an optional extra (``pip install -e '.[eval]'``), never a dependency of the library:
 ``Scorer`` (the log-likelihoods of token rows, one ``shard_map`` over the mesh) needs only Dew,
@@ -36,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dew.generation import Generator, bucket, tokenizer_of
+from dew.generation import Generator, bucket, to_host, tokenizer_of
 from dew.parallel import tensor
 from dew.targets import MissingExtra
 
@@ -100,7 +104,8 @@ class Scorer:
             tokens[i, : len(whole) - 1] = whole[:-1]
             targets[i, : len(whole) - 1] = whole[1:]
         logp, greedy = self._program(count, length)(g.weights, tokens, targets)
-        logp, greedy = np.asarray(logp, np.float64), np.asarray(greedy)
+        # Whole on every process (the rows split over processes: a gather, on each of them).
+        logp, greedy = to_host(logp).astype(np.float64), to_host(greedy)
         out = []
         for i, (whole, n) in enumerate(rows):
             end = len(whole) - 1
@@ -108,19 +113,20 @@ class Scorer:
         return out
 
 
-def lm_eval_module():
-    """``lm_eval``, or ``MissingExtra`` saying how to install it."""
+def lm_eval_module(who: str = "dew eval"):
+    """``lm_eval``, or ``MissingExtra`` saying that ``who`` needs it and how to install it."""
     try:
         import lm_eval
     except ImportError:
-        raise MissingExtra(f"dew eval needs EleutherAI's lm-eval: {INSTALL}") from None
+        raise MissingExtra(f"{who} needs EleutherAI's lm-eval: {INSTALL}") from None
     return lm_eval
 
 
 def dew_lm(generator: Generator, tokenizer, batch_size: int = 8, eot_id: int | None = None):
     """The lm-eval model (a ``lm_eval.api.model.TemplateLM``) over ``generator``'s model and
     ``tokenizer``: ``batch_size`` rows a forward; ``eot_id`` the end-of-text id (default the
-    tokenizer's), the prefix of an empty context and the default stop of ``generate_until``."""
+    tokenizer's), the prefix of an empty context and the default stop of ``generate_until``.
+    Its ``generator`` and ``scorer`` attributes are what it runs on."""
     lm_eval_module()
     from lm_eval import utils
     from lm_eval.api.model import TemplateLM
@@ -210,7 +216,10 @@ def dew_lm(generator: Generator, tokenizer, batch_size: int = 8, eot_id: int | N
                 self.cache_hook.add_partial("generate_until", (context, kwargs), text)
             return out
 
-    return DewLM()
+    lm = DewLM()
+    # What it runs on, for a caller to inspect: the programs each compiled (one per bucket).
+    lm.generator, lm.scorer = generator, scorer
+    return lm
 
 
 def task_manager(tasks: Sequence[str]):
@@ -280,6 +289,139 @@ def evaluate(
         log_samples=log_samples,
         bootstrap_iters=0,
     )
+
+
+class Tasks:
+    """lm-eval tasks run during training: an evaluation of ``Trainer.fit`` (``fit(...,
+    eval_every=N, evaluations=[Tasks(...)])``, ``dew train --eval-tasks``), scored as
+    ``evaluate`` scores them, on the weights validation uses, at every evaluation step.
+
+        tasks = Tasks(["tasks/my_task.yaml"], "tokenizer.json", limit=100)
+        state = trainer.fit(data, steps=1000, eval_every=200, evaluations=[tasks])
+        # each evaluation step's metrics line gains eval/my_task/acc, ...
+
+    Args:
+      tasks: task YAML files (their folders searched for what they include; with only these,
+        nothing is downloaded) or lm-eval task names (``task_manager``).
+      tokenizer: the run's tokenizer: a ``dew.data`` tokenizer, ``"bytes"`` or a tokenizer.json
+        (``dew.generation.tokenizer_of``); its ids must lie in the model's vocabulary.
+      limit: at most this many documents a task (default: all).
+      num_fewshot: few-shot examples a prompt (default: the task's).
+      batch_size: rows a forward when scoring (default 8; padded to the devices the rows split
+        over).
+      eot_id: the end-of-text id, lm-eval's prefix of an empty context and the default stop of a
+        generation (default: the tokenizer's ``eos_id``).
+
+    Each call runs ``lm_eval.simple_evaluate`` on every process of the run (the forwards are
+    collectives; each process gets the whole results) and returns ``metrics_of`` its results:
+    ``{"eval/TASK/METRIC": value}``. It runs the model on the trainer's own mesh and layout: the
+    ``dew.generation.Generator`` it builds at the first call holds the compiled programs (one per
+    row count and length bucket, reused at every later call: the weights are their argument)
+    and, from each call on, the arrays it was given, the trainer's state itself, not a copy
+    (``Generator.set_weights`` keeps an array already laid out as it is; the next training step
+    takes those buffers back). What evaluation adds on the devices is its activations: a
+    forward's logits, ``batch_size`` rows by the length bucket by the vocabulary, in float32,
+    and a generation's KV cache.
+
+    Raises:
+      dew.targets.MissingExtra: lm-eval is not installed.
+      FileNotFoundError: a task file does not exist.
+      ValueError: no tasks, a count out of range, or no end-of-text id (naming ``eot_id``).
+    """
+
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        tokenizer,
+        *,
+        limit: int | None = None,
+        num_fewshot: int | None = None,
+        batch_size: int = 8,
+        eot_id: int | None = None,
+    ):
+        self.lm_eval = lm_eval_module("lm-eval tasks during training")
+        tasks = [str(t) for t in tasks]
+        if not tasks:
+            raise ValueError("Tasks needs at least one task (a task YAML file or an lm-eval name)")
+        for name, value, least in (
+            ("limit", limit, 1),
+            ("num_fewshot", num_fewshot, 0),
+            ("batch_size", batch_size, 1),
+        ):
+            if value is not None and not (isinstance(value, int) and value >= least):
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = tokenizer_of(tokenizer)
+        eot = tokenizer.eos_id if eot_id is None else eot_id
+        if eot is None:
+            raise ValueError(
+                "lm-eval tasks need an end-of-text id (the prefix of an empty context, the stop "
+                "of a generation): the tokenizer has none; give eot_id=ID"
+            )
+        self.tasks, self.tokenizer, self.eot_id = tasks, tokenizer, int(eot)
+        self.limit, self.num_fewshot, self.batch_size = limit, num_fewshot, batch_size
+        # The task names and their index, built once: lm-eval's own tasks take seconds to index.
+        self.names, self.manager = task_manager(tasks)
+        self._generator: Generator | None = None
+        self._lm = None
+        self._built_for = None
+
+    def check(self, model, mesh, layout) -> None:
+        """``ValueError`` for a run these tasks cannot evaluate, before anything compiles (fit
+        calls it): a mixture of experts (no cached forward for generation), a mesh axis other
+        than ``data``, ``fsdp`` and ``tensor`` above 1, or a tokenizer whose ids (or the
+        end-of-text id) pass the model's vocabulary."""
+        from dew.generation import AXES_RUN
+        from dew.models import decode
+
+        decode.check_model(model)
+        others = {a: n for a, n in dict(mesh.shape).items() if n > 1 and a not in AXES_RUN}
+        if others:
+            raise ValueError(
+                "lm-eval tasks run on the data, fsdp and tensor axes; the mesh has "
+                + ", ".join(f"{a} {n}" for a, n in others.items())
+            )
+        vocab = model.vocab_size
+        if self.tokenizer.vocab_size > vocab or not 0 <= self.eot_id < vocab:
+            raise ValueError(
+                f"the tokenizer's {self.tokenizer.vocab_size} ids (end-of-text {self.eot_id}) "
+                f"pass the model's vocabulary of {vocab}: evaluate with the run's own tokenizer"
+            )
+
+    def __call__(self, model, params, adapters, mesh, layout, step: int) -> dict[str, float]:
+        """``{"eval/TASK/METRIC": value}`` of the tasks on ``model`` with ``params`` (a LoRA
+        model's frozen base, with its ``adapters``; else ``adapters`` is ``None``), laid out by
+        ``layout`` on ``mesh`` (a built ``jax.sharding.Mesh``), after training step ``step``."""
+        built_for = (model, mesh, layout)
+        if self._built_for != built_for:  # a first call, or another trainer's
+            self._generator = Generator(model, params, adapters, mesh=mesh, layout=layout)
+            self._lm = dew_lm(self._generator, self.tokenizer, self.batch_size, self.eot_id)
+            self._built_for = built_for
+        else:
+            self._generator.set_weights(params, adapters)
+        results = self.lm_eval.simple_evaluate(
+            model=self._lm,
+            tasks=self.names,
+            task_manager=self.manager,
+            limit=self.limit,
+            num_fewshot=self.num_fewshot,
+            bootstrap_iters=0,
+        )
+        return metrics_of(results)
+
+    def describe(self) -> dict:
+        """What a run records of these tasks: ``{"tasks", "names", "limit", "num_fewshot",
+        "eot_id"}``, a task file by its absolute path."""
+        return {
+            "tasks": [
+                str(Path(t).resolve()) if Path(t).suffix in (".yaml", ".yml") else t
+                for t in self.tasks
+            ],
+            "names": self.names,
+            "limit": self.limit,
+            "num_fewshot": self.num_fewshot,
+            "eot_id": self.eot_id,
+        }
 
 
 def metrics_of(results: dict) -> dict:

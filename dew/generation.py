@@ -192,6 +192,27 @@ class Generator:
         )
         return placed, specs
 
+    def set_weights(self, params, adapters=None) -> None:
+        """Runs the programs on ``params`` (and a LoRA model's ``adapters``) from now on, laid
+        out as the constructor lays them out; an array already there (a ``Trainer``'s state on
+        this mesh and layout) is used as it is, not copied. The programs compiled so far are
+        reused: ``ValueError`` unless the trees have the structure, shapes and dtypes of the
+        weights the generator holds."""
+        if (self.model.lora is None) != (adapters is None):
+            raise ValueError("set_weights takes adapters exactly when the model has lora set")
+        weights, _ = self._laid_out(params, adapters)
+
+        def shapes(tree):
+            leaves, structure = jax.tree_util.tree_flatten(tree)
+            return structure, [(x.shape, x.dtype) for x in leaves]
+
+        if shapes(weights) != shapes(self.weights):
+            raise ValueError(
+                "set_weights needs weights shaped as the generator's (the same model's): "
+                "their tree, shapes or dtypes differ"
+            )
+        self.weights = weights
+
     def _combined_specs(self, specs):
         from dew.models import lora
 
@@ -312,7 +333,7 @@ class Generator:
             np.float32(top_p),
             np.int32(seed),
         )
-        out = np.asarray(out)[: len(prompts), :max_new_tokens]
+        out = to_host(out)[: len(prompts), :max_new_tokens]
         return [[int(i) for i in row if i >= 0] for row in out]
 
 
@@ -323,6 +344,16 @@ def mesh_of(spec: MeshSpec) -> jax.sharding.Mesh:
     if spec.data is not None:
         devices = devices[: spec.data * spec.model_devices]
     return build_mesh(spec, devices)
+
+
+def to_host(array: jax.Array) -> np.ndarray:
+    """The whole of ``array`` as numpy on this process: the local copy where one is whole, else
+    gathered from every process (a collective: every process of the run calls it)."""
+    if array.is_fully_addressable or array.is_fully_replicated:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 def _is_spec(x) -> bool:

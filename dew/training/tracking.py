@@ -1,4 +1,5 @@
-"""Where ``fit``'s metrics go: trackers, and the speed its log lines print (``LogWindow``).
+"""Where ``fit``'s metrics go: trackers, the speed its log lines print (``LogWindow``), and what
+it evaluates beside the validation loss (``Evaluation``: ``fit(evaluations=[...])``).
 
 A tracker is anything with two methods:
 
@@ -6,12 +7,12 @@ A tracker is anything with two methods:
     close() -> None                         # when fit returns or raises
 
 ``metrics`` maps names to floats (``loss``, ``step_time_s``, ``tokens_per_s``, ...; see
-docs/metrics.md), and, on a step that evaluated, ``val_weights``: the string ``"params"`` or
-``"ema"``. ``fit`` calls trackers on process 0 only, so a tracker writes once per run whatever the
-process count. Two come with Dew: ``JsonLines`` (one JSON line per step, ``fit(metrics=FILE)``)
-and ``TensorBoard`` (event files, with the optional extra ``tensorboard``). Both open
-their file at the first ``log`` and reopen after ``close``, so one tracker serves several ``fit``
-calls.
+docs/metrics.md; on a step that ran evaluations, their scores, ``eval/TASK/METRIC`` for lm-eval's
+tasks), and, on a step that evaluated, ``val_weights``: the string ``"params"`` or ``"ema"``.
+``fit`` calls trackers on process 0 only, so a tracker writes once per run whatever the process
+count. Two come with Dew: ``JsonLines`` (one JSON line per step, ``fit(metrics=FILE)``) and
+``TensorBoard`` (event files, with the optional extra ``tensorboard``). Both open their file at
+the first ``log`` and reopen after ``close``, so one tracker serves several ``fit`` calls.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -155,21 +157,65 @@ def close_all(trackers) -> None:
         raise error
 
 
-def check_evaluation(data, eval_every: int | None, eval_batches: int | None) -> None:
+@runtime_checkable
+class Evaluation(Protocol):
+    """What ``fit(evaluations=[...])`` calls at each evaluation step (every ``eval_every`` steps
+    and at the last), on every process, with the weights validation uses (the EMA where the
+    objective keeps one), laid out as the step lays them out:
+
+        evaluation(model, params, adapters, mesh, layout, step) -> {name: float}
+
+    ``model`` the objective's model; ``params`` its weights (``{"params": ...}``), or for a LoRA
+    model its frozen base, with ``adapters`` its adapters (``{"lora": ...}``; ``None``
+    otherwise); ``mesh`` the trainer's ``jax.sharding.Mesh``; ``layout`` its ``Layout``;
+    ``step`` the step just trained. The names returned join that step's metrics (the trackers,
+    the metrics file) and its printed ``step N: name value, ...`` line; name them apart from
+    ``fit``'s own (``eval/TASK/METRIC``, as ``dew.evaluation.Tasks`` does). It may read the
+    arrays, never keep them past the call for later use: the next step reuses their buffers.
+
+    An evaluation may also have ``check(model, mesh, layout)``, which ``fit`` calls before
+    anything compiles, raising ``ValueError`` for a run it cannot evaluate. The trainer imports
+    nothing of what an evaluation runs (``dew.evaluation.Tasks``: lm-eval's tasks)."""
+
+    def __call__(self, model, params, adapters, mesh, layout, step: int) -> dict: ...
+
+
+def check_evaluation(
+    data, eval_every: int | None, eval_batches: int | None, evaluations: Sequence = ()
+) -> list:
     """``fit``'s evaluation settings against ``data``: ``ValueError`` for a cadence below 1, batches
-    without a cadence, a cadence without validation batches, or more batches than the data has."""
+    or evaluations without a cadence, a cadence with neither validation batches nor evaluations,
+    or more batches than the data has; ``TypeError`` for an evaluation that is not callable.
+    Returns ``evaluations`` as a list."""
+    evaluations = list(evaluations)
+    for evaluation in evaluations:
+        if not callable(evaluation):
+            raise TypeError(
+                f"an evaluation is called as evaluation(model, params, adapters, mesh, layout, "
+                f"step); {evaluation!r} is not callable"
+            )
     if eval_every is None:
         if eval_batches is not None:
             raise ValueError(
                 f"eval_batches={eval_batches} without eval_every: give eval_every=N to evaluate "
                 "every N steps"
             )
-        return
+        if evaluations:
+            raise ValueError(
+                f"evaluations ({len(evaluations)}) without eval_every: give eval_every=N to run "
+                "them every N steps and at the last step"
+            )
+        return evaluations
     positive_int("eval_every", eval_every)
-    if not data.val_batches:
+    if not data.val_batches and not evaluations:
         raise ValueError(
             f"eval_every={eval_every} needs validation batches; the data has none: load it with "
-            "val_batches >= 1 (TokenWindows(..., val_batches=K))"
+            "val_batches >= 1 (TokenWindows(..., val_batches=K)), or give evaluations"
+        )
+    if eval_batches is not None and not data.val_batches:
+        raise ValueError(
+            f"eval_batches={eval_batches} needs validation batches; the data has none: load it "
+            "with val_batches >= 1 (TokenWindows(..., val_batches=K))"
         )
     if eval_batches is not None:
         positive_int("eval_batches", eval_batches)
@@ -178,6 +224,28 @@ def check_evaluation(data, eval_every: int | None, eval_batches: int | None) -> 
                 f"eval_batches={eval_batches} is more than the data's {data.val_batches} "
                 "validation batches (TokenWindows(..., val_batches=K))"
             )
+    return evaluations
+
+
+def evaluation_scores(scores, evaluation) -> dict[str, float]:
+    """An evaluation's answer as ``{name: float}``: ``TypeError`` naming ``evaluation`` for an
+    answer that is not a dict of string names to numbers."""
+    if not isinstance(scores, dict) or not all(
+        isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)
+        for k, v in scores.items()
+    ):
+        raise TypeError(
+            f"the evaluation {evaluation!r} returned {scores!r:.200}; an evaluation returns a "
+            "dict of metric names to numbers"
+        )
+    return {k: float(v) for k, v in scores.items()}
+
+
+def scores_line(step: int, scores: dict, seconds: float) -> str:
+    """``"step 4: eval/t/acc 0.4375, eval/t/acc_norm 0.5 (2.1 s)"``: an evaluation step's
+    scores, in the order given, and the seconds they took."""
+    values = ", ".join(f"{name} {value:.6g}" for name, value in scores.items())
+    return f"step {step}: {values} ({seconds:.1f} s)"
 
 
 # What a log line says of its speed when the window is the first step alone.
@@ -259,7 +327,8 @@ class FitLog:
     them all at the end, on every process): ``loss``, ``step_time_s``, ``throughput`` (tokens/s,
     model TFLOP/s per device, MFU), for a batch with a loss mask ``useful_tokens`` (the targets
     whose loss counts) and ``useful_tokens_per_s``, an MoE model's router statistics, and on a
-    step that evaluated the ``validation_metrics`` prefixed ``val_`` with ``val_weights``."""
+    step that evaluated the ``validation_metrics`` prefixed ``val_`` with ``val_weights``, and the
+    evaluations' scores with ``eval_time_s``."""
 
     def __init__(self, trackers, **speed):
         self.trackers = trackers
@@ -272,7 +341,20 @@ class FitLog:
     def __exit__(self, *exc):
         close_all(self.trackers)
 
-    def step(self, step: int, metrics: dict, seconds: float, validation=None, weights=None):
+    def step(
+        self,
+        step: int,
+        metrics: dict,
+        seconds: float,
+        validation=None,
+        weights=None,
+        scores=None,
+        scores_seconds=None,
+    ):
+        """Logs step ``step``: its ``metrics`` and ``seconds``, and on an evaluation step the
+        ``validation`` metrics (``val_``), the ``weights`` evaluated (``val_weights``) and the
+        evaluations' ``scores`` (as named) with the ``scores_seconds`` they took
+        (``eval_time_s``)."""
         record = dict(loss=metrics["loss"], step_time_s=seconds)
         record.update(throughput(seconds=seconds, **self.speed))
         if "useful_tokens" in metrics:  # the targets whose loss counts, per second
@@ -281,6 +363,17 @@ class FitLog:
         if validation is not None:
             record.update((f"val_{k}", v) for k, v in validation.items())
             record["val_weights"] = weights
+        if scores:
+            taken = sorted(set(scores) & set(record))
+            if taken:
+                raise ValueError(
+                    f"an evaluation's metrics {taken} take names fit logs itself; name them "
+                    "apart (eval/TASK/METRIC)"
+                )
+            record.update(scores)
+            record["eval_time_s"] = scores_seconds
+            if validation is None:
+                record["val_weights"] = weights
         if self.writes:
             for tracker in self.trackers:
                 tracker.log(step, record)

@@ -55,6 +55,7 @@ from dew.training.step import (
 )
 from dew.training.tracking import (
     INT8_PEAK_NOTE,
+    Evaluation,
     FitLog,
     JsonLines,
     LogWindow,
@@ -62,6 +63,8 @@ from dew.training.tracking import (
     check_evaluation,
     check_trackers,
     close_all,
+    evaluation_scores,
+    scores_line,
 )
 
 
@@ -712,6 +715,7 @@ class Trainer:
         eval_batches: int | None = None,
         trackers: Sequence[Tracker] = (),
         progress: Progress | None = None,
+        evaluations: Sequence[Evaluation] = (),
     ) -> TrainState:
         """Trains until ``state.step == steps`` (resuming from the latest checkpoint, if any).
 
@@ -749,6 +753,16 @@ class Trainer:
             step's metrics. Needs ``data`` loaded with ``val_batches >= 1``.
           eval_batches: evaluate on the first this many validation batches (default: all of
             them); only with ``eval_every``.
+          evaluations: more to evaluate at each evaluation step (needs ``eval_every``; the data
+            then need no validation batches), each called on every process as
+            ``evaluation(model, params, adapters, mesh, layout, step) -> {name: float}``
+            (``dew.training.tracking.Evaluation``) with the weights validation uses (the EMA
+            where kept; a LoRA model's frozen base and adapters) as the step lays them out, on
+            the trainer's mesh, after the step's loss is checked; e.g.
+            ``dew.evaluation.Tasks``, lm-eval tasks (``{"eval/TASK/METRIC": value}``). Prints
+            ``step N: eval/t/acc 0.4375, ... (2.1 s)`` and adds the names, ``eval_time_s``
+            (their seconds) and ``val_weights`` to that step's metrics. One with a
+            ``check(model, mesh, layout)`` method is checked before anything compiles.
           trackers: where each step's metrics go besides ``metrics`` (``dew.training.tracking``:
             ``TensorBoard(logdir)``, ``JsonLines(path)``, or anything with ``log(step, metrics)``
             and ``close()``). Only process 0 calls ``log``; ``fit`` calls every tracker's ``close``
@@ -777,8 +791,11 @@ class Trainer:
         Raises:
           ValueError: before anything compiles: ``steps`` below 0, ``log_every`` or
             ``checkpoint_every`` below 1, ``checkpoint_every`` without checkpoints, ``eval_every``
-            on data without validation batches, ``eval_batches`` without ``eval_every``, or a
-            batch that does not fit the mesh (``check_batch``).
+            on data without validation batches (and no ``evaluations``), ``eval_batches`` or
+            ``evaluations`` without ``eval_every``, an evaluation's ``check`` refusing the run,
+            or a batch that does not fit the mesh (``check_batch``).
+          TypeError: an evaluation that is not callable, or one whose answer is not a dict of
+            names to numbers (at the step it answers).
           FloatingPointError: a step's loss is NaN or inf (that state is not saved).
           dew.training.preemption.Preempted: SIGTERM or a second Ctrl-C (above).
 
@@ -802,7 +819,10 @@ class Trainer:
             positive_int("checkpoint_every", checkpoint_every)
         metrics_file = [JsonLines(metrics)] if metrics is not None else []
         trackers = check_trackers([*metrics_file, *trackers])
-        check_evaluation(data, eval_every, eval_batches)
+        evaluations = check_evaluation(data, eval_every, eval_batches, evaluations)
+        for evaluation in evaluations:
+            if hasattr(evaluation, "check"):
+                evaluation.check(self.objective.model, self.mesh, self.layout)
         self.check_batch(data.batch_size, data.seq_len)
         step_fn = self.train_step(data.batch_size)
         if progress is not None and data.batch_size not in self._compiled:
@@ -873,15 +893,21 @@ class Trainer:
                     f"step {step}: loss {loss:.4f}{_router_line(step_metrics)}, {window.line()}"
                     f"{_optimizer_line(step_metrics)}"
                 )
-            validation = None
+            validation, scores, scores_seconds = None, None, None
             if (
                 state is not None
                 and eval_every is not None
                 and (step % eval_every == 0 or step == steps)
             ):
-                validation = self.validation_metrics(state, data, weights, eval_batches)
-                print(f"step {step}: val_loss {validation['loss']:.4f}")
-            fit_log.step(step, step_metrics, seconds, validation, weights)
+                if data.val_batches:
+                    validation = self.validation_metrics(state, data, weights, eval_batches)
+                    print(f"step {step}: val_loss {validation['loss']:.4f}")
+                if evaluations:
+                    began_scoring = time.perf_counter()
+                    scores = self._evaluate_with(evaluations, state, weights, step)
+                    scores_seconds = time.perf_counter() - began_scoring
+                    print(scores_line(step, scores, scores_seconds), flush=True)
+            fit_log.step(step, step_metrics, seconds, validation, weights, scores, scores_seconds)
 
         with (
             data.batches(
@@ -930,6 +956,22 @@ class Trainer:
         )
         stop.finish(step, saved=self.checkpoints is not None, state=state)
         return state
+
+    def _evaluate_with(self, evaluations, state: TrainState, weights: str, step: int) -> dict:
+        """The ``evaluations``' scores, merged, of ``state``'s ``weights`` (``"ema"`` or
+        ``"params"``) as they lie on the mesh: a LoRA model's frozen base with those adapters."""
+        held = state.ema if weights == "ema" else state.params
+        params, adapters = (held, None) if self.lora is None else (state.frozen, held)
+        model = self.objective.model
+        scores: dict[str, float] = {}
+        for evaluation in evaluations:
+            answer = evaluation(model, params, adapters, self.mesh, self.layout, step)
+            answer = evaluation_scores(answer, evaluation)
+            twice = sorted(set(answer) & set(scores))
+            if twice:
+                raise ValueError(f"two evaluations return the same metrics {twice}")
+            scores.update(answer)
+        return scores
 
     def _compiling_first(self, step_fn, batch_size: int, progress: Progress):
         """``step_fn`` whose first call (which compiles it, then dispatches it) is reported as
