@@ -155,3 +155,28 @@ def test_dew_plot_draws_the_eval_lines_beside_the_loss(tmp_path):
         "run t/acc": ([3, 6], [0.25, 0.5]),
         "run t/f1": ([6], [0.4]),
     }
+
+
+def test_dew_plot_draws_in_training_scores_at_their_steps(tmp_path):
+    """A training metrics file whose eval/ scores sit on the loss lines of the evaluation steps
+    (fit(evaluations=...), dew train --eval-tasks), resumed once (step 4 trained again, the later
+    line the run's): the eval series are drawn at steps 2, 4 and 5 with the later step 4, the
+    loss at every step, on the loss panel and its twin."""
+    pytest.importorskip("matplotlib")
+    from dew.cli.plot import build_figure, read_metrics
+
+    lines = [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 100.0 + s} for s in range(1, 5)]
+    lines[1].update({"eval/t/acc": 0.25, "eval_time_s": 1.5, "val_weights": "ema"})
+    lines[3].update({"eval/t/acc": 0.375, "eval_time_s": 0.1, "val_weights": "ema"})
+    lines += [  # resumed from step 3's checkpoint
+        {"step": 4, "loss": 4.55, "tokens_per_s": 90.0, "eval/t/acc": 0.5, "eval_time_s": 1.4},
+        {"step": 5, "loss": 4.5, "tokens_per_s": 95.0, "eval/t/acc": 0.625, "eval_time_s": 0.1},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    figure = build_figure([("run", read_metrics(path))])
+    (acc,) = figure.axes[3].get_lines()
+    assert acc.get_label() == "run t/acc"
+    assert [list(x) for x in acc.get_data()] == [[2, 4, 5], [0.25, 0.5, 0.625]]
+    loss = figure.axes[0].get_lines()[0].get_data()
+    assert [list(x) for x in loss] == [[1, 2, 3, 4, 5], [4.9, 4.8, 4.7, 4.55, 4.5]]

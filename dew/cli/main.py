@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="append one JSON line per step to FILE: step, loss, step_time_s, tokens_per_s, "
         "model_tflops_per_device and mfu (PaLM's count), model_tflops_per_device_causal and "
         "mfu_causal (causal attention halved, MaxText's), grad_norm, lr, an MoE model's router "
-        "statistics, and with --eval-every val_loss and val_weights (docs/metrics.md)",
+        "statistics, with --eval-every val_loss and val_weights, and with --eval-tasks "
+        "eval/TASK/METRIC and eval_time_s (docs/metrics.md)",
     )
     logging.add_argument(
         "--tensorboard",
@@ -211,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="print the validation loss every N steps and at the last step (default: never)",
+        help="print the validation loss every N steps and at the last step, and run the "
+        "--eval-tasks there (default: never)",
     )
     logging.add_argument(
         "--eval-batches",
@@ -221,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"validation batches per evaluation, from the folder's val.bin (default "
         f"{EVAL_BATCHES}; with --eval-every)",
     )
+    evaluate.add_train_flags(logging)
     train.set_defaults(run=train_command)
 
     coll = commands.add_parser(
@@ -364,6 +367,7 @@ def _check_train_flags(args) -> None:
             f"--eval-batches {args.eval_batches} without --eval-every: give --eval-every N to "
             "evaluate every N steps"
         )
+    evaluate.check_train_flags(args)  # --eval-tasks: its pairings, files and lm-eval
 
 
 def _check_validation_windows(args, data_dir) -> None:
@@ -426,9 +430,13 @@ def train_command(args) -> int:
         base=lora_base,
     )
     resume.check(trainer, data, run_dir)
+    # lm-eval's tasks: the tokenizer, end-of-text id and layout checked before compiling.
+    tasks = evaluate.train_tasks(args, data_dir, run_dir, trainer)
     progress = None
     if (trainer.checkpoints.latest or 0) < args.steps:  # a finished run has nothing to compile
         progress = preflight.check_and_compile(trainer, data, args)
+        if tasks is not None:
+            evaluate.record_tasks(run_dir, tasks, trainer.checkpoints.latest or 0)
     if lora_base:
         convert.keep_carried(
             trainer.checkpoints.directory, convert.source_carried(lora_base), replace=False
@@ -452,6 +460,7 @@ def train_command(args) -> int:
             eval_batches=args.eval_batches,
             trackers=[TensorBoard(args.tensorboard)] if args.tensorboard else [],
             progress=progress,
+            evaluations=[tasks] if tasks is not None else [],
         )
     except CheckpointMismatchError as error:  # said with the flags whose values differ
         saved = resume.saved_model(trainer.checkpoints)

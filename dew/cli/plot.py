@@ -7,10 +7,11 @@ Three panels against the step: the loss (and the validation loss, ``val_loss``, 
 markers, where the file has it), tokens per second, and model FLOPs utilisation (``mfu``, PaLM's
 count, solid; ``mfu_causal``, causal attention halved as MaxText counts it, dotted). The MFU
 panel stays, saying so, when no file has ``mfu`` (a CPU run, or a device whose peak is unknown): the
-figure has the same panels whatever the files hold. A file with ``dew eval --metrics`` lines
-(``eval/TASK/METRIC`` scores) has them beside the loss, dotted with crosses, on an axis of their
-own. Each run is named by its file's stem (its
-folder and stem when two stems collide) or by ``--name``, once per file.
+figure has the same panels whatever the files hold. A file with ``eval/TASK/METRIC`` scores
+(on the training lines of ``dew train --eval-tasks``, or lines of ``dew eval --metrics``) has
+them beside the loss, dotted with crosses at the steps that have them, on an axis of their own.
+Each run is named by its file's stem (its folder and stem when two stems collide) or by
+``--name``, once per file.
 
 A resumed run appends to its file, so a step can appear twice; the later line wins. The tokens/s
 curve leaves out the first step of the file and of each resumed segment (a line whose step is not
@@ -146,7 +147,8 @@ def _series(records: list[dict], key: str, skip_first_of_segment: bool = False):
 
 def build_figure(runs: list[tuple[str, list[dict]]]):
     """The figure of ``runs`` (``(name, read_metrics(...))`` pairs): three axes, ``PANELS``, and
-    a fourth, the loss panel's twin, when a run has ``eval/`` metrics (``dew eval --metrics``).
+    a fourth, the loss panel's twin, when a run has ``eval/`` metrics (``dew train --eval-tasks``,
+    ``dew eval --metrics``).
 
     Lines, per run: its loss and, when it has ``val_loss``, its validation loss (loss panel); its
     tokens/s (when a step is left after the compile steps); its MFU when it has ``mfu``. An MFU
@@ -186,7 +188,8 @@ def build_figure(runs: list[tuple[str, list[dict]]]):
     loss_ax.set(xlabel="step", ylabel="loss (nats per token)", title="loss")
     loss_ax.legend(fontsize="small")
     if any(eval_keys(records) for _, records in runs):
-        # dew eval's scores beside the loss, on an axis of their own (accuracies, not nats).
+        # lm-eval's scores (dew train --eval-tasks, dew eval) beside the loss, on an axis of
+        # their own (accuracies, not nats).
         eval_ax = loss_ax.twinx()
         for index, (name, records) in enumerate(runs):
             for key in eval_keys(records):
@@ -197,7 +200,7 @@ def build_figure(runs: list[tuple[str, list[dict]]]):
                     marker="x",
                     label=f"{name} {key[len('eval/') :]}",
                 )
-        eval_ax.set(ylabel="eval (dew eval)")
+        eval_ax.set(ylabel="eval (lm-eval tasks)")
         eval_ax.legend(fontsize="small", loc="upper center")
     speed_ax.set(xlabel="step", ylabel="tokens / s", title="tokens / s (compile steps left out)")
     mfu_ax.set(
