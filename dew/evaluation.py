@@ -323,10 +323,16 @@ class Tasks:
     forward's logits, ``batch_size`` rows by the length bucket by the vocabulary, in float32,
     and a generation's KV cache.
 
+    lm-eval seeds Python's, numpy's and torch's global generators at each call (its defaults, so
+    few-shot examples are drawn as ``dew eval`` draws them); Dew's training draws from none.
+
     Raises:
       dew.targets.MissingExtra: lm-eval is not installed.
-      FileNotFoundError: a task file does not exist.
-      ValueError: no tasks, a count out of range, or no end-of-text id (naming ``eot_id``).
+      FileNotFoundError: a task file, or the data a task names, does not exist (the tasks are
+        loaded here once, their data read or downloaded, so that one that cannot load fails
+        before training).
+      ValueError: no tasks, a count out of range, a task name lm-eval does not know, or no
+        end-of-text id (naming ``eot_id``).
     """
 
     def __init__(
@@ -362,6 +368,12 @@ class Tasks:
         self.limit, self.num_fewshot, self.batch_size = limit, num_fewshot, batch_size
         # The task names and their index, built once: lm-eval's own tasks take seconds to index.
         self.names, self.manager = task_manager(tasks)
+        # Loaded once now (their data read, or downloaded into the datasets cache), so that a
+        # task that cannot load fails before training starts, not at the first evaluation step.
+        try:
+            self.manager.load(self.names)
+        except KeyError as error:  # lm-eval's word for a name it does not know
+            raise ValueError(f"lm-eval tasks {tasks}: {error.args[0]}") from None
         self._generator: Generator | None = None
         self._lm = None
         self._built_for = None

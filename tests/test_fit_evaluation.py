@@ -348,6 +348,14 @@ def test_dew_train_eval_tasks_refusals_name_the_flags_before_compiling(
             "pass the model's vocabulary of 256",
         ),
     ]
+    # A task whose data file is gone: loaded when the tasks are built, before the compile.
+    lost_data = tmp_path / "lost_data.yaml"
+    gone = tmp_path / "gone.jsonl"
+    lost_data.write_text((ROOT / MC).read_text().replace(MC.replace(".yaml", ".jsonl"), str(gone)))
+    cases.append((
+        ("--data", str(good), "--eval-every", "2", "--eval-tasks", str(lost_data)),
+        f"dew train: Unable to find '{gone}'",
+    ))  # fmt: skip
     for args, message in cases:
         out = dew_here("train", *SMALL, *run, *args, cwd=ROOT)
         assert out.returncode == 2, (args, out.stdout[-2000:])
