@@ -18,14 +18,15 @@ VOCAB = 64
 # One of fit's log lines (Trainer.fit's log_every): "step N: loss L, T ms/step, K tokens/s", then
 # ", MFU M% PaLM, C% causal-halved" where the device's peak is known (then " of the bf16 peak"
 # for an int8 step); an MoE model's router statistics in parentheses after the loss;
-# " (first step: includes compiling)" when the first step is the line's only one; then the
-# gradients' global norm and, where the optimizer says it, the learning rate.
+# " (first step: includes compiling)" when the first step is the line's only one (" (first step:
+# compiled ahead, includes warm-up)" where Trainer.compile_step or an earlier fit compiled it);
+# then the gradients' global norm and, where the optimizer says it, the learning rate.
 LOG_LINE = re.compile(
     r"step (?P<step>\d+): loss (?P<loss>\d+\.\d{4})(?: \([^)]*\))?, "
     r"(?P<ms>[\d,]+\.\d) ms/step, (?P<tokens_per_s>[\d,]+) tokens/s"
     r"(?:, MFU (?P<mfu>\d+\.\d)% PaLM, (?P<mfu_causal>\d+\.\d)% causal-halved"
     r"(?P<int8_peak> of the bf16 peak)?)?"
-    r"(?P<first> \(first step: includes compiling\))?"
+    r"(?: \(first step: (?P<compiled>includes compiling|compiled ahead, includes warm-up)\))?"
     r"(?:, grad norm (?P<grad_norm>[\d.e+-]+|nan|inf))?(?:, lr (?P<lr>[\d.e+-]+))?"
 )
 
@@ -33,9 +34,10 @@ LOG_LINE = re.compile(
 def parse_log_line(line: str) -> dict:
     """The numbers of one of fit's log lines: ``step``, ``loss``, ``ms`` (per step),
     ``tokens_per_s``, ``mfu`` and ``mfu_causal`` (in percent; ``None`` when the line has none),
-    ``first`` (the line's speed is the first step's alone), and ``grad_norm`` and ``lr`` as printed
-    (text; ``None`` when the line has none); an ``AssertionError`` showing the line when it is not
-    one."""
+    ``first`` (where the line's speed is the first step's alone, what its note says: ``"includes
+    compiling"`` or ``"compiled ahead, includes warm-up"``; else ``None``), and ``grad_norm`` and
+    ``lr`` as printed (text; ``None`` when the line has none); an ``AssertionError`` showing the
+    line when it is not one."""
     found = LOG_LINE.fullmatch(line)
     assert found, f"not a log line of fit: {line!r}"
 
@@ -49,7 +51,7 @@ def parse_log_line(line: str) -> dict:
         tokens_per_s=number("tokens_per_s"),
         mfu=None if found["mfu"] is None else number("mfu"),
         mfu_causal=None if found["mfu_causal"] is None else number("mfu_causal"),
-        first=found["first"] is not None,
+        first=found["compiled"],
         grad_norm=found["grad_norm"],
         lr=found["lr"],
     )

@@ -14,7 +14,7 @@ import pytest
 from dew import MeshSpec, Trainer
 from dew.data import TokenWindows
 from dew.training.progress import Progress
-from tests.helpers import SEQ, VOCAB, random_token_folder, tiny_objective
+from tests.helpers import SEQ, VOCAB, parse_log_line, random_token_folder, tiny_objective
 
 
 def clock(*times):
@@ -105,6 +105,8 @@ def test_fit_reports_its_phases_and_a_step_compiled_ahead_is_not_compiled_again(
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("Training from step 0 to 2 on "), printed
     assert [line.split(":")[0] for line in printed[1:]] == ["step 1", "step 2", "Goodput"]
+    # The first step's line says its time is the compiled step's first run, not a compile.
+    assert parse_log_line(printed[1])["first"] == "compiled ahead, includes warm-up", printed
 
 
 def test_fit_compiles_the_step_as_a_phase_and_says_nothing_without_progress(tiny_run, capsys):

@@ -248,8 +248,12 @@ def scores_line(step: int, scores: dict, seconds: float) -> str:
     return f"step {step}: {values} ({seconds:.1f} s)"
 
 
-# What a log line says of its speed when the window is the first step alone.
+# What a log line says of its speed when the window is the first step alone: the step compiled
+# at its call, or compiled before fit began (``Trainer.compile_step``, as ``dew train`` does), when
+# the first step's time is the executable's first run alone (its buffers allocated, its program
+# loaded), still not a steady step's.
 FIRST_STEP_NOTE = "(first step: includes compiling)"
+COMPILED_AHEAD_NOTE = "(first step: compiled ahead, includes warm-up)"
 
 
 # What an int8 step's MFU divides by (StepOptions(quantize="int8")): the bf16 peak, as MaxText
@@ -287,12 +291,14 @@ class LogWindow:
     ``add`` takes each step's time (``step_time_s``, in order); ``line`` returns the window's
     ``speed_text`` and starts the next window. The speed is that of the window's mean step time,
     so its tokens/s is the window's tokens over its summed step time. The first step given (a
-    ``fit``'s first, which includes compiling the step) is left out of its window, unless it is
-    the window's only step (a line at that step, e.g. with ``log_every=1``): that line gives the
-    first step's time, with ``FIRST_STEP_NOTE``.
+    ``fit``'s first, which includes compiling the step, or its first run where the step was
+    compiled ahead) is left out of its window, unless it is the window's only step (a line at that
+    step, e.g. with ``log_every=1``): that line gives the first step's time, with ``first_note``
+    (``FIRST_STEP_NOTE``, or ``COMPILED_AHEAD_NOTE``).
     """
 
-    def __init__(self, **speed):
+    def __init__(self, first_note: str = FIRST_STEP_NOTE, **speed):
+        self.first_note = first_note
         self.speed = speed  # throughput's arguments but seconds
         self._first = None  # the first step's (seconds, useful), while its window lasts
         self._steps: list[tuple[float, float | None]] = []  # the window's other steps
@@ -315,7 +321,7 @@ class LogWindow:
             useful = None if None in counts else sum(counts) / len(counts)
             text = speed_text(sum(seconds) / len(seconds), useful, **self.speed)
         elif self._first is not None:
-            text = f"{speed_text(*self._first, **self.speed)} {FIRST_STEP_NOTE}"
+            text = f"{speed_text(*self._first, **self.speed)} {self.first_note}"
         else:
             raise ValueError("no step was added since the last line")
         self._first, self._steps = None, []

@@ -54,6 +54,8 @@ from dew.training.step import (
     build_train_step,
 )
 from dew.training.tracking import (
+    COMPILED_AHEAD_NOTE,
+    FIRST_STEP_NOTE,
     INT8_PEAK_NOTE,
     Evaluation,
     FitLog,
@@ -730,7 +732,9 @@ class Trainer:
             from that, only where the device's peak is known. The first step, which includes
             compiling, is left out, unless it is the line's only step (``log_every=1``, or
             ``steps`` one past the resumed step): that line gives its time and says ``(first
-            step: includes compiling)`` (``dew.training.tracking.LogWindow``).
+            step: includes compiling)``, or ``(first step: compiled ahead, includes warm-up)``
+            where the step was compiled before ``fit`` began (``compile_step``, or an earlier
+            ``fit`` on this trainer) (``dew.training.tracking.LogWindow``).
           checkpoint_every: saves every this many steps (and always at the end, when checkpoints
             are on).
           metrics: a file to append one JSON line per step to (``dew.training.tracking.JsonLines``:
@@ -741,7 +745,8 @@ class Trainer:
             ``"val_loss"`` and ``"val_weights"``; docs/metrics.md), written by process 0 and
             flushed as each step ends; its folder is created. ``step_time_s`` is the wall time
             from the step's start (its dispatch, or the end of the step before when later: steps
-            queue on the devices) to its loss (the first step of a run includes compiling);
+            queue on the devices) to its loss (the first step of a run includes compiling, unless
+            compiled ahead);
             ``mfu`` only where the device's peak is known (``dew.training.flops``). A resumed
             run appends, so steps trained again after the checkpoint it resumed from appear
             twice: the later line is the run's.
@@ -809,6 +814,7 @@ class Trainer:
         # A step compiled ahead by compile_step is fit's compile, as if compiled here: the
         # goodput line's first step and wall time include it.
         started = time.perf_counter() - self._compile_seconds.pop(data.batch_size, 0.0)
+        compiled_ahead = data.batch_size in self._compiled
         nonnegative_int("steps", steps)
         positive_int("log_every", log_every)
         if checkpoint_every is not None:
@@ -853,7 +859,9 @@ class Trainer:
         fit_log = FitLog(trackers, **speed)
         # The steps since the last printed line; an int8 step's MFU says which peak it divides by.
         note = INT8_PEAK_NOTE if self.options.quantize == "int8" else None
-        window = LogWindow(**speed, peak_note=note)
+        window = LogWindow(
+            COMPILED_AHEAD_NOTE if compiled_ahead else FIRST_STEP_NOTE, **speed, peak_note=note
+        )
         weights = "ema" if self.objective.ema_decay is not None else "params"
         timing = dict(first_step_after=None, in_steps=0.0, last_end=None)
         # A stop request (SIGTERM, Ctrl-C) is seen after every step by one process, which reads
@@ -927,6 +935,7 @@ class Trainer:
                 batch = self.device_batch(rows, data.batch_size)
                 began = time.perf_counter()
                 state, step_metrics = step_fn(state, batch)  # dispatched; runs on its own
+                self._compiled.add(data.batch_size)  # a later fit's first step compiles nothing
                 if pending is not None:
                     report(*pending)  # the step before: read while this one runs
                 pending = (step, step_metrics, began)
