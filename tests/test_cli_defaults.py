@@ -85,6 +85,50 @@ def test_dew_train_sets_up_the_devices_the_rule_gives(monkeypatch, flags, accele
     assert given == [expected]
 
 
+@pytest.fixture
+def no_cache_dir():
+    """JAX's ``jax_compilation_cache_dir`` unset while the test runs (the suite sets its own),
+    then restored."""
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_an_accelerator_run_caches_its_compiles_under_the_users_cache(tmp_path, no_cache_dir):
+    folder = runtime.use_compilation_cache("tpu", environ={"XDG_CACHE_HOME": str(tmp_path)})
+    assert folder == str(tmp_path / "dew" / "jax")
+    assert jax.config.jax_compilation_cache_dir == folder
+
+
+def test_the_cpu_and_a_users_own_setting_keep_the_cache_as_they_are(tmp_path, no_cache_dir):
+    home = {"XDG_CACHE_HOME": str(tmp_path)}
+    assert runtime.use_compilation_cache("cpu", environ=home) is None
+    mine = str(tmp_path / "mine")
+    assert runtime.use_compilation_cache("tpu", {**home, "JAX_COMPILATION_CACHE_DIR": mine}) == mine
+    assert runtime.use_compilation_cache("gpu", {**home, "JAX_COMPILATION_CACHE_DIR": ""}) is None
+    assert jax.config.jax_compilation_cache_dir is None  # JAX reads its variable itself
+    jax.config.update("jax_compilation_cache_dir", mine)
+    assert runtime.use_compilation_cache("tpu", environ=home) == mine
+
+
+@pytest.mark.parametrize("command, cached", [("train", True), ("plan", False)])
+def test_train_asks_for_the_cache_and_plan_which_measures_its_compiles_does_not(
+    monkeypatch, command, cached
+):
+    from dew.cli.main import main
+
+    asked = []
+    monkeypatch.setattr(runtime, "use_compilation_cache", lambda platform: asked.append(platform))
+    # A flag refused inside the command, after the setup: nothing compiles.
+    main(
+        [command, "--batch", "0"]
+        if command == "train"
+        else [command, "--target", "v5e-8", "--batch", "0"]
+    )
+    assert asked == ([jax.default_backend()] if cached else []), asked
+
+
 def test_no_mesh_is_fully_sharded_over_every_device(tmp_path, dew_here):
     assert default_mesh("", 8) == "fsdp=8"
     assert default_mesh("", 1) == "fsdp=1"

@@ -94,6 +94,50 @@ def default_cpu_devices(cpu_devices: int | None, environ=None, **probes) -> int 
     return None if find_accelerator(environ, **probes) else DEFAULT_CPU_DEVICES
 
 
+# Where ``use_compilation_cache`` keeps compiled programs: under ``$XDG_CACHE_HOME`` (else
+# ``~/.cache``), one folder for every run of this user.
+CACHE_SUBFOLDER = ("dew", "jax")
+
+
+def use_compilation_cache(platform: str, environ=None) -> str | None:
+    """Points JAX's persistent compilation cache at ``~/.cache/dew/jax`` (``$XDG_CACHE_HOME/dew/
+    jax``) for a command that compiles a step on an accelerator (``dew train``, ``generate``,
+    ``eval``), so a rerun (a resumed or preempted run, the same command again) reads its compiled
+    programs back instead of compiling them again: minutes for a large model on a TPU slice. JAX
+    keys each program by its HLO, compiler flags, devices and versions, so only the same program
+    is read back.
+
+    Left to JAX where the user set ``JAX_COMPILATION_CACHE_DIR`` (JAX reads it itself; empty turns
+    the cache off) or ``jax.config``'s ``jax_compilation_cache_dir``; off on the CPU
+    (``platform`` ``"cpu"``: simulated devices compile in seconds, and an XLA:CPU executable
+    read back from the cache has corrupted the heap under some ``XLA_FLAGS``, with JAX 0.10.2).
+    ``JAX_ENABLE_COMPILATION_CACHE=false`` turns it off everywhere. Call it before the first
+    compile.
+
+    Args:
+      platform: the platform the command runs on (``jax.default_backend()``).
+      environ: replaces ``os.environ`` in tests.
+
+    Returns:
+      the cache folder in use, or ``None`` where the cache is off.
+    """
+    import jax
+
+    environ = os.environ if environ is None else environ
+    if "JAX_COMPILATION_CACHE_DIR" in environ:
+        return environ["JAX_COMPILATION_CACHE_DIR"] or None
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    if platform == "cpu":
+        return None
+    from pathlib import Path
+
+    home = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    folder = str(Path(home).joinpath(*CACHE_SUBFOLDER))
+    jax.config.update("jax_compilation_cache_dir", folder)
+    return folder
+
+
 class NoClusterError(RuntimeError):
     """``prepare_process(multi_host=True)`` found no coordinator: neither ``dew launch``'s
     variables nor a cluster ``jax.distributed.initialize()`` detects."""
