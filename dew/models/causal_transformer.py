@@ -57,6 +57,7 @@ from dew.parallel import (
     Shards,
     expert,
     fsdp,
+    fsdp_int8,
     gspmd_kernel,
     ragged,
     sequence,
@@ -677,6 +678,11 @@ class CausalTransformer:
         # So are the weights of int8 projections (StepOptions.quantize): their matmuls quantize
         # the whole weight, which the fsdp rings' einsums do not.
         whole = self.lora or shards.options.quantize == "int8"
+        # And they travel the fsdp gathers as int8, with their whole weights' scales (a LoRA
+        # base, frozen, as it is stored).
+        int8 = None
+        if shards.options.quantize == "int8" and not self.lora:
+            int8 = fsdp_int8.LAYER_PROJECTIONS
         attention_matmuls = () if shared_kv or whole else ("attn",)
         mlp_matmuls = () if whole else ("mlp",)
         # "auto" (and the checks of "cudnn") by the devices this step is compiled for.
@@ -732,6 +738,7 @@ class CausalTransformer:
                 "layers",
                 stacked=True,
                 in_matmuls=(*attention_matmuls, *mlp_matmuls),
+                int8=int8,
             )
             x = attention_half(x, w)
             h = checkpoint_name(norm.rms_norm(w["mlp_norm"], x, self.rms_norm_eps), MLP_INPUT)
@@ -741,7 +748,12 @@ class CausalTransformer:
         def moe_layer(x, layer_shards):
             x = shards.pin(x)
             w = shards.gather(
-                layer_shards, "params", "moe_layers", stacked=True, in_matmuls=attention_matmuls
+                layer_shards,
+                "params",
+                "moe_layers",
+                stacked=True,
+                in_matmuls=attention_matmuls,
+                int8=int8,
             )
             x = attention_half(x, w)
             # The MoE region enters and leaves inside expert.moe_mlp, around its router.

@@ -64,19 +64,26 @@ to each device's gradient), so their ``W`` is that of float32 gradients while th
 weights in the activations' dtype once compiled (the compiler moves the cast ahead of the gather).
 ``StepOptions(gradient_sum_dtype="bfloat16")`` casts each gradient to bfloat16 before its sums and
 back after: half the sums' bytes, and of the whole gradient each device holds before the scatter.
+
+Under ``StepOptions(quantize="int8")`` the int8 projections' weights (``gather(..., int8=...)``)
+travel as int8 with their whole weights' scales and arrive dequantized to exactly the integers
+and scales their matmuls then take (``dew.parallel.fsdp_int8``): one byte an entry, where the
+gradient sums stay in float (``_gather_int8``'s backward is ``_gather_summed``'s).
 """
 
 from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dew.layout import path_names
+from dew.parallel import fsdp_int8
 from dew.parallel.fsdp_matmul import RingSplit
 from dew.parallel.ring import AXIS, ring_gather, ring_scatter
 
@@ -283,12 +290,45 @@ def _gather_summed_bwd(dim, tiled, stages, also_sum, along, ring, sum_dtype, _, 
 _gather_summed.defvjp(_gather_summed_fwd, _gather_summed_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9))
+def _gather_int8(
+    x, members: tuple, n: int, dim: int, tiled, stages, also_sum, along: int, ring, sum_dtype
+):
+    """``_gather_summed``'s result and backward, the forward moving int8 (``fsdp_int8``): ``x``
+    is one weight's block (``tiled``: the whole weight back, its blocks along ``dim``) or a
+    bucket's blocks flattened and concatenated (``[n, elements]`` back, device-major), each
+    block of ``members`` quantized with its whole weight's scales, gathered as int8 and
+    dequantized to ``x``'s dtype (which ``dew.nn.quantized`` quantizes back to the same integers
+    and scales). The backward is the float gradient sum, unchanged: the straight-through
+    estimator, as ``int8_einsum``'s own gradient is. ``n``: the fsdp size."""
+    blocks, start = [], 0
+    for m in members:
+        blocks.append(x[start : start + m.size].reshape(m.shape) if not tiled else x)
+        start += m.size
+    out = fsdp_int8.gathered(blocks, members, n, bool(ring), x.dtype)
+    if tiled:
+        return fsdp_int8.whole(out[0], dim)
+    return jnp.concatenate([o.reshape(n, -1) for o in out], axis=1)
+
+
+def _gather_int8_fwd(x, members, n, dim, tiled, stages, also_sum, along, ring, sum_dtype):
+    return _gather_int8(x, members, n, dim, tiled, stages, also_sum, along, ring, sum_dtype), None
+
+
+def _gather_int8_bwd(members, n, dim, tiled, stages, also_sum, along, ring, sum_dtype, _, grad):
+    return _gather_summed_bwd(dim, tiled, stages, also_sum, along, ring, sum_dtype, None, grad)
+
+
+_gather_int8.defvjp(_gather_int8_fwd, _gather_int8_bwd)
+
+
 def gather(
     tree: Any,
     specs: Any,
     shards,
     also_sum: tuple[str, ...] = (),
     in_matmuls: tuple[str, ...] = (),
+    int8: Mapping[tuple[str, ...], tuple[int, ...]] | None = None,
 ) -> Any:
     """Undo the fsdp split of every leaf of ``tree`` whose spec names ``fsdp``.
 
@@ -308,6 +348,12 @@ def gather(
         einsum (``dew.nn.param.project``). With ``fsdp_ring``, each of their split leaves that
         travels alone stays split, a ``fsdp_matmul.RingSplit``, whose einsum sums its gradient
         as the weight-gradient matmul computes it (``dew.parallel.fsdp_matmul``).
+      int8: ``None``, or the weights of int8 projections (``StepOptions(quantize="int8")``):
+        their paths in ``tree`` (key names) -> the dimensions their einsums sum over
+        (``fsdp_int8.LAYER_PROJECTIONS``). Each of those split over fsdp travels as int8 with its
+        whole weight's scales (``fsdp_int8``; in buckets of their own, by their int8 bytes) and
+        arrives dequantized to its dtype, to exactly the integers and scales ``int8_einsum``
+        takes of the whole weight; its gradient is summed as any other's. Never a ``RingSplit``.
 
     Returns:
       ``tree`` with each split leaf whole along its split dimension (``n`` times its local size
@@ -324,19 +370,53 @@ def gather(
     also_sum = tuple(also_sum)
     paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [leaf for _, leaf in paths]
-    dims = [split_dim(spec) for spec in treedef.flatten_up_to(specs)]
+    spec_leaves = treedef.flatten_up_to(specs)
+    dims = [split_dim(spec) for spec in spec_leaves]
+    # The int8 projections' weights split over fsdp: how each travels (fsdp_int8.Member).
+    int8_members: dict[int, fsdp_int8.Member] = {}
+    for i, (path, leaf) in enumerate(paths):
+        summed = (int8 or {}).get(path_names(path))
+        if summed is not None and dims[i] is not None:
+            int8_members[i] = fsdp_int8.member(
+                leaf.shape, dims[i], summed, spec_leaves[i], shards.axis_sizes
+            )
     # Leaves an einsum takes still split (their first key in ``in_matmuls``), under the rings.
-    kept_split = [bool(ring) and getattr(p[0], "key", None) in in_matmuls for p, _ in paths]
+    kept_split = [
+        bool(ring) and getattr(p[0], "key", None) in in_matmuls and i not in int8_members
+        for i, (p, _) in enumerate(paths)
+    ]
+    # Split leaves by what travels: a dtype, or int8 from a dtype (an int8 bucket dequantizes to
+    # one dtype).
     by_dtype: dict[Any, list[int]] = {}
     for i, (leaf, dim) in enumerate(zip(leaves, dims)):
         if dim is not None:
-            by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+            by_dtype.setdefault((jnp.dtype(leaf.dtype), i in int8_members), []).append(i)
 
     out = list(leaves)
-    for idx in by_dtype.values():
-        whole_bytes = [n * leaves[i].size * leaves[i].dtype.itemsize for i in idx]
+    for (_, as_int8), idx in by_dtype.items():
+        if as_int8:  # Bucketed by the bytes that travel: an int8 an entry, and their peaks.
+            whole_bytes = [n * int8_members[i].payload() for i in idx]
+        else:
+            whole_bytes = [n * leaves[i].size * leaves[i].dtype.itemsize for i in idx]
         for bucket in buckets(whole_bytes, BUCKET_BYTES):
             members = [idx[b] for b in bucket]
+            if as_int8:
+                plan = tuple(int8_members[i] for i in members)
+                if len(members) == 1:
+                    (i,) = members
+                    along = dims[i]
+                    if shards.fsdp_tpu_layout:
+                        along = scatter_along(leaves[i].shape, dims[i])
+                    out[i] = _gather_int8(
+                        leaves[i], plan, n, dims[i], True, stages, also_sum, along, ring, sum_dtype
+                    )
+                    continue
+                flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
+                gathered = _gather_int8(
+                    flat, plan, n, 0, False, stages, also_sum, 0, ring, sum_dtype
+                )
+                _unpack(gathered, members, leaves, dims, n, out)
+                continue
             if len(members) == 1 and kept_split[members[0]]:
                 (i,) = members
                 out[i] = RingSplit(leaves[i], dims[i], n, also_sum, sum_dtype)
@@ -357,13 +437,17 @@ def gather(
             # Its transpose is one psum_scatter of their gradients, moving as much.
             # [n, local elements of the bucket], device-major.
             gathered = _gather_summed(flat, 0, False, stages, also_sum, 0, ring, sum_dtype)
-            start = 0
-            for i in members:
-                local, dim = leaves[i].shape, dims[i]
-                columns = gathered[:, start : start + leaves[i].size].reshape(n, *local)
-                start += leaves[i].size
-                # [n, ..., local[dim], ...] -> [..., n, local[dim], ...]
-                #   -> [..., n * local[dim], ...]
-                whole = jnp.moveaxis(columns, 0, dim)
-                out[i] = whole.reshape(*local[:dim], n * local[dim], *local[dim + 1 :])
+            _unpack(gathered, members, leaves, dims, n, out)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _unpack(gathered, members, leaves, dims, n, out) -> None:
+    """Each of a bucket's ``members`` (indices of ``leaves``) whole, into ``out``, from the
+    bucket's gathered ``[n, local elements]`` (device-major)."""
+    start = 0
+    for i in members:
+        local, dim = leaves[i].shape, dims[i]
+        columns = gathered[:, start : start + leaves[i].size].reshape(n, *local)
+        start += leaves[i].size
+        # [n, ..., local[dim], ...] -> [..., n, local[dim], ...] -> [..., n * local[dim], ...]
+        out[i] = fsdp_int8.whole(columns, dim)

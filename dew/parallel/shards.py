@@ -55,10 +55,11 @@ class Shards:
       loop_sums: the axes beyond ``fsdp`` the layer loop's gathers sum their weights' gradients
         over, inside the loop (``dew.parallel.fsdp.loop_sum_axes``, set by the step engine);
         ``dew.parallel.gradients.sum_axes`` leaves them out of the step's tail for those weights.
-      rounding_key: under ``StepOptions(quantize="int8")``, the training step's key (key data,
-        the same on every device) that the int8 gradients' stochastic rounding draws from
-        (``dew.nn.quantized``); ``None`` outside a training step (the gradients then round to
-        nearest).
+      rounding_key: under ``StepOptions(quantize="int8")``, the key (key data) that the int8
+        gradients' stochastic rounding draws from (``dew.nn.quantized``): the training step's,
+        folded with the device's index over the token axes, then with the microbatch's number
+        and the layer's as the step reaches them; ``None`` outside a training step (the
+        gradients then round to nearest).
     """
 
     axis_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -105,19 +106,24 @@ class Shards:
         return specs
 
     def gather(
-        self, tree: Any, *path: str, stacked: bool = False, in_matmuls: tuple[str, ...] = ()
+        self,
+        tree: Any,
+        *path: str,
+        stacked: bool = False,
+        in_matmuls: tuple[str, ...] = (),
+        int8: Any = None,
     ) -> Any:
         """The weights ``tree`` (found at ``path`` in the parameters) with their fsdp split undone.
 
         ``stacked=True`` for one layer's slice of the stacked ``layers`` weights, inside the
         layer loop: its backward also sums the split weights' gradients over ``loop_sums``.
         ``in_matmuls``: keys of ``tree`` whose weights only an einsum takes
-        (``dew.nn.param.project``); under ``fsdp_ring`` those stay split until it
-        (``dew.parallel.fsdp.gather``).
+        (``dew.nn.param.project``); under ``fsdp_ring`` those stay split until it. ``int8``: the
+        int8 projections' weights, gathered as int8 (``dew.parallel.fsdp.gather``).
         """
         also_sum = self.loop_sums if stacked else ()
         specs = self.spec_of(*path, stacked=stacked)
-        return fsdp.gather(tree, specs, self, also_sum, in_matmuls)
+        return fsdp.gather(tree, specs, self, also_sum, in_matmuls, int8)
 
     def pin(self, x: jax.Array) -> jax.Array:
         """``x`` (activations ``[rows, ...]``) constrained to ``pinned_activations``; else ``x``."""
