@@ -15,6 +15,7 @@ import pytest
 import dew
 from dew.nn import quantized
 from dew.nn.int8 import Quantized, quantize
+from dew.nn.param import spec_labels
 from tests.equivalence import host_state, recording
 from tests.helpers import (
     fresh_batch,
@@ -244,6 +245,14 @@ MOE = {"num_experts": 4, "experts_per_token": 2}
 LAYOUTS = {
     "fsdp=8": (DENSE, dict(mesh=dew.MeshSpec(fsdp=8))),
     "fsdp=2,tensor=4": (DENSE, dict(mesh=dew.MeshSpec(fsdp=2, tensor=4))),
+    # The tensor rings in int8, sequence-parallel activations (dew.parallel.tensor_ring).
+    "fsdp=2,tensor=4,rings": (
+        DENSE,
+        dict(
+            mesh=dew.MeshSpec(fsdp=2, tensor=4),
+            options=dict(tensor_scheme="ring", sequence_parallel=True),
+        ),
+    ),
     "sequence=4": (DENSE, dict(mesh=dew.MeshSpec(fsdp=2, sequence=4))),
     "expert=2": (MOE, dict(mesh=dew.MeshSpec(expert=2, fsdp=4))),
     "stage=2": (DENSE, dict(mesh=dew.MeshSpec(stage=2, fsdp=4, microbatches=2))),
@@ -260,9 +269,10 @@ LAYOUTS = {
 # scaled over each device's own tokens: they differ by the rounding's noise.
 
 
-def one_step(objective, params, key, batch, keys=(), **trainer_args):
+def one_step(objective, params, key, batch, keys=(), options=None, **trainer_args):
     """``(loss, gradients)`` of one int8 step from ``params``, and of the same step under each of
-    ``keys`` (the state's key, which the int8 rounding draws from)."""
+    ``keys`` (the state's key, which the int8 rounding draws from). ``options``: more
+    ``StepOptions`` than ``quantize="int8"``, by name."""
     if "mesh" not in trainer_args:  # one device
         trainer_args.update(mesh=dew.MeshSpec(), devices=jax.devices()[:1])
     trainer = dew.Trainer(
@@ -270,15 +280,16 @@ def one_step(objective, params, key, batch, keys=(), **trainer_args):
         recording(optax.sgd(0.1)),
         key,
         layout=dew.Layout(min_shard=1),
-        options=dew.StepOptions(quantize="int8"),
+        options=dew.StepOptions(quantize="int8", **(options or {})),
         **trainer_args,
     )
-    step = trainer.train_step(ROWS)
+    rows = len(batch)
+    step = trainer.train_step(rows)
     runs = []
     for k in (key, *keys):
         copy = jax.random.wrap_key_data(np.asarray(jax.random.key_data(k)))  # the step donates
         state = host_state(trainer, params).replace(key=jax.device_put(copy, jax.devices()[0]))
-        state, metrics = step(state, trainer.device_batch(batch, ROWS))
+        state, metrics = step(state, trainer.device_batch(batch, rows))
         runs.append(
             (float(metrics["loss"]), jax.tree_util.tree_map(np.asarray, state.opt_state[0]))
         )
@@ -401,15 +412,15 @@ def test_project_routes_each_kind_of_weight(seed):
     )
 
 
-def test_the_tensor_ring_is_refused_with_int8_and_auto_leaves_it():
-    """``tensor_scheme="ring"`` with ``quantize="int8"`` is refused by name before compiling
-    (the rings multiply in float); ``"auto"`` on TPU, which picks the rings for bfloat16, picks
-    the plain pairs for int8. An unknown ``quantize`` names the choices."""
+def test_the_tensor_rings_run_int8_and_auto_picks_them():
+    """``tensor_scheme="ring"`` with ``quantize="int8"`` passes the checks, and ``"auto"`` on
+    TPU picks the rings for int8 as for bfloat16 (the plain pairs on CPU). An unknown
+    ``quantize`` names the choices."""
     int8 = dew.StepOptions(quantize="int8")
-    with pytest.raises(ValueError, match="tensor_scheme='ring' with quantize='int8'"):
-        dew.StepOptions(tensor_scheme="ring", quantize="int8").check({"tensor": 4}, 16)
+    dew.StepOptions(tensor_scheme="ring", quantize="int8").check({"tensor": 4}, 16)
     assert dew.StepOptions().resolve({"tensor": 4}, "tpu", 16).tensor_scheme == "ring"
-    assert int8.resolve({"tensor": 4}, "tpu", 16).tensor_scheme == "plain"
+    assert int8.resolve({"tensor": 4}, "tpu", 16).tensor_scheme == "ring"
+    assert int8.resolve({"tensor": 4}, "cpu", 16).tensor_scheme == "plain"
     assert int8.in_effect({})[
         "quantize"
     ] == "int8" and "quantize" not in dew.StepOptions().in_effect({})
@@ -457,3 +468,219 @@ def test_remat_policies_keep_the_int8_output_not_its_int32_sums():
         ]
         assert ("bfloat16[64,48]" in saved) == kept, (policy, saved)
         assert not any(a.startswith("int32") for a in saved), (policy, saved)
+
+
+# --- The tensor rings in int8 (dew.parallel.tensor_ring) ---------------------------------------
+
+RING = 4  # a tensor group of 4: the devices before and after each one differ
+# Both activation variants, attention's einsums (a transposed output, two summed labels in the
+# exit) and the MLP's (tokens flattened): columns of two weights, then the row.
+RING_CASES = {
+    "sequence_parallel-attention": (True, "bse,ehd->bhsd", "bhsd,hde->bse"),
+    "whole-attention": (False, "bse,ehd->bhsd", "bhsd,hde->bse"),
+    "sequence_parallel-mlp": (True, "te,ef->tf", "tf,fe->te"),
+    "whole-mlp": (False, "te,ef->tf", "tf,fe->te"),
+}
+# Label sizes: 12 blocked positions (3 a device), 16 channels of width, 8 heads (2 a device).
+RING_SIZES = dict(b=2, s=12, t=24, e=16, h=8, d=3, f=32)
+
+
+def ring_region(shards, spec_in, spec_out):
+    """A Megatron region as the model runs one: enter, two column projections, their product
+    through tanh, the row projection, leave."""
+    from dew.parallel import tensor_ring
+
+    region = tensor_ring.Region(shards)
+
+    def f(x, wa, wb, wo):
+        a, b = region.columns(spec_in, region.enter(x), (wa, wb))
+        return region.leave(region.row(spec_out, jnp.tanh(a) * b, wo))
+
+    return f
+
+
+def ring_arrays(name, seed):
+    """``x``, the three weights and the output's gradient, float32, whole. Per-token magnitudes
+    of ``x`` and of the gradient apart by 50x, and per-channel ones of the weights by 20x, so a
+    scale over the wrong devices (or axis) changes most integers."""
+    _, spec_in, spec_out = RING_CASES[name]
+    rng = np.random.default_rng(seed)
+    x_l, wa_l, _ = spec_labels(spec_in)
+    _, wo_l, out_l = spec_labels(spec_out)
+
+    def varied(labels, kept):
+        shape = [RING_SIZES[label] for label in labels]
+        spread = [RING_SIZES[label] if label in kept else 1 for label in labels]
+        return rng.standard_normal(shape) * np.exp(rng.uniform(-2, 2, spread))
+
+    arrays = (
+        varied(x_l, x_l[:-1]),
+        varied(wa_l, wa_l[1:]),
+        varied(wa_l, wa_l[1:]),
+        varied(wo_l, wo_l[-1]),
+        varied(out_l, out_l[:-1]),
+    )
+    return [a.astype(np.float32) for a in arrays]
+
+
+def ring_program(name, ring=True):
+    """``(x, wa, wb, wo, d_out) -> (out, dx, dwa, dwb, dwo)`` over a tensor group of ``RING``
+    under ``shard_map`` (``quantize="int8"``, no key: the gradients round to nearest), the
+    region's weights split as the model splits them (heads, or the MLP's width)."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from dew.parallel.shards import Shards
+
+    sequence_parallel, spec_in, spec_out = RING_CASES[name]
+    options = dew.StepOptions(quantize="int8", sequence_parallel=sequence_parallel)
+    shards = Shards(axis_sizes={"tensor": RING}, options=options, tensor_ring=ring)
+    f = ring_region(shards, spec_in, spec_out)
+
+    def local(x, wa, wb, wo, d_out):
+        out, vjp = jax.vjp(f, x, wa, wb, wo)
+        return (out, *vjp(d_out))
+
+    blocked = spec_labels(spec_in)[0].index("s" if "s" in spec_in else "t")
+    x_spec = P(*[None] * blocked, "tensor") if sequence_parallel else P()
+    w_specs = (P(None, "tensor"), P(None, "tensor"), P("tensor"))
+    mesh = Mesh(np.array(jax.devices()[:RING]), ("tensor",))
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(x_spec, *w_specs, x_spec),
+        out_specs=(x_spec, x_spec, *w_specs),
+        check_vma=False,
+    )
+
+
+@pytest.mark.parametrize("name", RING_CASES)
+def test_the_int8_rings_are_one_device_to_float_rounding(name, seed):
+    """The int8 rings' region (``tensor_scheme="ring"``: the entry's input and the exit's
+    output gradient passed round as int8 with their scales), its output and the gradients of
+    its input and of its three weights, against one device's int8 projections (no tensor
+    split: ``int8_einsum`` on the whole weights, the formula of the tests above). Rounded to
+    nearest, every device quantizes the values one device quantizes, with the same scales (the
+    exit's per-token and per-channel peaks over the group, the entry's input-gradient peaks over
+    it): only the float sums of the partial products differ, within 1e-5 (measured 2e-8 to 1e-7;
+    a scale taken over one device's width instead of the group's: 1e-3 and more)."""
+    print(f"seed {seed}")
+    _, spec_in, spec_out = RING_CASES[name]
+    x, wa, wb, wo, d_out = ring_arrays(name, seed)
+    one = ring_region(
+        dew.parallel.Shards(options=dew.StepOptions(quantize="int8")), spec_in, spec_out
+    )
+    out, vjp = jax.vjp(one, *map(jnp.asarray, (x, wa, wb, wo)))
+    expected = (out, *vjp(jnp.asarray(d_out)))
+    found = jax.jit(ring_program(name))(x, wa, wb, wo, d_out)
+    for what, a, e in zip(("out", "dx", "dwa", "dwb", "dwo"), found, expected, strict=True):
+        error = relative_error(a, e)
+        print(f"{name}: {what} {error:.3g} from one device's")
+        assert error < 1e-5, (what, error)
+    # Not the float matmuls: int8's error from float32's is far above the bound.
+    assert (
+        relative_error(
+            found[0], ring_region(dew.parallel.Shards(), spec_in, spec_out)(x, wa, wb, wo)
+        )
+        > 1e-3
+    )
+
+
+def ppermute_bytes(fn, *args) -> dict:
+    """``{dtype: operand bytes}`` of the ``ppermute`` s of ``fn``'s jaxpr, every nested jaxpr
+    walked (custom derivatives' forwards and backwards, ``shard_map``, ``jit``)."""
+    found = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "ppermute":
+                for var in eqn.invars:
+                    dtype = np.dtype(var.aval.dtype).name
+                    found[dtype] = found.get(dtype, 0) + var.aval.size * var.aval.dtype.itemsize
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, (list, tuple)) else [value]:
+                    inner = getattr(inner, "jaxpr", inner)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("name", ["sequence_parallel-attention", "sequence_parallel-mlp"])
+def test_the_int8_rings_move_int8(name):
+    """With sequence-parallel activations, ``A`` tokens x ``E`` channels, on a group of ``n``:
+    the entry's forward ring passes each block's integers and per-token float32 scales, ``(n -
+    1)`` blocks of ``A / n (E + 4)`` bytes (about half of bfloat16's ``2 A E / n``), and the
+    exit's backward ring the output gradient's two int8 operands (per token for ``dh``, per
+    channel for ``dw``) and its per-token scales, ``A / n (2 E + 4)``; the exit's forward and the
+    entry's backward rings sum partial products, float (float32 here: ``4 A E / n`` each). A
+    ring that passed a float block would show float bytes above those two sums."""
+    x, wa, wb, wo, d_out = ring_arrays(name, 0)
+    found = ppermute_bytes(ring_program(name), x, wa, wb, wo, d_out)
+    tokens, width, n = x.size // x.shape[-1], x.shape[-1], RING
+    assert found == {
+        "int8": (n - 1) * tokens // n * ((width + 4) + (2 * width + 4)),
+        "float32": 2 * (n - 1) * tokens // n * width * 4,
+    }, found
+
+
+# --- Rounding keys: a layer's and a microbatch's own ---------------------------------------------
+
+
+def twin_layers(params):
+    """``params`` with layer 1 a copy of layer 0 and both layers' row projections (o, down)
+    zero: each layer adds nothing to the residual stream, so both see the same input and the
+    same output gradient, and their o and down weight gradients are the same numbers before
+    the int8 rounding draws its noise."""
+
+    def twin(path, w):
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if "layers" not in names:
+            return w
+        w = np.asarray(w).copy()
+        w[1] = w[0]
+        if names[-1] in ("o", "down"):
+            w[:] = 0
+        return w
+
+    return jax.tree_util.tree_map_with_path(twin, params)
+
+
+def test_layers_microbatches_and_devices_draw_rounding_noise_of_their_own(references, module_seed):
+    """Through two equal layers that see the same input, the o and down weight gradients (the
+    same numbers before rounding) differ between the layers: their keys are the step's folded
+    with the layer's number. Under accumulation=2 with two equal microbatches, their sum
+    differs from twice the first's (one microbatch alone, whose number, 0, is folded in as the
+    first's is), which it would equal bit for bit if both drew the same noise (every value and
+    scale is then exactly doubled); so does the sum of two fsdp devices holding equal rows
+    (their index over the token axes folded in, 0 on one device). The same key gives the same
+    numbers (a replayed run)."""
+    print(f"seed {module_seed}")
+    key, batch, of = references
+    ref = of(DENSE)
+    params = twin_layers(jax.tree_util.tree_map(np.asarray, ref["params"]))
+    half = batch[: ROWS // 2]
+    twice = np.concatenate([half, half])
+    (_, summed), (_, replayed) = one_step(
+        ref["objective"], params, key, twice, keys=(key,), accumulation=2
+    )
+    ((_, alone),) = one_step(ref["objective"], params, key, half)
+    devices = dict(mesh=dew.MeshSpec(fsdp=2), devices=jax.devices()[:2])
+    ((_, split),) = one_step(ref["objective"], params, key, twice, **devices)
+    layers = summed["params"]["layers"]
+    for path in (("attn", "o"), ("mlp", "down")):
+        grads = layers[path[0]][path[1]]
+        assert np.abs(grads[0]).max() > 0, path
+        differ = np.mean(grads[0] != grads[1])
+        print(f"{path}: layers differ in {differ:.3f} of entries")
+        assert differ > 0.5, (path, differ)
+        first = alone["params"]["layers"][path[0]][path[1]]
+        differ = np.mean(grads != first)
+        print(f"{path}: two microbatches' sum differs from twice one's in {differ:.3f}")
+        assert differ > 0.5, (path, differ)
+        differ = np.mean(split["params"]["layers"][path[0]][path[1]] != first)
+        print(f"{path}: two fsdp devices' sum differs from twice one's in {differ:.3f}")
+        assert differ > 0.5, (path, differ)
+    for a, b in zip(jax.tree_util.tree_leaves(summed), jax.tree_util.tree_leaves(replayed)):
+        np.testing.assert_array_equal(a, b)

@@ -697,14 +697,12 @@ class CausalTransformer:
         # Over a sequence axis, attention spans every device's positions (ring or all-to-all);
         # elsewhere it is the plain call.
         attend = sequence.attention(shards, impl)
-        # The Megatron regions' entry and exit: tensor's pairs, or collective matmuls.
-        region = tensor_ring.region(shards)
         if gspmd_kernel.wraps(impl, platform):
             # The GSPMD engine over several devices: XLA cannot split the kernel's custom call,
             # so it runs per device, as a user's GSPMD code runs it.
             attend = gspmd_kernel.kernel_on_mesh(attend, self.num_heads, self.kv_heads)
 
-        def attention_half(x, w):
+        def attention_half(x, w, region):
             attn = w["attn"]
             if shared_kv:
                 attn = {
@@ -730,7 +728,10 @@ class CausalTransformer:
             )
             return x + region.leave(h)
 
-        def dense_layer(x, layer_shards):
+        def dense_layer(x, layer):
+            layer_shards, number = layer
+            # The Megatron regions' entry and exit: tensor's pairs, or collective matmuls.
+            region = tensor_ring.region(numbered(number))
             x = shards.pin(x)
             w = shards.gather(
                 layer_shards,
@@ -740,12 +741,14 @@ class CausalTransformer:
                 in_matmuls=(*attention_matmuls, *mlp_matmuls),
                 int8=int8,
             )
-            x = attention_half(x, w)
+            x = attention_half(x, w, region)
             h = checkpoint_name(norm.rms_norm(w["mlp_norm"], x, self.rms_norm_eps), MLP_INPUT)
             h = region.enter(h)
             return x + region.leave(mlp.swiglu(w["mlp"], h, region)), None
 
-        def moe_layer(x, layer_shards):
+        def moe_layer(x, layer):
+            layer_shards, number = layer
+            keyed = numbered(number)
             x = shards.pin(x)
             w = shards.gather(
                 layer_shards,
@@ -755,12 +758,12 @@ class CausalTransformer:
                 in_matmuls=attention_matmuls,
                 int8=int8,
             )
-            x = attention_half(x, w)
+            x = attention_half(x, w, tensor_ring.region(keyed))
             # The MoE region enters and leaves inside expert.moe_mlp, around its router.
             out, stats = expert.moe_mlp(
                 w["moe"],
                 norm.rms_norm(w["mlp_norm"], x, self.rms_norm_eps),
-                shards,
+                keyed,
                 num_experts=self.num_experts,
                 k=self.experts_per_token,
                 capacity_factor=self.capacity_factor,
@@ -769,24 +772,49 @@ class CausalTransformer:
             )
             return x + out, stats
 
+        # Under int8 (Shards.rounding_key) each layer's gradients round from a key of its own,
+        # the step's folded with the layer's number in the whole model (a pipeline stage's
+        # layers after the earlier stages'), so that no two layers draw the same noise.
+        def layer_numbers(count: int) -> jax.Array | None:
+            if shards.rounding_key is None:
+                return None
+            first = 0
+            if shards.size("stage") > 1:
+                first = lax.axis_index("stage") * count
+            return first + jnp.arange(count, dtype=jnp.int32)
+
+        def numbered(number) -> Shards:
+            if number is None:
+                return shards
+            key = quantized.fold_key(shards.rounding_key, number)
+            return dataclasses.replace(shards, rounding_key=key)
+
         dense_layer = remat_layer(dense_layer, self.remat)
         moe_layer = remat_layer(moe_layer, self.remat)
         unroll = self.layer_loop == "unroll"  # lax.scan's True: every iteration inline
         p = params["params"]
         if not self.num_moe_layers:
-            x, _ = lax.scan(dense_layer, x, p["layers"], unroll=unroll)
+            numbers = layer_numbers(jax.tree_util.tree_leaves(p["layers"])[0].shape[0])
+            x, _ = lax.scan(dense_layer, x, (p["layers"], numbers), unroll=unroll)
             return shards.pin(x), moe.RouterStats.zeros()
 
         # The MoE layers this call runs (all of them, or one pipeline stage's share).
         groups = jax.tree_util.tree_leaves(p["moe_layers"])[0].shape[0]
         dense_per_group = self.moe_every - 1
+        # Group g holds layers g * moe_every + (0 .. moe_every - 2) dense, then one MoE layer.
+        numbers = layer_numbers(groups * self.moe_every)
+        if numbers is not None:
+            numbers = numbers.reshape(groups, self.moe_every)
 
         def group(carry, group_weights):
             x, stats = carry
-            dense_weights, moe_weights = group_weights
+            dense_weights, moe_weights, group_numbers = group_weights
+            dense_numbers = moe_number = None
+            if group_numbers is not None:
+                dense_numbers, moe_number = group_numbers[:-1], group_numbers[-1]
             if dense_per_group:
-                x, _ = lax.scan(dense_layer, x, dense_weights, unroll=unroll)
-            x, layer_stats = moe_layer(x, moe_weights)
+                x, _ = lax.scan(dense_layer, x, (dense_weights, dense_numbers), unroll=unroll)
+            x, layer_stats = moe_layer(x, (moe_weights, moe_number))
             return (x, stats + layer_stats), None
 
         dense = None
@@ -796,7 +824,7 @@ class CausalTransformer:
                 lambda w: w.reshape(groups, dense_per_group, *w.shape[1:]), p["layers"]
             )
         (x, stats), _ = lax.scan(
-            group, (x, moe.RouterStats.zeros()), (dense, p["moe_layers"]), unroll=unroll
+            group, (x, moe.RouterStats.zeros()), (dense, p["moe_layers"], numbers), unroll=unroll
         )
         mean = 1.0 / self.num_moe_layers
         stats = stats._replace(load_balance=stats.load_balance * mean, z_loss=stats.z_loss * mean)

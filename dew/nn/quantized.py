@@ -27,16 +27,36 @@ Stochastic rounding (``q = floor(v / scale + u)``, ``u`` uniform in ``[0, 1)``):
 rounding of many small gradients does not add up to a drift, as rounding to nearest does. It is
 on the two gradient operands only (AQT's and Qwix's choice): the forward rounds to nearest. The
 noise comes from ``key`` (``rounding_keys``): without one the gradients round to nearest too.
-In a training step the key is the step's (the run's key folded with the step), folded with each
-projection's name; every layer, microbatch and device draws from the same one (the values they
-round differ, and each rounding is unbiased whatever the others draw).
+
+The keys of a training step. The step's key (the run's key folded with the step) is folded with
+the device's index over the axes that split the tokens, the microbatch's number, the layer's
+number in the model (``fold_key``: ``dew.training.step``, ``dew.models.causal_transformer``),
+then each projection's name (``rounding_keys``): no two matmuls of a step draw the same noise, and
+the same seed draws the same noise again. Rounding stays unbiased whatever the draws; what the
+keys decide is which errors are independent. The rule across devices: **every value one device
+rounds once is rounded once, or alike on every device that holds a copy of it, and values no
+other device holds draw noise of their own.**
+
+- Values the devices of a group hold alike are rounded from the same key over the same shape,
+  so every copy rounds alike, as one device's one value: under ``tensor``, a row projection's
+  output gradient with whole activations (the same on every device of the group), or one
+  gathered before it is rounded (the plain pairs with sequence-parallel activations).
+- Values a device holds alone fold its index into the key first (``gradient_keys(key,
+  own=axis)``), so that they draw independently, as one device's draws over the whole array
+  do: a column projection's output channels under ``tensor``, and in the tensor rings a block
+  of tokens each device rounds before it travels (``dew.parallel.tensor_ring``: rounded once,
+  where it is, then passed round as int8). Over the token axes each device's tokens are its
+  own: the step's fold of the device's index does it.
 
 Under a tensor split (``Int8Projections(split="tensor")``) a row-parallel projection's summed
 width, and a column-parallel one's output channels, are split over devices: the scales that
 reduce over them take their peak over the group (a ``pmax`` of one number a row), so each device
-quantizes as one device holding the whole width does. ``int8_ragged_dot`` is the same for an MoE
-layer's grouped matmuls (a scale per expert and output channel), and ``frozen_int8_einsum`` for a
-LoRA run's frozen int8 base (W8A8: its stored integers and scales, no weight gradient).
+quantizes as one device holding the whole width does. The pieces (``quantize_input``,
+``quantize_weight``, ``product``; ``input_operand``, ``input_product``; ``weight_operand``,
+``weight_product``) are public so that ``dew.parallel.tensor_ring``'s rings run the same
+formulas block by block. ``int8_ragged_dot`` is the same for an MoE layer's grouped matmuls (a
+scale per expert and output channel), and ``frozen_int8_einsum`` for a LoRA run's frozen int8
+base (W8A8: its stored integers and scales, no weight gradient).
 
 The int32 sums are exact while ``127 * 127 * n`` fits int32 (``n`` the summed length: at most
 ``MAX_SUM`` = 133,144 tokens a weight gradient; ``int8_einsum`` refuses more).
@@ -128,53 +148,127 @@ def _int_matmul(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.int32)
 
 
+def quantize_input(spec: str, x: jax.Array, inner: str | None = None):
+    """``(qx, sx)``: ``x`` quantized per token over the summed labels, to nearest; ``sx`` has
+    ``x``'s other dimensions. ``inner``: the axis the summed labels are split over (a
+    row-parallel projection), whose devices' peaks the scales take (``quantize_stochastic``)."""
+    x_l, _, _, summed = _labels(spec)
+    return quantize_stochastic(x, _axes(x_l, summed), None, inner)
+
+
+def quantize_weight(spec: str, w: jax.Array, inner: str | None = None):
+    """``(qw, sw)``: ``w`` quantized per output channel over the summed labels, to nearest;
+    ``sw`` has ``w``'s output dimensions. ``inner`` as ``quantize_input``'s."""
+    _, w_l, _, summed = _labels(spec)
+    return quantize_stochastic(w, _axes(w_l, summed), None, inner)
+
+
+def product(spec: str, qx, sx, qw, sw, dtype) -> jax.Array:
+    """The forward from its operands: ``(qx @ qw)[int32] * sx * sw`` in ``dtype``. ``qx`` and
+    ``sx`` may be a block of the input's tokens (``dew.parallel.tensor_ring`` multiplies block by
+    block): the product is then that block's."""
+    x_l, w_l, out_l, summed = _labels(spec)
+    acc = _int_matmul(spec, qx, qw).astype(jnp.float32)
+    out = acc * _onto(sx, _kept(x_l, summed), out_l) * _onto(sw, _kept(w_l, summed), out_l)
+    return out.astype(dtype)
+
+
 def _forward(spec, x, w, inner, qw=None, sw=None):
     """The forward; ``inner``: the axis the summed labels are split over (row-parallel), whose
     devices' peaks the scales take (``quantize_stochastic``)."""
-    x_l, w_l, out_l, summed = _labels(spec)
-    qx, sx = quantize_stochastic(x, _axes(x_l, summed), None, inner)
+    qx, sx = quantize_input(spec, x, inner)
     if qw is None:
-        qw, sw = quantize_stochastic(w, _axes(w_l, summed), None, inner)
-    acc = _int_matmul(spec, qx, qw).astype(jnp.float32)
-    out = acc * _onto(sx, _kept(x_l, summed), out_l) * _onto(sw, _kept(w_l, summed), out_l)
-    return checkpoint_name(out.astype(x.dtype), OUT_NAME), (qx, sx, qw, sw)
+        qw, sw = quantize_weight(spec, w, inner)
+    out = product(spec, qx, sx, qw, sw, x.dtype)
+    return checkpoint_name(out, OUT_NAME), (qx, sx, qw, sw)
+
+
+def input_operand(spec: str, d_out: jax.Array, sw: jax.Array, key, outer: str | None = None):
+    """``(qg, sg)``: ``dx``'s gradient operand, ``d_out`` times the weight's scale ``sw``,
+    quantized per token over the output channels (stochastically from ``key``, to nearest for
+    ``None``); ``sg`` has ``d_out``'s token dimensions. ``outer``: the axis the output channels
+    are split over (column-parallel), whose devices' peaks the scales take."""
+    _, w_l, out_l, summed = _labels(spec)
+    w_out = _kept(w_l, summed)
+    g = d_out.astype(jnp.float32) * _onto(sw, w_out, out_l)
+    return quantize_stochastic(g, _axes(out_l, w_out), key, outer)
+
+
+def input_product(spec: str, qg, sg, qw, dtype) -> jax.Array:
+    """``dx = (qg @ qw^T)[int32] * sg`` in ``dtype`` (``qg`` and ``sg`` may be a block of
+    tokens: ``dx`` is then that block's)."""
+    x_l, w_l, out_l, summed = _labels(spec)
+    acc = _int_matmul(f"{out_l},{w_l}->{x_l}", qg, qw).astype(jnp.float32)
+    return (acc * _onto(sg, _kept(out_l, _kept(w_l, summed)), x_l)).astype(dtype)
 
 
 def _input_gradient(spec, d_out, qw, sw, key, dtype, outer):
     """``dx`` from the forward's int8 weight: ``d_out`` times the weight's scale, quantized per
     token over the output channels (the module docstring); ``outer``: the axis those are split
     over (column-parallel), whose devices' peaks the scales take."""
-    x_l, w_l, out_l, summed = _labels(spec)
-    w_out = _kept(w_l, summed)
-    g = d_out.astype(jnp.float32) * _onto(sw, w_out, out_l)
-    qg, sg = quantize_stochastic(g, _axes(out_l, w_out), key, outer)
-    acc = _int_matmul(f"{out_l},{w_l}->{x_l}", qg, qw).astype(jnp.float32)
-    return (acc * _onto(sg, _kept(out_l, w_out), x_l)).astype(dtype)
+    qg, sg = input_operand(spec, d_out, sw, key, outer)
+    return input_product(spec, qg, sg, qw, dtype)
 
 
-def _weight_gradient(spec, d_out, qx, sx, key, dtype):
-    """``dw`` from the forward's int8 input: ``d_out`` times the input's per-token scale,
-    quantized per output channel over the tokens (the module docstring)."""
+def weight_operand(spec: str, d_out: jax.Array, sx: jax.Array, key, axis: str | None = None):
+    """``(qh, sh)``: ``dw``'s gradient operand, ``d_out`` times the input's per-token scale
+    ``sx`` (of ``d_out``'s tokens), quantized per output channel over the tokens
+    (stochastically from ``key``); ``sh`` has ``d_out``'s output-channel dimensions. ``axis``:
+    a mesh axis the tokens are split over (a ring's blocks), whose devices' peaks the scales
+    take, so each device quantizes its tokens as one device holding all of them does."""
+    x_l, _, out_l, summed = _labels(spec)
+    tokens = _kept(x_l, summed)
+    h = d_out.astype(jnp.float32) * _onto(sx, tokens, out_l)
+    return quantize_stochastic(h, _axes(out_l, tokens), key, axis)
+
+
+def weight_product(spec: str, qx, qh, sh, dtype) -> jax.Array:
+    """``dw = (qx^T @ qh)[int32] * sh`` in ``dtype``, summed over all the tokens of ``qx`` and
+    ``qh``; refused (``ValueError``) past ``MAX_SUM`` tokens, more than int32 sums exactly."""
     x_l, w_l, out_l, summed = _labels(spec)
     tokens = _kept(x_l, summed)
-    count = int(np.prod([d_out.shape[out_l.index(t)] for t in tokens]))
+    count = int(np.prod([qh.shape[out_l.index(t)] for t in tokens]))
     if count > MAX_SUM:
         raise ValueError(
             f"einsum {spec!r}: an int8 weight gradient sums {count} tokens, more than an int32 "
             f"sum of int8 products holds exactly ({MAX_SUM}); use more microbatches"
         )
-    h = d_out.astype(jnp.float32) * _onto(sx, tokens, out_l)
-    qh, sh = quantize_stochastic(h, _axes(out_l, tokens), key)
     acc = _int_matmul(f"{x_l},{out_l}->{w_l}", qx, qh).astype(jnp.float32)
     return (acc * _onto(sh, _kept(out_l, tokens), w_l)).astype(dtype)
 
 
-def _split(key):
-    """The two gradients' keys from ``key`` (key data, or ``None``: both round to nearest)."""
+def _weight_gradient(spec, d_out, qx, sx, key, dtype):
+    """``dw`` from the forward's int8 input: ``d_out`` times the input's per-token scale,
+    quantized per output channel over the tokens (the module docstring)."""
+    qh, sh = weight_operand(spec, d_out, sx, key)
+    return weight_product(spec, qx, qh, sh, dtype)
+
+
+def gradient_keys(key, own: str | None = None):
+    """The two gradients' keys ``(dx, dw)``: ``jax.random.split(key)`` (``key`` typed or key
+    data; ``None``: ``(None, None)``, both round to nearest). ``own``: a mesh axis whose
+    devices round values of their own (the columns' output channels under ``tensor``, a ring's
+    block of tokens): ``key`` is folded with the device's index on it first, so that their
+    draws are independent, as one device's over the whole array are (the module docstring's
+    rule)."""
     if key is None:
         return None, None
-    dx_key, dw_key = jax.random.split(jax.random.wrap_key_data(key))
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if own is not None:
+        key = jax.random.fold_in(key, jax.lax.axis_index(own))
+    dx_key, dw_key = jax.random.split(key)
     return dx_key, dw_key
+
+
+def fold_key(key, index):
+    """``key`` (key data, or ``None``) folded with ``index`` (an int, or a traced integer
+    scalar), as key data; ``None`` for ``None``. The step folds its rounding key with each
+    microbatch's number and each layer's (``Shards.rounding_key``), so that they draw
+    independent noise."""
+    if key is None:
+        return None
+    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(key), index))
 
 
 # The output is in x's dtype, and so is its gradient: dx takes d_out's dtype, dw the weight's
@@ -191,7 +285,7 @@ def _einsum_fwd(spec, w_dtype, inner, outer, x, w, key):
 
 def _einsum_bwd(spec, w_dtype, inner, outer, residuals, d_out):
     qx, sx, qw, sw, key = residuals
-    dx_key, dw_key = _split(key)
+    dx_key, dw_key = gradient_keys(key, outer)
     dx = _input_gradient(spec, d_out, qw, sw, dx_key, d_out.dtype, outer)
     dw = _weight_gradient(spec, d_out, qx, sx, dw_key, w_dtype)
     return dx, dw, None
@@ -235,7 +329,8 @@ def _frozen_fwd(spec, inner, outer, x, qw, sw, key):
 
 def _frozen_bwd(spec, inner, outer, residuals, d_out):
     qw, sw, key = residuals
-    dx = _input_gradient(spec, d_out, qw, sw, _split(key)[0], d_out.dtype, outer)
+    dx_key = gradient_keys(key, outer)[0]
+    dx = _input_gradient(spec, d_out, qw, sw, dx_key, d_out.dtype, outer)
     return dx, None, None, None
 
 
@@ -286,7 +381,7 @@ def _ragged_fwd(w_dtype, inner, outer, x, w, group_sizes, key):
 
 def _ragged_bwd(w_dtype, inner, outer, residuals, d_out):
     qx, sx, qw, row_sw, group_sizes, key = residuals
-    dx_key, dw_key = _split(key)
+    dx_key, dw_key = gradient_keys(key, outer)
     groups = qw.shape[0]
     g = d_out.astype(jnp.float32) * row_sw
     qg, sg = quantize_stochastic(g, (1,), dx_key, outer)

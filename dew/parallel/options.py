@@ -91,8 +91,9 @@ class StepOptions:
         stochastically from the step's key; a LoRA model's int8 base multiplies W8A8).
         Attention, the embedding, the head and the loss stay in the activations' dtype. Under
         ``"int8"`` the projections' weights are gathered whole (by the fsdp rings where those
-        run, not fused with the matmuls) and the tensor regions enter and leave by the plain
-        pairs: ``tensor_scheme="auto"`` resolves to ``"plain"``, and ``"ring"`` is refused.
+        run, not fused with the matmuls); the tensor regions enter and leave by either scheme,
+        the rings multiplying each block in int8 and passing the entries' inputs and the exits'
+        output gradients round as int8 with their scales (``dew.parallel.tensor_ring``).
 
     Raises:
       ValueError: a value outside its choices (``sequence_parallel`` not a bool, an unknown
@@ -165,8 +166,7 @@ class StepOptions:
             a ``stage`` axis; ``fsdp_scheme="ring"`` on an fsdp axis outside 2 to
             ``fsdp.RING_MAX``, or with a ``stage`` axis (the ring attention's reason);
             ``tensor_scheme="ring"`` without a ``tensor`` axis, with positions per device that
-            do not split over it (the ring's blocks), with a ``stage`` axis, or with
-            ``quantize="int8"``.
+            do not split over it (the ring's blocks), or with a ``stage`` axis.
         """
         t, n = axis_sizes.get("tensor", 1), axis_sizes.get("sequence", 1)
         stages = axis_sizes.get("stage", 1)
@@ -220,12 +220,6 @@ class StepOptions:
 
         if self.tensor_scheme == "ring":
             self._check_tensor_ring(t, stages, seq_len, n)
-            if self.quantize == "int8":
-                raise ValueError(
-                    "tensor_scheme='ring' with quantize='int8': the tensor rings' collective "
-                    "matmuls multiply in the activations' dtype; use tensor_scheme='plain' (or "
-                    "'auto') with int8 projections"
-                )
 
     def _check_tensor_ring(self, t: int, stages: int, seq_len: int, n: int) -> None:
         if t == 1:
@@ -271,8 +265,6 @@ class StepOptions:
         if self.fsdp_scheme == AUTO:
             chosen["fsdp_scheme"] = auto_fsdp_scheme(axis_sizes, platform)
         if self.tensor_scheme == AUTO:
-            # int8 projections run in the plain pairs (dew.nn.quantized): no ring to carry.
-            tensor_ringable = tensor_ringable and self.quantize != "int8"
             ring = tensor_ringable and auto_tensor_scheme(axis_sizes, platform, seq_len) == "ring"
             chosen["tensor_scheme"] = "ring" if ring else "plain"
         return dataclasses.replace(self, **chosen)

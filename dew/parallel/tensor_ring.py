@@ -55,11 +55,41 @@ weight once, round the fsdp ring (``RingSplit.whole``), before its own ring, and
 gradient round the fsdp ring from ``x_all`` and the whole output gradient (``RingSplit.gradient``):
 no device holds a whole weight gradient, as under the fsdp rings alone.
 
+**In int8** (``StepOptions(quantize="int8")``: ``Region.int8``) the rings are the same, each
+block's matmul int8 x int8 -> int32 by ``dew.nn.quantized``'s formulas, and what can travel as
+int8 does: each block's integers and their float32 per-token scales packed in one int8
+``ppermute`` (``_Packing``). With ``T`` tokens of width ``E`` on a group of ``n``:
+
+- entry (``_int8_columns``): the input's scale per token is over the whole width, which every
+  device holds, so each device quantizes its block once and the sequence-parallel ring passes
+  int8 blocks with their scales, ``T / n (E + 4)`` bytes where bfloat16 passes ``2 T E / n``.
+  Backward: the output gradient times the weight's channel scales, scaled per token over the
+  output channels, which the group splits (a ``pmax`` of ``T`` float32 a weight, as the plain
+  pairs take it), each device's partial products of ``dx`` summed round the ring (sums, in the
+  activations' dtype); ``dW`` from the forward's int8 input, kept.
+- exit (``_int8_row``): the input's per-token scale is over the width the group splits, and the
+  weight's per-output-channel scale over its split rows: a ``pmax`` each before the ring, which
+  sums the partial products. Backward, sequence parallel: this device's block of the output's
+  gradient is rounded once, where it is, two ways (per token over the output channels, for
+  ``dh``; per output channel over all ``T`` tokens, the group's peak by a ``pmax`` of ``E``
+  float32, for ``dW``), and both pass round the ring as int8 with the per-token scales:
+  ``T / n (2 E + 4)`` bytes, a bfloat16 block's and a little more (``dW``'s operand cannot be
+  made from ``dh``'s without rounding the gradient twice). With whole activations the output's
+  gradient is the same on every device: no ring, as in bfloat16.
+
+Of a layer's 11 sequence-parallel rings the entries' forwards (recomputed too: 4) move about half
+of bfloat16's bytes, the exits' backwards (2) as many, the 5 rings of sums the same. Rounded to
+nearest the rings compute what one device computes to float rounding: every value is quantized
+with the scales one device takes. Their stochastic rounding follows ``dew.nn.quantized``'s rule:
+a block of tokens or a device's own output channels draw from the key folded with the device's
+index; the exit's gradient under whole activations, the same on every device, from the same key.
+
 What keeps the plain pairs: the MoE layers (``expert.moe_mlp`` enters and leaves around its
 router and exchange), the embedding, the vocabulary-parallel head and loss (``tensor.enter``), a
 weight that is neither an array nor a ``RingSplit`` (anything else with an ``einsum`` of its
 own, a LoRA ``dew.nn.lora.Adapted`` or an int8 ``dew.nn.int8.Quantized``: the region falls back to
-the pair for that call), and the GSPMD engine (no tensor axis inside its model:
+the pair for that call; in int8, a ``RingSplit`` too, whose matmuls would be the activations'
+dtype's), and the GSPMD engine (no tensor axis inside its model:
 ``Shards.tensor_ring`` is off). Shared kv heads (``tensor.shared_kv_heads``) are plain arrays, cut
 before the ring. A pipeline refuses the rings (``StepOptions.check``: a ``ppermute`` inside a
 stage's branch).
@@ -73,9 +103,12 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
-from dew.nn.param import Projections, project, spec_labels
+from dew.nn import quantized
+from dew.nn.param import PLAIN, Projections, spec_labels
 from dew.nn.quantized import Int8Projections
 from dew.parallel import tensor
 from dew.parallel.fsdp_matmul import RingSplit
@@ -284,6 +317,196 @@ def _reduce_row_bwd(spec, n, residuals, g):
 _reduce_row.defvjp(_reduce_row_fwd, _reduce_row_bwd)
 
 
+# --- int8 (StepOptions(quantize="int8")) --------------------------------------------------------
+
+
+def _tokens(labels: str, spec: str) -> str:
+    """The labels of a per-token scale of an operand of ``labels`` (its dimensions but the ones
+    its matmul sums, or the output channels): the ring's blocked label among them."""
+    _, w_labels, _ = spec_labels(spec)
+    return "".join(label for label in labels if label not in w_labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Packing:
+    """int8 arrays and their float32 per-token scales, all sharing the token dimensions
+    ``tokens`` (of labels ``labels[k]``), as one int8 array ``[*tokens, bytes]``: each int8
+    array's other dimensions flattened, each scale's float32 as its 4 bytes. One ``ppermute`` a
+    ring step then carries a block's integers and scales together."""
+
+    tokens: str
+    labels: tuple[str, ...]
+
+    def pack(self, arrays) -> jax.Array:
+        parts = []
+        for a, labels in zip(arrays, self.labels):
+            if a.dtype == jnp.float32:  # a scale of the token dimensions: its bytes
+                parts.append(lax.bitcast_convert_type(a, jnp.int8))
+                continue
+            order = [labels.index(t) for t in self.tokens]
+            order += [d for d, label in enumerate(labels) if label not in self.tokens]
+            a = jnp.transpose(a, order)
+            parts.append(a.reshape(*a.shape[: len(self.tokens)], -1))
+        return jnp.concatenate(parts, axis=-1)
+
+    def unpack(self, packed: jax.Array, like) -> list[jax.Array]:
+        """The arrays of ``packed`` (``pack`` of arrays shaped as ``like``, or of blocks of
+        them: the token dimensions are read off ``packed``)."""
+        tokens, out, start = packed.shape[:-1], [], 0
+        for a, labels in zip(like, self.labels):
+            if a.dtype == jnp.float32:
+                piece = lax.slice_in_dim(packed, start, start + 4, axis=-1)
+                out.append(lax.bitcast_convert_type(piece, jnp.float32))
+                start += 4
+                continue
+            rest = [a.shape[d] for d, label in enumerate(labels) if label not in self.tokens]
+            width = int(np.prod(rest))
+            piece = lax.slice_in_dim(packed, start, start + width, axis=-1)
+            piece = piece.reshape(*tokens, *rest)
+            order = [t for t in self.tokens] + [t for t in labels if t not in self.tokens]
+            out.append(jnp.transpose(piece, [order.index(label) for label in labels]))
+            start += width
+        return out
+
+
+def _gather_packed(arrays, labels, spec: str, n: int, each):
+    """``_gather_ring`` of ``arrays`` (int8 blocks and float32 per-token scales of this
+    device's block of tokens; ``labels`` their einsum labels), packed as one int8 array a step
+    (``_Packing``); ``each(parts, b)`` takes block ``b``'s arrays. Returns the gathered
+    arrays."""
+    tokens = _tokens(labels[0], spec)
+    packing = _Packing(tokens, tuple(labels))
+    packed = packing.pack(arrays)
+    dim = tokens.index(_block_label(spec))
+    gathered = _gather_ring(packed, dim, n, lambda p, b: each(packing.unpack(p, arrays), b))
+    return packing.unpack(gathered, arrays)
+
+
+def _scale_dim(spec: str, labels: str) -> int:
+    """The blocked dimension of a per-token scale of an operand of ``labels``."""
+    return _tokens(labels, spec).index(_block_label(spec))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _int8_columns(x, weights, keys, spec: str, n: int, sequence_parallel: bool, w_dtypes):
+    return _int8_columns_fwd(x, weights, keys, spec, n, sequence_parallel, w_dtypes)[0]
+
+
+def _int8_columns_fwd(x, weights, keys, spec, n, sequence_parallel, w_dtypes):
+    x_labels, _, out_labels = spec_labels(spec)
+    _, out_dim = _dims(spec)
+    # Per token over the whole width, which every device holds: no collective for the scale.
+    qx, sx = quantized.quantize_input(spec, x)
+    qws = [quantized.quantize_weight(spec, w) for w in weights]  # this device's columns
+    if sequence_parallel:
+        outs = [None] * len(qws)
+
+        def each(parts, b):
+            for j, (qw, sw) in enumerate(qws):
+                out = quantized.product(spec, *parts, qw, sw, x.dtype)
+                outs[j] = _put(outs[j], out, out_dim, b, n)
+
+        qx, sx = _gather_packed((qx, sx), (x_labels, _tokens(x_labels, spec)), spec, n, each)
+    else:
+        outs = [quantized.product(spec, qx, sx, qw, sw, x.dtype) for qw, sw in qws]
+    outs = tuple(checkpoint_name(out, quantized.OUT_NAME) for out in outs)
+    return outs, (qx, sx, qws, keys)
+
+
+def _int8_columns_bwd(spec, n, sequence_parallel, w_dtypes, residuals, d_outs):
+    qx, sx, qws, keys = residuals
+    dim, out_dim = _dims(spec)
+    _, _, out_labels = spec_labels(spec)
+    scale_dim = _scale_dim(spec, out_labels)
+    dtype = d_outs[0].dtype
+    operands, grads = [], []
+    for (qw, sw), d_out, key, w_dtype in zip(qws, d_outs, keys, w_dtypes):
+        # Each device rounds its own output channels: its own draws (quantized.gradient_keys).
+        dx_key, dw_key = quantized.gradient_keys(key, AXIS)
+        # Per token over the output channels, split over the group: the peak is the group's.
+        operands.append((*quantized.input_operand(spec, d_out, sw, dx_key, AXIS), qw))
+        qh, sh = quantized.weight_operand(spec, d_out, sx, dw_key)
+        grads.append(quantized.weight_product(spec, qx, qh, sh, w_dtype))
+
+    def partial_block(b):
+        return sum(
+            quantized.input_product(
+                spec, _block(qg, out_dim, b, n), _block(sg, scale_dim, b, n), qw, dtype
+            )
+            for qg, sg, qw in operands
+        )
+
+    summed = _scatter_ring(partial_block, n)
+    dx = summed if sequence_parallel else lax.all_gather(summed, AXIS, axis=dim, tiled=True)
+    return dx, tuple(grads), None
+
+
+_int8_columns.defvjp(_int8_columns_fwd, _int8_columns_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _int8_row(h, weight, key, spec: str, n: int, sequence_parallel: bool, w_dtype):
+    return _int8_row_fwd(h, weight, key, spec, n, sequence_parallel, w_dtype)[0]
+
+
+def _int8_row_fwd(h, weight, key, spec, n, sequence_parallel, w_dtype):
+    dim, out_dim = _dims(spec)
+    h_labels, _, _ = spec_labels(spec)
+    scale_dim = _scale_dim(spec, h_labels)
+    # The summed width is split over the group: each scale's peak is the group's (a pmax of one
+    # float32 a token, and one an output channel), as one device holding all of it takes it.
+    qh, sh = quantized.quantize_input(spec, h, AXIS)
+    qw, sw = quantized.quantize_weight(spec, weight, AXIS)
+
+    def partial_block(b):
+        qh_b, sh_b = _block(qh, dim, b, n), _block(sh, scale_dim, b, n)
+        return quantized.product(spec, qh_b, sh_b, qw, sw, h.dtype)
+
+    summed = _scatter_ring(partial_block, n)
+    out = summed if sequence_parallel else lax.all_gather(summed, AXIS, axis=out_dim, tiled=True)
+    return checkpoint_name(out, quantized.OUT_NAME), (qh, sh, qw, sw, key)
+
+
+def _int8_row_bwd(spec, n, sequence_parallel, w_dtype, residuals, g):
+    qh, sh, qw, sw, key = residuals
+    dim, out_dim = _dims(spec)
+    h_labels, _, out_labels = spec_labels(spec)
+    if not sequence_parallel:
+        # The output's gradient is the same on every device, and so are these draws: each value
+        # is rounded alike on every device, as one device rounds it once.
+        dx_key, dw_key = quantized.gradient_keys(key)
+        qg, sg = quantized.input_operand(spec, g, sw, dx_key)
+        dh = quantized.input_product(spec, qg, sg, qw, g.dtype)
+        qd, sd = quantized.weight_operand(spec, g, sh, dw_key)
+        return dh, quantized.weight_product(spec, qh, qd, sd, w_dtype), None
+    # This device's block of positions of the output's gradient, rounded here once, its own
+    # draws, and gathered round the ring as int8: per token over the output channels (whole
+    # here) for dh; per output channel over all the tokens (the group's peak) for dw.
+    dx_key, dw_key = quantized.gradient_keys(key, AXIS)
+    qg, sg = quantized.input_operand(spec, g, sw, dx_key)
+    own = lax.axis_index(AXIS)
+    sh_own = _block(sh, _scale_dim(spec, h_labels), own, n)
+    qd, sd = quantized.weight_operand(spec, g, sh_own, dw_key, AXIS)
+    dh = [None]
+
+    def each(parts, b):
+        qg_b, sg_b, _ = parts
+        dh[0] = _put(dh[0], quantized.input_product(spec, qg_b, sg_b, qw, g.dtype), dim, b, n)
+
+    labels = (out_labels, _tokens(out_labels, spec), out_labels)
+    _, _, qd_all = _gather_packed((qg, sg, qd), labels, spec, n, each)
+    return dh[0], quantized.weight_product(spec, qh, qd_all, sd, w_dtype), None
+
+
+_int8_row.defvjp(_int8_row_fwd, _int8_row_bwd)
+
+
+def _key_data(key):
+    if key is not None and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return key
+
+
 # --- The functions --------------------------------------------------------------------------------
 
 
@@ -296,13 +519,21 @@ def _check_blocks(spec: str, x: jax.Array, n: int, whole: bool) -> None:
         )
 
 
-def _ring_weights(weights: Sequence[Any]) -> bool:
+def _ring_weights(weights: Sequence[Any], int8: bool = False) -> bool:
     """Whether the ring can run these weights: arrays, or ``RingSplit`` s (anything else with an
-    ``einsum`` of its own keeps the plain pair)."""
+    ``einsum`` of its own keeps the plain pair); in int8, arrays only."""
+    if int8:
+        return not any(hasattr(w, "einsum") or isinstance(w, RingSplit) for w in weights)
     return all(isinstance(w, RingSplit) or not hasattr(w, "einsum") for w in weights)
 
 
-def columns(spec: str, x: jax.Array, weights: Sequence[Any], shards) -> tuple[jax.Array, ...]:
+def columns(
+    spec: str,
+    x: jax.Array,
+    weights: Sequence[Any],
+    shards,
+    int8: Int8Projections | None = None,
+) -> tuple[jax.Array, ...]:
     """Enter a tensor-parallel region through its column-parallel projections, as one ring:
     ``tuple(einsum(spec, entered(x), w) for w in weights)``, ``entered`` being ``tensor.enter``
     along the ring's blocks (``BLOCK_LABELS``).
@@ -315,25 +546,33 @@ def columns(spec: str, x: jax.Array, weights: Sequence[Any], shards) -> tuple[ja
       weights: this device's slices (arrays, or ``fsdp_matmul.RingSplit`` s); each in ``x``'s dtype
         for the matmul.
       shards: the step's ``Shards``.
+      int8: the region's int8 projections (``StepOptions(quantize="int8")``; their key and
+        split), or ``None``: the matmuls in ``x``'s dtype.
 
     Returns:
       one output per weight, over all positions.
     """
     n = shards.size(AXIS)
     sequence_parallel = tensor.sequence_parallel(shards)
-    if not _ring_weights(weights):
+    if not _ring_weights(weights, int8 is not None):
         dim, _ = _dims(spec)
         if sequence_parallel:
             x = tensor.gather_from_sequence(x, shards, dim)
         else:
             x = tensor.copy_to_region(x, shards)
-        return tuple(project(spec, x, w) for w in weights)
+        return (PLAIN if int8 is None else int8).columns(spec, x, weights)
     _check_blocks(spec, x, n, whole=not sequence_parallel)
+    if int8 is not None:
+        # The plain pairs' keys (Int8Projections.columns): the same draws, one per weight.
+        keys = quantized.rounding_keys(int8.key, f"columns {spec}", len(weights))
+        dtypes = tuple(jnp.dtype(w.dtype).name for w in weights)
+        keys = tuple(_key_data(k) for k in keys)
+        return _int8_columns(x, tuple(weights), keys, spec, n, sequence_parallel, dtypes)
     ring = _gather_columns if sequence_parallel else _copy_columns
     return ring(x, tuple(weights), spec, n)
 
 
-def row(spec: str, h: jax.Array, weight: Any, shards) -> jax.Array:
+def row(spec: str, h: jax.Array, weight: Any, shards, int8: Int8Projections | None = None):
     """Leave a tensor-parallel region through its row-parallel projection, as one ring:
     ``tensor.leave(einsum(spec, h, weight))`` along the ring's blocks (``BLOCK_LABELS``).
 
@@ -342,6 +581,7 @@ def row(spec: str, h: jax.Array, weight: Any, shards) -> jax.Array:
       h: this device's slice of the region's width, over all positions.
       weight: this device's slice (an array or a ``fsdp_matmul.RingSplit``).
       shards: the step's ``Shards``.
+      int8: as ``columns``'.
 
     Returns:
       the sum over the group: sequence parallel, this device's block of positions (``1 / n`` of
@@ -349,13 +589,17 @@ def row(spec: str, h: jax.Array, weight: Any, shards) -> jax.Array:
     """
     n = shards.size(AXIS)
     sequence_parallel = tensor.sequence_parallel(shards)
-    if not _ring_weights([weight]):
-        out = project(spec, h, weight)
+    if not _ring_weights([weight], int8 is not None):
+        out = (PLAIN if int8 is None else int8).row(spec, h, weight)
         _, out_dim = _dims(spec)
         if sequence_parallel:
             return tensor.scatter_to_sequence(out, shards, out_dim)
         return tensor.reduce_from_region(out, shards)
     _check_blocks(spec, h, n, whole=True)
+    if int8 is not None:
+        key = _key_data(quantized.rounding_keys(int8.key, f"row {spec}", 1)[0])
+        dtype = jnp.dtype(weight.dtype).name
+        return _int8_row(h, weight, key, spec, n, sequence_parallel, dtype)
     ring = _scatter_row if sequence_parallel else _reduce_row
     return ring(h, weight, spec, n)
 
@@ -377,7 +621,7 @@ class Region(Projections):
     @property
     def int8(self) -> Int8Projections | None:
         """Under ``StepOptions(quantize="int8")``, the projections in int8 with the step's
-        rounding key (``Shards.rounding_key``); they run in the plain pairs."""
+        rounding key (``Shards.rounding_key``): in the plain pairs, or the rings'."""
         if self.shards.options.quantize != "int8":
             return None
         split = AXIS if self.shards.size(AXIS) > 1 else None
@@ -385,13 +629,9 @@ class Region(Projections):
 
     @property
     def ring(self) -> bool:
-        """Whether the projections run as rings: ``Shards.tensor_ring`` on a tensor axis above 1
-        (not in int8, whose matmuls the rings do not take)."""
-        return (
-            bool(self.shards.tensor_ring)
-            and self.shards.size(AXIS) > 1
-            and self.shards.options.quantize != "int8"
-        )
+        """Whether the projections run as rings: ``Shards.tensor_ring`` on a tensor axis above
+        1, in the activations' dtype or in int8."""
+        return bool(self.shards.tensor_ring) and self.shards.size(AXIS) > 1
 
     def enter(self, x: jax.Array) -> jax.Array:
         """``x`` ``[rows, seq, embed]`` (``[rows, seq / n, embed]`` sequence parallel), into the
@@ -405,19 +645,19 @@ class Region(Projections):
 
     def columns(self, spec, x, weights):
         """``Projections.columns``, in int8, or the entry as a ring (``columns``)."""
+        if self.ring:
+            return columns(spec, x, weights, self.shards, self.int8)
         if self.int8 is not None:
             return self.int8.columns(spec, x, weights)
-        if not self.ring:
-            return super().columns(spec, x, weights)
-        return columns(spec, x, weights, self.shards)
+        return super().columns(spec, x, weights)
 
     def row(self, spec, h, weight):
         """``Projections.row``, in int8, or the exit as a ring (``row``)."""
+        if self.ring:
+            return row(spec, h, weight, self.shards, self.int8)
         if self.int8 is not None:
             return self.int8.row(spec, h, weight)
-        if not self.ring:
-            return super().row(spec, h, weight)
-        return row(spec, h, weight, self.shards)
+        return super().row(spec, h, weight)
 
     def experts(self, x, weight, group_sizes, name=""):
         """``Projections.experts``, or in int8."""

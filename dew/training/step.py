@@ -82,6 +82,7 @@ from jax.sharding import PartitionSpec as P
 
 from dew.mesh import BATCH_AXES
 from dew.models import lora
+from dew.nn import quantized
 from dew.objectives.lm import document_positions, loss_weights, split_batch
 from dew.parallel import ONE_DEVICE, Shards, data, fsdp, pipeline, sequence
 from dew.training.optimizer import global_norm, learning_rate
@@ -232,11 +233,12 @@ def _plain_gradients(objective, shards: Shards, accumulation: int, global_tokens
     batch's."""
 
     def share(params, micro):
-        loss, aux = _token_loss_sum(objective, shards, params, micro)
+        loss, aux = _token_loss_sum(objective, _numbered(shards, micro), params, micro)
         return loss / global_tokens, aux
 
     def fn(params, inputs, targets, positions, weights=None, documents=None):
         micro = _microbatches(accumulation, inputs, targets, positions, weights, documents)
+        micro = _with_numbers(shards, micro, accumulation)
         loss, aux, grads = accumulated_gradients(share, params, micro)
         return grads, loss, aux
 
@@ -258,6 +260,24 @@ def _microbatches(count: int, inputs, targets, positions, weights, documents) ->
     if documents is not None:
         micro["segment_ids"] = _cut(documents, count)
     return micro
+
+
+def _with_numbers(shards: Shards, micro: dict, count: int) -> dict:
+    """``micro`` with each microbatch's number (``"number"``, ``[count]`` int32) where the step
+    has an int8 rounding key (``Shards.rounding_key``), for ``_numbered``; else ``micro``."""
+    if shards.rounding_key is None:
+        return micro
+    return {**micro, "number": jnp.arange(count, dtype=jnp.int32)}
+
+
+def _numbered(shards: Shards, micro: dict) -> Shards:
+    """``shards`` with the int8 rounding key folded with the microbatch's number, so that the
+    microbatches of a step draw independent rounding noise (``dew.nn.quantized.fold_key``; the
+    model folds each layer's number in after it); ``shards`` itself without a number."""
+    if "number" not in micro:
+        return shards
+    key = quantized.fold_key(shards.rounding_key, micro["number"])
+    return dataclasses.replace(shards, rounding_key=key)
 
 
 def _token_loss_sum(objective, shards: Shards, params, micro: dict):
@@ -299,8 +319,9 @@ def _stage_fn(objective, shards: Shards) -> Callable:
 
     def stage_fn(params, x_in, micro):
         extra = {name: micro[name] for name in ("weights", "segment_ids") if name in micro}
+        numbered = _numbered(shards, micro)
         return objective.stage_loss_sum(
-            params, x_in, micro["inputs"], micro["targets"], micro["positions"], shards, **extra
+            params, x_in, micro["inputs"], micro["targets"], micro["positions"], numbered, **extra
         )
 
     return stage_fn
@@ -333,6 +354,7 @@ def _pipelined_gradients(objective, shards: Shards, accumulation: int, global_to
 
     def fn(params, inputs, targets, positions, weights=None, documents=None):
         micro = _microbatches(count, inputs, targets, positions, weights, documents)
+        micro = _with_numbers(shards, micro, count)
         grads, loss, aux = pipeline.pipeline_gradients(
             _stage_fn(objective, shards),
             params,
@@ -393,7 +415,7 @@ def local_gradients(
     def fn(params, inputs, targets, positions, mask=None, documents=None, frozen=None, key=None):
         step_shards = shards
         if key is not None and shards.options.quantize == "int8":
-            step_shards = dataclasses.replace(shards, rounding_key=key)
+            step_shards = dataclasses.replace(shards, rounding_key=_device_key(key, shards))
         if key is not None:  # key data, the same on every device: a typed key again
             key = jax.random.wrap_key_data(key)
         on = on_base(objective, frozen, key)
@@ -403,6 +425,18 @@ def local_gradients(
         return _summed(on, shards, grads, loss, aux, param_specs)
 
     return fn
+
+
+def _device_key(key: jax.Array, shards: Shards) -> jax.Array:
+    """The int8 rounding key (key data) of this device: the step's folded with the device's
+    index over the axes that split the tokens (0 on one device), so that devices rounding
+    different tokens draw independent noise (``dew.nn.quantized``'s rule; the devices of a
+    tensor group hold the same tokens and fold their index where they round values of their
+    own)."""
+    index = 0
+    for axis in shards.token_axes():
+        index = index * shards.size(axis) + jax.lax.axis_index(axis)
+    return quantized.fold_key(key, index)
 
 
 def _mask_weights(mask: jax.Array, shards: Shards, global_tokens: int) -> jax.Array:
