@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -652,3 +653,195 @@ def test_dew_tokenize_mask_flags_that_do_not_go_together_are_errors(tmp_path, de
         run = dew_cli(*base, *args)
         assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
         assert not (tmp_path / "out").exists()
+
+
+# --- dew tokenize --tokenizer bpe:VOCAB: a tokenizer trained on the inputs ----------------------
+
+
+def rich_documents(rng, count):
+    """``count`` documents of 5 to 40 words from a lexicon of 80 random words of 2 to 8 letters,
+    some of them non-ASCII (2, 3 and 4 UTF-8 bytes): hundreds of pairs for BPE to merge, many of
+    them tied in count."""
+    letters = list("abcdefghijklmnopqrstuvwxyz") + ["é", "ü", "ß", "日", "本", "🙂"]
+    lexicon = ["".join(rng.choice(letters, size=int(rng.integers(2, 9)))) for _ in range(80)]
+    return [
+        " ".join(rng.choice(lexicon, size=int(rng.integers(5, 40))))
+        + rng.choice([".", ".\n", "!\n\n"])
+        for _ in range(count)
+    ]
+
+
+def test_dew_tokenize_trains_a_byte_level_bpe_that_round_trips(tmp_path, dew_cli, seed):
+    docs = rich_documents(np.random.default_rng(seed), 60)
+    docs[3] = "  indented:\n\tcode = 'naïve'  # ✓ 日本語 🙂\r\n"  # whitespace kept exactly
+    inputs = write_inputs(tmp_path, docs)
+    out = tmp_path / "tokens"
+    flags = dict(val_fraction=0.25, seed=seed)
+    run = dew_cli("tokenize", *inputs, tokenizer="bpe:400", out=out, **flags)
+    assert run.returncode == 0, run.stderr
+    meta = read_meta(out)
+    own = out / "tokenizer.json"
+    library = tokenizers.Tokenizer.from_file(str(own))
+    assert library.get_vocab_size() == meta.vocab_size == 400
+    (special,) = json.loads(own.read_text())["added_tokens"]
+    assert (special["content"], special["special"], special["id"]) == (EOS, True, meta.eos_id)
+    # meta.json names the folder's own tokenizer.json, which read_meta gives as its path.
+    assert json.loads((out / "meta.json").read_text())["tokenizer"] == "tokenizer.json"
+    assert meta.tokenizer == str(own.resolve())
+    split = folder_documents(out)  # every document ends with eos_id; decoded by tokenizer_for
+    assert sorted(split["train"] + split["val"]) == sorted(docs)
+    assert split["train"] and split["val"]
+    assert (
+        f"Trained {own}: a byte-level BPE of 400 tokens on {_documents(len(split['train']))}, in "
+    ) in run.stdout
+    # Merged: fewer tokens than bytes; any text at all round-trips, not only the inputs'.
+    tokenizer = HFTokenizer(own)
+    assert meta.train_tokens < 0.6 * sum(len(d.encode()) for d in split["train"])
+    text = "".join(map(chr, np.random.default_rng(seed).integers(1, 0x2FFF, 200)))
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+    # The same ids as the trained tokenizer.json given as --tokenizer (its folder) writes.
+    again = tmp_path / "again"
+    assert dew_cli("tokenize", *inputs, tokenizer=out, out=again, **flags).returncode == 0
+    for name in ("train.bin", "val.bin", "train.docs", "val.docs"):
+        assert (again / name).read_bytes() == (out / name).read_bytes(), name
+
+    # The folder moves with its tokenizer; tokenized again in place (--force), it keeps it.
+    moved = tmp_path / "moved"
+    os.rename(out, moved)
+    assert read_meta(moved).tokenizer == str((moved / "tokenizer.json").resolve())
+    before = (moved / "tokenizer.json").read_bytes()
+    run = dew_cli("tokenize", *inputs, tokenizer=moved, out=moved, force=True, **flags)
+    assert run.returncode == 0, run.stderr
+    assert (moved / "tokenizer.json").read_bytes() == before
+    assert (moved / "train.bin").read_bytes() == (again / "train.bin").read_bytes()
+    assert read_meta(moved).tokenizer == str((moved / "tokenizer.json").resolve())
+    os.remove(moved / "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json, which its meta.json"):
+        read_meta(moved)
+
+
+def test_bpe_stops_early_when_the_train_documents_run_out_of_pairs(tmp_path, dew_cli):
+    # Every document is the one word "abcdé" (6 UTF-8 bytes): 5 merges make it one token, and
+    # then no pair is left, so the vocabulary is 256 bytes + <|endoftext|> + 5, not the 300 asked.
+    (tmp_path / "in").mkdir()
+    for i in range(6):
+        (tmp_path / "in" / f"{i}.txt").write_text("abcdé", encoding="utf-8")
+    out = tmp_path / "tokens"
+    run = dew_cli("tokenize", tmp_path / "in", tokenizer="bpe:300", out=out, val_fraction=0)
+    assert run.returncode == 0, run.stderr
+    meta = read_meta(out)
+    assert len("abcdé".encode()) == 6 and meta.vocab_size == 256 + 1 + 5
+    assert (
+        "a byte-level BPE of 262 tokens (asked 300: the train documents ran out of pairs to "
+        "merge) on 6 documents"
+    ) in run.stdout
+    (word,) = HFTokenizer(out).encode("abcdé")
+    assert open_tokens(meta, "train").tolist() == [word, meta.eos_id] * 6
+
+
+def test_the_validation_documents_do_not_shape_the_bpe(tmp_path, dew_cli, seed):
+    # The split by its documented rule, drawn here: document i goes to val.bin when the i-th
+    # np.random.default_rng(seed).random() < 0.3. " quokka" fills the val documents only, whose
+    # text must not reach the trainer: its bytes stay unmerged. " giraffe", as frequent in the
+    # train documents, becomes one token. Training on val too merges " quokka" (4x the count of
+    # any other word there) into one token as well.
+    count, fraction = 40, 0.3
+    draws = np.random.default_rng(seed).random(count)
+    to_val = draws < fraction
+    assert 0 < to_val.sum() < count
+    rng = np.random.default_rng(seed + 1)
+    docs = [
+        (" quokka" * 20 if val else " giraffe" * 10) + " " + documents(rng, 1)[0] for val in to_val
+    ]
+    inputs = write_inputs(tmp_path, docs, text_files=7)
+    out = tmp_path / "tokens"
+    flags = dict(val_fraction=fraction, seed=seed)
+    run = dew_cli("tokenize", *inputs, tokenizer="bpe:300", out=out, **flags)
+    assert run.returncode == 0, run.stderr
+    split = folder_documents(out)
+    assert split == {
+        "train": [d for d, val in zip(docs, to_val) if not val],
+        "val": [d for d, val in zip(docs, to_val) if val],
+    }
+    tokenizer = HFTokenizer(out)
+    assert len(tokenizer.encode(" giraffe")) == 1
+    assert len(tokenizer.encode(" quokka")) == len(b" quokka")  # one token a byte
+
+
+def test_the_trained_tokenizer_json_is_the_same_every_time(tmp_path, dew_cli, seed):
+    # Once in this process and once in a fresh one (another hash seed: the trainer counts words
+    # in hash maps), on a corpus with many pairs tied in count.
+    docs = rich_documents(np.random.default_rng(seed), 80)
+    inputs = write_inputs(tmp_path, docs, text_files=20)
+    flags = ["--tokenizer", "bpe:500", "--val-fraction", "0.1", "--seed", str(seed)]
+    run = dew_cli("tokenize", *inputs, *flags, "--out", tmp_path / "a")
+    assert run.returncode == 0, run.stderr
+    fresh = subprocess.run(
+        [sys.executable, "-m", "dew.cli.main", "tokenize", *map(str, inputs), *flags]
+        + ["--out", str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": "random"},
+    )
+    assert fresh.returncode == 0, fresh.stderr
+    for name in ("tokenizer.json", "train.bin", "val.bin", "meta.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert read_meta(tmp_path / "a").vocab_size == 500
+
+
+def test_dew_train_and_generate_use_the_folders_trained_tokenizer(tmp_path, dew_cli, seed):
+    from dew.cli.evaluate import train_tokenizer
+
+    inputs = write_inputs(tmp_path, rich_documents(np.random.default_rng(seed), 60))
+    data = tmp_path / "tokens"
+    # 384: a multiple of 128, so the model has no rows past the tokenizer's ids to generate.
+    assert dew_cli("tokenize", *inputs, tokenizer="bpe:384", out=data).returncode == 0
+    tiny = dict(steps=2, log_every=1, batch=8, seq_len=16, layers=1, width=16, heads=2)
+    run = dew_cli("train", data=data, run_dir=tmp_path / "run", **tiny)
+    assert run.returncode == 0, run.stderr
+    checkpoints = tmp_path / "run" / "checkpoints"
+    index = json.loads((checkpoints / "step_00000002" / "index.json").read_text())
+    shapes = {a["path"]: a["shape"] for a in index["arrays"]}
+    assert shapes[".params['params']['embed_tokens']['embedding']"] == [384, 16]
+    kept = checkpoints / "tokenizer" / "tokenizer.json"
+    assert kept.read_bytes() == (data / "tokenizer.json").read_bytes()
+    assert train_tokenizer(data, tmp_path / "run")[1] == kept  # dew train --eval-tasks's
+    out = tmp_path / "out.jsonl"
+    run = dew_cli("generate", tmp_path / "run", prompt="the", max_new_tokens=6, output=out)
+    assert run.returncode == 0, run.stderr
+    record = json.loads(out.read_text())
+    ids = record["completion_ids"]
+    assert ids and record["completion"] == HFTokenizer(data).decode(ids)
+
+
+def test_bpe_vocabulary_and_flags_refused_before_reading(tmp_path, dew_cli, monkeypatch):
+    # The input does not exist: each refusal comes before anything is read.
+    base = ("tokenize", tmp_path / "missing.txt", "--out", tmp_path / "out")
+    low = "VOCAB must be an integer from 257 (the 256 byte tokens and <|endoftext|>)"
+    cases = [
+        (("--tokenizer", "bpe:256"), f"--tokenizer bpe:256: {low} to 4294967296, got '256'"),
+        (("--tokenizer", "bpe:abc"), f"--tokenizer bpe:abc: {low}"),
+        (("--tokenizer", "bpe:"), f"--tokenizer bpe:: {low}"),
+        (("--tokenizer", "bpe:-300"), f"--tokenizer bpe:-300: {low}"),
+        (("--tokenizer", "bpe:3e3"), f"--tokenizer bpe:3e3: {low}"),
+        (("--tokenizer", "bpe:300", "--eos", "</s>"), "--eos </s> does not apply to --tokenizer"),
+    ]
+    for args, message in cases:
+        run = dew_cli(*base, *args)
+        assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
+    # An unknown name (read after the inputs are listed) is told of bpe:VOCAB.
+    (tmp_path / "a.txt").write_text("text")
+    run = dew_cli("tokenize", tmp_path / "a.txt", tokenizer="gpt2", out=tmp_path / "out")
+    assert run.returncode == 2
+    assert "unknown tokenizer 'gpt2': give 'byte' or 'bytes', 'bpe:VOCAB' (train a" in run.stderr
+    with pytest.raises(ValueError, match="tokenizer bpe:12: VOCAB must be"):
+        from dew.data import tokenize_files
+
+        tokenize_files([tmp_path / "missing.txt"], tmp_path / "out", tokenizer="bpe:12")
+    # Without the text extra: the one-line error naming it, before the inputs are looked at.
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    run = dew_cli(*base, "--tokenizer", "bpe:300")
+    assert run.returncode == 2 and "pip install -e '.[text]'" in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -2,6 +2,7 @@
 which ``dew train --data`` sizes the model's vocabulary from the folder.
 
     dew tokenize books/ --tokenizer tokenizer.json --out data/books --workers 4
+    dew tokenize src/ --tokenizer bpe:8192 --out data/src
     dew tokenize chats.jsonl --field content --tokenizer bytes --out data/chats --force
     dew tokenize pairs.jsonl --jsonl-fields prompt,completion --tokenizer tokenizer.json --out sft
     dew tokenize chats.jsonl --jsonl-fields messages --rows pad --seq-len 1024 --tokenizer bytes \
@@ -43,8 +44,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
         "--tokenizer",
         required=True,
         metavar="T",
-        help="bytes (one token per UTF-8 byte), a tokenizer.json file, or a folder holding one "
-        "(needs pip install -e '.[text]'); nothing is downloaded",
+        help="bytes (one token per UTF-8 byte); bpe:VOCAB, a byte-level BPE of VOCAB tokens "
+        "(at least 257) trained on the train documents and written to FOLDER/tokenizer.json; "
+        "a tokenizer.json file, or a folder holding one (a token folder's own too). All but "
+        "bytes need pip install -e '.[text]'; nothing is downloaded",
     )
     parser.add_argument("--out", required=True, metavar="FOLDER", help="the token folder to write")
     parser.add_argument(
@@ -88,7 +91,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
         default=None,
         metavar="TOKEN",
         help="the end-of-text token of a tokenizer.json (default: the first of <|endoftext|>, "
-        "<|end_of_text|>, </s>, <eos> it has)",
+        "<|end_of_text|>, </s>, <eos> it has); bpe:VOCAB's is <|endoftext|>",
     )
     parser.add_argument(
         "--workers",
@@ -116,7 +119,8 @@ def _size(count: float) -> str:
 class Progress:
     """One line on ``stream``: bytes read, tokens written, rates. Redrawn in place at most every
     ``every`` seconds on a terminal; elsewhere (a log file) one line every ``every * 20`` seconds.
-    ``finish()`` writes the last state as a full line."""
+    A call with ``(0, 0)`` (tokenizing starts, after a tokenizer was trained) restarts the clock
+    the rates divide by. ``finish()`` writes the last state as a full line."""
 
     def __init__(self, stream=None, every: float = 0.5):
         self.stream = stream if stream is not None else sys.stderr
@@ -139,6 +143,9 @@ class Progress:
     def __call__(self, bytes_read: int, tokens: int) -> None:
         self.state = (bytes_read, tokens)
         now = time.perf_counter()
+        if (bytes_read, tokens) == (0, 0):
+            self.start = self.last = now
+            return
         if now - self.last >= self.every:
             self.last = now
             self.stream.write(self._redraw() if self.terminal else self.line() + "\n")
@@ -184,7 +191,16 @@ def check_flags(args) -> None:
     """``ValueError`` (``FileExistsError`` for ``--out``) naming the flags and values that
     ``dew.data.text`` would refuse by its arguments' names (``val_fraction``, ``seq_len``,
     ``force``), before anything is read."""
+    from dew.data.tokenizer import BPE_EOS, _tokenizers_library, bpe_vocab
+
     check_counts(args, "workers", "seq_len")
+    if bpe_vocab(args.tokenizer, "--tokenizer") is not None:
+        if args.eos is not None:
+            raise ValueError(
+                f"--eos {args.eos} does not apply to --tokenizer {args.tokenizer}: the BPE "
+                f"trained there ends documents with {BPE_EOS}; leave --eos out"
+            )
+        _tokenizers_library()  # the text extra's one-line error, before anything is read
     if not 0 <= args.val_fraction < 1:
         raise ValueError(
             f"--val-fraction must be in [0, 1) (each document's chance of going to val.bin), "
@@ -227,6 +243,13 @@ def tokenize_command(args) -> int:
     fields = jsonl_fields(args.jsonl_fields)
     mask_rule(fields, args.rows, args.seq_len)  # bad combinations stop before any reading
     progress = Progress()
+    if args.tokenizer.startswith("bpe:"):
+        print(
+            f"tokenize: training a byte-level BPE of {args.tokenizer[4:]} tokens on the train "
+            "documents (a first pass over the inputs)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         report = tokenize_files(
             args.inputs,
@@ -248,6 +271,17 @@ def tokenize_command(args) -> int:
         raise
     progress.finish()
     meta = report.meta
+    if report.bpe_vocab is not None:
+        stopped = (
+            f" (asked {report.bpe_vocab:,}: the train documents ran out of pairs to merge)"
+            if meta.vocab_size < report.bpe_vocab
+            else ""
+        )
+        print(
+            f"Trained {Path(args.out) / 'tokenizer.json'}: a byte-level BPE of "
+            f"{meta.vocab_size:,} tokens{stopped} on {_documents(report.train_documents)}, in "
+            f"{report.tokenizer_seconds:.1f} s"
+        )
     print(
         f"Wrote {os.fspath(args.out)}: {meta.train_tokens:,} train tokens "
         f"({_documents(report.train_documents)}), {meta.val_tokens:,} val tokens "

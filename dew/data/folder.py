@@ -12,6 +12,10 @@ truncated or swapped file is caught before training reads garbage. Token values 
 against ``vocab_size`` when a folder is read (that would mean reading every token);
 ``write_token_folder`` checks them when it writes.
 
+``tokenizer`` is ``"byte"`` or the absolute path of a ``tokenizer.json``; ``"tokenizer.json"``
+names the folder's own (``dew tokenize --tokenizer bpe:VOCAB`` trains one there), which
+``read_meta`` gives as its absolute path, so that the folder can move with its tokenizer.
+
 A folder may also hold a loss mask (``"loss_mask": true`` in ``meta.json``): ``train.mask`` and
 ``val.mask``, one byte per token (``uint8``, 0 or 1), exactly ``train_tokens`` / ``val_tokens``
 bytes long, ``mask[i] = 1`` when predicting token ``i`` counts in the loss (``dew tokenize
@@ -60,6 +64,8 @@ DOCS = {"train": "train.docs", "val": "val.docs"}
 DOCS_DTYPE = np.dtype("uint64").newbyteorder("<")
 # The folder format's version: 1 had no "version" field and no document starts; 2 may hold them.
 FORMAT_VERSION = 2
+# The tokenizer.json a folder holds itself: meta.json's "tokenizer" names it so, without a path.
+OWN_TOKENIZER = "tokenizer.json"
 # Accepted storage dtypes, all unsigned and stored little-endian whatever the machine.
 DTYPES = ("uint8", "uint16", "uint32")
 _REQUIRED = ("tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens", "eos_id")
@@ -71,7 +77,8 @@ class TokenMeta:
 
     Attributes:
       path: the folder.
-      tokenizer: the tokenizer's name (``"byte"``, or a ``tokenizer.json``'s).
+      tokenizer: the tokenizer's name (``"byte"``, or a ``tokenizer.json``'s absolute path; the
+        folder's own ``tokenizer.json``, recorded as ``"tokenizer.json"``, resolved to its path).
       vocab_size: ids are in ``[0, vocab_size)``.
       dtype: the ids' storage dtype: ``"uint8"``, ``"uint16"`` or ``"uint32"``, little-endian.
       train_tokens, val_tokens: ids in ``train.bin`` and ``val.bin``.
@@ -163,9 +170,9 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
 
     Raises:
       FileNotFoundError: naming the path, when the folder, ``meta.json``, ``train.bin`` or
-        ``val.bin`` is missing; with ``"loss_mask": true``, a missing ``train.mask`` /
-        ``val.mask`` (and under ``"document_starts": true``, a missing ``train.docs`` /
-        ``val.docs``).
+        ``val.bin`` is missing, or the ``tokenizer.json`` it names as its own; with
+        ``"loss_mask": true``, a missing ``train.mask`` / ``val.mask`` (and under
+        ``"document_starts": true``, a missing ``train.docs`` / ``val.docs``).
       ValueError: JSON that does not parse, a missing or ill-typed field, an unknown dtype, a
         ``vocab_size`` the dtype cannot hold, an ``eos_id`` outside the vocabulary, a
         ``train.bin`` / ``val.bin`` whose size disagrees with ``train_tokens`` /
@@ -202,6 +209,15 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
 
     if not isinstance(meta["tokenizer"], str):
         fail(f"tokenizer must be a string, got {meta['tokenizer']!r}")
+    tokenizer = meta["tokenizer"]
+    if tokenizer == OWN_TOKENIZER:  # the folder's own (dew tokenize --tokenizer bpe:VOCAB)
+        own = folder / OWN_TOKENIZER
+        if not own.is_file():
+            raise FileNotFoundError(
+                f"token folder {str(folder)!r} has no {OWN_TOKENIZER}, which its {META} names "
+                f"as its tokenizer (expected {str(own)!r})"
+            )
+        tokenizer = str(own.resolve())
     vocab_size = meta["vocab_size"]
     if not _is_int(vocab_size) or vocab_size < 1:
         fail(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
@@ -287,7 +303,7 @@ def read_meta(path: str | os.PathLike) -> TokenMeta:
 
     return TokenMeta(
         path=folder,
-        tokenizer=meta["tokenizer"],
+        tokenizer=tokenizer,
         vocab_size=vocab_size,
         dtype=dtype,
         train_tokens=meta["train_tokens"],

@@ -9,6 +9,10 @@ processes, and writes the token folder ``out`` (``dew.data.folder``'s format):
   with those suffixes, in sorted path order (hidden names skipped). Empty and null documents are
   skipped; a missing field, a non-string value or a line that is not JSON is a ValueError naming
   the file and line (or row).
+- The tokenizer: ``"bytes"``, a ``tokenizer.json`` given, or ``"bpe:VOCAB"``, a byte-level BPE
+  trained here on the train documents alone (a first pass over the inputs, streamed to the
+  trainer; the split is drawn by the rule below first, so no validation text shapes the
+  vocabulary) and written into the folder as ``tokenizer.json``.
 - Each document's ids are followed by the tokenizer's end-of-text id (documents are joined by it;
   the byte tokenizer has none, so its documents follow each other directly).
 - The validation split is by document: in input order, each document goes to ``val.bin`` when
@@ -47,9 +51,10 @@ document to itself (``dew.data.windows``' ``documents="separate"``, the default 
 folders).
 
 Layout: ``TokenizeReport``; reading documents (``input_files``, ``read_documents``, ``render_chat``,
-and the ``.jsonl`` and ``.parquet`` readers); cutting them into chunks (``_chunks``); tokenizing a
-chunk (``MaskRule``, ``encode_masked``, ``encode_chunk``), here or in worker processes
-(``_encoded``); putting the folder in place (``_check_out``, ``_install``); and ``mask_rule`` and
+and the ``.jsonl`` and ``.parquet`` readers); the split and the train text a BPE is trained on
+(``split_documents``, ``train_texts``); cutting them into chunks (``_chunks``); tokenizing a chunk
+(``MaskRule``, ``encode_masked``, ``encode_chunk``), here or in worker processes (``_encoded``);
+putting the folder in place (``_check_out``, ``_install``); and ``mask_rule`` and
 ``tokenize_files``, which runs them all. It is one module because reading text, jsonl and parquet,
 the prompt/chat masks and the pack/pad rows are one pass over the documents that writes tokens and
 mask together.
@@ -80,7 +85,17 @@ from dew.data.folder import (
     _fsync_folder,
     read_meta,
 )
-from dew.data.tokenizer import Tokenizer, tokenizer_for
+from dew.data.tokenizer import (
+    BPE_EOS,
+    BYTE_NAMES,
+    TOKENIZER_FILE,
+    HFTokenizer,
+    Tokenizer,
+    _tokenizers_library,
+    bpe_vocab,
+    tokenizer_for,
+    train_bpe,
+)
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
@@ -105,7 +120,10 @@ class TokenizeReport:
       train_documents, val_documents: documents per split.
       bytes_read: the input bytes the documents came from: a text file's (and a ``.parquet``
         document's) UTF-8 text, a ``.jsonl`` line whole.
-      seconds: the wall time it took.
+      seconds: the wall time it took (training the tokenizer included).
+      bpe_vocab: the vocabulary asked of a tokenizer trained here (``tokenizer="bpe:VOCAB"``),
+        else ``None``; ``meta.vocab_size`` is what it got (less when BPE ran out of pairs).
+      tokenizer_seconds: the wall time training it took (``None``: none was trained).
     """
 
     meta: TokenMeta
@@ -113,6 +131,8 @@ class TokenizeReport:
     val_documents: int
     bytes_read: int
     seconds: float
+    bpe_vocab: int | None = None
+    tokenizer_seconds: float | None = None
 
 
 def input_files(inputs: Sequence[str | os.PathLike]) -> list[Path]:
@@ -293,6 +313,42 @@ def _parquet(path: Path, field: str, fields: Sequence[str] | None = None):
 Chunk = tuple[list[Document], list[bool], int]
 
 
+def split_documents(
+    files: Sequence[Path],
+    field: str,
+    val_fraction: float,
+    seed: int,
+    fields: Sequence[str] | None = None,
+) -> Iterator[tuple[Document, int, bool]]:
+    """``(document, bytes, to_val)`` for each document of ``files`` in input order: the split
+    rule, one ``np.random.default_rng(seed).random() < val_fraction`` draw per document (none at
+    ``val_fraction=0``). Both the tokenizer's training (the train documents only) and the
+    tokenizing read the split from here, so the two passes agree on it."""
+    rng = np.random.default_rng(seed)
+    for path in files:
+        for document, nbytes in read_documents(path, field, fields):
+            yield document, nbytes, bool(val_fraction > 0 and rng.random() < val_fraction)
+
+
+def train_texts(
+    files: Sequence[Path],
+    field: str,
+    val_fraction: float,
+    seed: int,
+    fields: Sequence[str] | None = None,
+) -> Iterator[str]:
+    """The text of each train document (the ones ``split_documents`` keeps out of ``val.bin``),
+    streamed: a text document whole, a prompt/completion or chat piece by piece (they are
+    tokenized apart)."""
+    for document, _, to_val in split_documents(files, field, val_fraction, seed, fields):
+        if to_val:
+            continue
+        if isinstance(document, str):
+            yield document
+        else:
+            yield from (text for text, _ in document if text)
+
+
 def _chunks(
     files: Sequence[Path],
     field: str,
@@ -301,18 +357,16 @@ def _chunks(
     chunk_bytes: int,
     fields: Sequence[str] | None = None,
 ) -> Iterator[Chunk]:
-    rng = np.random.default_rng(seed)
     texts: list[Document] = []
     to_val: list[bool] = []
     size = 0
-    for path in files:
-        for text, nbytes in read_documents(path, field, fields):
-            texts.append(text)
-            to_val.append(bool(val_fraction > 0 and rng.random() < val_fraction))
-            size += nbytes
-            if size >= chunk_bytes:
-                yield texts, to_val, size
-                texts, to_val, size = [], [], 0
+    for text, nbytes, val in split_documents(files, field, val_fraction, seed, fields):
+        texts.append(text)
+        to_val.append(val)
+        size += nbytes
+        if size >= chunk_bytes:
+            yield texts, to_val, size
+            texts, to_val, size = [], [], 0
     if texts:
         yield texts, to_val, size
 
@@ -448,7 +502,8 @@ def _encoded(
             yield result.get(), size
 
 
-_FOLDER_FILES = (META, TRAIN, VAL, *MASKS.values(), *DOCS.values())
+# A token folder's files: the tokenizer.json of one whose tokenizer it holds (bpe:VOCAB) too.
+_FOLDER_FILES = (META, TRAIN, VAL, *MASKS.values(), *DOCS.values(), TOKENIZER_FILE)
 
 
 def foreign_files(out: Path) -> list[str]:
@@ -539,9 +594,13 @@ def tokenize_files(
     Args:
       inputs: text, ``.jsonl`` and ``.parquet`` files, and folders of them.
       out: the token folder to write (atomically).
-      tokenizer: a ``Tokenizer``, or a spec for ``tokenizer_for`` (``"bytes"``, a
-        ``tokenizer.json``).
-      eos: the end-of-text token of a ``tokenizer.json`` (``tokenizer_for``'s).
+      tokenizer: a ``Tokenizer``, a spec for ``tokenizer_for`` (``"bytes"``, a
+        ``tokenizer.json``), or ``"bpe:VOCAB"``: a byte-level BPE of ``VOCAB`` ids trained
+        (``train_bpe``) on the train documents only, the split drawn first by the rule above,
+        written to ``out/tokenizer.json`` (``meta.json`` names it ``"tokenizer.json"``: the
+        folder's own) and then used as a given ``tokenizer.json`` is.
+      eos: the end-of-text token of a ``tokenizer.json`` (``tokenizer_for``'s); refused with
+        ``"bpe:VOCAB"``, whose is ``<|endoftext|>``.
       val_fraction: the share of documents drawn into ``val.bin``, in ``[0, 1)`` (default
         0.01).
       field: the ``.jsonl`` key (``.parquet`` column) that holds a document (default
@@ -549,7 +608,8 @@ def tokenize_files(
       workers: processes that tokenize (default 1; the folder is the same for any number).
       seed: the validation split's draw (default 0).
       force: replace an existing token folder (or empty folder) at ``out``.
-      progress: ``progress(bytes_read, tokens_written)``, called after each chunk is written.
+      progress: ``progress(bytes_read, tokens_written)``, called after each chunk is written,
+        and with ``(0, 0)`` as tokenizing starts (after training a tokenizer).
       chunk_bytes: about how much input a chunk holds (default ``CHUNK_BYTES``, 1 MiB).
       fields: ``(prompt, completion)`` or ``(messages,)`` field names of ``.jsonl`` lines
         (``.parquet`` columns) for prompt-masked data, in place of ``field``; writes a loss mask.
@@ -561,8 +621,10 @@ def tokenize_files(
 
     Raises:
       ValueError: a bad setting (``val_fraction``, ``workers``, ``rows``, ``fields``,
-        ``seq_len``), a document that cannot be read (naming the file and line), or no
-        documents at all.
+        ``seq_len``, a ``bpe:VOCAB`` below 257 or not an integer), a document that cannot be
+        read (naming the file and line), or no documents at all.
+      dew.targets.MissingExtra: a ``tokenizer.json`` or ``bpe:VOCAB`` without the
+        ``tokenizers`` library (before anything is read).
       FileExistsError: ``out`` exists and ``force`` is not set (or it is not a token folder).
 
     Examples:
@@ -576,20 +638,45 @@ def tokenize_files(
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     rule = mask_rule(fields, rows, seq_len)
+    vocab = bpe_vocab(tokenizer)
+    if vocab is not None:
+        if eos is not None:
+            raise ValueError(
+                f"eos {eos!r}: a tokenizer trained here (bpe:VOCAB) ends documents with "
+                f"{BPE_EOS}; leave eos out"
+            )
+        _tokenizers_library()  # MissingExtra before anything is read
     out = Path(out)
     _check_out(out, force)
     files = input_files(inputs)
-    tokenizer = tokenizer_for(tokenizer, eos=eos)
+    if vocab is None:
+        tokenizer = _given_tokenizer(tokenizer, eos)
     start = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     documents = {"train": 0, "val": 0}
     bytes_read = 0
+    tokenizer_seconds = None
     try:
+        # The name meta.json gives the tokenizer: its file's absolute path, or TOKENIZER_FILE
+        # for the folder's own (read_meta resolves it in the folder, wherever it was moved).
+        name = tokenizer.name if vocab is None else TOKENIZER_FILE
+        temp.mkdir()
+        if vocab is not None:
+            trained = time.perf_counter()
+            texts = train_texts(files, field, val_fraction, seed, fields)
+            # Written beside the tokens and read back as a given tokenizer.json is.
+            tokenizer = train_bpe(texts, vocab, temp / TOKENIZER_FILE)
+            tokenizer_seconds = time.perf_counter() - trained
+        elif isinstance(tokenizer, HFTokenizer) and Path(tokenizer.name).parent == out.resolve():
+            # Tokenizing again (--force) with the folder's own tokenizer: the new folder keeps a
+            # copy, as the old one goes.
+            shutil.copyfile(tokenizer.name, temp / TOKENIZER_FILE)
+            name = TOKENIZER_FILE
         writer = TokenFolderWriter(
             temp,
-            tokenizer=tokenizer.name,
+            tokenizer=name,
             vocab_size=tokenizer.vocab_size,
             eos_id=tokenizer.eos_id,
             loss_mask=rule is not None,
@@ -597,6 +684,8 @@ def tokenize_files(
             document_starts=True,
         )
         try:
+            if progress is not None:
+                progress(0, 0)
             chunks = _chunks(files, field, val_fraction, seed, chunk_bytes or CHUNK_BYTES, fields)
             for encoded, size in _encoded(tokenizer, chunks, workers, rule):
                 for split in ("train", "val"):
@@ -615,6 +704,8 @@ def tokenize_files(
                     if writer.counts[split]:
                         writer.append(split, [pad_id(tokenizer)], [0], [])
             writer.extra.update(val_fraction=val_fraction, seed=seed)
+            if vocab is not None:
+                writer.extra["trained_tokenizer"] = {"kind": "byte-level BPE", "vocab": vocab}
             writer.close()
         finally:
             writer.abort()
@@ -628,4 +719,19 @@ def tokenize_files(
         val_documents=documents["val"],
         bytes_read=bytes_read,
         seconds=time.perf_counter() - start,
+        bpe_vocab=vocab,
+        tokenizer_seconds=tokenizer_seconds,
     )
+
+
+def _given_tokenizer(spec, eos: str | None) -> Tokenizer:
+    """``tokenizer_for(spec, eos=eos)``, with ``bpe:VOCAB`` among the choices an unknown name
+    is told about."""
+    if isinstance(spec, str) and spec not in BYTE_NAMES and not Path(spec).exists():
+        raise ValueError(
+            f"unknown tokenizer {spec!r}: give {' or '.join(repr(n) for n in BYTE_NAMES)}, "
+            f"'bpe:VOCAB' (train a byte-level BPE of VOCAB tokens on the inputs' train "
+            f"documents), the path of a {TOKENIZER_FILE}, or a folder holding one (nothing is "
+            f"downloaded: save a hub tokenizer's {TOKENIZER_FILE} first)"
+        )
+    return tokenizer_for(spec, eos=eos)

@@ -1,10 +1,13 @@
 """Tokenizers: ``ByteTokenizer`` (text as its UTF-8 bytes), ``HFTokenizer`` (any ``tokenizer.json``
-of the Hugging Face ``tokenizers`` library), the ``Tokenizer`` protocol both follow, and
-``tokenizer_for``, which picks one from a name or a path. Nothing here downloads anything."""
+of the Hugging Face ``tokenizers`` library), the ``Tokenizer`` protocol both follow,
+``tokenizer_for``, which picks one from a name or a path, and ``train_bpe``, which trains a
+byte-level BPE ``tokenizer.json`` on text (``dew tokenize --tokenizer bpe:VOCAB``). Nothing here
+downloads anything."""
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -282,3 +285,87 @@ def tokenizer_for(spec: str | os.PathLike | Tokenizer, *, eos: str | None = None
         f"the path of a {TOKENIZER_FILE}, or a folder holding one (nothing is downloaded: save "
         f"a hub tokenizer's {TOKENIZER_FILE} first)"
     )
+
+
+# --- Training a byte-level BPE (dew tokenize --tokenizer bpe:VOCAB) ------------------------------
+
+BPE_PREFIX = "bpe:"
+# The trained tokenizer's one special token, GPT-2's end-of-text: id 0, the folder's eos_id.
+BPE_EOS = "<|endoftext|>"
+# The 256 byte tokens and the end-of-text token: a byte-level BPE with no merge at all.
+BPE_MIN_VOCAB = 256 + 1
+# The largest id a token folder stores (uint32).
+BPE_MAX_VOCAB = 2**32
+
+
+def bpe_vocab(spec: Any, flag: str = "tokenizer") -> int | None:
+    """The vocabulary size ``VOCAB`` of a ``"bpe:VOCAB"`` spec (``dew tokenize --tokenizer
+    bpe:8192``), ``None`` for any other spec (a name wins over a file of that name, as ``"bytes"``
+    does). A ``VOCAB`` that is not a decimal integer in ``[BPE_MIN_VOCAB, BPE_MAX_VOCAB]`` (257:
+    the 256 byte tokens and ``<|endoftext|>``) is a ValueError naming ``flag`` and the value.
+
+    Examples:
+        >>> bpe_vocab("bpe:8192"), bpe_vocab("bytes")
+        (8192, None)
+    """
+    if not (isinstance(spec, str) and spec.startswith(BPE_PREFIX)):
+        return None
+    text = spec[len(BPE_PREFIX) :]
+    # Decimal digits only: int() would also take " 300", "3_00" and other scripts' digits.
+    vocab = int(text) if re.fullmatch(r"[0-9]+", text) else None
+    if vocab is None or not BPE_MIN_VOCAB <= vocab <= BPE_MAX_VOCAB:
+        raise ValueError(
+            f"{flag} {spec}: VOCAB must be an integer from {BPE_MIN_VOCAB} (the 256 byte tokens "
+            f"and {BPE_EOS}) to {BPE_MAX_VOCAB}, got {text!r}"
+        )
+    return vocab
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, path: str | os.PathLike) -> HFTokenizer:
+    """Trains a byte-level BPE on ``texts`` with the ``tokenizers`` library's ``BpeTrainer``,
+    writes it to ``path`` (a ``tokenizer.json``) and returns ``HFTokenizer(path)``.
+
+    GPT-2's design: the ``ByteLevel`` pre-tokenizer (GPT-2's split into words, numbers,
+    punctuation and runs of spaces; no prefix space added) and decoder, no normalizer, so
+    ``decode(encode(s)) == s`` for every string; the 256 byte tokens are all in the vocabulary
+    whatever ``texts`` holds, so any text encodes. ``<|endoftext|>`` (``BPE_EOS``) is the one
+    special token, id 0: ``eos_id``.
+
+    - ``texts`` is read once, as a stream (``train_from_iterator``): the trainer keeps the count
+      of each distinct word, not the text. Each string is a sequence of its own (no merge crosses
+      two).
+    - The vocabulary is ``vocab_size`` ids (1 special, 256 bytes, ``vocab_size - 257`` merges),
+      fewer only when the texts run out of pairs to merge first (every word of ``texts`` one
+      token): a pair seen once is merged too.
+    - Deterministic: the same texts give the same file, byte for byte (the trainer has no
+      randomness; ties between pairs of equal count go to the pair of lower ids, and the ids are
+      assigned in a fixed order).
+
+    Raises:
+      dew.targets.MissingExtra: the ``tokenizers`` library is not installed.
+      ValueError: ``vocab_size`` outside ``[BPE_MIN_VOCAB, BPE_MAX_VOCAB]``.
+    """
+    tokenizers = _tokenizers_library()
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if not (
+        isinstance(vocab_size, int)
+        and not isinstance(vocab_size, bool)
+        and BPE_MIN_VOCAB <= vocab_size <= BPE_MAX_VOCAB
+    ):
+        raise ValueError(
+            f"vocab_size must be an integer from {BPE_MIN_VOCAB} (the 256 byte tokens and "
+            f"{BPE_EOS}) to {BPE_MAX_VOCAB}, got {vocab_size!r}"
+        )
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(path))
+    return HFTokenizer(path, eos=BPE_EOS)
