@@ -337,8 +337,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: str | os.PathLike) ->
     - The vocabulary is ``vocab_size`` ids (1 special, 256 bytes, ``vocab_size - 257`` merges),
       fewer only when the texts run out of pairs to merge first (every word of ``texts`` one
       token): a pair seen once is merged too.
-    - Deterministic: the same texts give the same file, byte for byte (the trainer has no
-      randomness; ties between pairs of equal count go to the pair of lower ids, and the ids are
+    - Deterministic: the same texts give the same file, byte for byte, in any process (the
+      trainer has no randomness, and breaks a tie between pairs of equal count by their ids,
       assigned in a fixed order).
 
     Raises:
