@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dew.generation import Generator, bucket, to_host, tokenizer_of
+from dew.generation import Generator, bucket, drawable, to_host, tokenizer_of
 from dew.parallel import tensor
 from dew.targets import MissingExtra
 
@@ -132,6 +132,7 @@ def dew_lm(generator: Generator, tokenizer, batch_size: int = 8, eot_id: int | N
     from lm_eval.api.model import TemplateLM
 
     scorer = Scorer(generator)
+    drawn = drawable(generator.model, tokenizer)  # what generate_until may draw
     eot = tokenizer.eos_id if eot_id is None else eot_id
     if eot is None:
         raise ValueError(
@@ -205,7 +206,7 @@ def dew_lm(generator: Generator, tokenizer, batch_size: int = 8, eot_id: int | N
                 if not kwargs.get("do_sample", temperature > 0):
                     temperature = 0.0
                 (completion,) = generator([ids], max_new_tokens=new, temperature=temperature,
-                                          stop_ids=[eot])  # fmt: skip
+                                          stop_ids=[eot], vocab=drawn)  # fmt: skip
                 if completion and completion[-1] == eot:
                     completion = completion[:-1]
                 text = self.tok_decode(completion)

@@ -239,12 +239,16 @@ class Generator:
             left = jnp.sum(~done, dtype=jnp.int32)
             return (lax.psum(left, row_axes) if row_axes else left) > 0
 
-        def local(weights, tokens, pads, row_ids, stops, max_new, temperature, top_k, top_p, seed):
+        def local(
+            weights, tokens, pads, row_ids, stops, max_new, temperature, top_k, top_p, seed, ids
+        ):
             params = self._params(weights)
             rows = tokens.shape[0]
             base_key = jax.random.key(seed)
 
             def pick(logits, t):
+                # Rows of a vocabulary padded past the tokenizer's ids are never drawn.
+                logits = jnp.where(jnp.arange(logits.shape[-1]) < ids, logits, -jnp.inf)
                 if greedy:
                     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base_key, r), t))(
@@ -278,7 +282,7 @@ class Generator:
         mapped = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(weight_specs, rows_spec, rows_spec, rows_spec, *(P(),) * 6),
+            in_specs=(weight_specs, rows_spec, rows_spec, rows_spec, *(P(),) * 7),
             out_specs=rows_spec,
             check_vma=False,
         )
@@ -294,13 +298,25 @@ class Generator:
         top_p: float = 1.0,
         seed: int = 0,
         stop_ids: Sequence[int] = (),
+        vocab: int | None = None,
     ) -> list[list[int]]:
-        """The new ids of each prompt (lists of ids), a stop id included where one ended it."""
+        """The new ids of each prompt (lists of ids), a stop id included where one ended it.
+
+        ``vocab``: new ids are drawn from ``[0, vocab)`` only (default: the model's whole
+        vocabulary), the tokenizer's ids where the model's vocabulary is padded past them
+        (``dew train`` rounds a token folder's vocabulary up to a multiple of 128: GPT-2's
+        50,257 ids train a 50,304-row embedding), so every new id decodes."""
         check_sampling(temperature, top_k, top_p, max_new_tokens)
         prompts = [list(map(int, p)) for p in prompts]
         if not prompts or any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token (an empty prompt was given)")
-        vocab = self.model.vocab_size
+        if vocab is None:
+            vocab = self.model.vocab_size
+        if not 1 <= vocab <= self.model.vocab_size:
+            raise ValueError(
+                f"vocab {vocab} must be from 1 to the model's vocabulary of "
+                f"{self.model.vocab_size} ids"
+            )
         bad = sorted({i for p in prompts for i in p if not 0 <= i < vocab})
         if bad:
             raise ValueError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -332,9 +348,17 @@ class Generator:
             np.int32(top_k),
             np.float32(top_p),
             np.int32(seed),
+            np.int32(vocab),
         )
         out = to_host(out)[: len(prompts), :max_new_tokens]
         return [[int(i) for i in row if i >= 0] for row in out]
+
+
+def drawable(model, tokenizer) -> int:
+    """The ids generation may draw: the tokenizer's (``vocab_size``) where the model's
+    vocabulary is padded past them, else the model's (and without a tokenizer)."""
+    size = getattr(tokenizer, "vocab_size", None)
+    return model.vocab_size if size is None else min(size, model.vocab_size)
 
 
 def mesh_of(spec: MeshSpec) -> jax.sharding.Mesh:
@@ -431,6 +455,7 @@ def generate(
         top_p=top_p,
         seed=seed,
         stop_ids=stop_ids,
+        vocab=drawable(model, tokenizer),
     )
     return [
         Completion(p, None if tokenizer is None else tokenizer.decode(n), n)

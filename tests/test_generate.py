@@ -389,3 +389,34 @@ def test_the_library_refuses_what_it_cannot_run_naming_the_values():
         dew.generate(model, params, [[1, 96]], mesh=ONE_DEVICE)
     with pytest.raises(ValueError, match="stop 'ab' is not one token of the tokenizer"):
         dew.generate(model, params, ["hi"], tokenizer="bytes", stop=["ab"], mesh=ONE_DEVICE)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ids_past_the_tokenizers_are_never_drawn_from_a_padded_vocabulary(temperature, seed):
+    """dew train rounds a folder's vocabulary up to a multiple of 128: the rows past the
+    tokenizer's ids must never be drawn, or the completion cannot be decoded. Here the padded
+    rows (80..95 of 96) are made the likeliest: every real id's logit is 0, and padded ids 80
+    and 81 get +-100 h.u, one of them above 0 wherever h.u is not 0. Unbounded, greedy takes
+    them; bounded by the tokenizer's 80 ids, neither greedy nor sampling ever does."""
+    import dew
+
+    model = tiny(tie_embeddings=False)
+    params = jax.jit(model.init)(jax.random.key(seed))
+    u = jax.random.normal(jax.random.key(seed + 1), (48,))
+    head = jnp.zeros((48, 96)).at[:, 80].set(100 * u).at[:, 81].set(-100 * u)
+    params = {"params": {**params["params"], "lm_head": {"kernel": head}}}
+    prompts = [[int(i) for i in np.random.default_rng(seed).integers(0, 80, n)] for n in (3, 9)]
+    kwargs = dict(max_new_tokens=12, temperature=temperature, seed=seed, mesh=ONE_DEVICE)
+
+    class Tokenizer80:  # a tokenizer of 80 ids, each decoded as one character
+        vocab_size, eos_id = 80, None
+
+        def decode(self, ids):
+            assert all(0 <= i < 80 for i in ids), ids  # an id it does not have
+            return "".join(chr(48 + i) for i in ids)
+
+    out = dew.generate(model, params, prompts, tokenizer=Tokenizer80(), **kwargs)
+    assert all(0 <= i < 80 for c in out for i in c.completion_ids), out
+    assert all(len(c.completion_ids) == 12 for c in out), out
+    greedy = Generator(model, params, mesh=ONE_DEVICE)(prompts, max_new_tokens=12)
+    assert all(i in (80, 81) for row in greedy for i in row), greedy  # what the bound stops

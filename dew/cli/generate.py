@@ -299,7 +299,7 @@ def generate_command(args) -> int:
     import jax
 
     from dew.cli.flags import default_mesh
-    from dew.generation import Completion, Generator, stop_ids_of, tokenizer_of
+    from dew.generation import Completion, Generator, drawable, stop_ids_of, tokenizer_of
     from dew.layout import Layout
     from dew.mesh import MeshSpec
 
@@ -333,6 +333,7 @@ def generate_command(args) -> int:
             top_p=args.top_p,
             seed=args.seed,
             stop_ids=stop,
+            vocab=drawable(model, tokenizer),
         )
     except Exception as error:  # XLA's out of memory: the batch or the cache too big, one line
         line = out_of_memory_line(error, len(prompts), mesh)
