@@ -45,18 +45,31 @@ MAX_STEPS = 16384
 def visible_blocks(tiling: Tiling) -> tuple[np.ndarray, np.ndarray]:
     """``(seen, whole)``, bool ``[q_blocks, kv_blocks]``: the block pairs holding a visible
     (row, key) pair, and those where every real row sees every real key (no mask needed; a
-    padded key tail always needs one)."""
-    rows = np.arange(tiling.q_blocks * tiling.block_q)[:, None]
-    cols = np.arange(tiling.kv_blocks * tiling.block_k)[None, :]
-    visible = (rows < tiling.q_len) & _visible(tiling, rows, cols)
-    shape = (tiling.q_blocks, tiling.block_q, tiling.kv_blocks, tiling.block_k)
-    seen = visible.reshape(shape).any(axis=(1, 3))
-    # Whole: every real row sees every key of the block, and the block holds no padded key.
-    keys_real = (cols < tiling.kv_len).reshape(1, 1, tiling.kv_blocks, tiling.block_k)
-    row_real = (rows < tiling.q_len).reshape(tiling.q_blocks, tiling.block_q, 1, 1)
-    hidden = (~visible).reshape(shape) & row_real
-    whole = seen & ~hidden.any(axis=(1, 3)) & keys_real.all(axis=(1, 3))
-    return seen, whole
+    padded key tail always needs one).
+
+    From each block's corners, ``O(q_blocks x kv_blocks)``: row ``r`` sees keys ``c`` with
+    ``r + offset - window < c <= r + offset`` (each bound where it applies), a band whose edges
+    rise with ``r``. So a block of real rows ``[r0, r1]`` and real keys ``[c0, c1]`` holds a
+    visible pair where some row's band meets ``[c0, c1]``: ``r1 + offset >= c0`` (its last row
+    reaches the first key) and ``r0 + offset - window < c1`` (its first row's band has not left
+    the last key); and every row sees every key where the first row sees the last key
+    (``c1 <= r0 + offset``) and the last row still sees the first (``c0 > r1 + offset -
+    window``). (A dense ``q_len x kv_len`` mask, as ``_visible`` draws it, would take 32 GB at
+    ``MAX_STEPS``'s 180k tokens.)"""
+    q_blocks, kv_blocks = np.arange(tiling.q_blocks), np.arange(tiling.kv_blocks)
+    r0 = (q_blocks * tiling.block_q)[:, None]
+    r1 = np.minimum(r0 + tiling.block_q, tiling.q_len) - 1  # the last real row
+    c0 = (kv_blocks * tiling.block_k)[None, :]
+    c1 = np.minimum(c0 + tiling.block_k, tiling.kv_len) - 1  # the last real key
+    seen = (r0 < tiling.q_len) & (c0 < tiling.kv_len)
+    whole = c0 + tiling.block_k <= tiling.kv_len  # no padded key
+    if tiling.causal:
+        seen = seen & (r1 + tiling.offset >= c0)
+        whole = whole & (c1 <= r0 + tiling.offset)
+    if tiling.window is not None:
+        seen = seen & (r0 + tiling.offset - tiling.window < c1)
+        whole = whole & (c0 > r1 + tiling.offset - tiling.window)
+    return seen, seen & whole
 
 
 def _visible(tiling: Tiling, rows, cols):

@@ -207,15 +207,25 @@ def test_random_tilings(seed):
             raise AssertionError(f"{tiling} (seed {seed}): {error}") from error
 
 
-def test_visible_blocks_are_the_brute_force_pairs():
-    for q_len, kv_len, causal, window in [
-        (37, 53, True, None),
-        (53, 21, True, None),
-        (29, 45, False, None),
-        (64, 64, True, None),
-        (64, 64, True, 9),
+def test_visible_blocks_are_the_brute_force_pairs(seed):
+    rng = np.random.default_rng(seed)
+    drawn = []
+    for _ in range(60):  # unequal lengths and blocks, rows before the first key, windows of 1
+        q_len, kv_len = (int(n) for n in rng.integers(1, 90, size=2))
+        block_q, block_k = (int(b) for b in rng.choice([8, 16, 24], size=2))
+        causal = bool(rng.integers(2))
+        window = int(rng.integers(1, 50)) if causal and rng.integers(2) else None
+        drawn.append((q_len, kv_len, causal, window, block_q, block_k))
+    for q_len, kv_len, causal, window, block_q, block_k in [
+        (37, 53, True, None, 16, 8),
+        (53, 21, True, None, 16, 8),
+        (29, 45, False, None, 16, 8),
+        (64, 64, True, None, 16, 8),
+        (64, 64, True, 9, 16, 8),
+        (64, 64, True, 1, 8, 8),
+        *drawn,
     ]:
-        tiling = Tiling(q_len, kv_len, 16, 8, causal, window)
+        tiling = Tiling(q_len, kv_len, block_q, block_k, causal, window)
         seen, masked = brute_force_pairs(tiling)
         got_seen, got_whole = visible_blocks(tiling)
         pairs = {(int(i), int(j)) for i, j in zip(*np.nonzero(got_seen))}
