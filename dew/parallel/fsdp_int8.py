@@ -110,11 +110,6 @@ class Member:
     def size(self) -> int:
         return math.prod(self.shape)
 
-    def payload(self) -> int:
-        """The int8 entries this device sends: its block, and its peaks (4 each) when fsdp
-        splits the channels."""
-        return self.size + (4 * math.prod(self.peak_shape) if self.sends_peaks else 0)
-
 
 def member(shape: Sequence[int], dim: int, summed: Sequence[int], spec, sizes) -> Member:
     """The ``Member`` of a weight block of ``shape`` split over fsdp along ``dim``, laid out by
