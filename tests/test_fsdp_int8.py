@@ -5,6 +5,8 @@ The reference is the quantization of the whole weight on one device, written in 
 (``tests/test_quantized.ref_quantize``), and one device's int8 step; every rounding is to nearest
 (``quantize_stochastic`` without its key) so that the step's bound is tight."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,15 +140,26 @@ def test_the_gathered_integers_and_scales_are_the_whole_weight_s(
 # --- A step at fsdp=8 against one device -----------------------------------------------------
 
 
-def nearest(monkeypatch):
-    """Every int8 rounding to nearest: the stochastic gradients' draws differ by layout (each
-    device's shapes), rounding to nearest does not."""
+@contextlib.contextmanager
+def rounding_to_nearest():
+    """Every int8 rounding to nearest while inside: the stochastic gradients' draws differ by
+    layout (each device's shapes), rounding to nearest does not. JAX caches a traced
+    ``custom_vjp`` rule by its function, and ``dew.nn.quantized``'s rules read
+    ``quantize_stochastic`` when traced: the caches are cleared on entering and on leaving, so no
+    trace made before is reused under the patch, and none made under it outlives it (the tests
+    sharing this worker, tests/test_quantized.py's among them, failed by the other's rounding)."""
     stochastic = quantized.quantize_stochastic
 
     def to_nearest(v, summed, key, axis=None):
         return stochastic(v, summed, None, axis)
 
-    monkeypatch.setattr(quantized, "quantize_stochastic", to_nearest)
+    jax.clear_caches()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(quantized, "quantize_stochastic", to_nearest)
+            yield
+    finally:
+        jax.clear_caches()
 
 
 def int8_step(objective, params, key, batch, scheme="gather", **trainer_args):
@@ -174,8 +187,7 @@ def reference(module_seed):
     key, batch = seeded_key(module_seed), fresh_batch(ROWS, module_seed)
     objective = tiny_objective()
     params = jax.jit(objective.model.init)(key)
-    with pytest.MonkeyPatch.context() as patch:
-        nearest(patch)
+    with rounding_to_nearest():
         int8 = int8_step(objective, params, key, batch)[:2]
     float_loss, float_grads = jax.jit(jax.value_and_grad(objective.loss))(params, batch)
     return dict(
@@ -194,8 +206,7 @@ def fsdp8(reference, scheme):
     to nearest), run once for the tests below: ``int8_step``'s."""
     runs = reference["fsdp8"]
     if scheme not in runs:
-        with pytest.MonkeyPatch.context() as patch:
-            nearest(patch)
+        with rounding_to_nearest():
             args = (reference[k] for k in ("objective", "params", "key", "batch"))
             runs[scheme] = int8_step(*args, scheme, mesh=dew.MeshSpec(fsdp=8))
     return runs[scheme]
