@@ -93,9 +93,10 @@ class StepOptions:
         ``"int8"`` the projections' weights are gathered whole (by the fsdp rings where those
         run, not fused with the matmuls), as int8 with their whole weights' per-output-channel
         scales (``dew.parallel.fsdp_int8``: one byte an entry on the wire, dequantized to
-        exactly the integers and scales the matmul takes; the gradient sums stay in float); the tensor regions enter and leave by either scheme,
-        the rings multiplying each block in int8 and passing the entries' inputs and the exits'
-        output gradients round as int8 with their scales (``dew.parallel.tensor_ring``).
+        exactly the integers and scales the matmul takes; the gradient sums stay in float);
+        the tensor regions enter and leave by either scheme, the rings multiplying each block
+        in int8 and passing the entries' inputs and the exits' output gradients round as int8
+        with their scales (``dew.parallel.tensor_ring``).
 
     Raises:
       ValueError: a value outside its choices (``sequence_parallel`` not a bool, an unknown
