@@ -352,8 +352,10 @@ def test_check_fails_when_a_collective_is_added_dropped_or_moved(
         assert any(p.startswith("psum over data: ") and "calls" in p for p in problems), problems
 
 
-def gather_one_by_one(tree, specs, shards, also_sum=(), in_matmuls=()):
-    """A stand-in for ``dew.parallel.fsdp.gather``: one ``all_gather`` per split weight."""
+def gather_one_by_one(tree, specs, shards, also_sum=(), in_matmuls=(), int8=None):
+    """A stand-in for ``dew.parallel.fsdp.gather``: one ``all_gather`` per split weight (a step
+    without ``quantize="int8"``, so ``int8`` is ``None``)."""
+    assert int8 is None, int8
     if specs is None or shards.size(fsdp.AXIS) == 1:
         return tree
     stages = tuple(shards.fsdp_scatter_stages)
