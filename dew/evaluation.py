@@ -25,6 +25,9 @@ How each request runs:
 - ``loglikelihood_rolling``: lm-eval's rolling windows of ``max_seq_len`` tokens, each scored so.
 - ``generate_until``: ``dew.generation.Generator`` (greedy, or the request's temperature), the
   text cut at the first of the request's ``until`` strings.
+
+It is one module, at 450 lines, because ``evaluate`` (``dew eval``) and ``Tasks`` (during
+training) are two callers of the one ``DewLM`` and ``Scorer``, and lm-eval is imported here alone.
 """
 
 from __future__ import annotations

@@ -60,6 +60,10 @@ base (W8A8: its stored integers and scales, no weight gradient).
 
 The int32 sums are exact while ``127 * 127 * n`` fits int32 (``n`` the summed length: at most
 ``MAX_SUM`` = 133,144 tokens a weight gradient; ``int8_einsum`` refuses more).
+
+It is one module, near 500 lines, because the three matmuls (``int8_einsum``,
+``int8_ragged_dot``, ``frozen_int8_einsum``) and the tensor rings share one set of scale, rounding
+and key rules, which must not drift apart; the docstrings are most of its length.
 """
 
 from __future__ import annotations

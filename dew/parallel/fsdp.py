@@ -400,43 +400,34 @@ def gather(
         whole_bytes = [n * leaves[i].size * leaves[i].dtype.itemsize for i in idx]
         for bucket in buckets(whole_bytes, BUCKET_BYTES):
             members = [idx[b] for b in bucket]
-            if as_int8:
-                plan = tuple(int8_members[i] for i in members)
-                if len(members) == 1:
-                    (i,) = members
-                    along = dims[i]
-                    if shards.fsdp_tpu_layout:
-                        along = scatter_along(leaves[i].shape, dims[i])
-                    out[i] = _gather_int8(
-                        leaves[i], plan, n, dims[i], True, stages, also_sum, along, ring, sum_dtype
-                    )
-                    continue
-                flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
-                gathered = _gather_int8(
-                    flat, plan, n, 0, False, stages, also_sum, 0, ring, sum_dtype
-                )
-                _unpack(gathered, members, leaves, dims, n, out)
-                continue
             if len(members) == 1 and kept_split[members[0]]:
                 (i,) = members
                 out[i] = RingSplit(leaves[i], dims[i], n, also_sum, sum_dtype)
                 continue
+            plan = tuple(int8_members[i] for i in members) if as_int8 else None
+
+            def summed(x, dim, tiled, along, plan=plan):
+                """The gather with its gradient sum; an int8 bucket's forward moves int8."""
+                if plan is None:
+                    return _gather_summed(x, dim, tiled, stages, also_sum, along, ring, sum_dtype)
+                return _gather_int8(
+                    x, plan, n, dim, tiled, stages, also_sum, along, ring, sum_dtype
+                )
+
             if len(members) == 1:
                 (i,) = members
                 # (n-1)/n of the whole weight in, as much out; no copy: it lands in place.
                 along = dims[i]
                 if shards.fsdp_tpu_layout:
                     along = scatter_along(leaves[i].shape, dims[i])
-                out[i] = _gather_summed(
-                    leaves[i], dims[i], True, stages, also_sum, along, ring, sum_dtype
-                )
+                out[i] = summed(leaves[i], dims[i], True, along)
                 continue
             flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
             # One ring all-gather for the bucket: each device sends and receives (n-1)/n of its
             # whole weights, as one gather per weight would, in one barrier instead of several.
             # Its transpose is one psum_scatter of their gradients, moving as much.
             # [n, local elements of the bucket], device-major.
-            gathered = _gather_summed(flat, 0, False, stages, also_sum, 0, ring, sum_dtype)
+            gathered = summed(flat, 0, False, 0)
             _unpack(gathered, members, leaves, dims, n, out)
     return jax.tree_util.tree_unflatten(treedef, out)
 

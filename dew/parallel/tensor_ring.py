@@ -93,6 +93,11 @@ dtype's), and the GSPMD engine (no tensor axis inside its model:
 ``Shards.tensor_ring`` is off). Shared kv heads (``tensor.shared_kv_heads``) are plain arrays, cut
 before the ring. A pipeline refuses the rings (``StepOptions.check``: a ``ppermute`` inside a
 stage's branch).
+
+It is one module, past 650 lines, because the bfloat16 and int8 rings are one technique: the
+same blocks, ring helpers (``_gather_ring``, ``_scatter_ring``, ``_put``) and ``Region`` choose
+between them per call; a module of the int8 rings alone would import all of this one's
+privates back.
 """
 
 from __future__ import annotations
